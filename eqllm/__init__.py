@@ -1,0 +1,1 @@
+"""eqllm: decoder-only Transformer language models in JAX + Equinox."""
