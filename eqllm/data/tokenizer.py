@@ -1,0 +1,220 @@
+"""One tokenizer interface over Hugging Face `tokenizers` for every kind of vocabulary.
+
+Kinds:
+
+- ``"bytes"``: the 256 UTF-8 byte values are ids 0..255, ``<|endoftext|>`` is id 256 (vocab 257).
+  Decoding any id sequence is lossless for valid UTF-8 and uses U+FFFD for invalid bytes.
+- ``"bpe"``: byte-level BPE (GPT-2 style ByteLevel pre-tokenizer and decoder) trained with
+  `tokenizers.trainers.BpeTrainer`; ``<|endoftext|>`` is a special token. Deterministic for the
+  same documents in the same order.
+- ``"pretrained"``: any ``tokenizer.json`` (a file, a folder holding one, or a hub repo id).
+
+`encode` treats special-token strings in the text as plain text (a document that mentions
+``<|endoftext|>`` does not get a document boundary) and adds no BOS/EOS: the data pipeline places
+the end-of-text token itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+EOT = "<|endoftext|>"
+TokenizerKind = Literal["bytes", "bpe", "pretrained"]
+_EOT_FALLBACKS = (EOT, "</s>", "<eos>")
+
+
+@lru_cache(maxsize=1)
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (the ByteLevel alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+class Tokenizer:
+    """A Hugging Face `tokenizers.Tokenizer` plus the id of its end-of-text token.
+
+    Build with `Tokenizer.bytes()`, `Tokenizer.train_bpe(...)`, `Tokenizer.load(path)`,
+    `Tokenizer.from_pretrained(repo_id)` or `Tokenizer.from_spec(spec)`.
+    """
+
+    def __init__(self, hf: tokenizers.Tokenizer, eot_token: str, kind: TokenizerKind):
+        eot_id = hf.token_to_id(eot_token)
+        if eot_id is None:
+            raise ValueError(
+                f"The end-of-text token {eot_token!r} is not in the tokenizer's vocabulary; "
+                "pass a token that is (or add it as a special token)."
+            )
+        # Special-token strings inside documents are text, not boundaries.
+        hf.encode_special_tokens = True
+        self.hf = hf
+        self.kind: TokenizerKind = kind
+        self.eot_token = eot_token
+        self.eot_id: int = eot_id
+        self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
+
+    # Constructors -----------------------------------------------------------------------------
+
+    @classmethod
+    def bytes(cls) -> Tokenizer:
+        """UTF-8 bytes as ids 0..255 plus ``<|endoftext|>`` = 256."""
+        vocab = {ch: b for b, ch in _byte_to_unicode().items()}
+        hf = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        # No regex split: a byte tokenizer needs no word boundaries.
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        hf.decoder = decoders.ByteLevel()
+        hf.add_special_tokens([EOT])
+        return cls(hf, EOT, "bytes")
+
+    @classmethod
+    def train_bpe(
+        cls, documents: Iterable[str], vocab_size: int, *, min_frequency: int = 2
+    ) -> Tokenizer:
+        """Train a byte-level BPE of `vocab_size` ids (``<|endoftext|>`` is id 0) on documents."""
+        if vocab_size < 257:
+            raise ValueError(
+                f"bpe_vocab_size={vocab_size} is too small: a byte-level BPE needs the 256 byte "
+                "tokens plus <|endoftext|>, so use at least 257 (e.g. 4096 or 32768)."
+            )
+        hf = tokenizers.Tokenizer(models.BPE())
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        hf.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            special_tokens=[EOT],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        hf.train_from_iterator(documents, trainer=trainer)
+        return cls(hf, EOT, "bpe")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Tokenizer:
+        """Load a ``tokenizer.json`` file, or a folder holding one.
+
+        The end-of-text token is ``eos_token`` from a ``tokenizer_config.json`` beside it if there
+        is one, else the first of ``<|endoftext|>``, ``</s>``, ``<eos>`` in the vocabulary.
+        """
+        path = Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"No tokenizer file at {str(file)!r}; expected a tokenizer.json file or a folder "
+                "containing one (as written by Tokenizer.save or a Hugging Face model repo)."
+            )
+        config_file = file.parent / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        return cls._from_hf(tokenizers.Tokenizer.from_file(str(file)), config, str(file))
+
+    @classmethod
+    def from_pretrained(cls, repo_id: str, *, revision: str | None = None) -> Tokenizer:
+        """Download ``tokenizer.json`` (and ``tokenizer_config.json``) from a hub repo."""
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.utils import EntryNotFoundError
+
+        file = hf_hub_download(repo_id, "tokenizer.json", revision=revision)
+        try:
+            config_file = hf_hub_download(repo_id, "tokenizer_config.json", revision=revision)
+            config = json.loads(Path(config_file).read_text())
+        except EntryNotFoundError:
+            config = {}
+        return cls._from_hf(tokenizers.Tokenizer.from_file(file), config, repo_id)
+
+    @classmethod
+    def from_spec(cls, spec: str | os.PathLike) -> Tokenizer:
+        """``"bytes"``, a tokenizer.json path or folder, or a hub repo id ("org/name").
+
+        ``"bpe"`` needs training documents: use `train_bpe` (or `eqllm.data.prepare`).
+        """
+        spec_str = os.fspath(spec)
+        if spec_str == "bytes":
+            return cls.bytes()
+        if spec_str == "bpe":
+            raise ValueError(
+                "tokenizer='bpe' must be trained on documents: call Tokenizer.train_bpe(docs, "
+                "vocab_size) or eqllm.data.prepare(source, 'bpe', bpe_vocab_size=...)."
+            )
+        if Path(spec_str).exists():
+            return cls.load(spec_str)
+        looks_like_path = spec_str.startswith((".", "/", "~")) or spec_str.endswith(".json")
+        if looks_like_path or spec_str.count("/") != 1:
+            raise FileNotFoundError(
+                f"Tokenizer {spec_str!r} is neither 'bytes', 'bpe', an existing tokenizer.json "
+                "file or folder, nor a hub repo id of the form 'org/name'."
+            )
+        return cls.from_pretrained(spec_str)
+
+    @classmethod
+    def _from_hf(cls, hf: tokenizers.Tokenizer, config: dict, where: str) -> Tokenizer:
+        eos = config.get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if not (isinstance(eos, str) and hf.token_to_id(eos) is not None):
+            eos = next((t for t in _EOT_FALLBACKS if hf.token_to_id(t) is not None), None)
+        if eos is None:
+            raise ValueError(
+                f"Cannot find an end-of-text token for the tokenizer at {where}: no eos_token in "
+                f"tokenizer_config.json and none of {list(_EOT_FALLBACKS)} in the vocabulary. "
+                "Add a tokenizer_config.json with an 'eos_token' beside tokenizer.json."
+            )
+        kind = config.get("eqllm_kind", "pretrained")
+        if kind not in ("bytes", "bpe", "pretrained"):
+            kind = "pretrained"
+        return cls(hf, eos, kind)
+
+    # Use --------------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (no special tokens added)."""
+        if self.kind == "bytes":
+            return list(text.encode("utf-8"))
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Token ids of each text, as int64 arrays; parallel inside `tokenizers` (Rust threads)."""
+        if self.kind == "bytes":
+            # Same ids as the HF model, ~10x faster: a byte tokenizer is the UTF-8 encoding.
+            return [np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.int64) for t in texts]
+        encodings = self.hf.encode_batch_fast(list(texts), add_special_tokens=False)
+        return [np.asarray(e.ids, np.int64) for e in encodings]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`; special tokens are kept as their strings, invalid UTF-8 becomes U+FFFD."""
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` into the folder `path`.
+
+        Returns the path of ``tokenizer.json``. `Tokenizer.load(path)` reads it back.
+        """
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        file = folder / "tokenizer.json"
+        self.hf.save(str(file))
+        config = {"eos_token": self.eot_token, "eqllm_kind": self.kind}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return file
+
+    def to_str(self) -> str:
+        """The tokenizer.json text (a canonical description, used in cache keys)."""
+        return self.hf.to_str()
