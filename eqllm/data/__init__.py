@@ -1,0 +1,25 @@
+"""Data pipeline: text sources, tokenizers, cached token files and deterministic batches.
+
+    source = DataSource.stdlib(max_bytes=20_000_000)
+    data = prepare(source, "bpe", bpe_vocab_size=4096)        # cached in ~/.cache/eqllm/tokens
+    batch = batch_at(data.train, step=0, seed=0, batch_size=16, seq_len=256)
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+"""
+
+from .batches import batch_at, eval_batches
+from .sources import DataSource
+from .tokenizer import EOT, Tokenizer
+from .tokens import TokenData, default_cache_dir, prepare, split_documents, token_dtype
+
+__all__ = [
+    "EOT",
+    "DataSource",
+    "TokenData",
+    "Tokenizer",
+    "batch_at",
+    "default_cache_dir",
+    "eval_batches",
+    "prepare",
+    "split_documents",
+    "token_dtype",
+]
