@@ -214,9 +214,7 @@ class DataSource:
                     f"The folder {self.path!r} holds no files matching {list(patterns)}; put "
                     f"text files there or pass `glob=` to select them."
                 )
-            raise FileNotFoundError(
-                f"Data path {self.path!r} does not exist; expected {expected}."
-            )
+            raise FileNotFoundError(f"Data path {self.path!r} does not exist; expected {expected}.")
         return files
 
     def _hf_documents(self) -> Iterator[str]:

@@ -130,8 +130,9 @@ class TokenData:
         return self.meta[f"{split}_bytes"] / tokens
 
 
-def _tokenizer_key(tokenizer: str | os.PathLike | Tokenizer, bpe_vocab_size: int,
-                   bpe_min_frequency: int) -> tuple[str, dict, Tokenizer | None]:
+def _tokenizer_key(
+    tokenizer: str | os.PathLike | Tokenizer, bpe_vocab_size: int, bpe_min_frequency: int
+) -> tuple[str, dict, Tokenizer | None]:
     """(folder label, key dict, the tokenizer when it needs no training)."""
     if isinstance(tokenizer, str) and tokenizer == "bpe":
         return (
@@ -250,10 +251,10 @@ def _encode_to_files(
     chunk_bytes: int,
     progress: bool,
 ) -> dict:
-    """Pass 2: encode documents in chunks with `encode_batch`, append ids + eot to the .bin files."""
+    """Pass 2: encode documents in chunks with `encode_batch`; append ids + eot to .bin files."""
     counts = {f"{s}_{c}": 0 for s in ("train", "val") for c in ("tokens", "bytes", "docs")}
     eot = np.array([tok.eot_id], dtype=np.int64)
-    files = {s: open(folder / f"{s}.bin", "wb") for s in ("train", "val")}  # noqa: SIM115
+    files = {s: open(folder / f"{s}.bin", "wb") for s in ("train", "val")}
     bar = tqdm(
         total=total_bytes,
         unit="B",
@@ -266,7 +267,8 @@ def _encode_to_files(
     def flush(docs: list[str], flags: list[bool]) -> None:
         encoded = tok.encode_batch(docs)
         for split, want in (("train", False), ("val", True)):
-            parts = [p for ids, v in zip(encoded, flags, strict=True) if v == want for p in (ids, eot)]
+            mine = [ids for ids, v in zip(encoded, flags, strict=True) if v == want]
+            parts = [p for ids in mine for p in (ids, eot)]
             if not parts:
                 continue
             arr = np.concatenate(parts).astype(dtype)
