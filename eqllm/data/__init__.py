@@ -1,9 +1,9 @@
 """Data pipeline: text sources, tokenizers, cached token files and deterministic batches.
 
-source = DataSource.stdlib(max_bytes=20_000_000)
-data = prepare(source, "bpe", bpe_vocab_size=4096)        # cached in ~/.cache/eqllm/tokens
-batch = batch_at(data.train, step=0, seed=0, batch_size=16, seq_len=256)
-inputs, targets = batch[:, :-1], batch[:, 1:]
+>>> source = DataSource.stdlib(max_bytes=20_000_000)
+>>> data = prepare(source, "bpe", bpe_vocab_size=4096)  # cached in ~/.cache/eqllm/tokens
+>>> batch = batch_at(data.train, step=0, seed=0, batch_size=16, seq_len=256)
+>>> inputs, targets = batch[:, :-1], batch[:, 1:]
 """
 
 from .batches import batch_at, eval_batches
