@@ -191,6 +191,25 @@ def test_prepare_bytes_and_cache_reuse(tmp_path, monkeypatch):
     assert TokenData.load(data.path).meta == meta
 
 
+def test_interrupted_prepare_leaves_no_cache(tmp_path, monkeypatch):
+    real = Tokenizer.encode_batch
+    calls = []
+
+    def dies_on_second_chunk(self, texts):
+        calls.append(len(texts))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, texts)
+
+    monkeypatch.setattr(Tokenizer, "encode_batch", dies_on_second_chunk)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(STDLIB_SMALL, "bytes", cache_dir=tmp_path, chunk_bytes=50_000, progress=False)
+    assert list(tmp_path.iterdir()) == []  # neither a final nor a temporary folder
+    monkeypatch.setattr(Tokenizer, "encode_batch", real)
+    data = prepare(STDLIB_SMALL, "bytes", cache_dir=tmp_path, chunk_bytes=50_000, progress=False)
+    assert data.meta["train_bytes"] + data.meta["val_bytes"] == 200_000
+
+
 def test_prepare_split_is_by_document(tmp_path):
     docs = [f"document number {i} " + "x" * (i % 7) for i in range(40)]
     src_path = tmp_path / "docs.jsonl"

@@ -87,9 +87,18 @@ class Tokenizer:
 
     @classmethod
     def train_bpe(
-        cls, documents: Iterable[str], vocab_size: int, *, min_frequency: int = 2
+        cls,
+        documents: Iterable[str],
+        vocab_size: int,
+        *,
+        min_frequency: int = 2,
+        progress: bool = False,
     ) -> Tokenizer:
-        """Train a byte-level BPE of `vocab_size` ids (``<|endoftext|>`` is id 0) on documents."""
+        """Train a byte-level BPE of `vocab_size` ids (``<|endoftext|>`` is id 0) on documents.
+
+        Pairs seen fewer than `min_frequency` times are not merged, so a small corpus can end
+        with fewer than `vocab_size` ids. `progress` shows the trainer's own progress bars.
+        """
         if vocab_size < 257:
             raise ValueError(
                 f"bpe_vocab_size={vocab_size} is too small: a byte-level BPE needs the 256 byte "
@@ -103,7 +112,7 @@ class Tokenizer:
             min_frequency=min_frequency,
             special_tokens=[EOT],
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
+            show_progress=progress,
         )
         hf.train_from_iterator(documents, trainer=trainer)
         return cls(hf, EOT, "bpe")
@@ -132,7 +141,14 @@ class Tokenizer:
         from huggingface_hub import hf_hub_download
         from huggingface_hub.utils import EntryNotFoundError
 
-        file = hf_hub_download(repo_id, "tokenizer.json", revision=revision)
+        try:
+            file = hf_hub_download(repo_id, "tokenizer.json", revision=revision)
+        except Exception as e:
+            raise FileNotFoundError(
+                f"Could not get tokenizer.json from the Hugging Face hub repo {repo_id!r} "
+                f"({type(e).__name__}: {e}). Check the repo id and the network (or the offline "
+                "cache), or pass a local tokenizer.json path, 'bytes' or 'bpe'."
+            ) from e
         try:
             config_file = hf_hub_download(repo_id, "tokenizer_config.json", revision=revision)
             config = json.loads(Path(config_file).read_text())

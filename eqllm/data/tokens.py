@@ -203,7 +203,9 @@ def prepare(
 
     if tok is None:  # BPE: trained on the training documents only
         train_docs = (d for d, v in zip(source.documents(), is_val, strict=True) if not v)
-        tok = Tokenizer.train_bpe(train_docs, bpe_vocab_size, min_frequency=bpe_min_frequency)
+        tok = Tokenizer.train_bpe(
+            train_docs, bpe_vocab_size, min_frequency=bpe_min_frequency, progress=progress
+        )
     dtype = token_dtype(tok.vocab_size)
 
     cache_dir.mkdir(parents=True, exist_ok=True)
