@@ -1,1 +1,13 @@
-"""eqllm: decoder-only Transformer language models in JAX + Equinox."""
+"""eqllm: a model zoo of decoder-only Transformer language models in JAX + Equinox.
+
+import jax, eqllm
+model = eqllm.zoo.create("llama-nano", key=jax.random.key(0))
+logits = model(tokens)            # Int[Array, "seq"] -> Float[Array, "seq vocab"]
+"""
+
+from eqllm import nn, zoo
+from eqllm.config import ConfigError, ModelConfig
+from eqllm.model import CausalLM
+
+__all__ = ["CausalLM", "ConfigError", "ModelConfig", "nn", "zoo"]
+__version__ = "0.1.0"

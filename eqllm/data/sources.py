@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import sysconfig
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
@@ -38,6 +39,7 @@ _KINDS = ("stdlib", "files", "jsonl", "hf")
 DEFAULT_FILE_PATTERNS = ("*.txt", "*.md", "*.py")
 
 
+@typing.no_type_check  # validates itself in __post_init__, with messages that say more
 @dataclasses.dataclass(frozen=True)
 class DataSource:
     """A corpus description. Build with the class methods or the fields directly.

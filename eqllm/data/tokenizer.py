@@ -214,7 +214,7 @@ class Tokenizer:
         encodings = self.hf.encode_batch_fast(list(texts), add_special_tokens=False)
         return [np.asarray(e.ids, np.int64) for e in encodings]
 
-    def decode(self, ids: Iterable[int]) -> str:
+    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
         """Text of `ids`; special tokens are kept as their strings, invalid UTF-8 becomes U+FFFD."""
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)
 

@@ -1,0 +1,89 @@
+"""The `eqllm` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from eqllm import zoo
+
+
+def _zoo_list(args: argparse.Namespace) -> int:
+    header = [
+        "name",
+        "family",
+        "params",
+        "exact",
+        "layers",
+        "d_model",
+        "heads/kv",
+        "context",
+        "vocab",
+        "source",
+    ]
+    rows = []
+    for name in zoo.names():
+        entry = zoo.entry(name)
+        cfg = entry.config
+        count = zoo.param_count(cfg)
+        rows.append(
+            [
+                name,
+                cfg.family,
+                zoo.human_count(count),
+                f"{count:,}",
+                str(cfg.n_layers),
+                str(cfg.d_model),
+                f"{cfg.n_heads}/{cfg.n_kv_heads}",
+                str(cfg.max_seq_len),
+                str(cfg.vocab_size),
+                entry.source or "-",
+            ]
+        )
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    right = {2, 3, 4, 5, 6, 7, 8}
+    for row in [header, *rows]:
+        cells = [
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        print("  ".join(cells).rstrip())
+    return 0
+
+
+def _zoo_show(args: argparse.Namespace) -> int:
+    entry = zoo.entry(args.name)
+    count = zoo.param_count(entry.config)
+    print(f"{entry.name}: {zoo.human_count(count)} parameters ({count:,})")
+    if entry.source:
+        print(f"mirrors: {entry.source}")
+    for key, value in entry.config.to_dict().items():
+        print(f"  {key} = {value!r}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eqllm", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    zoo_parser = commands.add_parser("zoo", help="list or inspect the model zoo")
+    zoo_commands = zoo_parser.add_subparsers(dest="zoo_command", required=True)
+    zoo_commands.add_parser("list", help="table of every variant").set_defaults(func=_zoo_list)
+    show = zoo_commands.add_parser("show", help="the full config of one variant")
+    show.add_argument("name")
+    show.set_defaults(func=_zoo_show)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (KeyError, ValueError, FileNotFoundError, TypeError) as e:
+        message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        print(f"eqllm: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""CausalLM: token embedding -> stacked blocks run with lax.scan -> final norm -> LM head.
+
+The architecture is GPT-2's (Radford et al., 2019) generalised by `ModelConfig` switches to
+Llama (Touvron et al., 2023), Mistral, Qwen2 and Gemma. The layers are one Block whose arrays
+carry a leading `layers` axis, so compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from eqllm.config import ModelConfig
+from eqllm.nn import MLP, Attention, Block, GatedMLP, LayerNorm, RMSNorm, RotaryEmbedding
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+# ModelConfig fields that change how the model runs, not what it computes.
+EXECUTION_FIELDS = ("scan_layers", "remat", "compute_dtype")
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def dtype_of(name: str):
+    return _DTYPES[name]
+
+
+def _norm(config: ModelConfig, dtype) -> RMSNorm | LayerNorm:
+    if config.norm == "rmsnorm":
+        return RMSNorm(
+            config.d_model, eps=config.norm_eps, plus_one=config.norm_plus_one, dtype=dtype
+        )
+    return LayerNorm(config.d_model, eps=config.norm_eps, use_bias=config.norm_bias, dtype=dtype)
+
+
+def make_block(config: ModelConfig, key: PRNGKeyArray) -> Block:
+    """One Transformer block as `config` describes it."""
+    dtype = dtype_of(config.param_dtype)
+    k_attn, k_mlp = jax.random.split(key)
+    rope = None
+    if config.position == "rope":
+        rope = RotaryEmbedding(
+            config.dim_per_head,
+            config.rope_theta,
+            llama3_factor=config.rope_factor if config.rope_scaling == "llama3" else None,
+            low_freq_factor=config.rope_low_freq_factor,
+            high_freq_factor=config.rope_high_freq_factor,
+            original_max_seq_len=config.rope_original_max_seq_len,
+        )
+    attn = Attention(
+        config.d_model,
+        config.n_heads,
+        n_kv_heads=config.n_kv_heads,
+        head_dim=config.dim_per_head,
+        qkv_bias=config.qkv_bias,
+        out_bias=config.out_bias,
+        qk_norm=config.qk_norm,
+        rope=rope,
+        sliding_window=config.sliding_window,
+        norm_eps=config.norm_eps,
+        key=k_attn,
+        dtype=dtype,
+    )
+    if config.mlp == "gelu":
+        mlp = MLP(config.d_model, config.d_ff, use_bias=config.mlp_bias, key=k_mlp, dtype=dtype)
+    else:
+        activation = "silu" if config.mlp == "swiglu" else "gelu"
+        mlp = GatedMLP(
+            config.d_model,
+            config.d_ff,
+            activation=activation,
+            use_bias=config.mlp_bias,
+            key=k_mlp,
+            dtype=dtype,
+        )
+    return Block(_norm(config, dtype), attn, _norm(config, dtype), mlp)
+
+
+class CausalLM(eqx.Module):
+    """A decoder-only language model on one sequence: `model(tokens) -> logits`.
+
+    Arguments:
+        config: the architecture.
+        key: PRNG key for the initial weights (see `init_weights`).
+
+    Batch with `jax.vmap(model)(tokens)`.
+    """
+
+    embed: eqx.nn.Embedding
+    pos_embed: eqx.nn.Embedding | None
+    blocks: Block  # every array has a leading `layers` axis
+    final_norm: RMSNorm | LayerNorm
+    lm_head: eqx.nn.Linear | None  # None when tied to `embed`
+    config: ModelConfig = eqx.field(static=True)
+
+    def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
+        dtype = dtype_of(config.param_dtype)
+        k_embed, k_pos, k_blocks, k_head, k_init = jax.random.split(key, 5)
+        block_keys = jax.random.split(k_blocks, config.n_layers)
+        parts = init_weights(
+            {
+                "embed": eqx.nn.Embedding(
+                    config.vocab_size, config.d_model, key=k_embed, dtype=dtype
+                ),
+                "pos_embed": (
+                    eqx.nn.Embedding(config.max_seq_len, config.d_model, key=k_pos, dtype=dtype)
+                    if config.position == "learned"
+                    else None
+                ),
+                "blocks": eqx.filter_vmap(lambda k: make_block(config, k))(block_keys),
+                "lm_head": (
+                    None
+                    if config.tie_embeddings
+                    else eqx.nn.Linear(
+                        config.d_model, config.vocab_size, use_bias=False, key=k_head, dtype=dtype
+                    )
+                ),
+            },
+            config,
+            k_init,
+        )
+        self.embed = parts["embed"]
+        self.pos_embed = parts["pos_embed"]
+        self.blocks = parts["blocks"]
+        self.final_norm = _norm(config, dtype)
+        self.lm_head = parts["lm_head"]
+        self.config = config
+
+    def with_config(self, **changes) -> CausalLM:
+        """The same weights under changed execution settings (scan_layers, remat, compute_dtype).
+
+        Architecture fields cannot change this way: they would change the weights' meaning.
+        """
+        not_allowed = sorted(set(changes) - set(EXECUTION_FIELDS))
+        if not_allowed:
+            raise ValueError(
+                f"with_config changes only {list(EXECUTION_FIELDS)}, not {not_allowed}; "
+                "build a new model (CausalLM(config, key=...)) to change the architecture"
+            )
+        config = self.config.replace(**changes)
+        skeleton = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0))
+        return jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(self))
+
+    @jax.named_scope("eqllm.CausalLM")
+    def __call__(
+        self, tokens: Int[Array, " seq"], positions: Int[Array, " seq"] | None = None
+    ) -> Float[Array, "seq vocab"]:
+        """Next-token logits (fp32) for every position of one sequence.
+
+        Arguments:
+            tokens: token ids in [0, vocab_size).
+            positions: absolute positions (default 0..seq-1); a negative position marks padding.
+        """
+        check_tokens(tokens, self.config)
+        return self.logits(self.hidden(tokens, positions))
+
+    def hidden(
+        self, tokens: Int[Array, " seq"], positions: Int[Array, " seq"] | None = None
+    ) -> Float[Array, "seq d_model"]:
+        """The final-norm hidden states, in the compute dtype."""
+        cfg = self.config
+        if positions is None:
+            positions = jnp.arange(tokens.shape[0])
+        tokens = eqx.error_if(
+            tokens,
+            jnp.any((tokens < 0) | (tokens >= cfg.vocab_size)),
+            f"token id out of range: ids must lie in [0, vocab_size={cfg.vocab_size})",
+        )
+        model = cast_floating(self, dtype_of(cfg.compute_dtype))  # the one compute-dtype cast
+        x = jnp.take(model.embed.weight, tokens, axis=0)  # (seq, d_model)
+        if cfg.embed_scale:
+            # Gemma rounds sqrt(d_model) to the compute dtype before multiplying.
+            x = x * jnp.asarray(math.sqrt(cfg.d_model), x.dtype)
+        if model.pos_embed is not None:
+            x = x + jnp.take(model.pos_embed.weight, jnp.maximum(positions, 0), axis=0)
+        x = run_blocks(model.blocks, x, positions, cfg)
+        return jax.vmap(model.final_norm)(x)
+
+    def logits(self, hidden: Float[Array, "seq d_model"]) -> Float[Array, "seq vocab"]:
+        """LM head on hidden states; the product accumulates and returns in fp32."""
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        head = head.astype(hidden.dtype)
+        return jnp.einsum("td,vd->tv", hidden, head, preferred_element_type=jnp.float32)
+
+
+def run_blocks(
+    blocks: Block,
+    x: Float[Array, "seq d_model"],
+    positions: Int[Array, " seq"],
+    config: ModelConfig,
+) -> Float[Array, "seq d_model"]:
+    """Apply the stacked blocks in order: `lax.scan` (default) or an unrolled Python loop."""
+    params, static = eqx.partition(blocks, eqx.is_array)
+
+    def step(h, layer_params):
+        block = eqx.combine(layer_params, static)
+        return block(h, positions), None
+
+    if config.remat != "none":
+        step = jax.checkpoint(step, policy=REMAT_POLICIES[config.remat])
+    if config.scan_layers:
+        x, _ = jax.lax.scan(step, x, params)
+        return x
+    for i in range(config.n_layers):
+        x, _ = step(x, jax.tree.map(lambda a, i=i: a[i], params))
+    return x
+
+
+def check_tokens(tokens, config: ModelConfig) -> None:
+    """Reject token arrays the model cannot take, with a message that says what to do."""
+    shape = getattr(tokens, "shape", None)
+    if shape is None or len(shape) != 1:
+        raise TypeError(
+            f"tokens must be a 1-D integer array (one sequence), got shape {shape}; "
+            "for a batch use jax.vmap(model)(tokens)"
+        )
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"tokens must have an integer dtype, got {tokens.dtype}")
+    if shape[0] > config.max_seq_len:
+        raise ValueError(
+            f"sequence of {shape[0]} tokens is longer than the context "
+            f"max_seq_len={config.max_seq_len}; truncate it or use a model with a longer context"
+        )
+    if shape[0] == 0:
+        raise ValueError("tokens is empty; give at least one token")
+
+
+def cast_floating(tree, dtype):
+    """Cast every floating-point array in `tree` to `dtype` (a no-op when already there)."""
+
+    def cast(x):
+        if eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(cast, tree)
+
+
+def init_weights(parts: dict, config: ModelConfig, key: PRNGKeyArray) -> dict:
+    """The one place where initial weights are chosen (GPT-2 scheme, as in nanoGPT).
+
+    - Linear weights and embeddings ~ N(0, init_std): small enough that logits start near
+      uniform, large enough to break symmetry.
+    - Residual output projections (attention out, MLP down) ~ N(0, init_std / sqrt(2 L)): each
+      of the 2L residual branches adds variance, this keeps the stream's variance O(1) in depth.
+    - Biases 0; norm scales 1 (or 0 with Gemma's (1 + w) form): start as the identity.
+    """
+    cfg = config
+    residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+
+    def linear_weights(m):
+        blocks = m["blocks"]
+        mlp_in = [blocks.mlp.up.weight] + (
+            [blocks.mlp.gate.weight] if isinstance(blocks.mlp, GatedMLP) else []
+        )
+        extra = [m[name].weight for name in ("lm_head", "pos_embed") if m[name] is not None]
+        return [
+            m["embed"].weight,
+            blocks.attn.q_proj.weight,
+            blocks.attn.k_proj.weight,
+            blocks.attn.v_proj.weight,
+            *mlp_in,
+            *extra,
+        ]
+
+    def residual_weights(m):
+        return [m["blocks"].attn.o_proj.weight, m["blocks"].mlp.down.weight]
+
+    def biases(m):
+        attn, mlp = m["blocks"].attn, m["blocks"].mlp
+        layers = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.up, mlp.down]
+        if isinstance(mlp, GatedMLP):
+            layers.append(mlp.gate)
+        return [layer.bias for layer in layers if layer.bias is not None]
+
+    def normal(k, like, std):
+        return (std * jax.random.normal(k, like.shape, jnp.float32)).astype(like.dtype)
+
+    plain, residual, zeros = linear_weights(parts), residual_weights(parts), biases(parts)
+    keys = iter(jax.random.split(key, len(plain) + len(residual)))
+    parts = eqx.tree_at(linear_weights, parts, [normal(next(keys), w, cfg.init_std) for w in plain])
+    parts = eqx.tree_at(
+        residual_weights, parts, [normal(next(keys), w, residual_std) for w in residual]
+    )
+    if zeros:
+        parts = eqx.tree_at(biases, parts, [jnp.zeros_like(b) for b in zeros])
+    return parts
+
+
+def param_count(model_or_shapes) -> int:
+    """Number of scalars in the arrays (or ShapeDtypeStructs) of a pytree."""
+    leaves = jax.tree.leaves(model_or_shapes)
+    return sum(math.prod(x.shape) for x in leaves if hasattr(x, "shape") and hasattr(x, "dtype"))

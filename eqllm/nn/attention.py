@@ -1,0 +1,167 @@
+"""Causal self-attention (Vaswani et al., 2017) with grouped-query heads (Ainslie et al., 2023).
+
+One module covers multi-head (kv_heads == heads), grouped-query and multi-query (kv_heads == 1)
+attention, optional q/k/v and output biases, QK-norm (RMSNorm over each head, Dehghani et al.,
+2023), rotary positions and a sliding window (Mistral; Beltagy et al., 2020).
+
+Masking is by positions: query i attends to key j when pos_k[j] <= pos_q[i], pos_q[i] - pos_k[j]
+< window, and pos_k[j] >= 0. A negative key position marks an empty slot, which is how a KV
+cache or a padded batch is expressed without another code path.
+"""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from eqllm.nn.norm import RMSNorm
+from eqllm.nn.rope import RotaryEmbedding
+
+
+def attention_mask(
+    q_positions: Int[Array, " seq"],
+    k_positions: Int[Array, " kv_seq"],
+    sliding_window: int | None = None,
+) -> Bool[Array, "seq kv_seq"]:
+    """True where query i may attend to key j (causal, within the window, key slot filled)."""
+    q = q_positions[:, None]
+    k = k_positions[None, :]
+    allowed = (k <= q) & (k >= 0)
+    if sliding_window is not None:
+        allowed = allowed & (q - k < sliding_window)
+    return allowed
+
+
+def dot_product_attention(
+    q: Float[Array, "seq heads head_dim"],
+    k: Float[Array, "kv_seq kv_heads head_dim"],
+    v: Float[Array, "kv_seq kv_heads head_dim"],
+    mask: Bool[Array, "seq kv_seq"],
+) -> Float[Array, "seq heads head_dim"]:
+    """softmax(q k^T / sqrt(d) + mask) v, query heads grouped over the shared kv heads.
+
+    Scores and softmax are in fp32 whatever the input dtype. A query row with no allowed key
+    returns zeros (it only occurs for padding).
+    """
+    seq, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    # (seq, kv_heads, groups, head_dim): query heads that share one kv head sit together.
+    q = q.reshape(seq, kv_heads, heads // kv_heads, head_dim)
+    scores = jnp.einsum("tkgd,skd->kgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(head_dim)
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(mask.any(axis=-1)[:, None], probs, 0.0)  # fully masked rows -> 0
+    out = jnp.einsum("kgts,skd->tkgd", probs.astype(v.dtype), v)
+    return out.reshape(seq, heads, head_dim)
+
+
+class Attention(eqx.Module):
+    """Causal self-attention over one sequence.
+
+    Arguments:
+        d_model: input and output size.
+        n_heads: query heads.
+        n_kv_heads: key/value heads (None: n_heads); must divide n_heads.
+        head_dim: size of one head (None: d_model // n_heads).
+        qkv_bias: biases on the q/k/v projections (GPT-2, Qwen2).
+        out_bias: bias on the output projection (GPT-2).
+        qk_norm: RMSNorm over each query and key head before the rotation.
+        rope: rotary embedding applied to queries and keys (None: no rotation, as with
+            learned absolute positions).
+        sliding_window: attend only to the last `sliding_window` positions (None: all).
+        norm_eps: epsilon of the QK-norm.
+    """
+
+    q_proj: eqx.nn.Linear
+    k_proj: eqx.nn.Linear
+    v_proj: eqx.nn.Linear
+    o_proj: eqx.nn.Linear
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
+    rope: RotaryEmbedding | None
+    n_heads: int = eqx.field(static=True)
+    n_kv_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+    sliding_window: int | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        *,
+        n_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        qkv_bias: bool = False,
+        out_bias: bool = False,
+        qk_norm: bool = False,
+        rope: RotaryEmbedding | None = None,
+        sliding_window: int | None = None,
+        norm_eps: float = 1e-6,
+        key: PRNGKeyArray,
+        dtype=jnp.float32,
+    ):
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_kv_heads={n_kv_heads} must divide n_heads={n_heads}")
+        if head_dim is None:
+            if d_model % n_heads:
+                raise ValueError(f"n_heads={n_heads} must divide d_model={d_model}")
+            head_dim = d_model // n_heads
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        self.q_proj = eqx.nn.Linear(
+            d_model, n_heads * head_dim, use_bias=qkv_bias, key=kq, dtype=dtype
+        )
+        self.k_proj = eqx.nn.Linear(
+            d_model, n_kv_heads * head_dim, use_bias=qkv_bias, key=kk, dtype=dtype
+        )
+        self.v_proj = eqx.nn.Linear(
+            d_model, n_kv_heads * head_dim, use_bias=qkv_bias, key=kv, dtype=dtype
+        )
+        self.o_proj = eqx.nn.Linear(
+            n_heads * head_dim, d_model, use_bias=out_bias, key=ko, dtype=dtype
+        )
+        self.q_norm = RMSNorm(head_dim, eps=norm_eps, dtype=dtype) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps=norm_eps, dtype=dtype) if qk_norm else None
+        self.rope = rope
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.sliding_window = sliding_window
+
+    def project(
+        self, x: Float[Array, "seq d_model"], positions: Int[Array, " seq"]
+    ) -> tuple[
+        Float[Array, "seq heads head_dim"],
+        Float[Array, "seq kv_heads head_dim"],
+        Float[Array, "seq kv_heads head_dim"],
+    ]:
+        """Queries, keys and values of `x`, normalised and rotated to their positions."""
+        seq = x.shape[0]
+        q = jax.vmap(self.q_proj)(x).reshape(seq, self.n_heads, self.head_dim)
+        k = jax.vmap(self.k_proj)(x).reshape(seq, self.n_kv_heads, self.head_dim)
+        v = jax.vmap(self.v_proj)(x).reshape(seq, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = jax.vmap(jax.vmap(self.q_norm))(q)
+            k = jax.vmap(jax.vmap(self.k_norm))(k)
+        if self.rope is not None:
+            q = self.rope(q, positions)
+            k = self.rope(k, positions)
+        return q, k, v
+
+    def output(self, attended: Float[Array, "seq heads head_dim"]) -> Float[Array, "seq d_model"]:
+        """The output projection of the concatenated heads."""
+        return jax.vmap(self.o_proj)(attended.reshape(attended.shape[0], -1))
+
+    @jax.named_scope("eqllm.Attention")
+    def __call__(
+        self, x: Float[Array, "seq d_model"], positions: Int[Array, " seq"] | None = None
+    ) -> Float[Array, "seq d_model"]:
+        """Causal self-attention of `x`; `positions` default to 0..seq-1."""
+        if positions is None:
+            positions = jnp.arange(x.shape[0])
+        q, k, v = self.project(x, positions)
+        mask = attention_mask(positions, positions, self.sliding_window)
+        return self.output(dot_product_attention(q, k, v, mask))

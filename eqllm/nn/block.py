@@ -1,0 +1,31 @@
+"""The pre-norm residual Transformer block (GPT-2 / Llama layout; Xiong et al., 2020)."""
+
+import equinox as eqx
+import jax
+from jaxtyping import Array, Float, Int
+
+from eqllm.nn.attention import Attention
+from eqllm.nn.mlp import MLP, GatedMLP
+from eqllm.nn.norm import LayerNorm, RMSNorm
+
+
+class Block(eqx.Module):
+    """x + attn(norm1(x)), then x + mlp(norm2(x)).
+
+    Arguments:
+        attn: the self-attention layer.
+        mlp: the feed-forward layer.
+        attn_norm, mlp_norm: the norms applied before each.
+    """
+
+    attn_norm: RMSNorm | LayerNorm
+    attn: Attention
+    mlp_norm: RMSNorm | LayerNorm
+    mlp: MLP | GatedMLP
+
+    @jax.named_scope("eqllm.Block")
+    def __call__(
+        self, x: Float[Array, "seq d_model"], positions: Int[Array, " seq"] | None = None
+    ) -> Float[Array, "seq d_model"]:
+        x = x + self.attn(jax.vmap(self.attn_norm)(x), positions)
+        return x + self.mlp(jax.vmap(self.mlp_norm)(x))

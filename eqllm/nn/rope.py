@@ -1,0 +1,92 @@
+"""Rotary position embeddings (Su et al., 2021, RoFormer) with the Llama 3 frequency scaling.
+
+The rotation pairs dimension i with i + head_dim/2 ("rotate half"), the layout Hugging Face
+checkpoints use.
+"""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+
+def rope_inv_freq(
+    head_dim: int,
+    theta: float = 10000.0,
+    *,
+    llama3_factor: float | None = None,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_seq_len: int = 8192,
+) -> np.ndarray:
+    """Inverse frequencies theta^(-2i/d), i < d/2, as float64 numpy (a compile-time constant).
+
+    With `llama3_factor`, wavelengths longer than original_max_seq_len / low_freq_factor are
+    divided by the factor, those shorter than original_max_seq_len / high_freq_factor are kept,
+    and the band between is interpolated smoothly (Llama 3.1 report, section 3.3; the same rule
+    as transformers' "llama3" rope_type).
+    """
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if llama3_factor is None:
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = original_max_seq_len / low_freq_factor
+    high_wavelen = original_max_seq_len / high_freq_factor
+    smooth = (original_max_seq_len / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    interpolated = (1 - smooth) * inv_freq / llama3_factor + smooth * inv_freq
+    return np.where(
+        wavelen > low_wavelen,
+        inv_freq / llama3_factor,
+        np.where(wavelen < high_wavelen, inv_freq, interpolated),
+    )
+
+
+class RotaryEmbedding(eqx.Module):
+    """Rotates query/key heads by their absolute position.
+
+    Arguments:
+        head_dim: size of one head (even).
+        theta: base of the frequencies.
+        llama3_factor, low_freq_factor, high_freq_factor, original_max_seq_len: the Llama 3
+            scaling (see `rope_inv_freq`); None disables it.
+    """
+
+    head_dim: int = eqx.field(static=True)
+    theta: float = eqx.field(default=10000.0, static=True)
+    llama3_factor: float | None = eqx.field(default=None, static=True)
+    low_freq_factor: float = eqx.field(default=1.0, static=True)
+    high_freq_factor: float = eqx.field(default=4.0, static=True)
+    original_max_seq_len: int = eqx.field(default=8192, static=True)
+
+    def __check_init__(self):
+        if self.head_dim % 2:
+            raise ValueError(f"RotaryEmbedding needs an even head_dim, got {self.head_dim}")
+
+    @property
+    def inv_freq(self) -> np.ndarray:
+        return rope_inv_freq(
+            self.head_dim,
+            self.theta,
+            llama3_factor=self.llama3_factor,
+            low_freq_factor=self.low_freq_factor,
+            high_freq_factor=self.high_freq_factor,
+            original_max_seq_len=self.original_max_seq_len,
+        )
+
+    @jax.named_scope("eqllm.RotaryEmbedding")
+    def __call__(
+        self, x: Float[Array, "seq heads head_dim"], positions: Int[Array, " seq"]
+    ) -> Float[Array, "seq heads head_dim"]:
+        # angles: (seq, head_dim/2), computed in fp32 so long positions keep their precision.
+        angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(self.inv_freq, jnp.float32)
+        cos = jnp.cos(angles)[:, None, :]
+        sin = jnp.sin(angles)[:, None, :]
+        x32 = x.astype(jnp.float32)
+        x1, x2 = jnp.split(x32, 2, axis=-1)
+        rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        return rotated.astype(x.dtype)

@@ -1,0 +1,101 @@
+"""The model zoo: named architectures read from the TOML tables in zoo/<family>.toml.
+
+Each file has a `[defaults]` table shared by the family and one table per sized variant. A
+variant may name the published model it mirrors with `source = "org/name"`; every other key is
+a `ModelConfig` field. Nothing registers itself at import time: the files are the registry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+from typing import Any, get_args
+
+import equinox as eqx
+import jax
+import tomllib
+from jaxtyping import PRNGKeyArray
+
+from eqllm.config import ConfigError, Family, ModelConfig
+from eqllm.model import CausalLM
+from eqllm.model import param_count as _count
+from eqllm.resources import data_dir
+
+_META_KEYS = ("source",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooEntry:
+    """A named variant: its config and the published model it mirrors ('' for none)."""
+
+    name: str
+    config: ModelConfig
+    source: str
+
+
+@functools.cache
+def _entries() -> dict[str, ZooEntry]:
+    entries: dict[str, ZooEntry] = {}
+    families = list(get_args(Family))
+    paths = sorted(
+        data_dir("zoo").glob("*.toml"),
+        key=lambda p: (families.index(p.stem) if p.stem in families else 99, p.stem),
+    )
+    for path in paths:
+        with path.open("rb") as f:
+            tables = tomllib.load(f)
+        defaults = tables.pop("defaults", {})
+        for name, table in tables.items():
+            values: dict[str, Any] = {**defaults, **table}
+            meta = {k: values.pop(k, "") for k in _META_KEYS}
+            if name in entries:
+                raise ConfigError(f"zoo variant {name!r} is defined twice (again in {path.name})")
+            try:
+                config = ModelConfig.from_dict(values)
+            except ConfigError as e:
+                raise ConfigError(f"zoo variant {name!r} in {path.name}: {e}") from None
+            entries[name] = ZooEntry(name, config, meta["source"])
+    return entries
+
+
+def names() -> list[str]:
+    """All variant names, in file order (family by family, small to large)."""
+    return list(_entries())
+
+
+def entry(name: str) -> ZooEntry:
+    """The zoo entry called `name`; an unknown name lists the closest ones."""
+    entries = _entries()
+    if name not in entries:
+        close = difflib.get_close_matches(name, list(entries), n=3, cutoff=0.5)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise KeyError(
+            f"unknown zoo model {name!r}; {hint}`eqllm zoo list` shows all {len(entries)} names"
+        )
+    return entries[name]
+
+
+def config(name: str, **overrides: Any) -> ModelConfig:
+    """The frozen config of variant `name`, with `overrides` applied (unknown fields rejected)."""
+    return entry(name).config.replace(**overrides) if overrides else entry(name).config
+
+
+def create(name: str, *, key: PRNGKeyArray, **overrides: Any) -> CausalLM:
+    """A freshly initialised model of variant `name`."""
+    return CausalLM(config(name, **overrides), key=key)
+
+
+def param_count(name_or_config: str | ModelConfig) -> int:
+    """Exact parameter count, computed from shapes alone (no memory is allocated)."""
+    cfg = config(name_or_config) if isinstance(name_or_config, str) else name_or_config
+    shapes = eqx.filter_eval_shape(CausalLM, cfg, key=jax.random.key(0))
+    return _count(shapes)
+
+
+def human_count(n: int) -> str:
+    """1234567 -> '1.23M'."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)

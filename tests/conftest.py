@@ -1,0 +1,30 @@
+"""Shared fixtures: tiny configs of every family, built once per session.
+
+The suite runs with jaxtyping + beartype checking eqllm's annotations (see pyproject's
+`--jaxtyping-packages`), in fp32 with the highest matmul precision so comparisons are tight.
+"""
+
+import jax
+import pytest
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+import eqllm  # noqa: E402
+
+TINY = dict(vocab_size=97, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=64)
+
+TINY_CONFIGS = {
+    "gpt2": eqllm.zoo.config("gpt2-nano", **TINY),
+    "llama": eqllm.zoo.config("llama-nano", **TINY, n_kv_heads=2),
+    "mistral": eqllm.zoo.config("mistral-7b", **TINY, n_kv_heads=2, sliding_window=5),
+    "qwen2": eqllm.zoo.config("qwen2.5-0.5b", **TINY, n_kv_heads=1),
+    "gemma": eqllm.zoo.config("gemma-2b", **TINY, n_kv_heads=1),
+    "llama3": eqllm.zoo.config("llama3.2-1b", **TINY, n_kv_heads=2, rope_original_max_seq_len=16),
+}
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_CONFIGS))
+def family_model(request):
+    """(name, model) for a tiny model of each family."""
+    name = request.param
+    return name, eqllm.CausalLM(TINY_CONFIGS[name], key=jax.random.key(0))

@@ -1,0 +1,104 @@
+"""The zoo registry: names, overrides, errors, and parameter counts against transformers."""
+
+import pytest
+
+import eqllm
+from eqllm.hub import from_hf_config, to_hf_config
+
+RESEARCH = [
+    "gpt2-nano",
+    "gpt2-micro",
+    "gpt2-mini",
+    "llama-nano",
+    "llama-micro",
+    "llama-mini",
+    "llama-125m",
+    "llama-350m",
+]
+PUBLISHED = [
+    "gpt2-small",
+    "gpt2-medium",
+    "gpt2-large",
+    "gpt2-xl",
+    "llama2-7b",
+    "llama2-13b",
+    "llama3-8b",
+    "llama3.2-1b",
+    "llama3.2-3b",
+    "tinyllama-1.1b",
+    "smollm-135m",
+    "smollm-360m",
+    "mistral-7b",
+    "qwen2.5-0.5b",
+    "qwen2.5-1.5b",
+    "gemma-2b",
+]
+
+
+def test_every_promised_variant_is_in_the_zoo():
+    assert set(RESEARCH + PUBLISHED) <= set(eqllm.zoo.names())
+
+
+@pytest.mark.parametrize("name", ["gpt2-nano", "llama-nano"])
+def test_nano_is_about_a_million_parameters(name):
+    assert 0.5e6 < eqllm.zoo.param_count(name) < 2.5e6
+
+
+@pytest.mark.parametrize("name", ["gpt2-mini", "llama-mini"])
+def test_mini_is_ten_to_twenty_million(name):
+    assert 10e6 <= eqllm.zoo.param_count(name) <= 20e6
+
+
+@pytest.mark.parametrize("name", sorted(set(eqllm.zoo.names())))
+def test_param_count_equals_transformers(name):
+    """The same architecture built by transformers on the meta device has as many parameters."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = eqllm.zoo.config(name)
+    hf_config = transformers.AutoConfig.for_model(**to_hf_config(cfg))
+    with torch.device("meta"):
+        hf_model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    expected = sum(p.numel() for p in hf_model.parameters())
+    assert eqllm.zoo.param_count(name) == expected
+    assert from_hf_config(hf_config.to_dict()) == cfg
+
+
+def test_published_sizes_match_their_release():
+    """Spot checks against the counts the model cards publish."""
+    assert eqllm.zoo.param_count("gpt2-small") == 124_439_808
+    assert eqllm.zoo.param_count("llama2-7b") == 6_738_415_616
+    assert eqllm.zoo.param_count("llama3-8b") == 8_030_261_248
+
+
+def test_unknown_name_suggests_close_matches():
+    with pytest.raises(KeyError, match="did you mean llama3-8b"):
+        eqllm.zoo.config("llama3-9b")
+
+
+def test_unknown_override_names_valid_fields():
+    with pytest.raises(eqllm.ConfigError, match="unknown ModelConfig field.*d_modle.*d_model"):
+        eqllm.zoo.config("gpt2-nano", d_modle=64)
+
+
+def test_override_applies_and_validates():
+    cfg = eqllm.zoo.config("llama-nano", n_layers=2)
+    assert cfg.n_layers == 2 and eqllm.zoo.config("llama-nano").n_layers == 4
+    with pytest.raises(eqllm.ConfigError, match="n_heads"):
+        eqllm.zoo.config("llama-nano", n_heads=5)
+
+
+def test_param_count_allocates_nothing():
+    """gemma-2b would need 10 GB in fp32; counting it must be instant and allocation-free."""
+    assert eqllm.zoo.param_count("llama2-13b") > 13e9
+
+
+def test_cli_zoo_list_and_show(capsys):
+    from eqllm.cli import main
+
+    assert main(["zoo", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "llama3-8b" in out and "8,030,261,248" in out and "meta-llama/Meta-Llama-3-8B" in out
+    assert main(["zoo", "show", "mistral-7b"]) == 0
+    assert "sliding_window = 4096" in capsys.readouterr().out
+    assert main(["zoo", "show", "mistrel-7b"]) == 2
+    assert "did you mean mistral-7b" in capsys.readouterr().err
