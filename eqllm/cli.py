@@ -59,6 +59,16 @@ def _zoo_show(args: argparse.Namespace) -> int:
         print(f"mirrors: {entry.source}")
     for key, value in entry.config.to_dict().items():
         print(f"  {key} = {value!r}")
+    if args.mesh:
+        from eqllm.sharding import MeshConfig, sharding_table
+
+        mesh = MeshConfig.parse(args.mesh)
+        if -1 in mesh.sizes():
+            raise ValueError(f"--mesh {args.mesh}: give every axis a size (no -1) to size it")
+        sizes = dict(zip(("data", "fsdp", "tensor"), mesh.sizes(), strict=True))
+        print(f"\nsharding on mesh {mesh.describe()}:")
+        for line in sharding_table(entry.config, sizes):
+            print(f"  {line}")
     return 0
 
 
@@ -71,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     zoo_commands.add_parser("list", help="table of every variant").set_defaults(func=_zoo_list)
     show = zoo_commands.add_parser("show", help="the full config of one variant")
     show.add_argument("name")
+    show.add_argument(
+        "--mesh", help="also show each parameter's sharding, e.g. data=2,fsdp=2,tensor=2"
+    )
     show.set_defaults(func=_zoo_show)
     return parser
 
