@@ -4,6 +4,8 @@ The suite runs with jaxtyping + beartype checking eqllm's annotations (see pypro
 `--jaxtyping-packages`), in fp32 with the highest matmul precision so comparisons are tight.
 """
 
+import os
+
 import jax
 import pytest
 
@@ -28,3 +30,8 @@ def family_model(request):
     """(name, model) for a tiny model of each family."""
     name = request.param
     return name, eqllm.CausalLM(TINY_CONFIGS[name], key=jax.random.key(0))
+
+
+# The 8-device tests need XLA_FLAGS set before jax starts: tests/test_sharding.py runs them in a
+# subprocess with EQLLM_MULTIDEVICE=1.
+collect_ignore = [] if os.environ.get("EQLLM_MULTIDEVICE") else ["multidevice"]
