@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from eqllm import zoo
+from eqllm.hub.command import add_convert_command
 
 
 def _zoo_list(args: argparse.Namespace) -> int:
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     show = zoo_commands.add_parser("show", help="the full config of one variant")
     show.add_argument("name")
     show.set_defaults(func=_zoo_show)
+    add_convert_command(commands)
     return parser
 
 
