@@ -19,6 +19,7 @@ import eqllm
 from eqllm.cli import main as cli_main
 from eqllm.data.tokenizer import Tokenizer
 from eqllm.hub import CheckpointError
+from tests.conftest import TINY_CONFIGS
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -125,12 +126,15 @@ def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
 
 
 def test_round_trip_is_bit_identical(pair, tmp_path):
-    eqllm.hub.save_pretrained(pair.model, tmp_path)
+    eqllm.hub.save_pretrained(pair.model, tmp_path, max_shard_size=30_000)  # sharded
     again = eqllm.hub.from_pretrained(tmp_path)
     assert again.config == pair.model.config
     for a, b in zip(jax.tree.leaves(pair.model), jax.tree.leaves(again), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    eqllm.hub.save_pretrained(pair.model, tmp_path)  # one file now: the shards are removed
+    assert [p.name for p in tmp_path.glob("*.safetensors")] == ["model.safetensors"]
+    assert not (tmp_path / "model.safetensors.index.json").exists()
 
 
 def test_greedy_generation_matches_transformers(pair):
@@ -240,6 +244,14 @@ def test_wrong_shape_is_named(llama_folder, tmp_path):
         eqllm.hub.from_pretrained(bad)
 
 
+def test_missing_shard_is_named(llama_folder, tmp_path):
+    model = eqllm.hub.from_pretrained(llama_folder)
+    eqllm.hub.save_pretrained(model, tmp_path, max_shard_size=30_000)
+    (tmp_path / "model-00002-of-00004.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"missing: \['model-00002-of-00004.safetensors'\]"):
+        eqllm.hub.from_pretrained(tmp_path)
+
+
 def test_unexpected_tensor_is_named(llama_folder, tmp_path):
     extra = "model.layers.0.self_attn.q_norm.weight"
     bad = _copy_with(llama_folder, tmp_path / "bad", tensors={extra: np.ones(8, np.float32)})
@@ -279,7 +291,8 @@ def test_unsupported_config_is_refused_naming_the_field(llama_folder, tmp_path, 
 
 
 def test_unexportable_config_is_refused(tmp_path):
-    model = eqllm.zoo.create("llama-nano", key=jax.random.key(0), qk_norm=True)
+    cfg = TINY_CONFIGS["llama"].replace(qk_norm=True)
+    model = eqx.filter_eval_shape(eqllm.CausalLM, cfg, key=jax.random.key(0))
     with pytest.raises(eqllm.ConfigError, match="no Hugging Face equivalent.*qk_norm"):
         eqllm.hub.save_pretrained(model, tmp_path)
 
@@ -321,7 +334,7 @@ def test_load_any_and_convert_both_ways(llama_folder, tmp_path, capsys):
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "back")
     assert hf_tok.encode("héllo", add_special_tokens=False) == tokenizer.encode("héllo")
 
-    zoo_model, none = eqllm.hub.load_any("llama-nano")
+    zoo_model, none = eqllm.hub.load_any("llama-nano")  # a zoo name: fresh weights
     assert none is None and zoo_model.config == eqllm.zoo.config("llama-nano")
     with pytest.raises(FileNotFoundError, match="not a zoo name"):
         eqllm.hub.load_any("llama-nanoo")
@@ -329,7 +342,10 @@ def test_load_any_and_convert_both_ways(llama_folder, tmp_path, capsys):
 
 def test_eqllm_folder_keeps_any_config(tmp_path):
     """Configs with no HF counterpart still save and load as eqllm folders."""
-    model = eqllm.zoo.create("llama-nano", key=jax.random.key(1), qk_norm=True, n_layers=1)
+    cfg = TINY_CONFIGS["gemma"].replace(qk_norm=True)
+    shapes = eqx.filter_eval_shape(eqllm.CausalLM, cfg, key=jax.random.key(1))
+    rng = np.random.default_rng(1)
+    model = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s.shape), s.dtype), shapes)
     eqllm.hub.save_model(model, tmp_path)
     again = eqllm.hub.load_model(tmp_path)
     assert again.config == model.config
