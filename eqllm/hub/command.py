@@ -74,7 +74,11 @@ def add_convert_command(commands) -> None:
     parser = commands.add_parser(
         "convert",
         help="convert a Hugging Face checkpoint to an eqllm model folder or back",
-        description=convert.__doc__,
+        description=(
+            "Convert a model and its tokenizer. SRC is a Hugging Face folder or hub repo id, "
+            "or an eqllm model folder; DST gets the other format unless --to says otherwise "
+            "(--to hf from an HF source re-exports it)."
+        ),
     )
     parser.add_argument("src", help="HF folder or hub repo id ('org/name'), or an eqllm folder")
     parser.add_argument("dst", help="output folder")

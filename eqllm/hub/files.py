@@ -18,14 +18,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import ml_dtypes
+import jax.numpy as jnp
 import numpy as np
 
 _DTYPES = {
     "F64": np.dtype("<f8"),
     "F32": np.dtype("<f4"),
     "F16": np.dtype("<f2"),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "BF16": np.dtype(jnp.bfloat16),  # ml_dtypes' bfloat16, as JAX uses
     "I64": np.dtype("<i8"),
     "I32": np.dtype("<i4"),
     "I16": np.dtype("<i2"),
