@@ -226,6 +226,11 @@ def test_folder_without_config_json(tmp_path):
         eqllm.hub.from_pretrained(tmp_path)
 
 
+def test_uncached_repo_offline_is_named():
+    with pytest.raises(FileNotFoundError, match="'nobody-xyz/no-such-model' .*local cache"):
+        eqllm.hub.from_pretrained("nobody-xyz/no-such-model", local_files_only=True)
+
+
 def test_missing_tensor_is_named(llama_folder, tmp_path):
     name = "model.layers.1.mlp.up_proj.weight"
     bad = _copy_with(llama_folder, tmp_path / "bad", tensors={name: None})

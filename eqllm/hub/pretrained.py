@@ -198,9 +198,8 @@ def _skeleton(config: ModelConfig):
     """(leaf path -> ShapeDtypeStruct, treedef) of CausalLM(config), allocating nothing."""
     shapes = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0))
     flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-    return {jax.tree_util.keystr(path, simple=True, separator="."): leaf for path, leaf in flat}, (
-        treedef
-    )
+    paths = {jax.tree_util.keystr(p, simple=True, separator="."): leaf for p, leaf in flat}
+    return paths, treedef
 
 
 def _hf_shape(row: Row, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
@@ -255,7 +254,7 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
             arrays[path] = jax.device_put(buffer)  # adopts the aligned buffer on CPU
         del buffers
     if config.tie_embeddings:
-        _check_tied_head(reader, arrays["embed.weight"], used, prefix)
+        _check_tied_head(reader, arrays["embed.weight"], used)
     extra = sorted(n for n in set(reader.tensors) - used if not BUFFERS.match(n))
     if extra:
         shown = ", ".join(f"{n!r} ({reader.tensors[n].file.name})" for n in extra[:5])
@@ -267,7 +266,7 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
     return jax.tree_util.tree_unflatten(treedef, [arrays[p] for p in leaves])
 
 
-def _check_tied_head(reader: TensorReader, embed: jax.Array, used: set[str], prefix: str):
+def _check_tied_head(reader: TensorReader, embed: jax.Array, used: set[str]) -> None:
     """A tied model's checkpoint may still store the head; accept it only if it is the embed."""
     if TIED_HEAD not in reader:
         return
