@@ -5,9 +5,9 @@ model = eqllm.zoo.create("llama-nano", key=jax.random.key(0))
 logits = model(tokens)            # Int[Array, "seq"] -> Float[Array, "seq vocab"]
 """
 
-from eqllm import nn, zoo
+from eqllm import hub, nn, zoo
 from eqllm.config import ConfigError, ModelConfig
 from eqllm.model import CausalLM
 
-__all__ = ["CausalLM", "ConfigError", "ModelConfig", "nn", "zoo"]
+__all__ = ["CausalLM", "ConfigError", "ModelConfig", "hub", "nn", "zoo"]
 __version__ = "0.1.0"

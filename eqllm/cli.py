@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from eqllm import zoo
+from eqllm.hub.command import add_convert_command
 
 
 def _zoo_list(args: argparse.Namespace) -> int:
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--mesh", help="also show each parameter's sharding, e.g. data=2,fsdp=2,tensor=2"
     )
     show.set_defaults(func=_zoo_show)
+    add_convert_command(commands)
     return parser
 
 

@@ -176,21 +176,87 @@ def _check_exportable(cfg: ModelConfig) -> None:
         )
 
 
+# Keys of any transformers config that do not change what the model computes (bookkeeping,
+# token ids, generation defaults, dropout, which has no effect at inference and none in eqllm).
+_HARMLESS = frozenset(
+    """
+    architectures model_type transformers_version _name_or_path torch_dtype dtype
+    bos_token_id eos_token_id pad_token_id sep_token_id decoder_start_token_id use_cache
+    initializer_range return_dict output_hidden_states output_attentions torchscript id2label
+    label2id num_labels problem_type tokenizer_class prefix task_specific_params finetuning_task
+    is_decoder is_encoder_decoder chunk_size_feed_forward pruned_heads tf_legacy_loss
+    use_bfloat16 _attn_implementation_autoset max_length min_length do_sample early_stopping
+    num_beams num_beam_groups diversity_penalty temperature top_k top_p typical_p
+    repetition_penalty length_penalty no_repeat_ngram_size encoder_no_repeat_ngram_size
+    bad_words_ids num_return_sequences output_scores return_dict_in_generate
+    forced_bos_token_id forced_eos_token_id remove_invalid_values
+    exponential_decay_length_penalty suppress_tokens begin_suppress_tokens
+    attention_dropout tie_word_embeddings vocab_size
+    """.split()
+)
+_LLAMA_KEYS = """
+    hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads
+    head_dim max_position_embeddings rms_norm_eps hidden_act rope_theta rope_scaling
+    rope_parameters
+""".split()
+# The keys each family's translation reads (or checks); any other key is refused.
+_KNOWN_KEYS = {
+    "gpt2": _HARMLESS
+    | set(
+        """
+        n_embd n_layer n_head n_inner n_positions n_ctx activation_function layer_norm_epsilon
+        resid_pdrop embd_pdrop attn_pdrop scale_attn_weights scale_attn_by_inverse_layer_idx
+        reorder_and_upcast_attn add_cross_attention summary_type summary_use_proj
+        summary_activation summary_proj_to_labels summary_first_dropout
+        """.split()
+    ),
+    "llama": _HARMLESS | {*_LLAMA_KEYS, "attention_bias", "mlp_bias", "pretraining_tp"},
+    "mistral": _HARMLESS | {*_LLAMA_KEYS, "sliding_window"},
+    "qwen2": _HARMLESS
+    | {*_LLAMA_KEYS, "use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
+    "gemma": _HARMLESS
+    | {*_LLAMA_KEYS, "hidden_activation", "attention_bias", "use_bidirectional_attention"},
+}
+_ROPE_KEYS = {
+    "default": {"rope_type", "type", "rope_theta"},
+    "llama3": {
+        "rope_type",
+        "type",
+        "rope_theta",
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    },
+}
+
+
 def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
-    """A ModelConfig from a transformers `config.json` dict; unsupported settings are errors."""
+    """A ModelConfig from a transformers `config.json` dict; unsupported settings are errors.
+
+    Reads both the transformers 5 layout (`rope_parameters` holding `rope_theta` and the
+    scaling) and the older one (`rope_theta` and `rope_scaling` at the top level). A key that
+    is not known to leave the computation unchanged is refused, naming the key.
+    """
     family = hf.get("model_type")
     if family not in ARCHITECTURES:
         raise ConfigError(
             f"unsupported model_type {family!r} in config.json; eqllm reads {sorted(ARCHITECTURES)}"
         )
+    unknown = sorted(set(hf) - _KNOWN_KEYS[family])
+    if unknown:
+        raise ConfigError(
+            f"config.json has {family} setting(s) eqllm does not understand: {unknown}; "
+            "refusing rather than building a model that may compute something else"
+        )
     base = {k: v for k, v in _FAMILY_INVARIANTS[family].items()}
     if family == "gpt2":
         _refuse(hf, "activation_function", ("gelu_new", "gelu_pytorch_tanh"))
-        if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
-            raise ConfigError(
-                "GPT-2 attention variants (scale_attn_by_inverse_layer_idx, "
-                "reorder_and_upcast_attn) are not supported"
-            )
+        _refuse(hf, "scale_attn_weights", (True,))
+        for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+            _refuse(hf, key, (False, None))
+        _refuse(hf, "add_cross_attention", (False, None))
+        _refuse(hf, "tie_word_embeddings", (True,))
         d = hf.get("n_embd", 768)
         return ModelConfig(
             **base,
@@ -203,61 +269,88 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
             max_seq_len=hf.get("n_positions", 1024),
             norm_eps=hf.get("layer_norm_epsilon", 1e-5),
         )
-    act = hf.get("hidden_activation") or hf.get("hidden_act")
     if family == "gemma":
-        _refuse({"hidden_act": act}, "hidden_act", ("gelu_pytorch_tanh", "gelu"))
+        # "gelu" is the legacy value of Gemma's releases; transformers maps it to the tanh form.
+        _refuse(hf, "hidden_act", ("gelu_pytorch_tanh", "gelu"))
+        _refuse(hf, "hidden_activation", ("gelu_pytorch_tanh", "gelu", None))
+        _refuse(hf, "attention_bias", (False,))
+        _refuse(hf, "use_bidirectional_attention", (False, None))
+        _refuse(hf, "tie_word_embeddings", (True,))
     else:
         _refuse(hf, "hidden_act", ("silu",))
-    rope = dict(hf.get("rope_parameters") or {})
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    scaling = hf.get("rope_scaling") or rope
-    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    fields: dict[str, Any] = {}
-    if rope_type == "llama3":
-        fields = {
-            "rope_scaling": "llama3",
-            "rope_factor": float(scaling["factor"]),
-            "rope_low_freq_factor": float(scaling["low_freq_factor"]),
-            "rope_high_freq_factor": float(scaling["high_freq_factor"]),
-            "rope_original_max_seq_len": int(scaling["original_max_position_embeddings"]),
-        }
-    elif rope_type != "default":
-        raise ConfigError(
-            f"rope scaling type {rope_type!r} in config.json is not supported; eqllm handles "
-            "the default rotary embedding and 'llama3' scaling"
-        )
+    fields = _rope_from_hf(hf)
     if family == "llama":
         fields["qkv_bias"] = fields["out_bias"] = bool(hf.get("attention_bias", False))
         fields["mlp_bias"] = bool(hf.get("mlp_bias", False))
+    if family in ("llama", "mistral", "qwen2"):
         fields["tie_embeddings"] = bool(hf.get("tie_word_embeddings", False))
     if family == "mistral":
         fields["sliding_window"] = hf.get("sliding_window")
         base.pop("sliding_window", None)
-        fields["tie_embeddings"] = bool(hf.get("tie_word_embeddings", False))
     if family == "qwen2":
-        if hf.get("use_sliding_window"):
-            raise ConfigError("Qwen2 with use_sliding_window=true is not supported")
-        fields["tie_embeddings"] = bool(hf.get("tie_word_embeddings", False))
-    d = hf["hidden_size"]
-    n_heads = hf["num_attention_heads"]
+        _refuse(hf, "use_sliding_window", (False, None))
+        layer_types = set(hf.get("layer_types") or ())
+        if layer_types - {"full_attention"}:
+            raise ConfigError(
+                f"config.json layer_types={sorted(layer_types)}: eqllm's Qwen2 has only "
+                "'full_attention' layers"
+            )
+    d = _need(hf, "hidden_size")
+    n_heads = _need(hf, "num_attention_heads")
     head_dim = hf.get("head_dim")
     return ModelConfig(
         **{**base, **fields},
         family=family,
-        vocab_size=hf["vocab_size"],
+        vocab_size=_need(hf, "vocab_size"),
         d_model=d,
-        n_layers=hf["num_hidden_layers"],
+        n_layers=_need(hf, "num_hidden_layers"),
         n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads,
         head_dim=None if head_dim in (None, d // n_heads) else head_dim,
-        d_ff=hf["intermediate_size"],
+        d_ff=_need(hf, "intermediate_size"),
         max_seq_len=hf.get("max_position_embeddings", 2048),
         norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=float(theta),
     )
 
 
-def _refuse(hf: dict[str, Any], key: str, allowed: tuple[str, ...]) -> None:
+def _rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """rope_theta and the scaling fields, from either config layout."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})  # the older layout; it wins when both exist
+    rope = {**params, **scaling}
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = scaling.get("rope_type", scaling.get("type")) or params.get(
+        "rope_type", params.get("type", "default")
+    )
+    if rope_type not in _ROPE_KEYS:
+        raise ConfigError(
+            f"rope scaling type {rope_type!r} in config.json is not supported; eqllm handles "
+            "the default rotary embedding and 'llama3' scaling"
+        )
+    unknown = sorted(set(rope) - _ROPE_KEYS[rope_type])
+    if unknown:
+        raise ConfigError(
+            f"config.json rope settings {unknown} are not understood for rope_type {rope_type!r}"
+        )
+    fields: dict[str, Any] = {"rope_theta": float(theta)}
+    if rope_type == "llama3":
+        fields.update(
+            rope_scaling="llama3",
+            rope_factor=float(rope["factor"]),
+            rope_low_freq_factor=float(rope["low_freq_factor"]),
+            rope_high_freq_factor=float(rope["high_freq_factor"]),
+            rope_original_max_seq_len=int(rope["original_max_position_embeddings"]),
+        )
+    return fields
+
+
+def _need(hf: dict[str, Any], key: str) -> Any:
+    if hf.get(key) is None:
+        raise ConfigError(f"config.json of a {hf['model_type']} model must set {key!r}")
+    return hf[key]
+
+
+def _refuse(hf: dict[str, Any], key: str, allowed: tuple[Any, ...]) -> None:
     if key in hf and hf[key] not in allowed:
         raise ConfigError(
             f"config.json {key}={hf[key]!r} is not supported; eqllm handles {list(allowed)}"

@@ -1,0 +1,40 @@
+"""Hugging Face format interop: configs, weights (both directions) and tokenizers.
+
+    model = eqllm.hub.from_pretrained("path/or/org-name")      # HF folder or hub repo id
+    eqllm.hub.save_pretrained(model, "out/", tokenizer=tok)     # transformers loads it
+    model, tok = eqllm.hub.load_any("llama-nano" | "path" | "org/name")
+
+Families: GPT-2, Llama (1/2/3 with the Llama 3 rope scaling), Mistral, Qwen2, Gemma. The
+tensor names are one table per family (`eqllm.hub.tables`); config translation refuses any
+setting it does not understand rather than build a different model.
+"""
+
+from eqllm.hub.config import ARCHITECTURES, from_hf_config, to_hf_config
+from eqllm.hub.files import CheckpointError
+from eqllm.hub.pretrained import (
+    from_pretrained,
+    load_any,
+    load_model,
+    load_tokenizer,
+    resolve,
+    save_model,
+    save_pretrained,
+    with_param_dtype,
+    zoo_match,
+)
+
+__all__ = [
+    "ARCHITECTURES",
+    "CheckpointError",
+    "from_hf_config",
+    "from_pretrained",
+    "load_any",
+    "load_model",
+    "load_tokenizer",
+    "resolve",
+    "save_model",
+    "save_pretrained",
+    "to_hf_config",
+    "with_param_dtype",
+    "zoo_match",
+]

@@ -1,0 +1,362 @@
+"""Hugging Face interop: logits, exports and greedy decoding equal to transformers, per family.
+
+Every model here is a tiny random one built by transformers itself (no downloads), with every
+parameter perturbed so that a norm or bias mapped to the wrong place shows up in the logits.
+"""
+
+import json
+import types
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+import eqllm
+from eqllm.cli import main as cli_main
+from eqllm.data.tokenizer import Tokenizer
+from eqllm.hub import CheckpointError
+from tests.conftest import TINY_CONFIGS
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 97
+LONG = 240  # long enough for RoPE mistakes and well past Mistral's window below
+DIMS = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,  # head_dim 8: every frequency band is exercised
+    "rope_theta": 500000.0,
+}
+HF_CONFIGS = {
+    "gpt2": dict(
+        model_type="gpt2",
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "llama": dict(model_type="llama", **DIMS, num_key_value_heads=2, attention_bias=True),
+    "llama3": dict(model_type="llama", **DIMS, num_key_value_heads=2, rope_parameters=LLAMA3_ROPE),
+    "mistral": dict(model_type="mistral", **DIMS, num_key_value_heads=2, sliding_window=7),
+    "qwen2": dict(model_type="qwen2", **DIMS, num_key_value_heads=1, tie_word_embeddings=True),
+    "gemma": dict(model_type="gemma", **DIMS, num_key_value_heads=1, head_dim=8),
+}
+TIED = {"gpt2", "qwen2", "gemma"}
+
+
+def _hf_model(spec: dict):
+    spec = dict(spec)
+    config = transformers.AutoConfig.for_model(spec.pop("model_type"), **spec)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # norms and biases away from 1 / 0
+    return model
+
+
+def _hf_logits(hf_model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return hf_model(torch.tensor(tokens)[None]).logits[0].numpy()
+
+
+@eqx.filter_jit
+def _forward(model, tokens):
+    return model(tokens)
+
+
+def _logits(model, tokens: np.ndarray) -> np.ndarray:
+    return np.asarray(_forward(model, jnp.asarray(tokens)))
+
+
+TOKENS = np.random.default_rng(0).integers(0, VOCAB, LONG)
+
+
+@pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
+def pair(request, tmp_path_factory):
+    """A tiny transformers model, its saved folder, and eqllm's import of it."""
+    name = request.param
+    hf_model = _hf_model(HF_CONFIGS[name])
+    folder = tmp_path_factory.mktemp(f"hf-{name}")
+    hf_model.save_pretrained(folder)
+    model = eqllm.hub.from_pretrained(folder)
+    return types.SimpleNamespace(
+        name=name, hf=hf_model, folder=folder, model=model, ref=_hf_logits(hf_model, TOKENS)
+    )
+
+
+def test_import_gives_transformers_logits(pair):
+    assert pair.model.config.family == HF_CONFIGS[pair.name]["model_type"]
+    assert pair.model.config.param_dtype == "float32"
+    np.testing.assert_allclose(_logits(pair.model, TOKENS), pair.ref, atol=1e-4, rtol=0)
+
+
+def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
+    eqllm.hub.save_pretrained(pair.model, tmp_path, max_shard_size=30_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all((tmp_path / s).is_file() for s in shards)
+    assert ("lm_head.weight" in index["weight_map"]) == (pair.name not in TIED)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    exported = _hf_logits(reloaded.eval(), TOKENS)
+    np.testing.assert_allclose(exported, _logits(pair.model, TOKENS), atol=1e-5, rtol=0)
+    for name, p in pair.hf.state_dict().items():  # and the same tensors as the original
+        np.testing.assert_array_equal(reloaded.state_dict()[name].numpy(), p.numpy(), name)
+
+
+def test_round_trip_is_bit_identical(pair, tmp_path):
+    eqllm.hub.save_pretrained(pair.model, tmp_path, max_shard_size=30_000)  # sharded
+    again = eqllm.hub.from_pretrained(tmp_path)
+    assert again.config == pair.model.config
+    for a, b in zip(jax.tree.leaves(pair.model), jax.tree.leaves(again), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    eqllm.hub.save_pretrained(pair.model, tmp_path)  # one file now: the shards are removed
+    assert [p.name for p in tmp_path.glob("*.safetensors")] == ["model.safetensors"]
+    assert not (tmp_path / "model.safetensors.index.json").exists()
+
+
+def test_greedy_generation_matches_transformers(pair):
+    prompt = TOKENS[:6]
+    new = 20
+    hf_out = pair.hf.generate(
+        torch.tensor(prompt)[None],
+        max_new_tokens=new,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0, len(prompt) :].numpy()
+    # One fixed-length buffer (one compile): causal logits at t depend on tokens <= t only.
+    buffer = np.zeros(len(prompt) + new, np.int64)
+    buffer[: len(prompt)] = prompt
+    for t in range(len(prompt), len(buffer)):
+        buffer[t] = int(np.argmax(_logits(pair.model, buffer)[t - 1]))
+    assert hf_out.tolist() == buffer[len(prompt) :].tolist()
+
+
+def test_bfloat16_checkpoint_loads_exactly(tmp_path):
+    hf_model = _hf_model(HF_CONFIGS["llama"]).to(torch.bfloat16)
+    hf_model.save_pretrained(tmp_path)
+    model = eqllm.hub.from_pretrained(tmp_path)
+    assert model.config.param_dtype == model.config.compute_dtype == "bfloat16"
+    expected = hf_model.model.layers[1].self_attn.k_proj.weight.detach().float().numpy()
+    got = np.asarray(model.blocks.attn.k_proj.weight[1].astype(jnp.float32))
+    np.testing.assert_array_equal(got, expected)
+    as_fp32 = eqllm.hub.from_pretrained(tmp_path, dtype="float32")
+    assert as_fp32.blocks.attn.k_proj.weight.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(as_fp32.blocks.attn.k_proj.weight[1]), expected)
+    eqllm.hub.save_pretrained(model, tmp_path / "out")
+    with safe_open(tmp_path / "out" / "model.safetensors", framework="numpy") as f:
+        assert f.get_tensor("model.norm.weight").dtype == model.final_norm.weight.dtype
+
+
+# The two config.json layouts ------------------------------------------------------------------
+
+
+def test_old_and_new_rope_layouts_read_the_same():
+    new = transformers.AutoConfig.for_model(**HF_CONFIGS["llama3"]).to_dict()
+    assert "rope_parameters" in new
+    old = {k: v for k, v in new.items() if k != "rope_parameters"}
+    old["rope_theta"] = LLAMA3_ROPE["rope_theta"]
+    old["rope_scaling"] = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+    cfg = eqllm.hub.from_hf_config(new)
+    assert eqllm.hub.from_hf_config(old) == cfg
+    assert cfg.rope_scaling == "llama3" and cfg.rope_theta == 500000.0
+    assert cfg.rope_original_max_seq_len == 16
+
+
+def test_zoo_variant_is_recognised():
+    cfg = eqllm.zoo.config("llama3.2-1b")
+    assert eqllm.hub.zoo_match(eqllm.hub.from_hf_config(eqllm.hub.to_hf_config(cfg))) == (
+        "llama3.2-1b"
+    )
+    assert eqllm.hub.zoo_match(cfg.replace(d_ff=cfg.d_ff + 2)) is None
+
+
+# Bad input: errors that name the file, tensor or field ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf-llama-plain")
+    _hf_model(HF_CONFIGS["llama"]).save_pretrained(folder)
+    return folder
+
+
+def _copy_with(src, dst, *, config=None, tensors=None):
+    """A copy of checkpoint `src` with config.json updated and tensors replaced (None drops)."""
+    dst.mkdir()
+    hf = json.loads((src / "config.json").read_text())
+    hf.update(config or {})
+    (dst / "config.json").write_text(json.dumps(hf))
+    with safe_open(src / "model.safetensors", framework="numpy") as f:
+        weights = {k: f.get_tensor(k) for k in f.keys()}
+    for k, v in (tensors or {}).items():
+        if v is None:
+            weights.pop(k)
+        else:
+            weights[k] = v
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_folder_without_config_json(tmp_path):
+    with pytest.raises(CheckpointError, match=f"no config.json in {tmp_path}"):
+        eqllm.hub.from_pretrained(tmp_path)
+
+
+def test_uncached_repo_offline_is_named():
+    with pytest.raises(FileNotFoundError, match="'nobody-xyz/no-such-model' .*local cache"):
+        eqllm.hub.from_pretrained("nobody-xyz/no-such-model", local_files_only=True)
+
+
+def test_missing_tensor_is_named(llama_folder, tmp_path):
+    name = "model.layers.1.mlp.up_proj.weight"
+    bad = _copy_with(llama_folder, tmp_path / "bad", tensors={name: None})
+    with pytest.raises(CheckpointError, match=f"'{name}' is missing from model.safetensors"):
+        eqllm.hub.from_pretrained(bad)
+
+
+def test_wrong_shape_is_named(llama_folder, tmp_path):
+    name = "model.layers.0.self_attn.k_proj.weight"
+    wrong = np.zeros((8, 32), np.float32)  # 1 kv head of 8, where config says 2
+    bad = _copy_with(llama_folder, tmp_path / "bad", tensors={name: wrong})
+    with pytest.raises(
+        CheckpointError,
+        match=rf"model.safetensors: tensor '{name}' has shape \[8, 32\].*\[16, 32\]",
+    ):
+        eqllm.hub.from_pretrained(bad)
+
+
+def test_missing_shard_is_named(llama_folder, tmp_path):
+    model = eqllm.hub.from_pretrained(llama_folder)
+    eqllm.hub.save_pretrained(model, tmp_path, max_shard_size=30_000)
+    (tmp_path / "model-00002-of-00004.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"missing: \['model-00002-of-00004.safetensors'\]"):
+        eqllm.hub.from_pretrained(tmp_path)
+
+
+def test_unexpected_tensor_is_named(llama_folder, tmp_path):
+    extra = "model.layers.0.self_attn.q_norm.weight"
+    bad = _copy_with(llama_folder, tmp_path / "bad", tensors={extra: np.ones(8, np.float32)})
+    with pytest.raises(CheckpointError, match=f"'{extra}' \\(model.safetensors\\)"):
+        eqllm.hub.from_pretrained(bad)
+
+
+def test_tied_head_that_differs_is_refused(tmp_path):
+    hf_model = _hf_model(HF_CONFIGS["qwen2"])
+    hf_model.save_pretrained(tmp_path / "ok")
+    head = np.ones((VOCAB, 32), np.float32)
+    bad = _copy_with(tmp_path / "ok", tmp_path / "bad", tensors={"lm_head.weight": head})
+    with pytest.raises(CheckpointError, match="'lm_head.weight' differs from the token embed"):
+        eqllm.hub.from_pretrained(bad)
+    with safe_open(tmp_path / "ok" / "model.safetensors", framework="numpy") as f:
+        embed = f.get_tensor("model.embed_tokens.weight")
+    same = _copy_with(tmp_path / "ok", tmp_path / "same", tensors={"lm_head.weight": embed})
+    assert eqllm.hub.from_pretrained(same).lm_head is None
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"model_type": "phi3"}, "unsupported model_type 'phi3'"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn'"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling type 'linear'"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+        ({"partial_rotary_factor": 0.5}, r"does not understand: \['partial_rotary_factor'\]"),
+        ({"quantization_config": {"bits": 4}}, r"does not understand: \['quantization_config'\]"),
+    ],
+)
+def test_unsupported_config_is_refused_naming_the_field(llama_folder, tmp_path, change, message):
+    bad = _copy_with(llama_folder, tmp_path / "bad", config=change)
+    with pytest.raises(eqllm.ConfigError, match=message) as info:
+        eqllm.hub.from_pretrained(bad)
+    assert "config.json" in str(info.value)
+
+
+def test_unexportable_config_is_refused(tmp_path):
+    cfg = TINY_CONFIGS["llama"].replace(qk_norm=True)
+    model = eqx.filter_eval_shape(eqllm.CausalLM, cfg, key=jax.random.key(0))
+    with pytest.raises(eqllm.ConfigError, match="no Hugging Face equivalent.*qk_norm"):
+        eqllm.hub.save_pretrained(model, tmp_path)
+
+
+def test_bare_gpt2_names_load(tmp_path):
+    """The original `gpt2` repo stores GPT2Model names (no 'transformer.' prefix)."""
+    hf_model = _hf_model(HF_CONFIGS["gpt2"])
+    hf_model.save_pretrained(tmp_path / "full")
+    with safe_open(tmp_path / "full" / "model.safetensors", framework="numpy") as f:
+        bare = {k.removeprefix("transformer."): f.get_tensor(k) for k in f.keys()}
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.json").write_text((tmp_path / "full" / "config.json").read_text())
+    save_file(bare, tmp_path / "bare" / "model.safetensors", metadata={"format": "pt"})
+    model = eqllm.hub.from_pretrained(tmp_path / "bare")
+    tokens = TOKENS[:16]
+    np.testing.assert_allclose(_logits(model, tokens), _hf_logits(hf_model, tokens), atol=1e-4)
+
+
+# eqllm model folders, load_any, tokenizers and the CLI -----------------------------------------
+
+
+def test_load_any_and_convert_both_ways(llama_folder, tmp_path, capsys):
+    tokenizer = Tokenizer.bytes()
+    hf_model = eqllm.hub.from_pretrained(llama_folder)
+    eqllm.hub.save_pretrained(hf_model, tmp_path / "hf", tokenizer=tokenizer)
+
+    assert cli_main(["convert", str(tmp_path / "hf"), str(tmp_path / "eq")]) == 0
+    assert "wrote eqllm folder" in capsys.readouterr().out
+    assert (tmp_path / "eq" / "eqllm_config.json").is_file()
+    model, tok = eqllm.hub.load_any(tmp_path / "eq")
+    assert tok is not None and tok.encode("héllo") == tokenizer.encode("héllo")
+    assert tok.eot_id == tokenizer.eot_id
+    for a, b in zip(jax.tree.leaves(hf_model), jax.tree.leaves(model), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    assert cli_main(["convert", str(tmp_path / "eq"), str(tmp_path / "back")]) == 0
+    back, tok = eqllm.hub.load_any(tmp_path / "back")
+    assert back.config == hf_model.config and tok is not None
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "back")
+    assert hf_tok.encode("héllo", add_special_tokens=False) == tokenizer.encode("héllo")
+
+    zoo_model, none = eqllm.hub.load_any("llama-nano")  # a zoo name: fresh weights
+    assert none is None and zoo_model.config == eqllm.zoo.config("llama-nano")
+    with pytest.raises(FileNotFoundError, match="not a zoo name"):
+        eqllm.hub.load_any("llama-nanoo")
+
+
+def test_eqllm_folder_keeps_any_config(tmp_path):
+    """Configs with no HF counterpart still save and load as eqllm folders."""
+    cfg = TINY_CONFIGS["gemma"].replace(qk_norm=True)
+    shapes = eqx.filter_eval_shape(eqllm.CausalLM, cfg, key=jax.random.key(1))
+    rng = np.random.default_rng(1)
+    model = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s.shape), s.dtype), shapes)
+    eqllm.hub.save_model(model, tmp_path)
+    again = eqllm.hub.load_model(tmp_path)
+    assert again.config == model.config
+    assert eqx.tree_equal(again, model)
+
+
+def test_convert_reports_errors_on_the_cli(tmp_path, capsys):
+    assert cli_main(["convert", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert "no config.json" in capsys.readouterr().err
