@@ -6,6 +6,8 @@ import argparse
 import sys
 
 from eqllm import zoo
+from eqllm.eval.evaluate import add_eval_arguments, eval_command
+from eqllm.train.loop import add_run_arguments, run_command
 
 
 def _zoo_list(args: argparse.Namespace) -> int:
@@ -72,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     show = zoo_commands.add_parser("show", help="the full config of one variant")
     show.add_argument("name")
     show.set_defaults(func=_zoo_show)
+
+    run_parser = commands.add_parser("run", help="train a recipe and write a run folder")
+    add_run_arguments(run_parser)
+    run_parser.set_defaults(func=run_command)
+
+    eval_parser = commands.add_parser("eval", help="evaluate a run folder, checkpoint or model")
+    add_eval_arguments(eval_parser)
+    eval_parser.set_defaults(func=eval_command)
     return parser
 
 
@@ -79,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (KeyError, ValueError, FileNotFoundError, TypeError) as e:
+    except (KeyError, ValueError, FileNotFoundError, FileExistsError, TypeError) as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         print(f"eqllm: error: {message}", file=sys.stderr)
         return 2

@@ -392,8 +392,11 @@ def _build(cls: type, values: Any, prefix: str):
     where = prefix.rstrip(".") or "the recipe"
     if not isinstance(values, dict):
         raise RecipeError(f"{where} must be a table, got {values!r}")
-    hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    # Annotations are strings (postponed); typing.get_type_hints ignores @no_type_check classes.
+    hints = {
+        n: eval(f.type, globals()) if isinstance(f.type, str) else f.type for n, f in fields.items()
+    }
     unknown = [k for k in values if k not in fields]
     if unknown:
         key = unknown[0]
