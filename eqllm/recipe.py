@@ -401,9 +401,9 @@ def _build(cls: type, values: Any, prefix: str):
     if unknown:
         key = unknown[0]
         close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
-        hint = f"did you mean {prefix}{close[0]!r}? " if close else ""
+        hint = f"did you mean '{prefix}{close[0]}'? " if close else ""
         raise RecipeError(
-            f"unknown key {prefix}{key!r} in {where}; {hint}allowed: {', '.join(fields)}"
+            f"unknown key '{prefix}{key}' in {where}; {hint}allowed: {', '.join(fields)}"
         )
     kwargs = {}
     for name, field in fields.items():

@@ -109,7 +109,7 @@ class TrainStep:
             loss = loss / self.grad_accum
             grads = jax.tree.map(lambda g: g / self.grad_accum, grads)
 
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         count = _step_count(opt_state)
         updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
         new_params = eqx.apply_updates(params, updates)
@@ -122,8 +122,8 @@ class TrainStep:
             "loss": loss,
             "grad_norm": grad_norm,
             "lr": jnp.asarray(self.lr_schedule(count), jnp.float32),
-            "update_norm": optax.global_norm(updates),
-            "param_norm": optax.global_norm(new_params),
+            "update_norm": optax.tree.norm(updates),
+            "param_norm": optax.tree.norm(new_params),
             "finite": finite,
             "grad_norm/layer": _layer_grad_norms(grads),
         }
@@ -132,4 +132,4 @@ class TrainStep:
 
 def init_opt_state(optimizer: optax.GradientTransformation, model: CausalLM):
     """The optimizer state for the trainable (floating-point) arrays of `model`."""
-    return optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    return eqx.filter_jit(optimizer.init)(eqx.filter(model, eqx.is_inexact_array))
