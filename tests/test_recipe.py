@@ -109,8 +109,8 @@ def test_schedules_warm_up_then_decay_to_the_floor(kind):
 
 def test_weight_decay_mask_covers_linear_weights_only():
     import equinox as eqx
-
     from conftest import TINY_CONFIGS
+
     from eqllm import CausalLM
 
     model = CausalLM(TINY_CONFIGS["gpt2"], key=jax.random.key(0))

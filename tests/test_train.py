@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import TINY_CONFIGS
+
 from eqllm import CausalLM
 from eqllm.cli import main
 from eqllm.recipe import OptimSpec, Recipe
@@ -110,6 +110,7 @@ def test_train_step_reduces_loss_and_is_traced_once():
     )
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_one_big_batch():
     batch = jnp.asarray(np.random.default_rng(1).integers(0, 97, (4, 17)), jnp.int32)
     step1, m1, s1 = make_step(grad_accum=1)
@@ -170,9 +171,7 @@ def test_run_writes_a_complete_run_folder(env, tmp_path):
 
 def test_stop_and_resume_is_bit_exact(env, tmp_path):
     recipe = tiny_recipe(env, steps=8)
-    straight = loop_mod.run(
-        recipe, tmp_path / "a", progress=False, final_eval=False, echo=lambda *a: None
-    )
+    loop_mod.run(recipe, tmp_path / "a", progress=False, final_eval=False, echo=lambda *a: None)
     first = loop_mod.run(recipe, tmp_path / "b", stop_after=4, progress=False, echo=lambda *a: None)
     assert first.interrupted == "stop_after" and first.step == 4
     resumed = loop_mod.run(
@@ -206,7 +205,10 @@ def _patch_step(monkeypatch, at_step, action):
     monkeypatch.setattr(TrainStep, "__call__", patched)
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize(
+    "sig, code",
+    [(signal.SIGTERM, 143), pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)],
+)
 def test_signal_saves_a_checkpoint_and_exits_cleanly(env, tmp_path, monkeypatch, capsys, sig, code):
     recipe = tmp_path / "tiny.toml"
     recipe.write_text(tiny_recipe(env, steps=50, checkpoint_every=0).to_toml())
