@@ -6,7 +6,9 @@ import argparse
 import sys
 
 from eqllm import zoo
+from eqllm.eval.evaluate import add_eval_arguments, eval_command
 from eqllm.hub.command import add_convert_command
+from eqllm.train.loop import add_run_arguments, run_command
 
 
 def _zoo_list(args: argparse.Namespace) -> int:
@@ -87,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     show.set_defaults(func=_zoo_show)
     add_convert_command(commands)
+
+    run_parser = commands.add_parser("run", help="train a recipe and write a run folder")
+    add_run_arguments(run_parser)
+    run_parser.set_defaults(func=run_command)
+
+    eval_parser = commands.add_parser("eval", help="evaluate a run folder, checkpoint or model")
+    add_eval_arguments(eval_parser)
+    eval_parser.set_defaults(func=eval_command)
     return parser
 
 
@@ -94,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (KeyError, ValueError, FileNotFoundError, TypeError) as e:
+    except (KeyError, ValueError, FileNotFoundError, FileExistsError, TypeError) as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         print(f"eqllm: error: {message}", file=sys.stderr)
         return 2

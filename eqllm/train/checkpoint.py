@@ -1,0 +1,151 @@
+"""Checkpoints with orbax-checkpoint's CheckpointManager.
+
+A checkpoint at step s is a folder `<dir>/<s>/` holding two items:
+
+- ``state``: the model's trainable arrays and the optimizer state, saved as a flat dict keyed by
+  pytree path (``model.blocks.attn.q_proj.weight``), so a checkpoint reads without the code
+  that wrote it and a mismatched model is reported by name;
+- ``meta``: JSON with the step, the data position, the seed, the recipe and anything else given.
+
+orbax writes into a temporary folder and renames it (atomic), saves asynchronously and keeps the
+last `keep` checkpoints. `save(..., wait=True)` and `wait()` surface errors from the background
+write.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+
+def _flat(tree, prefix: str) -> dict[str, Any]:
+    flat = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if leaf is None:
+            continue
+        key = prefix + jax.tree_util.keystr(path)
+        flat[key.replace("[", ".").replace("]", "").replace("'", "")] = leaf
+    return flat
+
+
+def _state_tree(model, opt_state) -> dict[str, Any]:
+    params = eqx.filter(model, eqx.is_inexact_array)
+    return {**_flat(params, "model"), **_flat(opt_state, "opt_state")}
+
+
+class Checkpointer:
+    """Save and restore (model, opt_state, metadata) under `directory`, keeping the last `keep`."""
+
+    def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
+        self.directory = Path(directory).absolute()
+        self.manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, create=True, enable_async_checkpointing=async_save
+            ),
+            item_names=("state", "meta"),
+        )
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def save(self, step: int, model, opt_state, meta: dict, *, wait: bool = False) -> Path:
+        """Start saving checkpoint `step`; with `wait`, block until it is on disk."""
+        tree = _state_tree(model, opt_state)
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave({**meta, "step": step})
+            ),
+            force=True,
+        )
+        if wait:
+            self.wait()
+        return self.directory / str(step)
+
+    def wait(self) -> None:
+        """Block until background saves finish; their errors are raised here."""
+        self.manager.wait_until_finished()
+
+    def read_meta(self, step: int | None = None) -> dict:
+        step = self._step(step)
+        return dict(
+            self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        )
+
+    def restore(self, model, opt_state, step: int | None = None):
+        """(model, opt_state, meta) of checkpoint `step` (default latest), shaped like the inputs.
+
+        `model` and `opt_state` are templates (e.g. freshly initialised); their arrays are
+        replaced by the saved ones. A template that does not match the checkpoint is an error
+        naming the differing arrays.
+        """
+        step = self._step(step)
+        template = _state_tree(model, opt_state)
+        abstract = {
+            k: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=getattr(v, "sharding", None))
+            for k, v in template.items()
+        }
+        try:
+            saved_meta = self.read_meta(step)
+            restored = self.manager.restore(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)),
+            )["state"]
+        except (ValueError, KeyError) as e:
+            raise ValueError(
+                f"checkpoint {self.directory / str(step)} does not match this model/optimizer "
+                f"(was the recipe changed?): {e}"
+            ) from None
+        missing = sorted(set(template) - set(restored))
+        if missing:
+            raise ValueError(f"checkpoint {self.directory / str(step)} lacks arrays {missing[:5]}")
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+        params = _unflat(params, "model", restored)
+        opt_state = _unflat(opt_state, "opt_state", restored)
+        return eqx.combine(params, static), opt_state, saved_meta
+
+    def _step(self, step: int | None) -> int:
+        if step is None:
+            step = self.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        return step
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def _unflat(tree, prefix: str, flat: dict[str, Any]):
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    keys = _flat_keys(leaves_with_path, prefix)
+    leaves = []
+    for key, (_, leaf) in zip(keys, leaves_with_path, strict=True):
+        if leaf is None:
+            leaves.append(None)
+            continue
+        value = flat[key]
+        if np.shape(value) != np.shape(leaf):
+            raise ValueError(
+                f"checkpoint array {key} has shape {np.shape(value)}, the model expects "
+                f"{np.shape(leaf)} (was the recipe changed?)"
+            )
+        leaves.append(value)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _flat_keys(leaves_with_path, prefix: str) -> list[str]:
+    return [
+        (prefix + jax.tree_util.keystr(p)).replace("[", ".").replace("]", "").replace("'", "")
+        for p, _ in leaves_with_path
+    ]

@@ -1,0 +1,527 @@
+"""The training loop behind `eqllm run`: data, model, compiled step, logs, checkpoints, report.
+
+A run is a function of its recipe: the batch of step s is `batch_at(train, step=s, seed=seed)`,
+so resuming from a checkpoint (model, optimizer state, step) continues exactly as an
+uninterrupted run would. SIGINT/SIGTERM set a flag checked after every step: the loop saves a
+checkpoint, waits for it, and returns. A non-finite loss is never applied (see `TrainStep`); the
+loop stops at it and leaves the last good checkpoint as it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import resource
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from eqllm.data import TokenData, batch_at, prepare
+from eqllm.eval.evaluate import eval_batch_size, evaluate_run, format_eval
+from eqllm.eval.harness import evaluate_tokens, loss_report
+from eqllm.model import CausalLM, param_count
+from eqllm.recipe import Recipe, RecipeError, load_recipe
+from eqllm.train import mfu as mfu_lib
+from eqllm.train.checkpoint import Checkpointer
+from eqllm.train.optim import make_optimizer, schedule
+from eqllm.train.report import write_loss_plot, write_report
+from eqllm.train.step import TrainStep, init_opt_state
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss or gradient norm became inf/NaN; the step was not applied."""
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What `run` did: the folder, the last step, the summary, and why it stopped early."""
+
+    out_dir: Path
+    step: int
+    total_steps: int
+    summary: dict
+    interrupted: str | None = None  # "SIGINT" / "SIGTERM" / "stop_after"
+
+
+def setup_compile_cache(setting: str) -> Path | None:
+    """Turn on JAX's persistent compilation cache ("" = default folder, "off" = disabled)."""
+    if setting == "off":
+        return None
+    path = Path(setting).expanduser() if setting else mfu_lib.cache_root() / "jax"
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+def prepare_data(recipe: Recipe, *, progress: bool = True) -> TokenData:
+    d = recipe.data
+    return prepare(
+        d.source.to_source(),
+        d.tokenizer,
+        cache_dir=d.cache_dir or None,
+        val_fraction=d.val_fraction,
+        seed=d.split_seed,
+        bpe_vocab_size=recipe.bpe_vocab_size(),
+        progress=progress,
+    )
+
+
+def build_model(recipe: Recipe, tokenizer_vocab: int) -> CausalLM:
+    """The recipe's model: `init_from` weights, or a fresh one sized to the tokenizer."""
+    if recipe.model.init_from:
+        from eqllm import hub
+
+        if not hasattr(hub, "from_pretrained"):
+            raise RecipeError(
+                f"model.init_from={recipe.model.init_from!r} needs eqllm.hub.from_pretrained, "
+                "which this install lacks; remove init_from to train from scratch"
+            )
+        model = hub.from_pretrained(recipe.model.init_from)
+        model = model.with_config(compute_dtype=recipe.train.precision, remat=recipe.train.remat)
+    else:
+        cfg = recipe.model_config(vocab_size=tokenizer_vocab)
+        # One compiled initialisation instead of dozens of small eager ops (seconds on a CPU).
+        model = eqx.filter_jit(lambda key: CausalLM(cfg, key=key))(
+            jax.random.key(recipe.train.seed)
+        )
+    if model.config.vocab_size < tokenizer_vocab:
+        raise RecipeError(
+            f"the tokenizer has {tokenizer_vocab} ids but the model's vocab_size is "
+            f"{model.config.vocab_size}; use a smaller data.bpe_vocab_size or a larger "
+            "model.overrides.vocab_size"
+        )
+    return model
+
+
+def restore_model(ckpt_dir: Path, model: CausalLM, recipe: Recipe, step: int | None = None):
+    """(model, meta) from a run's checkpoint folder; the optimizer state is read and dropped."""
+    params = eqx.filter(model, eqx.is_inexact_array)
+    optimizer = make_optimizer(recipe.optim, 1, params)
+    checkpointer = Checkpointer(ckpt_dir, keep=recipe.train.keep_checkpoints, async_save=False)
+    try:
+        model, _, meta = checkpointer.restore(model, init_opt_state(optimizer, model), step)
+    finally:
+        checkpointer.close()
+    return model, meta
+
+
+class _Signals:
+    """SIGINT/SIGTERM set `self.received`; a second SIGINT interrupts at once."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.received and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class MetricsLog:
+    """Rows to metrics.jsonl and scalars to TensorBoard event files in the run folder."""
+
+    def __init__(self, out_dir: Path, resume_step: int | None):
+        self.path = out_dir / "metrics.jsonl"
+        if resume_step is not None and self.path.is_file():
+            # Drop rows written after the checkpoint we resume from: they will be redone.
+            rows = [json.loads(line) for line in self.path.read_text().splitlines() if line]
+            kept = [r for r in rows if r.get("step", 0) <= resume_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        elif self.path.exists():
+            self.path.unlink()
+        self.file = self.path.open("a")
+        try:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+        except ImportError:  # tensorboardX is a dependency; tolerate its absence anyway
+            self.tb = None
+
+    def log(self, row: dict) -> None:
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self.tb.add_scalar(key, value, row["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def peak_memory() -> tuple[float, str]:
+    """(peak bytes, what was measured): device peak where JAX reports it, else host RSS."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return float(stats["peak_bytes_in_use"]), "device peak bytes in use"
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return float(rss_kb) * 1024, "peak host RSS"
+
+
+def run(
+    recipe: Recipe,
+    out_dir: str | os.PathLike | None = None,
+    *,
+    resume: bool = False,
+    stop_after: int | None = None,
+    progress: bool = True,
+    final_eval: bool = True,
+    echo=print,
+) -> RunResult:
+    """Train `recipe`, writing the run folder `out_dir` (default runs/<recipe name>).
+
+    resume: continue from the folder's latest checkpoint.
+    stop_after: stop (with a checkpoint) once this many steps are done, as if interrupted; the
+        schedule still spans the recipe's full length.
+    Raises `NonFiniteLoss` when a step's loss is not finite.
+    """
+    t_start = time.perf_counter()
+    out = Path(out_dir) if out_dir is not None else Path("runs") / (recipe.name or "run")
+    ckpt_dir = out / "checkpoints"
+    has_ckpt = ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
+    if resume and not has_ckpt:
+        raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir} to resume from")
+    if has_ckpt and not resume:
+        raise FileExistsError(
+            f"{out} already holds a run with checkpoints; pass --resume to continue it or "
+            "--out to start a new run elsewhere"
+        )
+    if resume:
+        saved = load_recipe(out / "config.toml")
+        for section in ("model", "data"):
+            if getattr(saved, section) != getattr(recipe, section):
+                raise RecipeError(
+                    f"--resume: the recipe's [{section}] differs from the one in "
+                    f"{out / 'config.toml'}; a resumed run must train the same model on the "
+                    "same data"
+                )
+    out.mkdir(parents=True, exist_ok=True)
+    cache = setup_compile_cache(recipe.train.compile_cache)
+
+    data = prepare_data(recipe, progress=progress)
+    data.tokenizer.save(out)
+    model = build_model(recipe, data.tokenizer.vocab_size)
+    cfg = model.config
+    n_params = param_count(eqx.filter(model, eqx.is_array))
+    total = recipe.total_steps(n_params)
+    (out / "config.toml").write_text(recipe.to_toml())
+    seq_len, batch_size = recipe.data.seq_len, recipe.train.batch_size
+    tokens_per_step = batch_size * seq_len
+    if data.train.shape[0] <= seq_len:
+        raise RecipeError(
+            f"data.seq_len={seq_len} needs more than {seq_len} training tokens; the corpus has "
+            f"{data.train.shape[0]} (use more data or a shorter seq_len)"
+        )
+
+    params = eqx.filter(model, eqx.is_inexact_array)
+    optimizer = make_optimizer(recipe.optim, total, params)
+    opt_state = init_opt_state(optimizer, model)
+    train_step = TrainStep(
+        optimizer, schedule(recipe.optim, total), grad_accum=recipe.train.grad_accum
+    )
+    checkpointer = Checkpointer(ckpt_dir, keep=recipe.train.keep_checkpoints)
+    start = 0
+    if resume:
+        model, opt_state, meta = checkpointer.restore(model, opt_state)
+        start = int(meta["step"])
+    last_saved = start if resume else None
+    log = MetricsLog(out, start if resume else None)
+
+    flops_per_token = cfg.flops_per_token(seq_len)
+    peak, peak_source = mfu_lib.device_peak_flops()
+    n_devices = 1
+
+    echo(f"run folder: {out}")
+    echo(
+        f"model: {recipe.model.variant} ({cfg.family}), {n_params:,} parameters, "
+        f"vocab {cfg.vocab_size}, context {cfg.max_seq_len}"
+    )
+    echo(
+        f"data: {data.meta['train_tokens']:,} training / {data.meta['val_tokens']:,} validation "
+        f"tokens ({data.tokenizer.kind} tokenizer, {data.tokenizer.vocab_size} ids, "
+        f"{data.bytes_per_token('train'):.2f} bytes/token)"
+    )
+    echo(
+        f"training: {total:,} steps x {tokens_per_step:,} tokens = {total * tokens_per_step:,} "
+        f"tokens ({total * tokens_per_step / n_params:.1f} per parameter)"
+        + (f", resuming at step {start}" if resume else "")
+    )
+
+    def meta_for(step: int) -> dict:
+        return {
+            "step": step,
+            "tokens": step * tokens_per_step,
+            "data_position": {"seed": recipe.train.seed, "next_step": step},
+            "seed": recipe.train.seed,
+            "recipe": recipe.to_dict(),
+        }
+
+    def make_batch(step: int) -> np.ndarray:
+        return batch_at(
+            data.train, step=step, seed=recipe.train.seed, batch_size=batch_size, seq_len=seq_len
+        )
+
+    def save(step: int, wait: bool = False) -> None:
+        nonlocal last_saved
+        m, s = model, opt_state
+        if jax.devices()[0].platform == "cpu":
+            # The next step donates these buffers; on CPU hand orbax host copies of its own.
+            m = jax.tree.map(lambda x: np.array(x) if eqx.is_array(x) else x, m)
+            s = jax.tree.map(lambda x: np.array(x) if eqx.is_array(x) else x, s)
+        checkpointer.save(step, m, s, meta_for(step), wait=wait)
+        last_saved = step
+
+    bar = tqdm(
+        total=total,
+        initial=start,
+        desc="train",
+        unit="step",
+        disable=not progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
+    loader_s = 0.0
+    loader_tokens = 0
+    step_times: list[float] = []
+    compile_s = None
+    first_step_s = None
+    window_t0 = time.perf_counter()
+    window_tokens = 0
+    interrupted = None
+    summary: dict = {}
+    last_train: dict = {}
+    step = start
+    tokens_per_s = 0.0
+    try:
+        with _Signals() as signals:
+            t0 = time.perf_counter()
+            batch = make_batch(start) if start < total else None
+            loader_s += time.perf_counter() - t0
+            loader_tokens += tokens_per_step
+            while step < total:
+                t_step = time.perf_counter()
+                model, opt_state, metrics = train_step(model, opt_state, jnp.asarray(batch))
+                if step + 1 < total:  # build the next batch while the device computes
+                    t0 = time.perf_counter()
+                    batch = make_batch(step + 1)
+                    loader_s += time.perf_counter() - t0
+                    loader_tokens += tokens_per_step
+                loss = float(metrics["loss"])
+                finite = bool(metrics["finite"])
+                dt = time.perf_counter() - t_step
+                step += 1
+                window_tokens += tokens_per_step
+                if first_step_s is None:
+                    first_step_s = dt
+                    window_t0, window_tokens = time.perf_counter(), 0
+                else:
+                    step_times.append(dt)
+                    if compile_s is None:
+                        compile_s = max(first_step_s - dt, 0.0)
+                        log.log(
+                            {"step": step, "compile_s": compile_s, "first_step_s": first_step_s}
+                        )
+                if not finite:
+                    where = (
+                        f"the last good checkpoint is step {last_saved} in {ckpt_dir}"
+                        if last_saved is not None
+                        else "no checkpoint was saved before it"
+                    )
+                    log.log({"step": step, "loss": loss, "finite": False})
+                    raise NonFiniteLoss(
+                        f"non-finite loss ({loss}) or gradient norm at step {step}; the update "
+                        f"was not applied and the run stopped. {where}. Lower optim.lr, raise "
+                        "optim.warmup_steps or check the data."
+                    )
+                bar.update(1)
+                if step % recipe.train.log_every == 0 or step == total:
+                    elapsed = time.perf_counter() - window_t0
+                    if window_tokens and elapsed > 0:
+                        tokens_per_s = window_tokens / elapsed
+                    m = jax.device_get(metrics)
+                    util = mfu_lib.mfu(tokens_per_s, flops_per_token, peak, n_devices)
+                    last_train = {
+                        "step": step,
+                        "tokens": step * tokens_per_step,
+                        "loss": loss,
+                        "grad_norm": float(m["grad_norm"]),
+                        "lr": float(m["lr"]),
+                        "update_norm": float(m["update_norm"]),
+                        "param_norm": float(m["param_norm"]),
+                        "tokens_per_s": tokens_per_s,
+                        "step_s": float(np.median(step_times[-50:])) if step_times else dt,
+                        **({"mfu": util} if util is not None else {}),
+                        "grad_norm/layer": [float(x) for x in m["grad_norm/layer"]],
+                    }
+                    log.log(last_train)
+                    postfix = {"loss": f"{loss:.3f}", "tok/s": f"{tokens_per_s:,.0f}"}
+                    if util is not None:
+                        postfix["mfu"] = f"{util:.1%}"
+                    bar.set_postfix(postfix, refresh=False)
+                    window_t0, window_tokens = time.perf_counter(), 0
+                ev = recipe.train.eval_every
+                if ev and step % ev == 0 and step < total and data.val.shape[0] > seq_len:
+                    t_eval = time.perf_counter()
+                    vloss, _ = evaluate_tokens(
+                        model,
+                        data.val,
+                        batch_size=eval_batch_size(recipe),
+                        seq_len=seq_len,
+                        max_batches=recipe.eval.batches or None,
+                    )
+                    rep = loss_report(vloss, data.bytes_per_token("val"))
+                    log.log(
+                        {
+                            "step": step,
+                            "tokens": step * tokens_per_step,
+                            **{f"val/{k}": v for k, v in rep.items()},
+                        }
+                    )
+                    bar.write(
+                        f"step {step}: val loss {vloss:.4f}, bits/byte {rep['bpb']:.4f}",
+                        file=sys.stderr,
+                    )
+                    window_t0 += time.perf_counter() - t_eval  # evaluation is not train time
+                ce = recipe.train.checkpoint_every
+                if ce and step % ce == 0 and step < total:
+                    save(step)
+                if signals.received or (stop_after is not None and step >= stop_after):
+                    if step < total:
+                        interrupted = signals.received or "stop_after"
+                        break
+            bar.close()
+            if last_saved != step:
+                save(step, wait=True)
+            checkpointer.wait()
+    finally:
+        bar.close()
+        checkpointer.close()
+
+    if interrupted:
+        log.close()
+        echo(
+            f"{interrupted}: saved checkpoint at step {step} in {ckpt_dir}; continue with "
+            f"`eqllm run {recipe.name or out / 'config.toml'} --out {out} --resume`"
+        )
+        return RunResult(out, step, total, {"step": step}, interrupted)
+
+    step_s = float(np.median(step_times)) if step_times else (first_step_s or 0.0)
+    step_tokens_per_s = tokens_per_step / step_s if step_s else 0.0
+    mem, mem_kind = peak_memory()
+    summary = {
+        "variant": recipe.model.variant,
+        "params": n_params,
+        "steps": step,
+        "tokens": step * tokens_per_step,
+        "tokens_per_s": tokens_per_s,
+        "step_s": step_s,
+        "step_tokens_per_s": step_tokens_per_s,
+        "loader_tokens_per_s": loader_tokens / loader_s if loader_s else float("inf"),
+        "mfu": mfu_lib.mfu(step_tokens_per_s, flops_per_token, peak, n_devices),
+        "peak_flops": peak,
+        "peak_flops_source": peak_source,
+        "flops_per_token": flops_per_token,
+        "compile_s": compile_s if compile_s is not None else first_step_s,
+        "compile_cache": str(cache) if cache else "off",
+        "traces": train_step.n_traces,
+        "peak_memory_bytes": mem,
+        "peak_memory_kind": mem_kind,
+        "device": jax.devices()[0].device_kind,
+        "final_train_loss": last_train.get("loss"),
+    }
+    if final_eval:
+        t_eval = time.perf_counter()
+        result = evaluate_run(model, data, recipe, progress=progress)
+        summary["eval_s"] = time.perf_counter() - t_eval
+        summary.update({k: v for k, v in result.items() if k != "samples"})
+        if "val" in result:
+            log.log(
+                {
+                    "step": step,
+                    "tokens": step * tokens_per_step,
+                    **{f"val/{k}": v for k, v in result["val"].items() if k != "tokens"},
+                    "unigram/bpb": result["unigram"]["bpb"],
+                }
+            )
+        samples = result.get("samples", [])
+        if samples:
+            sep = "\n" + "=" * 72 + "\n"
+            (out / "samples.txt").write_text(sep.join(samples) + "\n")
+        summary["samples"] = samples
+    summary["wall_s"] = time.perf_counter() - t_start
+    log.close()
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    write_loss_plot(out)
+    write_report(out, recipe, summary)
+    for line in format_summary(summary):
+        echo(line)
+    echo(f"report: {out / 'report.md'}")
+    return RunResult(out, step, total, summary)
+
+
+def format_summary(s: dict) -> list[str]:
+    lines = format_eval(s)
+    util = f", MFU {s['mfu']:.1%}" if s.get("mfu") is not None else ""
+    lines.append(
+        f"throughput: {s['step_tokens_per_s']:,.0f} tokens/s per train step{util} "
+        f"(loader {s['loader_tokens_per_s']:,.0f} tokens/s); compile {s['compile_s']:.1f} s; "
+        f"wall {s['wall_s']:.0f} s"
+    )
+    return lines
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """`eqllm run RECIPE_OR_PATH [--out DIR] [--set key=value ...] [--resume]`."""
+    recipe = load_recipe(args.recipe, args.set or [])
+    out = args.out
+    if out is None and args.resume is False:
+        out = Path("runs") / recipe.name
+    try:
+        result = run(recipe, out, resume=args.resume, progress=not args.no_progress)
+    except NonFiniteLoss as e:
+        print(f"eqllm: error: {e}", file=sys.stderr)
+        return 1
+    if result.interrupted == "SIGINT":
+        return 130
+    if result.interrupted == "SIGTERM":
+        return 143
+    return 0
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="a shipped recipe name (recipes/NAME.toml) or a path")
+    parser.add_argument("--out", type=Path, default=None, help="run folder (runs/<recipe>)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a recipe field, e.g. --set train.steps=100 (repeatable)",
+    )
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -1,0 +1,135 @@
+"""The training step: gradient, optimizer update and metrics in one compiled call.
+
+`make_train_step` returns `train_step(model, opt_state, batch) -> (model, opt_state, metrics)`,
+one `eqx.filter_jit` function with the model and optimizer state donated (their buffers are
+reused for the results: do not touch the arguments after the call). The batch of
+`grad_accum * micro_batch` sequences is split into micro-batches whose gradients are summed with
+`lax.scan` inside the same compiled call. A step whose loss or gradient norm is not finite is
+not applied: the returned model and state are the inputs, and `metrics["finite"]` is False.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Bool, Float, Int
+
+from eqllm.model import CausalLM
+
+
+def token_nll(model: CausalLM, batch: Int[Array, "batch window"]) -> Float[Array, "batch window-1"]:
+    """Negative log-likelihood (nats, fp32) of every target `batch[:, 1:]` given its prefix."""
+    logits = jax.vmap(model)(batch[:, :-1])  # (batch, seq, vocab), fp32
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:])
+
+
+def mean_loss(
+    model: CausalLM,
+    batch: Int[Array, "batch window"],
+    mask: Bool[Array, "batch window-1"] | None = None,
+) -> Float[Array, ""]:
+    """Mean next-token cross entropy over the (masked-in) targets."""
+    nll = token_nll(model, batch)
+    if mask is None:
+        return nll.mean()
+    return jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.maximum(mask.sum(), 1)
+
+
+def _layer_grad_norms(grads) -> Float[Array, " layers"]:
+    """L2 norm of each layer's gradient: the stacked blocks' leaves reduced over all but axis 0."""
+    leaves = [g for g in jax.tree.leaves(grads.blocks) if g is not None]
+    squares = [
+        jnp.sum(jnp.square(g.astype(jnp.float32)).reshape(g.shape[0], -1), 1) for g in leaves
+    ]
+    return jnp.sqrt(sum(squares))
+
+
+def _step_count(opt_state) -> Int[Array, ""]:
+    counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+    return counts[0][1] if counts else jnp.zeros((), jnp.int32)
+
+
+class TrainStep:
+    """`train_step(model, opt_state, batch) -> (model, opt_state, metrics)`; see module docstring.
+
+    Attributes:
+        n_traces: how many times the step has been traced (1 after any number of steps with
+            fixed shapes; more means something is recompiling it).
+
+    Metrics (device scalars unless noted): loss, grad_norm (before clipping), lr,
+    update_norm, param_norm, finite (bool), grad_norm/layer (vector over layers).
+    """
+
+    def __init__(
+        self,
+        optimizer: optax.GradientTransformation,
+        lr_schedule: optax.Schedule,
+        *,
+        grad_accum: int = 1,
+    ):
+        if grad_accum < 1:
+            raise ValueError(f"grad_accum={grad_accum} must be >= 1")
+        self.optimizer = optimizer
+        self.lr_schedule = lr_schedule
+        self.grad_accum = grad_accum
+        self.n_traces = 0
+        # The batch goes first so that "all-except-first" donates exactly model and opt_state.
+        self._compiled = eqx.filter_jit(self._step, donate="all-except-first")
+
+    def __call__(self, model: CausalLM, opt_state, batch: Int[Array, "batch window"]):
+        if batch.shape[0] % self.grad_accum:
+            raise ValueError(
+                f"batch of {batch.shape[0]} sequences does not split into "
+                f"grad_accum={self.grad_accum} equal micro-batches"
+            )
+        return self._compiled(batch, model, opt_state)
+
+    def _step(self, batch, model, opt_state):
+        self.n_traces += 1
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+
+        def loss_of(p, micro):
+            return mean_loss(eqx.combine(p, static), micro)
+
+        grad_fn = jax.value_and_grad(loss_of)
+        if self.grad_accum == 1:
+            loss, grads = grad_fn(params, batch)
+        else:
+            micro = batch.reshape(self.grad_accum, -1, batch.shape[-1])
+
+            def accumulate(carry, mb):
+                loss_sum, grad_sum = carry
+                loss, grads = grad_fn(params, mb)
+                return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros(()), zeros), micro)
+            loss = loss / self.grad_accum
+            grads = jax.tree.map(lambda g: g / self.grad_accum, grads)
+
+        grad_norm = optax.tree.norm(grads)
+        count = _step_count(opt_state)
+        updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
+        new_params = eqx.apply_updates(params, updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # A non-finite step is dropped: keep the old parameters and optimizer state.
+        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        new_params = jax.tree.map(keep, new_params, params)
+        new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": jnp.asarray(self.lr_schedule(count), jnp.float32),
+            "update_norm": optax.tree.norm(updates),
+            "param_norm": optax.tree.norm(new_params),
+            "finite": finite,
+            "grad_norm/layer": _layer_grad_norms(grads),
+        }
+        return eqx.combine(new_params, static), new_opt_state, metrics
+
+
+def init_opt_state(optimizer: optax.GradientTransformation, model: CausalLM):
+    """The optimizer state for the trainable (floating-point) arrays of `model`."""
+    return eqx.filter_jit(optimizer.init)(eqx.filter(model, eqx.is_inexact_array))
