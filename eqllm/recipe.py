@@ -25,6 +25,7 @@ import tomllib
 
 from eqllm.config import ConfigError, ModelConfig
 from eqllm.resources import data_dir
+from eqllm.sharding import MeshConfig
 
 Schedule = Literal["cosine", "linear", "constant", "wsd"]
 Precision = Literal["float32", "bfloat16"]
@@ -189,6 +190,7 @@ class Recipe:
     optim: OptimSpec = dataclasses.field(default_factory=OptimSpec)
     train: TrainSpec = dataclasses.field(default_factory=TrainSpec)
     eval: EvalSpec = dataclasses.field(default_factory=EvalSpec)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     name: str = ""
     description: str = ""
 
@@ -415,7 +417,10 @@ def _build(cls: type, values: Any, prefix: str):
                 raise RecipeError(f"{where} is missing the required key {prefix}{name!r}")
             continue
         kwargs[name] = _convert(values[name], hints[name], f"{prefix}{name}")
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # a section's own validation (e.g. MeshConfig)
+        raise RecipeError(f"{where}: {e}") from None
 
 
 def _type_name(tp) -> str:

@@ -200,6 +200,8 @@ def spec_for(
         mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes
         split = math.prod(_sizes(mesh)[a] for a in mesh_axes)
         parts.append(mesh_axes if size % split == 0 and split > 1 else None)
+    while parts and parts[-1] is None:  # P(None, None) and P() are the same placement;
+        parts.pop()  # XLA returns the short form, so use it to keep jit's cache keys equal
     return PartitionSpec(*parts)
 
 
@@ -215,6 +217,24 @@ def param_shardings(model, mesh: Mesh):
         else:
             out.append(None)
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def shardings_like_params(tree, params, shardings):
+    """Shardings for a tree holding copies of the parameters (an optimizer state).
+
+    Every subtree shaped like `params` (AdamW's moments, say) gets the parameters' `shardings`;
+    any other array (step counts) is replicated.
+    """
+    params_def = jax.tree.structure(params)
+    mesh = next(s.mesh for s in jax.tree.leaves(shardings))
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def like_params(node) -> bool:
+        return node is not None and jax.tree.structure(node) == params_def
+
+    return jax.tree.map(
+        lambda node: shardings if like_params(node) else replicated, tree, is_leaf=like_params
+    )
 
 
 def shard_model(model, mesh: Mesh):

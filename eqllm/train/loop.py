@@ -23,7 +23,6 @@ from pathlib import Path
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -32,6 +31,15 @@ from eqllm.eval.evaluate import eval_batch_size, evaluate_run, format_eval
 from eqllm.eval.harness import evaluate_tokens, loss_report
 from eqllm.model import CausalLM, param_count
 from eqllm.recipe import Recipe, RecipeError, load_recipe
+from eqllm.sharding import (
+    batch_sharding,
+    check_divisible,
+    check_fits,
+    estimate_memory,
+    make_mesh,
+    param_shardings,
+    shard_model,
+)
 from eqllm.train import mfu as mfu_lib
 from eqllm.train.checkpoint import Checkpointer
 from eqllm.train.optim import make_optimizer, schedule
@@ -101,6 +109,36 @@ def build_model(recipe: Recipe, tokenizer_vocab: int) -> CausalLM:
             "model.overrides.vocab_size"
         )
     return model
+
+
+def place_on_mesh(recipe: Recipe, model: CausalLM):
+    """(mesh, model placed on it, the parameters' shardings) for the recipe's [mesh].
+
+    Fails before any compilation when the mesh does not fit the devices, the heads, the batch or
+    the devices' memory, with a message that says which size to change.
+    """
+    mesh = make_mesh(recipe.mesh)
+    check_divisible(model.config, mesh)
+    t = recipe.train
+    split = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = t.batch_size // t.grad_accum
+    if micro % split:
+        raise RecipeError(
+            f"train.batch_size={t.batch_size} / grad_accum={t.grad_accum} = {micro} rows per "
+            f"micro-batch do not split over data*fsdp={split} devices; make it a multiple "
+            f"of {split}"
+        )
+    estimate = estimate_memory(
+        model.config,
+        mesh,
+        batch_size=t.batch_size,
+        seq_len=recipe.data.seq_len,
+        grad_accum=t.grad_accum,
+    )
+    check_fits(estimate, mesh.devices.flat[0])
+    if mesh.size == 1:  # one device: nothing to place (and no new shardings to trace against)
+        return mesh, model, None
+    return mesh, shard_model(model, mesh), param_shardings(model, mesh)
 
 
 def restore_model(ckpt_dir: Path, model: CausalLM, recipe: Recipe, step: int | None = None):
@@ -236,11 +274,15 @@ def run(
             f"{data.train.shape[0]} (use more data or a shorter seq_len)"
         )
 
+    mesh, model, shardings = place_on_mesh(recipe, model)
     params = eqx.filter(model, eqx.is_inexact_array)
     optimizer = make_optimizer(recipe.optim, total, params)
-    opt_state = init_opt_state(optimizer, model)
+    opt_state = init_opt_state(optimizer, model, shardings)
     train_step = TrainStep(
-        optimizer, schedule(recipe.optim, total), grad_accum=recipe.train.grad_accum
+        optimizer,
+        schedule(recipe.optim, total),
+        grad_accum=recipe.train.grad_accum,
+        param_shardings=shardings,
     )
     checkpointer = Checkpointer(ckpt_dir, keep=recipe.train.keep_checkpoints)
     start = 0
@@ -252,7 +294,7 @@ def run(
 
     flops_per_token = cfg.flops_per_token(seq_len)
     peak, peak_source = mfu_lib.device_peak_flops()
-    n_devices = 1
+    n_devices = mesh.size
 
     echo(f"run folder: {out}")
     echo(
@@ -280,9 +322,22 @@ def run(
         }
 
     def make_batch(step: int) -> np.ndarray:
+        """This process's rows of step `step`'s global batch."""
         return batch_at(
-            data.train, step=step, seed=recipe.train.seed, batch_size=batch_size, seq_len=seq_len
+            data.train,
+            step=step,
+            seed=recipe.train.seed,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
         )
+
+    def place(batch: np.ndarray) -> jax.Array:
+        """The global batch array, split over the mesh's data and fsdp axes."""
+        if mesh.size == 1:
+            return jax.numpy.asarray(batch)
+        return jax.make_array_from_process_local_data(batch_sharding(mesh), batch)
 
     def save(step: int, wait: bool = False) -> None:
         nonlocal last_saved
@@ -323,7 +378,7 @@ def run(
             loader_tokens += tokens_per_step
             while step < total:
                 t_step = time.perf_counter()
-                model, opt_state, metrics = train_step(model, opt_state, jnp.asarray(batch))
+                model, opt_state, metrics = train_step(model, opt_state, place(batch))
                 if step + 1 < total:  # build the next batch while the device computes
                     t0 = time.perf_counter()
                     batch = make_batch(step + 1)
@@ -496,6 +551,7 @@ def format_summary(s: dict) -> list[str]:
 def run_command(args: argparse.Namespace) -> int:
     """`eqllm run RECIPE_OR_PATH [--out DIR] [--set key=value ...] [--resume]`."""
     recipe = load_recipe(args.recipe, args.set or [])
+    join_processes(args.coordinator, args.num_processes, args.process_id)
     out = args.out
     if out is None and args.resume is False:
         out = Path("runs") / recipe.name
@@ -511,6 +567,20 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def join_processes(coordinator: str | None, num_processes: int | None, process_id: int | None):
+    """Start JAX's multi-host runtime when asked (flags or JAX's environment variables)."""
+    given = [x is not None for x in (coordinator, num_processes, process_id)]
+    if any(given) and not all(given):
+        raise ValueError(
+            "--coordinator, --num-processes and --process-id go together: give all three "
+            "(or none, and let the environment variables say)"
+        )
+    if all(given):
+        jax.distributed.initialize(coordinator, num_processes, process_id)
+    elif os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        jax.distributed.initialize()
+
+
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="a shipped recipe name (recipes/NAME.toml) or a path")
     parser.add_argument("--out", type=Path, default=None, help="run folder (runs/<recipe>)")
@@ -522,3 +592,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    hosts = parser.add_argument_group(
+        "several hosts",
+        "join a multi-host run (jax.distributed.initialize); the environment "
+        "variables JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (or SLURM, "
+        "Open MPI) work too",
+    )
+    hosts.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
+    hosts.add_argument("--num-processes", type=int, help="how many processes take part")
+    hosts.add_argument("--process-id", type=int, help="this process's index, 0..N-1")

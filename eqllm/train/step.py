@@ -17,6 +17,7 @@ import optax
 from jaxtyping import Array, Bool, Float, Int
 
 from eqllm.model import CausalLM
+from eqllm.sharding import shardings_like_params
 
 
 def token_nll(model: CausalLM, batch: Int[Array, "batch window"]) -> Float[Array, "batch window-1"]:
@@ -68,12 +69,16 @@ class TrainStep:
         lr_schedule: optax.Schedule,
         *,
         grad_accum: int = 1,
+        param_shardings=None,
     ):
         if grad_accum < 1:
             raise ValueError(f"grad_accum={grad_accum} must be >= 1")
         self.optimizer = optimizer
         self.lr_schedule = lr_schedule
         self.grad_accum = grad_accum
+        # Where updated parameters must live (a pytree like the model's trainable arrays, from
+        # eqllm.sharding.param_shardings); None lets XLA choose (single device).
+        self.param_shardings = param_shardings
         self.n_traces = 0
         # The batch goes first so that "all-except-first" donates exactly model and opt_state.
         self._compiled = eqx.filter_jit(self._step, donate="all-except-first")
@@ -85,6 +90,10 @@ class TrainStep:
                 f"grad_accum={self.grad_accum} equal micro-batches"
             )
         return self._compiled(batch, model, opt_state)
+
+    def lower(self, model: CausalLM, opt_state, batch: Int[Array, "batch window"]):
+        """The step lowered for these arguments (`.compile().as_text()` shows the HLO)."""
+        return self._compiled.lower(batch, model, opt_state)
 
     def _step(self, batch, model, opt_state):
         self.n_traces += 1
@@ -118,6 +127,11 @@ class TrainStep:
         keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
         new_params = jax.tree.map(keep, new_params, params)
         new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+        if self.param_shardings is not None:  # keep everything where it was placed
+            new_params = jax.lax.with_sharding_constraint(new_params, self.param_shardings)
+            new_opt_state = jax.lax.with_sharding_constraint(
+                new_opt_state, shardings_like_params(new_opt_state, params, self.param_shardings)
+            )
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
@@ -130,6 +144,14 @@ class TrainStep:
         return eqx.combine(new_params, static), new_opt_state, metrics
 
 
-def init_opt_state(optimizer: optax.GradientTransformation, model: CausalLM):
-    """The optimizer state for the trainable (floating-point) arrays of `model`."""
-    return eqx.filter_jit(optimizer.init)(eqx.filter(model, eqx.is_inexact_array))
+def init_opt_state(optimizer: optax.GradientTransformation, model: CausalLM, param_shardings=None):
+    """The optimizer state for the trainable (floating-point) arrays of `model` (one compiled call).
+
+    With `param_shardings` (eqllm.sharding.param_shardings), moments are placed like their
+    parameters and scalars replicated: the layout the train step keeps.
+    """
+    params = eqx.filter(model, eqx.is_inexact_array)
+    state = eqx.filter_jit(optimizer.init)(params)
+    if param_shardings is None:
+        return state
+    return jax.device_put(state, shardings_like_params(state, params, param_shardings))

@@ -1,0 +1,115 @@
+"""Training on a mesh equals training on one device; checkpoints move between meshes."""
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+
+import eqllm
+from eqllm.recipe import OptimSpec
+from eqllm.sharding import MeshConfig, batch_sharding, make_mesh, param_shardings, shard_model
+from eqllm.train import TrainStep, init_opt_state, make_optimizer, schedule
+from eqllm.train.checkpoint import Checkpointer
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+
+CFG = eqllm.zoo.config(
+    "llama-nano",
+    vocab_size=96,
+    d_model=64,
+    n_layers=2,
+    n_heads=8,
+    n_kv_heads=8,
+    d_ff=128,
+    max_seq_len=32,
+)
+MESHES = ["data=8", "data=2,fsdp=4", "data=2,fsdp=2,tensor=2", "data=1,tensor=8"]
+STEPS = 3
+# AdamW with eps=1e-3: Adam's first updates are ~sign(gradient), so an element whose gradient is
+# ~1e-9 moves by +-lr on a sign flip that mere summation order causes; a larger eps keeps the
+# update a smooth function of the gradient, and the comparison below tight.
+SPEC = OptimSpec(lr=1e-2, warmup_steps=0, eps=1e-3)
+
+
+def batches():
+    return [jax.random.randint(jax.random.key(10 + i), (8, 33), 0, 96) for i in range(STEPS)]
+
+
+def train(mesh=None):
+    model = eqllm.CausalLM(CFG, key=jax.random.key(0))
+    shardings = None
+    if mesh is not None:
+        shardings = param_shardings(model, mesh)
+        model = shard_model(model, mesh)
+    optimizer = make_optimizer(SPEC, 10, eqx.filter(model, eqx.is_inexact_array))
+    opt_state = init_opt_state(optimizer, model, shardings)
+    step = TrainStep(optimizer, schedule(SPEC, 10), param_shardings=shardings)
+    losses = []
+    for batch in batches():
+        if mesh is not None:
+            batch = jax.device_put(batch, batch_sharding(mesh))
+        model, opt_state, metrics = step(model, opt_state, batch)
+        losses.append(float(metrics["loss"]))
+    return model, opt_state, losses, step
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model, _, losses, _ = train()
+    return model, losses
+
+
+@pytest.mark.parametrize("mesh_text", MESHES)
+def test_mesh_training_equals_single_device(reference, mesh_text):
+    ref_model, ref_losses = reference
+    mesh = make_mesh(MeshConfig.parse(mesh_text))
+    model, _, losses, step = train(mesh)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(ref_model), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+    assert step.n_traces == 1
+    # The updated parameters stay where the rules put them.
+    expected = param_shardings(model, mesh)
+    for leaf, sharding in zip(jax.tree.leaves(model), jax.tree.leaves(expected), strict=True):
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+
+
+def test_checkpoint_moves_between_meshes(tmp_path):
+    mesh_a = make_mesh(MeshConfig.parse("data=2,fsdp=2,tensor=2"))
+    model, opt_state, _, _ = train(mesh_a)
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    ckpt.save(STEPS, model, opt_state, {"note": "mesh a"}, wait=True)
+    template = eqllm.CausalLM(CFG, key=jax.random.key(1))
+    optimizer = make_optimizer(SPEC, 10, eqx.filter(template, eqx.is_inexact_array))
+    for target in ("data=8", "data=1,tensor=8", None):
+        t_model, shardings = template, None
+        if target is not None:
+            mesh = make_mesh(MeshConfig.parse(target))
+            t_model, shardings = shard_model(template, mesh), param_shardings(template, mesh)
+        restored, _, meta = ckpt.restore(t_model, init_opt_state(optimizer, t_model, shardings))
+        assert meta["note"] == "mesh a"
+        for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(model), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        if target is not None:
+            q = restored.blocks.attn.q_proj.weight
+            assert q.sharding.is_equivalent_to(t_model.blocks.attn.q_proj.weight.sharding, 3)
+    ckpt.close()
+
+
+def test_batch_rows_must_split_over_data_devices():
+    from eqllm.recipe import Recipe, RecipeError
+    from eqllm.train.loop import place_on_mesh
+
+    recipe = Recipe.from_dict(
+        {
+            "model": {"variant": "llama-nano", "overrides": {"n_heads": 8, "n_kv_heads": 8}},
+            "train": {"batch_size": 12, "steps": 1},
+            "mesh": {"data": 8},
+        }
+    )
+    with pytest.raises(RecipeError, match="do not split over data\\*fsdp=8"):
+        place_on_mesh(recipe, eqllm.CausalLM(recipe.model_config(), key=jax.random.key(0)))
+    with pytest.raises(RecipeError, match="mesh.data=0"):
+        Recipe.from_dict(
+            {"model": {"variant": "llama-nano"}, "train": {"steps": 1}, "mesh": {"data": 0}}
+        )
