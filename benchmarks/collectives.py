@@ -9,7 +9,9 @@ sharding rules predict:
 
 - data only: gradients all-reduced; no weight all-gather, no reduce-scatter.
 - fsdp: weights all-gathered before use and gradients reduce-scattered (or all-reduced and
-  sliced, which XLA's CPU backend may prefer); activations never all-gathered over the batch.
+  sliced, which XLA's CPU backend may prefer). Where the gathers sit matters for memory: inside
+  the layer loop (ZeRO-3: one layer's weights whole at a time) or before it (all layers whole
+  at once); the table shows which the partitioner chose.
 - tensor: all-reduces inside the layer body (after the row-parallel o_proj and down projections,
   forward and backward); no all-gather of whole weights.
 """
@@ -26,7 +28,13 @@ import jax.numpy as jnp  # noqa: E402
 
 import eqllm  # noqa: E402
 from eqllm.recipe import OptimSpec  # noqa: E402
-from eqllm.sharding import MeshConfig, batch_sharding, make_mesh, shard_model  # noqa: E402
+from eqllm.sharding import (  # noqa: E402
+    MeshConfig,
+    batch_sharding,
+    make_mesh,
+    param_shardings,
+    shard_model,
+)
 from eqllm.train.optim import make_optimizer  # noqa: E402
 from eqllm.train.step import TrainStep, init_opt_state  # noqa: E402
 
@@ -58,32 +66,45 @@ def count_collectives(hlo: str) -> tuple[dict[str, int], dict[str, int]]:
 
 
 def main() -> int:
-    cfg = eqllm.zoo.config("llama-nano", d_model=128, n_heads=8, n_kv_heads=8, d_ff=512,
-                           vocab_size=4096, max_seq_len=128)
+    cfg = eqllm.zoo.config(
+        "llama-nano",
+        d_model=128,
+        n_heads=8,
+        n_kv_heads=8,
+        d_ff=512,
+        vocab_size=4096,
+        max_seq_len=128,
+    )
     model = eqllm.CausalLM(cfg, key=jax.random.key(0))
-    print(f"llama-nano width {cfg.d_model}, {cfg.n_layers} layers, batch 16 x seq 128, "
-          f"{jax.device_count()} {jax.devices()[0].platform} devices, jax {jax.__version__}")
+    print(
+        f"llama-nano width {cfg.d_model}, {cfg.n_layers} layers, batch 16 x seq 128, "
+        f"{jax.device_count()} {jax.devices()[0].platform} devices, jax {jax.__version__}"
+    )
     print(f"{'mesh':<24}{'where':<10}" + "".join(f"{k:>20}" for k in KINDS[:3]) + "  design")
     ok = True
     for text in MESHES:
         mesh = make_mesh(MeshConfig.parse(text))
-        sharded = shard_model(model, mesh)
+        sharded, shardings = shard_model(model, mesh), param_shardings(model, mesh)
         optimizer = make_optimizer(OptimSpec(), 100, eqx.filter(sharded, eqx.is_array))
-        opt_state = init_opt_state(optimizer, sharded)
-        step = TrainStep(optimizer, lambda _: 1e-3)
+        opt_state = init_opt_state(optimizer, sharded, shardings)
+        step = TrainStep(optimizer, lambda _: 1e-3, param_shardings=shardings)
         batch = jax.device_put(jnp.zeros((16, 129), jnp.int32), batch_sharding(mesh))
-        hlo = step.lower(sharded, opt_state, batch).compile().as_text()
+        hlo = step.lower(sharded, opt_state, batch).compile().compiled.as_text()
         in_loop, outside = count_collectives(hlo)
         verdicts = []
         for kind, expected in PREDICTED[text].items():
             present = (in_loop[kind] + outside[kind]) > 0
-            verdicts.append(f"{kind} {'present' if present else 'absent'}"
-                            f"{'' if present == expected else ' (UNEXPECTED)'}")
+            verdicts.append(
+                f"{kind} {'present' if present else 'absent'}"
+                f"{'' if present == expected else ' (UNEXPECTED)'}"
+            )
             ok &= present == expected
         for where, counts in (("layer", in_loop), ("step", outside)):
             cells = "".join(f"{counts[k]:>20}" for k in KINDS[:3])
-            print(f"{text if where == 'layer' else '':<24}{where:<10}{cells}"
-                  + (f"  {'; '.join(verdicts)}" if where == "layer" else ""))
+            print(
+                f"{text if where == 'layer' else '':<24}{where:<10}{cells}"
+                + (f"  {'; '.join(verdicts)}" if where == "layer" else "")
+            )
     print("all collectives as the design predicts" if ok else "MISMATCH with the design")
     return 0 if ok else 1
 
