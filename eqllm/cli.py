@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from eqllm import zoo
+from eqllm.eval import generate_cli
 
 
 def _zoo_list(args: argparse.Namespace) -> int:
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     show = zoo_commands.add_parser("show", help="the full config of one variant")
     show.add_argument("name")
     show.set_defaults(func=_zoo_show)
+    generate_cli.add_parser(commands)
     return parser
 
 

@@ -103,11 +103,11 @@ class Sampling(eqx.Module):
 
 
 def sampling(
-    temperature: float = 1.0,
+    temperature: float | int = 1.0,
     top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    repetition_penalty: float | None = None,
+    top_p: float | int | None = None,
+    min_p: float | int | None = None,
+    repetition_penalty: float | int | None = None,
 ) -> Sampling:
     """Validated sampling settings (None switches a filter off)."""
     if not (math.isfinite(temperature) and temperature >= 0):
@@ -413,6 +413,8 @@ def _prepare(model, prompts, max_new_tokens, stop_tokens):
     stop = np.asarray(list(stop_tokens), np.int32).reshape(-1)
     if stop.size and (stop.min() < 0 or stop.max() >= cfg.vocab_size):
         raise ValueError(f"stop_tokens must be token ids in [0, vocab_size={cfg.vocab_size})")
+    # Padded with an id no token has, to a multiple of 8: a few more stops do not recompile.
+    stop = np.pad(stop, (0, 8 * max(1, -(-len(stop) // 8)) - len(stop)), constant_values=-1)
     width = bucket(longest, cfg.max_seq_len)
     tokens = np.zeros((len(rows), width), np.int32)
     positions = np.full((len(rows), width), -1, np.int32)
@@ -428,11 +430,11 @@ def generate_batch(
     *,
     max_new_tokens: int,
     key: Array,
-    temperature: float = 1.0,
+    temperature: float | int = 1.0,
     top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    repetition_penalty: float | None = None,
+    top_p: float | int | None = None,
+    min_p: float | int | None = None,
+    repetition_penalty: float | int | None = None,
     stop_tokens: Sequence | np.ndarray = (),
 ) -> list[np.ndarray]:
     """Continue several prompts of any lengths at once; one compiled call.
@@ -467,11 +469,11 @@ def generate(
     *,
     max_new_tokens: int,
     key: PRNGKeyArray,
-    temperature: float = 1.0,
+    temperature: float | int = 1.0,
     top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    repetition_penalty: float | None = None,
+    top_p: float | int | None = None,
+    min_p: float | int | None = None,
+    repetition_penalty: float | int | None = None,
     stop_tokens: Sequence | np.ndarray = (),
 ) -> np.ndarray:
     """Continue one prompt of token ids: the new tokens (int32), ending at a stop token if one
@@ -497,11 +499,11 @@ def stream(
     *,
     max_new_tokens: int,
     key: PRNGKeyArray,
-    temperature: float = 1.0,
+    temperature: float | int = 1.0,
     top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    repetition_penalty: float | None = None,
+    top_p: float | int | None = None,
+    min_p: float | int | None = None,
+    repetition_penalty: float | int | None = None,
     stop_tokens: Sequence | np.ndarray = (),
     chunk: int = 16,
 ) -> Iterator[np.ndarray]:
