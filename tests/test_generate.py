@@ -149,6 +149,8 @@ def test_same_key_same_sample_and_keys_differ(models):
     assert a.tolist() == b.tolist()
     assert a.tolist() != c.tolist()
     assert len(a) == NEW and a.dtype == np.int32
+    one = eqllm.generate(model, [1, 2], max_new_tokens=1, key=jax.random.key(1))
+    assert one.tolist() == a.tolist()[:1]
 
 
 def test_settings_do_not_recompile(models, monkeypatch):
