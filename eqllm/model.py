@@ -151,14 +151,22 @@ class CausalLM(eqx.Module):
             f"token id out of range: ids must lie in [0, vocab_size={cfg.vocab_size})",
         )
         model = cast_floating(self, dtype_of(cfg.compute_dtype))  # the one compute-dtype cast
-        x = jnp.take(model.embed.weight, tokens, axis=0)  # (seq, d_model)
+        x = model.embed_inputs(tokens, positions)
+        x = run_blocks(model.blocks, x, positions, cfg)
+        return jax.vmap(model.final_norm)(x)
+
+    def embed_inputs(
+        self, tokens: Int[Array, " seq"], positions: Int[Array, " seq"]
+    ) -> Float[Array, "seq d_model"]:
+        """Token embeddings (scaled, plus learned positions where the family has them)."""
+        cfg = self.config
+        x = jnp.take(self.embed.weight, tokens, axis=0)  # (seq, d_model)
         if cfg.embed_scale:
             # Gemma rounds sqrt(d_model) to the compute dtype before multiplying.
             x = x * jnp.asarray(math.sqrt(cfg.d_model), x.dtype)
-        if model.pos_embed is not None:
-            x = x + jnp.take(model.pos_embed.weight, jnp.maximum(positions, 0), axis=0)
-        x = run_blocks(model.blocks, x, positions, cfg)
-        return jax.vmap(model.final_norm)(x)
+        if self.pos_embed is not None:
+            x = x + jnp.take(self.pos_embed.weight, jnp.maximum(positions, 0), axis=0)
+        return x
 
     def logits(self, hidden: Float[Array, "seq d_model"]) -> Float[Array, "seq vocab"]:
         """LM head on hidden states; the product accumulates and returns in fp32."""

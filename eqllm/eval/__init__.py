@@ -1,6 +1,17 @@
-"""Evaluation: loss, perplexity and bits per byte on text sources; samples for reports."""
+"""Evaluation: loss, perplexity and bits per byte; text generation (KV cache, compiled decoding)."""
 
-from .harness import (
+from eqllm.eval.generate import (
+    DecodeState,
+    Sampling,
+    filter_logits,
+    forward_cached,
+    generate,
+    generate_batch,
+    init_cache,
+    sampling,
+    stream,
+)
+from eqllm.eval.harness import (
     bits_per_byte,
     evaluate_tokens,
     loss_report,
@@ -8,4 +19,19 @@ from .harness import (
     unigram_loss,
 )
 
-__all__ = ["bits_per_byte", "evaluate_tokens", "loss_report", "naive_sample", "unigram_loss"]
+__all__ = [
+    "DecodeState",
+    "Sampling",
+    "bits_per_byte",
+    "evaluate_tokens",
+    "filter_logits",
+    "forward_cached",
+    "generate",
+    "generate_batch",
+    "init_cache",
+    "loss_report",
+    "naive_sample",
+    "sampling",
+    "stream",
+    "unigram_loss",
+]

@@ -2,6 +2,7 @@
 
 from eqllm.nn.attention import Attention, attention_mask, dot_product_attention
 from eqllm.nn.block import Block
+from eqllm.nn.kv_cache import KVCache
 from eqllm.nn.mlp import MLP, GatedMLP
 from eqllm.nn.norm import LayerNorm, RMSNorm
 from eqllm.nn.rope import RotaryEmbedding, rope_inv_freq
@@ -11,6 +12,7 @@ __all__ = [
     "Attention",
     "Block",
     "GatedMLP",
+    "KVCache",
     "LayerNorm",
     "RMSNorm",
     "RotaryEmbedding",

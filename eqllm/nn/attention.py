@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from eqllm.nn.kv_cache import KVCache
 from eqllm.nn.norm import RMSNorm
 from eqllm.nn.rope import RotaryEmbedding
 
@@ -165,3 +166,22 @@ class Attention(eqx.Module):
         q, k, v = self.project(x, positions)
         mask = attention_mask(positions, positions, self.sliding_window)
         return self.output(dot_product_attention(q, k, v, mask))
+
+    @jax.named_scope("eqllm.Attention.cached")
+    def cached(
+        self, x: Float[Array, "seq d_model"], positions: Int[Array, " seq"], cache: KVCache
+    ) -> tuple[Float[Array, "seq d_model"], KVCache]:
+        """Attention of a chunk of new positions to the cached past and to itself.
+
+        Returns the output and the cache with the chunk's keys and values written in. The chunk
+        may be a whole prompt (prefill) or one token (decode); padding has negative positions.
+        """
+        q, k, v = self.project(x, positions)
+        # Keys: the cache (strictly earlier positions) then the chunk itself. Attending before
+        # writing keeps keys a ring buffer would overwrite while the chunk still needs them.
+        keys = jnp.concatenate([cache.k, k.astype(cache.k.dtype)])
+        values = jnp.concatenate([cache.v, v.astype(cache.v.dtype)])
+        key_positions = jnp.concatenate([cache.positions, positions])
+        mask = attention_mask(positions, key_positions, self.sliding_window)
+        attended = dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask)
+        return self.output(attended), cache.write(k, v, positions)

@@ -5,6 +5,7 @@ import jax
 from jaxtyping import Array, Float, Int
 
 from eqllm.nn.attention import Attention
+from eqllm.nn.kv_cache import KVCache
 from eqllm.nn.mlp import MLP, GatedMLP
 from eqllm.nn.norm import LayerNorm, RMSNorm
 
@@ -29,3 +30,12 @@ class Block(eqx.Module):
     ) -> Float[Array, "seq d_model"]:
         x = x + self.attn(jax.vmap(self.attn_norm)(x), positions)
         return x + self.mlp(jax.vmap(self.mlp_norm)(x))
+
+    @jax.named_scope("eqllm.Block.cached")
+    def cached(
+        self, x: Float[Array, "seq d_model"], positions: Int[Array, " seq"], cache: KVCache
+    ) -> tuple[Float[Array, "seq d_model"], KVCache]:
+        """The block on a chunk of new positions, attending to `cache` (see Attention.cached)."""
+        attended, cache = self.attn.cached(jax.vmap(self.attn_norm)(x), positions, cache)
+        x = x + attended
+        return x + self.mlp(jax.vmap(self.mlp_norm)(x)), cache

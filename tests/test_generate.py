@@ -1,0 +1,349 @@
+"""Generation: cached decode == full forward, greedy == argmax chain, sampling filters, batching,
+stop tokens, errors, and the `eqllm generate` command."""
+
+import importlib
+import io
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY_CONFIGS
+
+import eqllm
+from eqllm import cli
+from eqllm.data import Tokenizer
+from eqllm.eval import generate_cli
+from eqllm.eval.generate import (
+    cache_slots,
+    filter_logits,
+    forward_cached,
+    init_cache,
+    sample_token,
+    sampling,
+    stream,
+)
+
+# `eqllm.eval.generate` is the function; the module of the same name:
+generate_module = importlib.import_module("eqllm.eval.generate")
+
+CACHED_FAMILIES = ["gpt2", "llama", "mistral"]  # learned positions; rope + GQA; sliding window
+
+
+NEW = 8  # every test generates this many tokens, so the compiled functions are shared
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32]  # 9 tokens: longer than mistral's window of 5
+
+
+@pytest.fixture(scope="module")
+def models():
+    """Tiny models, built on first use."""
+
+    class Lazy(dict):
+        def __missing__(self, name):
+            self[name] = eqllm.CausalLM(TINY_CONFIGS[name], key=jax.random.key(0))
+            return self[name]
+
+    return Lazy()
+
+
+@eqx.filter_jit
+def _reference(model, tokens, *, prefill: int, new: int):
+    """Full-forward logits of `tokens`; the same from the cache (prefill, then one token per
+    step); and the greedy chain after tokens[:prefill] computed by repeated full forwards."""
+    length = tokens.shape[0]
+    full = model(tokens)
+    cache = init_cache(model, cache_slots(model, length))
+    hidden, cache = forward_cached(model, tokens[:prefill], jnp.arange(prefill), cache)
+    first = model.logits(hidden)
+
+    def decode(cache, i):
+        hidden, cache = forward_cached(model, tokens[i][None], i[None], cache)
+        return cache, model.logits(hidden)[0]
+
+    _, rest = jax.lax.scan(decode, cache, jnp.arange(prefill, length))
+
+    def chain(buffer, i):  # causal: the zeros after position i - 1 do not change its logits
+        token = jnp.argmax(model(buffer)[i - 1]).astype(jnp.int32)
+        return buffer.at[i].set(token), token
+
+    buffer = jnp.zeros(prefill + new, jnp.int32).at[:prefill].set(tokens[:prefill])
+    _, greedy = jax.lax.scan(chain, buffer, jnp.arange(prefill, prefill + new))
+    return full, jnp.concatenate([first, rest]), greedy
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    results = {}
+
+    def get(family):
+        if family not in results:
+            model = models[family]
+            tail = jax.random.randint(jax.random.key(1), (15,), 0, model.config.vocab_size)
+            tokens = jnp.concatenate([jnp.asarray(PROMPT), tail.astype(jnp.int32)])
+            results[family] = _reference(model, tokens, prefill=len(PROMPT), new=NEW)
+        return results[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", CACHED_FAMILIES)
+def test_cached_decode_matches_full_forward(models, reference, family):
+    model = models[family]
+    full, cached, _ = reference(family)
+    np.testing.assert_allclose(cached, full, atol=1e-5, rtol=1e-5)
+    cache = init_cache(model, cache_slots(model, 24))
+    slots = model.config.sliding_window or 24  # the ring holds just the window
+    assert cache.k.shape == (2, slots, model.config.n_kv_heads, model.config.dim_per_head)
+
+
+def test_left_padding_is_invisible(models, reference):
+    model = models["llama"]
+    padded = jnp.asarray([0, 0, 0, *PROMPT])
+    positions = jnp.concatenate([jnp.full(3, -1), jnp.arange(len(PROMPT))])
+    cache = init_cache(model, 16)
+    hidden, cache = jax.jit(forward_cached)(model, padded, positions, cache)
+    full = reference("llama")[0][: len(PROMPT)]
+    np.testing.assert_allclose(model.logits(hidden)[3:], full, atol=1e-5)
+    assert sorted(np.asarray(cache.positions[0]).tolist()) == [-1] * 7 + list(range(9))
+
+
+@pytest.mark.parametrize("family", CACHED_FAMILIES)
+def test_greedy_equals_argmax_chain(models, reference, family):
+    got = eqllm.generate(
+        models[family], PROMPT, max_new_tokens=NEW, key=jax.random.key(0), temperature=0
+    )
+    assert got.tolist() == reference(family)[2].tolist()
+
+
+BATCH = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [42]]
+
+
+def test_batched_equals_each_alone(models):
+    model = models["mistral"]
+    for kw in ({"temperature": 0}, {"top_k": 20}):
+        keys = jax.random.split(jax.random.key(7), len(BATCH))
+        batch = eqllm.generate_batch(model, BATCH, max_new_tokens=NEW, key=keys, **kw)
+        for prompt, key, row in zip(BATCH, keys, batch, strict=True):
+            alone = eqllm.generate(model, prompt, max_new_tokens=NEW, key=key, **kw)
+            assert row.tolist() == alone.tolist()
+
+
+def test_each_row_stops_at_its_own_stop_token(models):
+    model = models["mistral"]
+    kw = dict(max_new_tokens=NEW, key=jax.random.key(0), temperature=0)
+    free = [row.tolist() for row in eqllm.generate_batch(model, BATCH, **kw)]
+    stop = free[0][3]
+    stopped = eqllm.generate_batch(model, BATCH, stop_tokens=[stop], **kw)
+    for row, got in zip(free, stopped, strict=True):
+        expected = row[: row.index(stop) + 1] if stop in row else row
+        assert got.tolist() == expected
+    assert len(stopped[0]) <= 4
+
+
+def test_same_key_same_sample_and_keys_differ(models):
+    model = models["mistral"]
+    a = eqllm.generate(model, [1, 2], max_new_tokens=NEW, key=jax.random.key(1))
+    b = eqllm.generate(model, [1, 2], max_new_tokens=NEW, key=jax.random.key(1))
+    c = eqllm.generate(model, [1, 2], max_new_tokens=NEW, key=jax.random.key(2))
+    assert a.tolist() == b.tolist()
+    assert a.tolist() != c.tolist()
+    assert len(a) == NEW and a.dtype == np.int32
+    one = eqllm.generate(model, [1, 2], max_new_tokens=1, key=jax.random.key(1))
+    assert one.tolist() == a.tolist()[:1]
+
+
+def test_settings_do_not_recompile(models, monkeypatch):
+    model = models["mistral"]
+    traces = []
+    real = generate_module._prefill
+    monkeypatch.setattr(
+        generate_module, "_prefill", lambda *a, **k: traces.append(1) or real(*a, **k)
+    )
+    eqllm.generate(model, [1, 2], max_new_tokens=NEW, key=jax.random.key(1))
+    first = len(traces)
+    for kw in ({"temperature": 0.5, "top_k": 5}, {"top_p": 0.5, "min_p": 0.1}, {"temperature": 0}):
+        eqllm.generate(model, [7, 8, 9], max_new_tokens=NEW, key=jax.random.key(3), **kw)
+    assert len(traces) == first <= 1
+
+
+def test_stream_joins_to_generate(models):
+    model = models["mistral"]
+    kw = dict(max_new_tokens=NEW, key=jax.random.key(4), top_p=0.8, stop_tokens=())
+    chunks = list(stream(model, [9, 8, 7], chunk=4, **kw))
+    assert [len(c) for c in chunks] == [1, 4, 3]
+    assert np.concatenate(chunks).tolist() == eqllm.generate(model, [9, 8, 7], **kw).tolist()
+
+
+# Sampling filters on a distribution built by hand ----------------------------------------------
+
+_draws = jax.jit(jax.vmap(sample_token, in_axes=(None, 0, None, None)))
+LOGITS = jnp.log(jnp.asarray([0.05, 0.4, 0.02, 0.25, 0.15, 0.1, 0.03]))  # sorted: 1,3,4,5,0,6,2
+
+
+@pytest.mark.parametrize(
+    "kw, allowed",
+    [
+        ({"top_k": 3}, {1, 3, 4}),
+        ({"top_p": 0.7}, {1, 3, 4}),  # 0.4 + 0.25 = 0.65 < 0.7: the third is needed
+        ({"top_p": 0.6}, {1, 3}),
+        ({"top_p": 0.01}, {1}),
+        ({"min_p": 0.3}, {1, 3, 4}),  # p >= 0.12
+        ({"top_k": 4, "top_p": 0.85}, {1, 3, 4}),  # renormalised in the top 4: 0.8/0.9 > 0.85
+        ({"top_k": 5, "min_p": 0.2}, {1, 3, 4, 5}),
+        ({}, set(range(7))),
+    ],
+)
+def test_filters_never_sample_outside_allowed_set(kw, allowed):
+    settings = sampling(**kw)
+    finite = set(np.flatnonzero(np.isfinite(filter_logits(LOGITS, settings))).tolist())
+    assert finite == allowed
+    draws = _draws(LOGITS, jax.random.split(jax.random.key(0), 4000), jnp.zeros(7, bool), settings)
+    seen = set(np.unique(np.asarray(draws)).tolist())
+    assert seen == allowed  # inside the set, and every allowed token does occur
+
+
+def test_low_temperature_matches_greedy():
+    keys = jax.random.split(jax.random.key(0), 4000)
+    for temperature in (1e-3, 0.0):
+        draws = _draws(LOGITS, keys, jnp.zeros(7, bool), sampling(temperature))
+        assert set(np.asarray(draws).tolist()) == {1}
+
+
+def test_repetition_penalty_is_ctrl_style():
+    logits = jnp.asarray([3.0, 2.0, -1.0, -0.5])
+    present = jnp.asarray([True, False, True, False])
+    greedy = sampling(0.0, repetition_penalty=2.0)
+    assert int(sample_token(logits, jax.random.key(0), present, greedy)) == 1  # 3/2 < 2
+    assert int(sample_token(logits, jax.random.key(0), ~present, greedy)) == 0
+    only_negatives = jnp.asarray([-1.0, -1.5, -3.0, -3.0])
+    # -1 * 2 = -2 falls below -1.5
+    assert int(sample_token(only_negatives, jax.random.key(0), present, greedy)) == 1
+
+
+# Bad input ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "prompt, kw, message",
+    [
+        ([], {}, "prompt 0 is empty"),
+        (list(range(65)), {}, "longer than the context"),
+        ([1, 2, 3], {"max_new_tokens": 62}, "exceeds the context max_seq_len=64"),
+        ([1, 2, 3], {"max_new_tokens": 0}, "max_new_tokens must be at least 1"),
+        ([1, 200], {}, "outside \\[0, vocab_size=97\\)"),
+        ([1, 2], {"top_p": 0.0}, "top_p must lie in"),
+        ([1, 2], {"top_p": 1.5}, "top_p must lie in"),
+        ([1, 2], {"temperature": -1.0}, "temperature must be"),
+        ([1, 2], {"temperature": float("nan")}, "temperature must be"),
+        ([1, 2], {"top_k": 0}, "top_k must be a positive integer"),
+        ([1, 2], {"min_p": 2.0}, "min_p must lie in"),
+        ([1, 2], {"repetition_penalty": 0.0}, "repetition_penalty must be"),
+        ([1, 2], {"stop_tokens": [500]}, "stop_tokens must be token ids"),
+    ],
+)
+def test_bad_input_gives_clear_errors(models, prompt, kw, message):
+    kw = {"max_new_tokens": 4, **kw}
+    with pytest.raises(ValueError, match=message):
+        eqllm.generate(models["gpt2"], prompt, key=jax.random.key(0), **kw)
+
+
+def test_batch_errors(models):
+    with pytest.raises(ValueError, match="no prompts"):
+        eqllm.generate_batch(models["gpt2"], [], max_new_tokens=2, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="one per prompt"):
+        eqllm.generate_batch(
+            models["gpt2"], [[1], [2]], max_new_tokens=2, key=jax.random.split(jax.random.key(0), 3)
+        )
+
+
+# The command line -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_zoo(monkeypatch, models):
+    """`eqllm generate tiny` loads the tiny mistral (the zoo's smallest models are still big)."""
+    real = generate_cli.load_for_generation
+
+    def load(spec, *, seed=0):
+        return (models["mistral"], None) if spec == "tiny" else real(spec, seed=seed)
+
+    monkeypatch.setattr(generate_cli, "load_for_generation", load)
+
+
+def _greedy(models, prompt, n):
+    out = eqllm.generate(
+        models["mistral"], prompt, max_new_tokens=NEW, key=jax.random.key(0), temperature=0
+    )
+    return " ".join(map(str, out[:n].tolist()))
+
+
+def test_cli_prompt_streams_token_ids(models, tiny_zoo, capsys):
+    argv = ["generate", "tiny", "--prompt", "1 2 3", "--max-new-tokens", str(NEW)]
+    assert cli.main([*argv, "--temperature", "0", "--chunk", "4"]) == 0
+    assert capsys.readouterr().out.strip() == _greedy(models, [1, 2, 3], NEW)
+
+
+def test_cli_errors(tiny_zoo, capsys):
+    assert cli.main(["generate", "tiny", "--prompt", "hello"]) == 2
+    assert "no tokenizer" in capsys.readouterr().err
+    assert cli.main(["generate", "tiny", "--prompt", "1", "--top-p", "2"]) == 2
+    assert "top_p must lie in" in capsys.readouterr().err
+    assert cli.main(["generate", "no-such-model", "--prompt", "1"]) == 2
+    assert "unknown zoo model" in capsys.readouterr().err
+
+
+def _feed(monkeypatch, lines):
+    lines = iter(lines)
+
+    def read(prompt=""):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", read)
+
+
+def test_cli_interactive_session(models, tiny_zoo, monkeypatch, capsys):
+    _feed(monkeypatch, ["/temp 0", "/max 5", "/topp 7", "1 2 3", "", "/bogus", "4 5", "/quit", "9"])
+    assert cli.main(["generate", "tiny", "--interactive", "--chunk", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "top_p must lie in" in out  # /topp 7 refused, session kept
+    assert "unknown command /bogus" in out
+    assert _greedy(models, [1, 2, 3], 5) + "\n" in out
+    assert _greedy(models, [4, 5], 5) + "\n" in out
+    assert "9" not in out.split("/bogus")[-1].split("tokens/s")[-1]  # nothing after /quit
+
+
+def test_cli_interactive_ctrl_c_stops_only_the_generation(models, tiny_zoo, monkeypatch, capsys):
+    real_stream = generate_cli.stream
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        for i, ids in enumerate(real_stream(*args, **kwargs)):
+            if len(calls) == 2 and i == 1:  # the first prompt (call 1 is the warm-up)
+                raise KeyboardInterrupt
+            yield ids
+
+    monkeypatch.setattr(generate_cli, "stream", interrupted)
+    _feed(monkeypatch, ["/temp 0", "1 2 3", "4 5"])
+    argv = ["generate", "tiny", "--interactive", "--chunk", "4", "--max-new-tokens", "6"]
+    assert cli.main(argv) == 0  # end of input leaves normally
+    out = capsys.readouterr().out
+    assert "[stopped]" in out
+    assert _greedy(models, [4, 5], 6) + "\n" in out
+
+
+def test_load_for_generation_refuses_paths(tmp_path):
+    with pytest.raises(ValueError, match="zoo names only"):
+        generate_cli.load_for_generation(str(tmp_path))
+
+
+def test_printer_holds_back_partial_characters():
+    out = io.StringIO()
+    printer = generate_cli._Printer(Tokenizer.bytes(), out)
+    for b in "é!".encode():
+        printer.add(np.asarray([b]))
+    assert out.getvalue() == "é!"
