@@ -263,12 +263,12 @@ def test_batch_errors(models):
 @pytest.fixture
 def tiny_zoo(monkeypatch, models):
     """`eqllm generate tiny` loads the tiny mistral (the zoo's smallest models are still big)."""
-    real = generate_cli.load_for_generation
+    real = generate_cli.loading.load
 
     def load(spec, *, seed=0):
         return (models["mistral"], None) if spec == "tiny" else real(spec, seed=seed)
 
-    monkeypatch.setattr(generate_cli, "load_for_generation", load)
+    monkeypatch.setattr(generate_cli.loading, "load", load)
 
 
 def _greedy(models, prompt, n):
@@ -336,9 +336,9 @@ def test_cli_interactive_ctrl_c_stops_only_the_generation(models, tiny_zoo, monk
     assert _greedy(models, [4, 5], 6) + "\n" in out
 
 
-def test_load_for_generation_refuses_paths(tmp_path):
-    with pytest.raises(ValueError, match="zoo names only"):
-        generate_cli.load_for_generation(str(tmp_path))
+def test_loading_an_empty_folder_says_what_it_accepts(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a zoo name"):
+        generate_cli.loading.load(str(tmp_path))
 
 
 def test_printer_holds_back_partial_characters():

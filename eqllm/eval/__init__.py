@@ -15,7 +15,6 @@ from eqllm.eval.harness import (
     bits_per_byte,
     evaluate_tokens,
     loss_report,
-    naive_sample,
     unigram_loss,
 )
 
@@ -30,7 +29,6 @@ __all__ = [
     "generate_batch",
     "init_cache",
     "loss_report",
-    "naive_sample",
     "sampling",
     "stream",
     "unigram_loss",

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import jax
 
-from eqllm.data import TokenData, prepare
-from eqllm.eval.harness import evaluate_tokens, loss_report, naive_sample, unigram_loss
+from eqllm.data import TokenData, Tokenizer, prepare
+from eqllm.eval.generate import generate_batch
+from eqllm.eval.harness import evaluate_tokens, loss_report, unigram_loss
 from eqllm.model import CausalLM
 from eqllm.recipe import Recipe
 
@@ -60,17 +60,53 @@ def evaluate_run(
             "tokens": n,
         }
     if samples and recipe.eval.sample_prompts and recipe.eval.sample_tokens:
-        result["samples"] = naive_sample(
+        result["samples"] = sample_texts(
             model,
             data.tokenizer,
             list(recipe.eval.sample_prompts),
             max_new_tokens=recipe.eval.sample_tokens,
             key=jax.random.key(recipe.train.seed),
             temperature=recipe.eval.temperature,
-            top_k=recipe.eval.top_k,
-            window=seq_len,
+            top_k=recipe.eval.top_k or None,
         )
     return result
+
+
+def sample_texts(
+    model: CausalLM,
+    tokenizer: Tokenizer,
+    prompts: list[str],
+    *,
+    max_new_tokens: int,
+    key,
+    temperature: float,
+    top_k: int | None,
+) -> list[str]:
+    """Prompt + continuation texts from `eqllm.generate_batch`, stopping at end-of-text.
+
+    Continuations are cut to fit the context after the longest prompt.
+    """
+    encoded = [tokenizer.encode(p) or [tokenizer.eot_id] for p in prompts]
+    room = model.config.max_seq_len - max(len(ids) for ids in encoded)
+    if room < 1:
+        raise ValueError(
+            f"a sample prompt fills the model's context of {model.config.max_seq_len} tokens; "
+            "shorten eval.sample_prompts"
+        )
+    outputs = generate_batch(
+        model,
+        encoded,
+        max_new_tokens=min(max_new_tokens, room),
+        key=key,
+        temperature=temperature,
+        top_k=top_k,
+        stop_tokens=(tokenizer.eot_id,),
+    )
+    texts = []
+    for prompt, new in zip(prompts, outputs, strict=True):
+        ids = [int(t) for t in new if t != tokenizer.eot_id]
+        texts.append(prompt + tokenizer.decode(ids))
+    return texts
 
 
 def format_eval(result: dict) -> list[str]:
@@ -91,28 +127,21 @@ def format_eval(result: dict) -> list[str]:
 
 def eval_command(args: argparse.Namespace) -> int:
     """`eqllm eval RUN_DIR_OR_CHECKPOINT [--step N]`: re-evaluate a run's checkpoint."""
-    from eqllm.recipe import load_recipe
-    from eqllm.train.loop import build_model, restore_model
+    from eqllm.loading import load_run, run_folder_of
 
-    target = Path(args.target)
-    step = args.step
-    if (target / "config.toml").is_file():
-        run_dir = target
-    elif target.parent.name == "checkpoints" and target.name.isdigit():
-        run_dir, step = target.parent.parent, int(target.name)
-    else:
+    run = run_folder_of(args.target)
+    if run is None:
         return _eval_pretrained(args)
-    recipe = load_recipe(run_dir / "config.toml", args.set or [])
+    run_dir, step = run[0], args.step if args.step is not None else run[1]
+    model, tokenizer, recipe, meta = load_run(run_dir, step, args.set or [])
     data = prepare(
         recipe.data.source.to_source(),
-        run_dir / "tokenizer.json" if (run_dir / "tokenizer.json").is_file() else "bytes",
+        run_dir / "tokenizer.json",
         cache_dir=recipe.data.cache_dir or None,
         val_fraction=recipe.data.val_fraction,
         seed=recipe.data.split_seed,
         progress=True,
     )
-    model = build_model(recipe, data.tokenizer.vocab_size)
-    model, meta = restore_model(run_dir / "checkpoints", model, recipe, step)
     print(f"evaluating {run_dir} at step {meta['step']}", file=sys.stderr)
     result = evaluate_run(model, data, recipe, progress=True)
     result["step"] = meta["step"]
@@ -131,12 +160,6 @@ def _eval_pretrained(args: argparse.Namespace) -> int:
     from eqllm import hub
     from eqllm.recipe import load_recipe
 
-    if not hasattr(hub, "from_pretrained"):
-        raise ValueError(
-            f"{args.target!r} is not a run folder (no config.toml) or a checkpoint folder, and "
-            "loading Hugging Face models needs eqllm.hub.from_pretrained, which this install "
-            "lacks"
-        )
     model = hub.from_pretrained(args.target)
     recipe = load_recipe(args.recipe, [f'data.tokenizer="{args.target}"', *(args.set or [])])
     data = prepare(

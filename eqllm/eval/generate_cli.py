@@ -11,12 +11,11 @@ import argparse
 import dataclasses
 import sys
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
 
-from eqllm import zoo
+from eqllm import loading
 from eqllm.data import Tokenizer
 from eqllm.eval.generate import sampling, stream
 from eqllm.model import CausalLM
@@ -29,21 +28,6 @@ HELP = """commands:
   /settings    show the settings            /quit     leave (or Ctrl-D)
 Ctrl-C stops the current generation and keeps the session."""
 OPTIONAL = ("top_k", "top_p", "min_p", "repetition_penalty")
-
-
-def load_for_generation(spec: str, *, seed: int = 0) -> tuple[CausalLM, Tokenizer | None]:
-    """The model named by `spec` and its tokenizer (None when it has none).
-
-    Arguments:
-        spec: a zoo name (fresh random weights from `seed`, no tokenizer).
-        seed: seed of the fresh weights.
-    """
-    if spec not in zoo.names() and Path(spec).exists():
-        raise ValueError(
-            f"{spec!r} is a path, and this version generates from zoo names only; "
-            "give a zoo name (see `eqllm zoo list`)"
-        )
-    return zoo.create(spec, key=jax.random.key(seed)), None  # unknown: "did you mean" error
 
 
 @dataclasses.dataclass
@@ -217,7 +201,7 @@ def interactive(
 
 def run(args: argparse.Namespace) -> int:
     """The `eqllm generate` command."""
-    model, tokenizer = load_for_generation(args.model)
+    model, tokenizer = loading.load(args.model, seed=args.seed)
     if args.tokenizer is not None:
         tokenizer = Tokenizer.from_spec(args.tokenizer)
     settings = Settings(

@@ -33,14 +33,17 @@ def convert(
     `to` is 'hf' or 'eqllm'; by default the other format than the source's (an HF folder or
     repo id becomes an eqllm model folder, an eqllm folder becomes an HF folder).
     """
-    folder = resolve(src, local_files_only=local_files_only)
-    source_format = "eqllm" if is_model_folder(folder) else "hf"
+    from eqllm.loading import load, run_folder_of  # a run folder needs the training code
+
+    run = run_folder_of(src)
+    folder = run[0] if run else resolve(src, local_files_only=local_files_only)
+    source_format = "eqllm" if run or is_model_folder(folder) else "hf"
     to = to or ("hf" if source_format == "eqllm" else "eqllm")
     if to not in ("hf", "eqllm"):
         raise ValueError(f"to={to!r}: choose 'hf' or 'eqllm'")
     if Path(dst).resolve() == folder.resolve():
         raise ValueError(f"destination {dst} is the source folder; write to another folder")
-    model, tokenizer = load_any(folder, dtype=dtype)
+    model, tokenizer = load(src, dtype=dtype) if run else load_any(folder, dtype=dtype)
     if to == "hf":
         save_pretrained(model, dst, tokenizer=tokenizer, max_shard_size=max_shard_size)
     else:

@@ -92,11 +92,6 @@ def build_model(recipe: Recipe, tokenizer_vocab: int) -> CausalLM:
     if recipe.model.init_from:
         from eqllm import hub
 
-        if not hasattr(hub, "from_pretrained"):
-            raise RecipeError(
-                f"model.init_from={recipe.model.init_from!r} needs eqllm.hub.from_pretrained, "
-                "which this install lacks; remove init_from to train from scratch"
-            )
         model = hub.from_pretrained(recipe.model.init_from)
         model = model.with_config(compute_dtype=recipe.train.precision, remat=recipe.train.remat)
     else:
@@ -263,6 +258,8 @@ def run(
     data.tokenizer.save(out)
     model = build_model(recipe, data.tokenizer.vocab_size)
     cfg = model.config
+    # The exact architecture, so the run's checkpoints load without the recipe's init_from.
+    (out / "model_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     n_params = param_count(eqx.filter(model, eqx.is_array))
     total = recipe.total_steps(n_params)
     (out / "config.toml").write_text(recipe.to_toml())
