@@ -265,9 +265,14 @@ def per_device_bytes(model_shapes, mesh: AxisSizes) -> int:
     for name, axes in logical_axes(model_shapes).items():
         leaf = _leaf_at(model_shapes, name)
         spec = spec_for(axes, leaf.shape, sizes)
-        shard = [dim // _split(part, sizes) for dim, part in zip(leaf.shape, spec, strict=True)]
-        total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
+        total += math.prod(_shard_shape(leaf.shape, spec, sizes)) * np.dtype(leaf.dtype).itemsize
     return total
+
+
+def _shard_shape(shape, spec: PartitionSpec, sizes: dict[str, int]) -> list[int]:
+    """The shape of one device's piece (a spec may omit trailing replicated dimensions)."""
+    parts = tuple(spec) + (None,) * (len(shape) - len(spec))
+    return [dim // _split(part, sizes) for dim, part in zip(shape, parts, strict=True)]
 
 
 def _split(part: str | tuple[str, ...] | None, sizes: dict[str, int]) -> int:
@@ -373,7 +378,7 @@ def sharding_table(config: ModelConfig, mesh: AxisSizes) -> list[str]:
     for name, axes in logical_axes(shapes).items():
         leaf = _leaf_at(shapes, name)
         spec = spec_for(axes, leaf.shape, sizes)
-        shard = [d // _split(p, sizes) for d, p in zip(leaf.shape, spec, strict=True)]
+        shard = _shard_shape(leaf.shape, spec, sizes)
         rows.append(
             (
                 name,

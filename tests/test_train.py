@@ -169,6 +169,27 @@ def test_run_writes_a_complete_run_folder(env, tmp_path):
         loop_mod.run(recipe, out, progress=False, echo=lambda *a: None)
 
 
+def test_a_run_folder_loads_everywhere(env, tmp_path, capsys):
+    """generate, eval and convert take a run folder: its last checkpoint and its tokenizer."""
+    from eqllm import hub, loading
+
+    recipe = tiny_recipe(env, steps=3)
+    out = loop_mod.run(recipe, tmp_path / "run", progress=False, echo=lambda *a: None).out_dir
+    model, tokenizer = loading.load(out)
+    assert tokenizer is not None and tokenizer.kind == "bytes"
+    restored, _ = loop_mod.restore_model(out / "checkpoints", model, recipe)
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(restored), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert main(["convert", str(out), str(tmp_path / "hf")]) == 0
+    exported = hub.from_pretrained(tmp_path / "hf")
+    np.testing.assert_array_equal(exported.embed.weight, model.embed.weight)
+    capsys.readouterr()
+    args = ["generate", str(out / "checkpoints" / "3"), "--prompt", "def", "--max-new-tokens", "4"]
+    assert main(args) == 0
+    printed = capsys.readouterr()
+    assert printed.out.strip() and "tokens in" in printed.err  # text out, with its speed
+
+
 def test_stop_and_resume_is_bit_exact(env, tmp_path):
     recipe = tiny_recipe(env, steps=8)
     loop_mod.run(recipe, tmp_path / "a", progress=False, final_eval=False, echo=lambda *a: None)
