@@ -58,11 +58,20 @@ def count_collectives(hlo: str) -> tuple[dict[str, int], dict[str, int]]:
 
 
 def main() -> int:
-    cfg = eqllm.zoo.config("llama-nano", d_model=128, n_heads=8, n_kv_heads=8, d_ff=512,
-                           vocab_size=4096, max_seq_len=128)
+    cfg = eqllm.zoo.config(
+        "llama-nano",
+        d_model=128,
+        n_heads=8,
+        n_kv_heads=8,
+        d_ff=512,
+        vocab_size=4096,
+        max_seq_len=128,
+    )
     model = eqllm.CausalLM(cfg, key=jax.random.key(0))
-    print(f"llama-nano width {cfg.d_model}, {cfg.n_layers} layers, batch 16 x seq 128, "
-          f"{jax.device_count()} {jax.devices()[0].platform} devices, jax {jax.__version__}")
+    print(
+        f"llama-nano width {cfg.d_model}, {cfg.n_layers} layers, batch 16 x seq 128, "
+        f"{jax.device_count()} {jax.devices()[0].platform} devices, jax {jax.__version__}"
+    )
     print(f"{'mesh':<24}{'where':<10}" + "".join(f"{k:>20}" for k in KINDS[:3]) + "  design")
     ok = True
     for text in MESHES:
@@ -77,13 +86,17 @@ def main() -> int:
         verdicts = []
         for kind, expected in PREDICTED[text].items():
             present = (in_loop[kind] + outside[kind]) > 0
-            verdicts.append(f"{kind} {'present' if present else 'absent'}"
-                            f"{'' if present == expected else ' (UNEXPECTED)'}")
+            verdicts.append(
+                f"{kind} {'present' if present else 'absent'}"
+                f"{'' if present == expected else ' (UNEXPECTED)'}"
+            )
             ok &= present == expected
         for where, counts in (("layer", in_loop), ("step", outside)):
             cells = "".join(f"{counts[k]:>20}" for k in KINDS[:3])
-            print(f"{text if where == 'layer' else '':<24}{where:<10}{cells}"
-                  + (f"  {'; '.join(verdicts)}" if where == "layer" else ""))
+            print(
+                f"{text if where == 'layer' else '':<24}{where:<10}{cells}"
+                + (f"  {'; '.join(verdicts)}" if where == "layer" else "")
+            )
     print("all collectives as the design predicts" if ok else "MISMATCH with the design")
     return 0 if ok else 1
 

@@ -409,7 +409,7 @@ def run(
                         "optim.lr, raise optim.warmup_steps or check the data."
                     )
                 bar.update(1)
-                if step % recipe.train.log_every == 0 or step == total:
+                if finite and (step % recipe.train.log_every == 0 or step == total):
                     elapsed = time.perf_counter() - window_t0
                     if window_tokens and elapsed > 0:
                         tokens_per_s = window_tokens / elapsed
