@@ -320,9 +320,13 @@ def run(
             # The next step donates these buffers; on CPU hand orbax host copies of its own.
             m = jax.tree.map(lambda x: np.array(x) if eqx.is_array(x) else x, m)
             s = jax.tree.map(lambda x: np.array(x) if eqx.is_array(x) else x, s)
+        try:  # the previous (background) save: its errors surface here
+            checkpointer.wait()
+        except Exception as e:
+            raise_save_error(e, last_saved)
         try:
             checkpointer.save(step, m, s, meta_for(step), wait=wait)
-        except Exception as e:  # disk full, read-only folder, ... (also from an earlier save)
+        except Exception as e:  # disk full, read-only folder, ...
             raise_save_error(e, step)
         last_saved = step
 
@@ -470,7 +474,7 @@ def run(
             try:
                 checkpointer.wait()
             except Exception as e:
-                raise_save_error(e, step)
+                raise_save_error(e, last_saved)
     finally:
         bar.close()
         failing = sys.exc_info()[1] is not None
@@ -478,7 +482,7 @@ def run(
             checkpointer.close()
         except Exception as e:
             if not failing:  # else the error already in flight is the one to report
-                raise_save_error(e, step)
+                raise_save_error(e, last_saved)
 
     if interrupted:
         log.close()
