@@ -114,6 +114,10 @@ def kill_at(recipe: Path, out: Path, plan, *, rng=None, timeout: float = 240) ->
                 time.sleep(float(item))
                 break
             time.sleep(0.05)
+        if proc.poll() == 0 and not pause:  # finished within the random delay: no kill
+            proc.stdout.close()
+            stats["finished_before_kill"] = stats.get("finished_before_kill", 0) + 1
+            continue
         if proc.poll() is not None:
             raise AssertionError(
                 f"the run ended before the kill {item!r}: {proc.stdout.read().decode()[-3000:]}"

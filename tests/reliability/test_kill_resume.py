@@ -16,7 +16,7 @@ def root(tmp_path_factory):
 
 
 def reference(root, name, **kw):
-    """The uninterrupted run of a recipe (once per module)."""
+    """The uninterrupted run of a recipe (once per module and name)."""
     recipe = write_recipe(root / f"{name}.toml", tiny_recipe(root, root / "corpus", **kw))
     out = root / f"{name}-reference"
     if not (out / "summary.json").is_file():
@@ -26,8 +26,8 @@ def reference(root, name, **kw):
     return recipe, curves(out)
 
 
-def check_same(killed, expected):
-    assert {s for s, k in killed if k == "loss"} == set(range(1, STEPS + 1))
+def check_same(killed, expected, steps=STEPS):
+    assert {s for s, k in killed if k == "loss"} == set(range(1, steps + 1))
     assert killed == expected  # every train and validation loss, bit for bit
 
 
@@ -55,13 +55,16 @@ def test_killed_three_times_resumes_to_the_same_losses(root, record_property):
     ],
 )
 def test_random_kills_resume_to_the_same_losses(root, name, kw, record_property):
-    recipe, expected = reference(root, name, **kw)
+    recipe, expected = reference(root, f"{name}-60", steps=60, **kw)
     rng = np.random.default_rng(len(name))
     plan = ["step:3", "checkpoint:1", "eval:1", "checkpoint:2", "step:12"]
-    plan += [float(x) for x in rng.uniform(0.0, 3.0, 5)]
+    plan += [float(x) for x in rng.uniform(0.0, 0.5, 5)]  # seconds after the first new row
     out = root / f"{name}-random"
     stats = kill_at(recipe, out, plan)
-    print(f"{name}: {stats['kills']} kills, phases {stats['phases']}")
-    assert stats["kills"] == len(plan)
-    check_same(curves(out), expected)
+    print(
+        f"{name}: {stats['kills']} kills {stats['phases']}, {stats['during_checkpoint_write']} "
+        f"during a checkpoint write, {stats.get('finished_before_kill', 0)} finished first"
+    )
+    assert stats["kills"] >= 6 and stats["during_checkpoint_write"] >= 2
+    check_same(curves(out), expected, steps=60)
     record_property("kills", stats["kills"])
