@@ -87,9 +87,12 @@ def n_rows(out: Path) -> int:
     return path.read_text(errors="replace").count("\n") if path.is_file() else 0
 
 
-def checkpoint_write_in_progress(out: Path) -> bool:
+def checkpoint_write_in_progress(out: Path, since: float) -> bool:
+    """Whether a checkpoint temporary folder was written to after `since` (time.time())."""
     folder = out / "checkpoints"
-    return folder.is_dir() and any("tmp" in p.name for p in folder.iterdir())
+    return folder.is_dir() and any(
+        "tmp" in p.name and p.stat().st_mtime >= since for p in folder.iterdir()
+    )
 
 
 def kill_at(recipe: Path, out: Path, plan, *, rng=None, timeout: float = 240) -> dict:
@@ -105,6 +108,7 @@ def kill_at(recipe: Path, out: Path, plan, *, rng=None, timeout: float = 240) ->
         marker.unlink(missing_ok=True)
         rows_before = n_rows(out)
         pause = item if isinstance(item, str) else None
+        started = time.time()
         proc = start(recipe, out, pause=pause, marker=marker)
         t0 = time.monotonic()
         while proc.poll() is None and time.monotonic() - t0 < timeout:
@@ -125,7 +129,7 @@ def kill_at(recipe: Path, out: Path, plan, *, rng=None, timeout: float = 240) ->
         if time.monotonic() - t0 >= timeout:
             proc.kill()
             raise AssertionError(f"kill {item!r}: the run never reached that point")
-        in_write = checkpoint_write_in_progress(out)
+        in_write = checkpoint_write_in_progress(out, started)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         proc.stdout.close()
