@@ -144,6 +144,8 @@ class TrainSpec:
     keep_checkpoints: how many of the latest checkpoints to keep.
     compile_cache: JAX's persistent compilation cache folder; "" for $EQLLM_CACHE/jax or
         ~/.cache/eqllm/jax, "off" to disable it.
+    skip_nonfinite: how many steps with a non-finite loss or gradient to skip (not applied,
+        logged) before the run stops at the next one; 0 stops at the first.
     """
 
     batch_size: int = 16
@@ -159,6 +161,7 @@ class TrainSpec:
     checkpoint_every: int = 500
     keep_checkpoints: int = 3
     compile_cache: str = ""
+    skip_nonfinite: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,7 +276,7 @@ class Recipe:
         )
         for key in ("batch_size", "grad_accum", "log_every", "keep_checkpoints"):
             _rule(getattr(t, key) > 0, f"train.{key}", getattr(t, key), "must be positive")
-        for key in ("steps", "tokens", "tokens_per_param", "seed", "eval_every"):
+        for key in ("steps", "tokens", "tokens_per_param", "seed", "eval_every", "skip_nonfinite"):
             _rule(getattr(t, key) >= 0, f"train.{key}", getattr(t, key), "must be >= 0")
         _rule(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every, "must be >= 0")
         _rule(

@@ -18,10 +18,12 @@ from jaxtyping import Array, Bool, Float, Int
 
 from eqllm.data import eval_batches
 from eqllm.model import CausalLM
+from eqllm.train.guards import check_token_range, trace_without_runtime_checks
 from eqllm.train.step import token_nll
 
 
 @eqx.filter_jit
+@trace_without_runtime_checks  # ids are checked on the host: keeps it in the compile cache
 def _nll_sum(
     model: CausalLM, batch: Int[Array, "batch window"], mask: Bool[Array, "batch window-1"]
 ) -> tuple[Float[Array, ""], Int[Array, ""]]:
@@ -46,6 +48,7 @@ def evaluate_tokens(
     for batch, mask in eval_batches(
         tokens, batch_size=batch_size, seq_len=seq_len, max_batches=max_batches
     ):
+        check_token_range(batch, model.config.vocab_size)
         s, n = _nll_sum(model, jnp.asarray(batch), jnp.asarray(mask))
         total += float(s)
         count += int(n)

@@ -5,7 +5,8 @@ A checkpoint at step s is a folder `<dir>/<s>/` holding two items:
 - ``state``: the model's trainable arrays and the optimizer state, saved as a flat dict keyed by
   pytree path (``model.blocks.attn.q_proj.weight``), so a checkpoint reads without the code
   that wrote it and a mismatched model is reported by name;
-- ``meta``: JSON with the step, the data position, the seed, the recipe and anything else given.
+- ``meta``: JSON with the step, the data position, the seed, the recipe, a checksum of every
+  array (checked on restore: see `eqllm.train.guards.fingerprints`) and anything else given.
 
 orbax writes into a temporary folder and renames it (atomic), saves asynchronously and keeps the
 last `keep` checkpoints. `save(..., wait=True)` and `wait()` surface errors from the background
@@ -22,6 +23,8 @@ import equinox as eqx
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from eqllm.train.guards import fingerprints, verify_fingerprints
 
 
 def _flat(tree, prefix: str) -> dict[str, Any]:
@@ -61,10 +64,11 @@ class Checkpointer:
     def save(self, step: int, model, opt_state, meta: dict, *, wait: bool = False) -> Path:
         """Start saving checkpoint `step`; with `wait`, block until it is on disk."""
         tree = _state_tree(model, opt_state)
+        meta = {**meta, "step": step, "fingerprints": fingerprints(tree)}
         self.manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave({**meta, "step": step})
+                state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)
             ),
             force=True,
         )
@@ -109,6 +113,12 @@ class Checkpointer:
         missing = sorted(set(template) - set(restored))
         if missing:
             raise ValueError(f"checkpoint {self.directory / str(step)} lacks arrays {missing[:5]}")
+        garbled = verify_fingerprints(restored, saved_meta.get("fingerprints", {}))
+        if garbled:
+            raise ValueError(
+                f"checkpoint {self.directory / str(step)}: arrays {garbled[:5]} do not match the "
+                "checksums written with them (the files were changed or damaged)"
+            )
         params, static = eqx.partition(model, eqx.is_inexact_array)
         params = _unflat(params, "model", restored)
         opt_state = _unflat(opt_state, "opt_state", restored)

@@ -40,6 +40,7 @@ from eqllm.sharding import (
     param_shardings,
     shard_model,
 )
+from eqllm.train import guards
 from eqllm.train import mfu as mfu_lib
 from eqllm.train.checkpoint import Checkpointer
 from eqllm.train.optim import make_optimizer, schedule
@@ -174,13 +175,24 @@ class _Signals:
 class MetricsLog:
     """Rows to metrics.jsonl and scalars to TensorBoard event files in the run folder."""
 
-    def __init__(self, out_dir: Path, resume_step: int | None):
+    def __init__(self, out_dir: Path, resume_step: int | None, keep_rows: int | None = None):
+        """resume_step / keep_rows: keep the rows written before the checkpoint resumed from
+        (its first `keep_rows` rows, else those up to `resume_step`); the rest are redone."""
         self.path = out_dir / "metrics.jsonl"
+        self.rows = 0
         if resume_step is not None and self.path.is_file():
-            # Drop rows written after the checkpoint we resume from: they will be redone.
-            rows = [json.loads(line) for line in self.path.read_text().splitlines() if line]
-            kept = [r for r in rows if r.get("step", 0) <= resume_step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            rows = []
+            for line in self.path.read_text(errors="replace").splitlines():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:  # a line torn by a kill; never a complete row
+                    continue
+            if keep_rows is not None:
+                kept = rows[:keep_rows]
+            else:
+                kept = [r for r in rows if r.get("step", 0) <= resume_step]
+            guards.atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+            self.rows = len(kept)
         elif self.path.exists():
             self.path.unlink()
         self.file = self.path.open("a")
@@ -194,6 +206,7 @@ class MetricsLog:
     def log(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
+        self.rows += 1
         if self.tb is not None:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
@@ -222,35 +235,46 @@ def run(
     stop_after: int | None = None,
     progress: bool = True,
     final_eval: bool = True,
+    force: bool = False,
     echo=print,
 ) -> RunResult:
     """Train `recipe`, writing the run folder `out_dir` (default runs/<recipe name>).
 
-    resume: continue from the folder's latest checkpoint.
+    resume: continue from the folder's newest intact checkpoint (damaged newer ones are
+        reported and moved aside to `<step>.damaged`); the recipe must equal the saved one
+        except for fields in `guards.FORCE_OK`, which change only with `force`. A folder with a
+        run but no checkpoint yet starts over.
     stop_after: stop (with a checkpoint) once this many steps are done, as if interrupted; the
         schedule still spans the recipe's full length.
-    Raises `NonFiniteLoss` when a step's loss is not finite.
+    Raises `NonFiniteLoss` when a step's loss is not finite (after `train.skip_nonfinite`
+    skipped ones), `guards.CheckpointWriteError` when a checkpoint cannot be written.
     """
     t_start = time.perf_counter()
     out = Path(out_dir) if out_dir is not None else Path("runs") / (recipe.name or "run")
     ckpt_dir = out / "checkpoints"
     has_ckpt = ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
     if resume and not has_ckpt:
-        raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir} to resume from")
+        if not (out / "config.toml").is_file():
+            raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir} to resume from")
+        echo(f"--resume: {out} has no checkpoint yet; starting the run from step 0")
+        resume = False
     if has_ckpt and not resume:
         raise FileExistsError(
             f"{out} already holds a run with checkpoints; pass --resume to continue it or "
             "--out to start a new run elsewhere"
         )
     if resume:
-        saved = load_recipe(out / "config.toml")
-        for section in ("model", "data"):
-            if getattr(saved, section) != getattr(recipe, section):
-                raise RecipeError(
-                    f"--resume: the recipe's [{section}] differs from the one in "
-                    f"{out / 'config.toml'}; a resumed run must train the same model on the "
-                    "same data"
-                )
+        try:
+            saved = load_recipe(out / "config.toml")
+        except (RecipeError, OSError) as e:
+            raise RecipeError(
+                f"--resume: cannot read the run's recipe {out / 'config.toml'} ({e}); restore "
+                "it (the checkpoints' meta holds a copy) or start a new run with another --out"
+            ) from None
+        for change in guards.resume_changes(
+            saved, recipe, force=force, where=str(out / "config.toml")
+        ):
+            echo(f"--resume --force: {change}")
     out.mkdir(parents=True, exist_ok=True)
     cache = setup_compile_cache(recipe.train.compile_cache)
 
@@ -262,7 +286,7 @@ def run(
     (out / "model_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     n_params = param_count(eqx.filter(model, eqx.is_array))
     total = recipe.total_steps(n_params)
-    (out / "config.toml").write_text(recipe.to_toml())
+    guards.atomic_write_text(out / "config.toml", recipe.to_toml())
     seq_len, batch_size = recipe.data.seq_len, recipe.train.batch_size
     tokens_per_step = batch_size * seq_len
     if data.train.shape[0] <= seq_len:
@@ -283,11 +307,14 @@ def run(
     )
     checkpointer = Checkpointer(ckpt_dir, keep=recipe.train.keep_checkpoints)
     start = 0
+    skipped = 0  # non-finite steps skipped so far (train.skip_nonfinite)
+    meta: dict = {}
     if resume:
-        model, opt_state, meta = checkpointer.restore(model, opt_state)
+        model, opt_state, meta = guards.restore_intact(checkpointer, model, opt_state, echo=echo)
         start = int(meta["step"])
+        skipped = int(meta.get("nonfinite_skipped", 0))
     last_saved = start if resume else None
-    log = MetricsLog(out, start if resume else None)
+    log = MetricsLog(out, start if resume else None, meta.get("metrics_rows"))
 
     flops_per_token = cfg.flops_per_token(seq_len)
     peak, peak_source = mfu_lib.device_peak_flops()
@@ -316,6 +343,8 @@ def run(
             "data_position": {"seed": recipe.train.seed, "next_step": step},
             "seed": recipe.train.seed,
             "recipe": recipe.to_dict(),
+            "metrics_rows": log.rows,  # metrics.jsonl is cut back to these rows on resume
+            "nonfinite_skipped": skipped,
         }
 
     def make_batch(step: int) -> np.ndarray:
@@ -343,8 +372,20 @@ def run(
             # The next step donates these buffers; on CPU hand orbax host copies of its own.
             m = jax.tree.map(lambda x: np.array(x) if eqx.is_array(x) else x, m)
             s = jax.tree.map(lambda x: np.array(x) if eqx.is_array(x) else x, s)
-        checkpointer.save(step, m, s, meta_for(step), wait=wait)
+        try:  # the previous (background) save: its errors surface here
+            checkpointer.wait()
+        except Exception as e:
+            raise_save_error(e, last_saved)
+        try:
+            checkpointer.save(step, m, s, meta_for(step), wait=wait)
+        except Exception as e:  # disk full, read-only folder, ...
+            raise_save_error(e, step)
         last_saved = step
+
+    def raise_save_error(e: Exception, step: int):
+        checkpointer.manager.reload()
+        intact = checkpointer.latest_step()
+        raise guards.CheckpointWriteError(guards.save_error(e, step, ckpt_dir, intact)) from e
 
     bar = tqdm(
         total=total,
@@ -396,20 +437,35 @@ def run(
                         log.log(
                             {"step": step, "compile_s": compile_s, "first_step_s": first_step_s}
                         )
-                if not finite:
+                if not finite and skipped < recipe.train.skip_nonfinite:
+                    skipped += 1
+                    log.log({"step": step, "loss": loss, "finite": False, "skipped": skipped})
+                    bar.write(
+                        f"step {step}: non-finite loss ({loss}) or gradient norm; the update was "
+                        f"not applied and the batch skipped ({skipped} of "
+                        f"train.skip_nonfinite={recipe.train.skip_nonfinite})",
+                        file=sys.stderr,
+                    )
+                elif not finite:
                     where = (
                         f"the last good checkpoint is step {last_saved} in {ckpt_dir}"
                         if last_saved is not None
                         else "no checkpoint was saved before it"
                     )
                     log.log({"step": step, "loss": loss, "finite": False})
+                    skip = (
+                        f"after skipping {skipped} (train.skip_nonfinite="
+                        f"{recipe.train.skip_nonfinite})"
+                        if skipped
+                        else "set train.skip_nonfinite=K to skip up to K such steps"
+                    )
                     raise NonFiniteLoss(
                         f"non-finite loss ({loss}) or gradient norm at step {step}; the update "
-                        f"was not applied and the run stopped. {where}. Lower optim.lr, raise "
-                        "optim.warmup_steps or check the data."
+                        f"was not applied and the run stopped ({skip}). {where}. Lower "
+                        "optim.lr, raise optim.warmup_steps or check the data."
                     )
                 bar.update(1)
-                if step % recipe.train.log_every == 0 or step == total:
+                if finite and (step % recipe.train.log_every == 0 or step == total):
                     elapsed = time.perf_counter() - window_t0
                     if window_tokens and elapsed > 0:
                         tokens_per_s = window_tokens / elapsed
@@ -467,10 +523,18 @@ def run(
             bar.close()
             if last_saved != step:
                 save(step, wait=True)
-            checkpointer.wait()
+            try:
+                checkpointer.wait()
+            except Exception as e:
+                raise_save_error(e, last_saved)
     finally:
         bar.close()
-        checkpointer.close()
+        failing = sys.exc_info()[1] is not None
+        try:
+            checkpointer.close()
+        except Exception as e:
+            if not failing:  # else the error already in flight is the one to report
+                raise_save_error(e, last_saved)
 
     if interrupted:
         log.close()
@@ -553,8 +617,10 @@ def run_command(args: argparse.Namespace) -> int:
     if out is None and args.resume is False:
         out = Path("runs") / recipe.name
     try:
-        result = run(recipe, out, resume=args.resume, progress=not args.no_progress)
-    except NonFiniteLoss as e:
+        result = run(
+            recipe, out, resume=args.resume, progress=not args.no_progress, force=args.force
+        )
+    except (NonFiniteLoss, guards.CheckpointWriteError, guards.DamagedCheckpoint) as e:
         print(f"eqllm: error: {e}", file=sys.stderr)
         return 1
     if result.interrupted == "SIGINT":
@@ -588,6 +654,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="override a recipe field, e.g. --set train.steps=100 (repeatable)",
     )
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="with --resume: accept changes to the length of training, cadence and evaluation",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     hosts = parser.add_argument_group(
         "several hosts",

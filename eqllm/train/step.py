@@ -18,6 +18,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from eqllm.model import CausalLM
 from eqllm.sharding import shardings_like_params
+from eqllm.train.guards import check_token_range, trace_without_runtime_checks
 
 
 def token_nll(model: CausalLM, batch: Int[Array, "batch window"]) -> Float[Array, "batch window-1"]:
@@ -81,7 +82,11 @@ class TrainStep:
         self.param_shardings = param_shardings
         self.n_traces = 0
         # The batch goes first so that "all-except-first" donates exactly model and opt_state.
-        self._compiled = eqx.filter_jit(self._step, donate="all-except-first")
+        # Token ids are checked on the host (check_token_range), so the step is traced without
+        # the model's runtime check: a host callback would keep it out of the compile cache.
+        self._compiled = eqx.filter_jit(
+            trace_without_runtime_checks(self._step), donate="all-except-first"
+        )
 
     def __call__(self, model: CausalLM, opt_state, batch: Int[Array, "batch window"]):
         if batch.shape[0] % self.grad_accum:
@@ -89,6 +94,7 @@ class TrainStep:
                 f"batch of {batch.shape[0]} sequences does not split into "
                 f"grad_accum={self.grad_accum} equal micro-batches"
             )
+        check_token_range(batch, model.config.vocab_size)
         return self._compiled(batch, model, opt_state)
 
     def lower(self, model: CausalLM, opt_state, batch: Int[Array, "batch window"]):

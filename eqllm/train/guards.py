@@ -1,0 +1,329 @@
+"""What keeps a run's work safe: checked resumes, verified checkpoints, atomic files, clear errors.
+
+- `resume_changes(saved, recipe, force=)`: every field a resumed run changes, refused unless each
+  is in `FORCE_OK` and `force` is given (fields in `ALWAYS_OK` do not change results).
+- `fingerprints(tree)`: a 32-bit checksum of every array's bits, stored in a checkpoint's
+  metadata and checked on restore, so a garbled byte is caught even where the file format
+  still decodes.
+- `restore_intact(checkpointer, model, opt_state)`: the newest checkpoint that restores and
+  verifies; damaged newer ones are reported and moved aside to `<step>.damaged` (never deleted),
+  so the resumed run's own saves cannot overwrite or collect them.
+- `save_error(...)`: the message for a checkpoint that could not be written (disk full,
+  read-only folder), naming the folder, the cause, the checkpoint still intact, and the fix.
+- `trace_without_runtime_checks(fn)` and `check_token_range`: the train step checks token ids on
+  the host and traces the model without Equinox's runtime checks, whose host callback would keep
+  JAX's persistent compilation cache from storing the step (a restart would compile it again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import functools
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eqllm.recipe import Recipe
+
+# Fields whose change does not change what is computed: names, cache locations.
+ALWAYS_OK = ("name", "description", "data.cache_dir", "train.compile_cache")
+# Fields a resumed run may change with --force: length of training, cadence, evaluation.
+FORCE_OK = (
+    "train.steps",
+    "train.tokens",
+    "train.tokens_per_param",
+    "train.log_every",
+    "train.eval_every",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "train.skip_nonfinite",
+    "train.remat",
+    "eval.",
+)
+
+
+class ResumeMismatch(ValueError):
+    """A resumed run's recipe differs from the saved one in fields it may not change."""
+
+
+class DamagedCheckpoint(RuntimeError):
+    """No checkpoint of the run restores intact."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written; the message names the folder, cause and fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    path: str
+    old: Any
+    new: Any
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.old!r} -> {self.new!r}"
+
+
+def _leaves(values: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(values, dict) and values and not prefix.endswith("overrides."):
+        out = {}
+        for key, value in values.items():
+            out.update(_leaves(value, f"{prefix}{key}."))
+        return out
+    if isinstance(values, dict):  # model.overrides: one entry per override
+        return {f"{prefix}{k}": v for k, v in values.items()} or {prefix.rstrip("."): {}}
+    return {prefix.rstrip("."): values}
+
+
+def recipe_diff(old: Recipe, new: Recipe) -> list[Change]:
+    """Every leaf field (model overrides one by one) whose value differs, in recipe order."""
+    a, b = _leaves(old.to_dict()), _leaves(new.to_dict())
+    missing = object()
+    keys = list(a) + [k for k in b if k not in a]
+    return [
+        Change(k, a.get(k, "(unset)"), b.get(k, "(unset)"))
+        for k in keys
+        if a.get(k, missing) != b.get(k, missing)
+    ]
+
+
+def _matches(path: str, allowed: tuple[str, ...]) -> bool:
+    return any(path == p or (p.endswith(".") and path.startswith(p)) for p in allowed)
+
+
+def resume_changes(saved: Recipe, recipe: Recipe, *, force: bool, where: str) -> list[Change]:
+    """The changes a resumed run may make, or `ResumeMismatch` listing those it may not.
+
+    `where` names the saved recipe in messages (the run's config.toml).
+    """
+    changes = [c for c in recipe_diff(saved, recipe) if not _matches(c.path, ALWAYS_OK)]
+    refused = [c for c in changes if not _matches(c.path, FORCE_OK)]
+    if refused:
+        lines = "; ".join(str(c) for c in refused)
+        raise ResumeMismatch(
+            f"--resume: the recipe differs from the one in {where} in fields a resumed run "
+            f"cannot change, even with --force: {lines}. A resumed run must train the same "
+            "model on the same data with the same optimizer, batch and seed; restore those "
+            "values, or start a new run with another --out."
+        )
+    if changes and not force:
+        lines = "; ".join(str(c) for c in changes)
+        raise ResumeMismatch(
+            f"--resume: the recipe differs from the one in {where}: {lines}. These fields may "
+            "change on resume: pass --force to accept the changes (the run then no longer "
+            "matches an uninterrupted run of either recipe), or restore the saved values."
+        )
+    return changes
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `path` through a temporary file and a rename: a kill leaves the old or new text."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# Checksums --------------------------------------------------------------------------------
+
+
+def _as_uint32(x: jax.Array) -> jax.Array:
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32).ravel()
+    bits = x.dtype.itemsize * 8
+    if bits == 32:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32).ravel()
+    if bits == 16:
+        return jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32).ravel()
+    if bits == 8:
+        return jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32).ravel()
+    if bits == 64:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32).ravel()
+    raise TypeError(f"no checksum for dtype {x.dtype}")
+
+
+@jax.jit
+def _checksums(tree: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    def one(x):
+        v = _as_uint32(jnp.asarray(x))
+        # Position-weighted sum mod 2**32: order-independent to reduce, sensitive to any bit
+        # flip and to swapped elements.
+        weights = jnp.arange(v.shape[0], dtype=jnp.uint32) * jnp.uint32(2654435761) + 1
+        return jnp.sum(v * weights, dtype=jnp.uint32) ^ jnp.uint32(v.shape[0])
+
+    return {k: one(x) for k, x in tree.items()}
+
+
+def fingerprints(tree: dict[str, Any]) -> dict[str, int]:
+    """A 32-bit checksum of the bits of each array in a flat dict (computed where they live)."""
+    return {k: int(v) for k, v in jax.device_get(_checksums(tree)).items()}
+
+
+def verify_fingerprints(tree: dict[str, Any], expected: dict[str, int]) -> list[str]:
+    """Names of the arrays of `tree` whose checksum differs from `expected` (where listed)."""
+    got = fingerprints({k: v for k, v in tree.items() if k in expected})
+    return [k for k, v in got.items() if expected[k] != v]
+
+
+# Restoring the newest intact checkpoint ---------------------------------------------------
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(e).__name__}: {first[:300]}"
+
+
+def move_aside(path: Path) -> Path:
+    """Rename a checkpoint folder to `<name>.damaged` (numbered if taken); never delete it."""
+    target = path.with_name(path.name + ".damaged")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.damaged{n}")
+    os.replace(path, target)
+    return target
+
+
+def restore_intact(checkpointer, model, opt_state, *, echo: Callable[[str], None] = print):
+    """(model, opt_state, meta) of the newest checkpoint that restores and verifies.
+
+    Each damaged newer checkpoint is reported through `echo` and moved aside to
+    `<step>.damaged`. Raises `DamagedCheckpoint` (moving nothing) when none is intact.
+    """
+    steps = sorted(checkpointer.steps(), reverse=True)
+    damaged: list[tuple[int, str]] = []
+    for step in steps:
+        try:
+            result = checkpointer.restore(model, opt_state, step)
+        except Exception as e:  # any failure to read or verify makes this one unusable
+            damaged.append((step, _describe(e)))
+            continue
+        for bad_step, why in damaged:
+            folder = checkpointer.directory / str(bad_step)
+            kept = move_aside(folder)
+            echo(
+                f"WARNING: checkpoint {folder} is damaged ({why}); it was moved aside to "
+                f"{kept} (nothing deleted: inspect or remove it yourself). Resuming from the "
+                f"previous intact checkpoint, step {step}: the steps after it are redone."
+            )
+        if damaged:
+            checkpointer.manager.reload()
+        return result
+    listing = "; ".join(f"step {s}: {why}" for s, why in damaged) or "none found"
+    raise DamagedCheckpoint(
+        f"--resume: no checkpoint in {checkpointer.directory} restores intact ({listing}). "
+        "Nothing was moved or deleted. Restore the folder from a backup, or start a new run "
+        "with another --out."
+    )
+
+
+# Save errors ------------------------------------------------------------------------------
+
+
+def _root_os_error(e: BaseException) -> OSError | None:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def save_error(e: BaseException, step: int, directory: Path, intact: int | None) -> str:
+    """The message for checkpoint `step` failing to be written into `directory`."""
+    os_error = _root_os_error(e)
+    code = os_error.errno if os_error is not None else None
+    if code == errno.ENOSPC:
+        cause, fix = "the disk is full", "free space on that disk (or --out elsewhere)"
+    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        cause, fix = "the folder is not writable", "make it writable (or --out elsewhere)"
+    else:
+        cause, fix = _describe(e), "check the folder and its disk"
+    kept = (
+        f"the previous checkpoint, step {intact}, is intact"
+        if intact is not None
+        else "no earlier checkpoint exists"
+    )
+    return (
+        f"could not write checkpoint step {step} into {directory}: {cause} ({_describe(e)}). "
+        f"The run stopped; {kept}. Fix: {fix}, then continue with --resume."
+    )
+
+
+# Token ids ----------------------------------------------------------------------------------
+
+
+def check_token_range(batch, vocab_size: int) -> None:
+    """Raise ValueError unless every id of a concrete batch lies in [0, vocab_size)."""
+    if isinstance(batch, jax.core.Tracer):
+        return
+    if np.ndim(batch) != 2 or not jnp.issubdtype(batch.dtype, jnp.integer):
+        raise TypeError(
+            f"a training batch must be a 2-D integer array (sequences, tokens), got shape "
+            f"{np.shape(batch)} and dtype {batch.dtype}"
+        )
+    lo, hi = (int(v) for v in jax.device_get((batch.min(), batch.max())))
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(
+            f"token id out of range: the batch holds ids in [{lo}, {hi}] but the model's "
+            f"vocab_size is {vocab_size}; use the tokenizer the model was built for, or a "
+            "model with a larger vocab_size"
+        )
+
+
+def trace_without_runtime_checks(fn: Callable) -> Callable:
+    """`fn` traced with Equinox's runtime checks (`eqx.error_if`) off.
+
+    Those checks compile to a host callback, and JAX does not store executables with host
+    callbacks in its persistent compilation cache. Only for functions whose inputs are checked
+    before the call (the train step checks token ids with `check_token_range`).
+    """
+    try:  # the switch behind EQX_ON_ERROR, and error_if's jitted core (its trace cache)
+        from equinox import _errors
+
+        _errors.EQX_ON_ERROR, _errors.branched_error_if_impl_jit  # noqa: B018
+    except (ImportError, AttributeError):  # another equinox: keep the checks, lose the cache
+        return fn
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        saved = _errors.EQX_ON_ERROR, _errors.branched_error_if_impl_jit
+        # Unjitted core while tracing: a cached "off" trace must not leak to other callers.
+        _errors.EQX_ON_ERROR = "off"
+        _errors.branched_error_if_impl_jit = _errors.branched_error_if_impl
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _errors.EQX_ON_ERROR, _errors.branched_error_if_impl_jit = saved
+
+    return wrapped
+
+
+__all__ = [
+    "ALWAYS_OK",
+    "atomic_write_text",
+    "FORCE_OK",
+    "Change",
+    "CheckpointWriteError",
+    "DamagedCheckpoint",
+    "ResumeMismatch",
+    "check_token_range",
+    "fingerprints",
+    "move_aside",
+    "recipe_diff",
+    "restore_intact",
+    "resume_changes",
+    "save_error",
+    "trace_without_runtime_checks",
+    "verify_fingerprints",
+]
