@@ -1,0 +1,96 @@
+"""Model FLOPs utilisation: achieved training FLOP/s over the hardware's peak.
+
+FLOPs per token come from `ModelConfig.flops_per_token` (6 N + attention, PaLM convention, no
+recomputation counted). The peak is the published dense bf16 figure for known GPUs and TPUs (the
+reference even when a run computes in fp32), and on CPU a peak measured once with a large fp32
+matmul and cached in the cache folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+# Dense bf16 peak FLOP/s per device (not the "with sparsity" figures).
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "GH200": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10": 125e12,
+    "V100": 125e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12,
+}
+
+
+def cache_root() -> Path:
+    """``$EQLLM_CACHE`` if set, else ``~/.cache/eqllm``."""
+    root = os.environ.get("EQLLM_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "eqllm"
+
+
+def device_peak_flops(device: jax.Device | None = None) -> tuple[float | None, str]:
+    """(peak FLOP/s of one device, where the figure comes from). None when it is unknown."""
+    device = device or jax.devices()[0]
+    if device.platform == "cpu":
+        return measure_cpu_peak(), "measured fp32 matmul, cached"
+    kind = device.device_kind
+    for name in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if name.lower() in kind.lower():
+            return PEAK_FLOPS[name], f"published dense bf16 peak of {name}"
+    warnings.warn(
+        f"no peak FLOP/s figure for device kind {kind!r}: MFU is not reported; add it to "
+        "eqllm.train.mfu.PEAK_FLOPS",
+        stacklevel=2,
+    )
+    return None, f"unknown device kind {kind!r}"
+
+
+def measure_cpu_peak(size: int = 2048, repeats: int = 3, cache: Path | None = None) -> float:
+    """FLOP/s of the best of `repeats` fp32 (size x size) matmuls; cached per machine."""
+    cache = cache or cache_root() / "cpu_peak.json"
+    key = f"{platform.processor() or platform.machine()}|{os.cpu_count()}|{jax.__version__}|{size}"
+    try:
+        cached = json.loads(cache.read_text())
+        if cached.get("key") == key:
+            return float(cached["flops"])
+    except (OSError, ValueError, KeyError):
+        pass
+    a = jnp.ones((size, size), jnp.float32)
+    matmul = jax.jit(lambda x: x @ x)
+    matmul(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        matmul(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    flops = 2 * size**3 / best
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps({"key": key, "flops": flops}))
+    except OSError:
+        pass
+    return flops
+
+
+def mfu(tokens_per_second: float, flops_per_token: float, peak: float | None, n_devices: int = 1):
+    """tokens/s x FLOPs/token / (devices x peak); None when the peak is unknown."""
+    if not peak:
+        return None
+    return tokens_per_second * flops_per_token / (n_devices * peak)
