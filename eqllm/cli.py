@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     show = zoo_commands.add_parser("show", help="the full config of one variant")
     show.add_argument("name")
     show.set_defaults(func=_zoo_show)
+
+    from eqllm import analyze, bench
+
+    bench.add_parser(commands)
+    analyze.add_parser(commands)
     return parser
 
 

@@ -86,6 +86,13 @@ class TrainStep:
             )
         return self._compiled(batch, model, opt_state)
 
+    def lower(self, model: CausalLM, opt_state, batch: Int[Array, "batch window"]):
+        """The step lowered ahead of time (`.compile()` it; call the result like the step).
+
+        For measuring compile time and memory (`.compile().compiled.memory_analysis()`).
+        """
+        return self._compiled.lower(batch, model, opt_state)
+
     def _step(self, batch, model, opt_state):
         self.n_traces += 1
         params, static = eqx.partition(model, eqx.is_inexact_array)
