@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import gc
+import os
 import platform
 import sys
 import time
@@ -78,8 +79,6 @@ def machine_info() -> dict[str, Any]:
         info["transformers"] = transformers.__version__
     except ImportError:
         pass
-    import os
-
     if os.environ.get("XLA_FLAGS"):
         info["XLA_FLAGS"] = os.environ["XLA_FLAGS"]
     return info
@@ -146,6 +145,7 @@ def run_bench(
             f"(trace+lower {jb.lower_s:.1f}s, XLA {jb.compile_s:.1f}s)"
         )
         first: dict[str, float] = {}
+        tb = None
         if vs_torch:
             from eqllm.bench.torch_bench import TorchBench
 
@@ -211,7 +211,7 @@ def run_bench(
                     ),
                 )
             )
-        del benches, jb
+        del benches, jb, tb
         gc.collect()
     return results
 
@@ -233,6 +233,10 @@ def command_line(args, variants: Sequence[str]) -> str:
 def main(args) -> int:
     """`eqllm bench` (argparse namespace from `eqllm.cli`)."""
     variants = args.variants or ["gpt2-mini", "llama-mini"]
+    if args.vs_torch:
+        # JAX would otherwise reserve most of a GPU's memory before torch allocates any; this
+        # only takes effect if no JAX backend has started yet, as is the case from the CLI.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     t0 = time.perf_counter()
     results = run_bench(
         variants,
