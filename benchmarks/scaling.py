@@ -36,6 +36,9 @@ def compile_seconds(cfg, batch: int, seq: int) -> tuple[float, float]:
 
 def compile_study(args) -> dict:
     base = zoo.config(args.variant)
+    # One throwaway compile first: the first compile in a process pays one-off set-up costs
+    # that would otherwise inflate the smallest model's figure.
+    compile_seconds(bench_config(base.replace(n_layers=1), args.seq), args.batch, args.seq)
     rows = []
     for scan in (True, False):
         for depth in args.depths:
