@@ -180,7 +180,7 @@ def analyze_run(
     try:
         from eqllm.train.loop import build_model, prepare_data, restore_model
     except ImportError as e:
-        raise RuntimeError(f"eqllm analyze needs the training loop (eqllm.train.loop): {e}") from e
+        raise ValueError(f"eqllm analyze needs the training loop (eqllm.train.loop): {e}") from e
     run_dir = Path(run_dir)
     config = run_dir / "config.toml"
     if not config.exists():
