@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eqllm import zoo
+from eqllm import analyze, bench, zoo
 from eqllm.eval import generate_cli
 from eqllm.eval.evaluate import add_eval_arguments, eval_command
 from eqllm.hub.command import add_convert_command
@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     eval_parser = commands.add_parser("eval", help="evaluate a run folder, checkpoint or model")
     add_eval_arguments(eval_parser)
     eval_parser.set_defaults(func=eval_command)
+    bench.add_parser(commands)
+    analyze.add_parser(commands)
     return parser
 
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqllm.nn.kv_cache import KVCache
+from eqllm.nn.linear import linear_rows
 from eqllm.nn.norm import RMSNorm
 from eqllm.nn.rope import RotaryEmbedding
 
@@ -141,9 +142,9 @@ class Attention(eqx.Module):
     ]:
         """Queries, keys and values of `x`, normalised and rotated to their positions."""
         seq = x.shape[0]
-        q = jax.vmap(self.q_proj)(x).reshape(seq, self.n_heads, self.head_dim)
-        k = jax.vmap(self.k_proj)(x).reshape(seq, self.n_kv_heads, self.head_dim)
-        v = jax.vmap(self.v_proj)(x).reshape(seq, self.n_kv_heads, self.head_dim)
+        q = linear_rows(self.q_proj, x).reshape(seq, self.n_heads, self.head_dim)
+        k = linear_rows(self.k_proj, x).reshape(seq, self.n_kv_heads, self.head_dim)
+        v = linear_rows(self.v_proj, x).reshape(seq, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q = jax.vmap(jax.vmap(self.q_norm))(q)
             k = jax.vmap(jax.vmap(self.k_norm))(k)
@@ -154,7 +155,7 @@ class Attention(eqx.Module):
 
     def output(self, attended: Float[Array, "seq heads head_dim"]) -> Float[Array, "seq d_model"]:
         """The output projection of the concatenated heads."""
-        return jax.vmap(self.o_proj)(attended.reshape(attended.shape[0], -1))
+        return linear_rows(self.o_proj, attended.reshape(attended.shape[0], -1))
 
     @jax.named_scope("eqllm.Attention")
     def __call__(

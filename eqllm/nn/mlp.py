@@ -4,6 +4,8 @@ GELU MLP (Hendrycks & Gimpel, 2016; GPT-2 uses the tanh approximation); SwiGLU a
 (Shazeer, 2020, "GLU Variants Improve Transformer").
 """
 
+import functools
+import math
 from typing import Literal
 
 import equinox as eqx
@@ -11,9 +13,52 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from eqllm.nn.linear import linear_rows
+
 
 def _gelu_tanh(x):
     return jax.nn.gelu(x, approximate=True)
+
+
+def _gelu_tanh_grad(x):
+    """d/dx gelu_tanh(x) in closed form."""
+    k = jnp.asarray(math.sqrt(2 / math.pi), x.dtype)
+    t = jnp.tanh(k * (x + 0.044715 * x**3))
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * k * (1 + 3 * 0.044715 * x * x)
+
+
+# Hand-written derivatives: autodiff of these element-wise formulas keeps several intermediate
+# arrays of shape (seq, d_ff) per layer alive for the backward pass, and XLA's CPU backend
+# fuses their gradient into the transposing copy that feeds the weight-gradient matmul, which
+# runs slowly. These rules keep one (gelu) or two (gated) arrays instead.
+@jax.custom_jvp
+def gelu_tanh(x: Float[Array, "..."]) -> Float[Array, "..."]:
+    """GELU, tanh approximation (GPT-2's `gelu_new`), with a closed-form derivative."""
+    return _gelu_tanh(x)
+
+
+@gelu_tanh.defjvp
+def _gelu_tanh_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    return _gelu_tanh(x), _gelu_tanh_grad(x) * dx
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def gated(activation: str, gate: Float[Array, "..."], up: Float[Array, "..."]):
+    """act(gate) * up for act in {'silu', 'gelu'} (tanh GELU), with a closed-form derivative."""
+    act = jax.nn.silu if activation == "silu" else _gelu_tanh
+    return act(gate) * up
+
+
+@gated.defjvp
+def _gated_jvp(activation, primals, tangents):
+    (g, u), (dg, du) = primals, tangents
+    if activation == "silu":
+        s = jax.nn.sigmoid(g)
+        act, dact = g * s, s * (1 + g * (1 - s))
+    else:
+        act, dact = _gelu_tanh(g), _gelu_tanh_grad(g)
+    return act * u, (dact * u) * dg + act * du
 
 
 class MLP(eqx.Module):
@@ -43,8 +88,8 @@ class MLP(eqx.Module):
 
     @jax.named_scope("eqllm.MLP")
     def __call__(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
-        hidden = _gelu_tanh(jax.vmap(self.up)(x))  # (seq, d_ff)
-        return jax.vmap(self.down)(hidden)
+        hidden = gelu_tanh(linear_rows(self.up, x))  # (seq, d_ff)
+        return linear_rows(self.down, hidden)
 
 
 class GatedMLP(eqx.Module):
@@ -82,6 +127,5 @@ class GatedMLP(eqx.Module):
 
     @jax.named_scope("eqllm.GatedMLP")
     def __call__(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
-        act = jax.nn.silu if self.activation == "silu" else _gelu_tanh
-        hidden = act(jax.vmap(self.gate)(x)) * jax.vmap(self.up)(x)  # (seq, d_ff)
-        return jax.vmap(self.down)(hidden)
+        hidden = gated(self.activation, linear_rows(self.gate, x), linear_rows(self.up, x))
+        return linear_rows(self.down, hidden)

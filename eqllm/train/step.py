@@ -98,7 +98,11 @@ class TrainStep:
         return self._compiled(batch, model, opt_state)
 
     def lower(self, model: CausalLM, opt_state, batch: Int[Array, "batch window"]):
-        """The step lowered for these arguments (`.compile().as_text()` shows the HLO)."""
+        """The step lowered ahead of time (`.compile()` it; call the result like the step).
+
+        For compile time, memory (`.compile().compiled.memory_analysis()`) and the HLO
+        (`.compile().compiled.as_text()`).
+        """
         return self._compiled.lower(batch, model, opt_state)
 
     def _step(self, batch, model, opt_state):

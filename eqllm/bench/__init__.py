@@ -1,0 +1,289 @@
+"""`eqllm bench`: compile time, step time, tokens/s, MFU and memory per zoo variant.
+
+With `vs_torch`, the same training step in Hugging Face transformers (eager and torch.compile)
+runs in the same process, alternating step by step with the eqllm step, so the ratios survive
+machine noise. `run_bench` returns one `BenchResult` per (variant, framework); `write_report`
+turns them into bench.md / bench.json / bench.png.
+
+Example:
+    eqllm bench gpt2-mini llama-mini --batch 16 --seq 256 --steps 10 --vs-torch --out bench/
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from eqllm import zoo
+from eqllm.bench.jax_bench import HostPeak, JaxBench, MatmulProbe, bench_config, random_tokens
+from eqllm.bench.report import (
+    FLOPS_CONVENTION,
+    BenchResult,
+    format_table,
+    markdown_table,
+    write_report,
+)
+from eqllm.recipe import OptimSpec, parse_value
+from eqllm.train.mfu import device_peak_flops
+
+__all__ = [
+    "BenchResult",
+    "FLOPS_CONVENTION",
+    "format_table",
+    "machine_info",
+    "markdown_table",
+    "parse_overrides",
+    "run_bench",
+    "write_report",
+]
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """`["d_model=32,n_layers=2", "vocab_size=97"]` -> {"d_model": 32, ...} (TOML values)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        for part in item.split(","):
+            key, sep, text = part.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"--set {part!r}: expected key=value, e.g. d_model=64")
+            out[key.strip()] = parse_value(text.strip())
+    return out
+
+
+def machine_info() -> dict[str, Any]:
+    """Machine and library versions, for the report's header."""
+    import equinox
+    import jaxlib
+
+    dev = jax.devices()[0]
+    info = {
+        "machine": f"{platform.processor() or platform.machine()}, {platform.system()}",
+        "cpu threads": _threads(),
+        "device": f"{dev.platform}: {dev.device_kind} x{jax.device_count()}",
+        "python": platform.python_version(),
+        "jax": f"{jax.__version__} (jaxlib {jaxlib.__version__})",
+        "equinox": equinox.__version__,
+    }
+    try:
+        import torch
+        import transformers
+
+        info["torch"] = torch.__version__
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if os.environ.get("XLA_FLAGS"):
+        info["XLA_FLAGS"] = os.environ["XLA_FLAGS"]
+    return info
+
+
+def _threads() -> int:
+    from eqllm.bench.torch_bench import cpu_threads
+
+    return cpu_threads()
+
+
+def run_bench(
+    variants: Sequence[str],
+    *,
+    batch: int = 16,
+    seq: int = 256,
+    steps: int = 10,
+    warmup: int = 2,
+    dtype: str = "float32",
+    remat: str = "none",
+    vs_torch: bool = False,
+    torch_compile: bool = True,
+    overrides: dict[str, Any] | None = None,
+    optim: OptimSpec | None = None,
+    log: Callable[[str], None] = print,
+) -> list[BenchResult]:
+    """Benchmark each variant's training step; see the module docstring.
+
+    Arguments:
+        variants: zoo names.
+        batch, seq: sequences per step and tokens per sequence.
+        steps: timed steps per framework (after `warmup` untimed ones).
+        dtype: compute dtype ("float32" or "bfloat16"; parameters stay fp32).
+        remat: the eqllm step's remat policy.
+        vs_torch: also time transformers eager (and `torch_compile`: torch.compile).
+        overrides: ModelConfig fields applied to every variant (e.g. a tiny width for tests).
+    """
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"steps={steps} must be >= 1 and warmup={warmup} >= 0")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype={dtype!r}: use 'float32' or 'bfloat16'")
+    if vs_torch:
+        from eqllm.bench.torch_bench import import_torch
+
+        import_torch()  # fail before any compiling if the extra is missing
+    on_cpu = jax.devices()[0].platform == "cpu"
+    probe = MatmulProbe() if on_cpu else None
+    results = []
+    for name in variants:
+        cfg = bench_config(zoo.config(name, **(overrides or {})), seq, dtype, remat)
+        tokens = random_tokens(cfg.vocab_size, batch, seq)
+        flops = cfg.flops_per_token(seq)
+        benches, compile_s, host = [], {}, {}
+
+        with HostPeak() as hp:
+            jb = JaxBench(cfg, tokens, optim=optim)
+            compile_s[jb.framework] = jb.compile()
+            for _ in range(warmup):
+                jb.step()
+        host[jb.framework] = hp.bytes
+        benches.append(jb)
+        log(
+            f"{name}: eqllm compiled in {compile_s[jb.framework]:.1f}s "
+            f"(trace+lower {jb.lower_s:.1f}s, XLA {jb.compile_s:.1f}s)"
+        )
+        first: dict[str, float] = {}
+        tb = None
+        if vs_torch:
+            from eqllm.bench.torch_bench import TorchBench
+
+            for compiled in (False, True) if torch_compile else (False,):
+                with HostPeak() as hp:
+                    tb = TorchBench(cfg, tokens, optim=optim, compiled=compiled)
+                    first[tb.framework] = tb.step()
+                    for _ in range(max(warmup - 1, 0)):
+                        tb.step()
+                host[tb.framework] = hp.bytes
+                benches.append(tb)
+                log(f"{name}: {tb.framework} first step {first[tb.framework]:.1f}s")
+
+        times: dict[str, list[float]] = {b.framework: [] for b in benches}
+        for i in range(steps):
+            for b in benches:  # alternate frameworks step by step
+                times[b.framework].append(b.step())
+            if probe is not None:
+                probe.measure()
+            log(
+                f"{name}: step {i + 1}/{steps} "
+                + " ".join(f"{fw}={1e3 * ts[-1]:.0f}ms" for fw, ts in times.items())
+            )
+
+        if probe is not None:
+            peak, source = probe.best, "fp32 matmul peak measured between the steps"
+        else:
+            peak, source = device_peak_flops()
+        for b in benches:
+            ts = times[b.framework]
+            if b.framework in compile_s:
+                comp = compile_s[b.framework]
+            elif getattr(b, "compiled", False) is True:
+                comp = max(first[b.framework] - sorted(ts)[len(ts) // 2], 0.0)
+            else:
+                comp = None
+            mem = b.device_peak_memory()
+            mem_source = "torch.cuda.max_memory_allocated" if mem is not None else "-"
+            if isinstance(b, JaxBench):
+                mem = mem if mem is not None else b.memory_bytes
+                mem_source = b.memory_source
+            results.append(
+                BenchResult(
+                    variant=name,
+                    framework=b.framework,
+                    dtype=dtype,
+                    batch=batch,
+                    seq=seq,
+                    params=b.params,
+                    flops_per_token=flops,
+                    compile_s=comp,
+                    step_s=ts,
+                    peak_flops=peak,
+                    peak_source=source,
+                    memory_bytes=mem,
+                    memory_source=mem_source,
+                    host_peak_bytes=host.get(b.framework),
+                    remat=remat if isinstance(b, JaxBench) else "none",
+                    xla_flops_per_token=(
+                        b.xla_flops / (batch * seq)
+                        if isinstance(b, JaxBench) and b.xla_flops
+                        else None
+                    ),
+                )
+            )
+        del benches, jb, tb
+        gc.collect()
+    return results
+
+
+def command_line(args, variants: Sequence[str]) -> str:
+    """The `eqllm bench ...` command that regenerates a report, from the parsed arguments."""
+    parts = ["eqllm bench", *variants, f"--batch {args.batch} --seq {args.seq}"]
+    parts.append(f"--steps {args.steps} --warmup {args.warmup} --dtype {args.dtype}")
+    if args.remat != "none":
+        parts.append(f"--remat {args.remat}")
+    if args.vs_torch:
+        parts.append("--vs-torch" + (" --no-compile" if args.no_compile else ""))
+    parts += [f"--set {s}" for s in args.set or []]
+    if args.out:
+        parts.append(f"--out {args.out}")
+    return " ".join(parts)
+
+
+def main(args) -> int:
+    """`eqllm bench` (argparse namespace from `eqllm.cli`)."""
+    variants = args.variants or ["gpt2-mini", "llama-mini"]
+    if args.vs_torch:
+        # JAX would otherwise reserve most of a GPU's memory before torch allocates any; this
+        # only takes effect if no JAX backend has started yet, as is the case from the CLI.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    t0 = time.perf_counter()
+    results = run_bench(
+        variants,
+        batch=args.batch,
+        seq=args.seq,
+        steps=args.steps,
+        warmup=args.warmup,
+        dtype=args.dtype,
+        remat=args.remat,
+        vs_torch=args.vs_torch,
+        torch_compile=not args.no_compile,
+        overrides=parse_overrides(args.set or []),
+        log=(lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr)),
+    )
+    meta = {
+        "command": command_line(args, variants),
+        **machine_info(),
+        "batch x seq": f"{args.batch} x {args.seq}",
+        "timed steps": args.steps,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "wall time": f"{time.perf_counter() - t0:.0f}s",
+    }
+    print(format_table(results))
+    print(FLOPS_CONVENTION)
+    if args.out:
+        paths = write_report(results, args.out, meta, plots=not args.no_plots)
+        print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def add_parser(commands) -> None:
+    """Register `eqllm bench` on the CLI's subparsers."""
+    p = commands.add_parser(
+        "bench",
+        help="time the training step (compile, step, tokens/s, MFU, memory), optionally vs PyTorch",
+    )
+    p.add_argument("variants", nargs="*", help="zoo names (default: gpt2-mini llama-mini)")
+    p.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
+    p.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per framework (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--remat", choices=["none", "full", "dots", "dots_no_batch"], default="none")
+    p.add_argument("--vs-torch", action="store_true", help="also time transformers (eager+compile)")
+    p.add_argument("--no-compile", action="store_true", help="with --vs-torch: skip torch.compile")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE[,...]", help="config overrides")
+    p.add_argument("--out", help="folder for bench.md, bench.json, bench.png")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no per-step progress on stderr")
+    p.set_defaults(func=main)
