@@ -337,7 +337,7 @@ def test_cli_interactive_ctrl_c_stops_only_the_generation(models, tiny_zoo, monk
 
 
 def test_loading_an_empty_folder_says_what_it_accepts(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not a zoo name"):
+    with pytest.raises(ValueError, match="no config.json in .* holds config.json"):
         generate_cli.loading.load(str(tmp_path))
 
 

@@ -341,7 +341,7 @@ def test_load_any_and_convert_both_ways(llama_folder, tmp_path, capsys):
 
     zoo_model, none = eqllm.hub.load_any("llama-nano")  # a zoo name: fresh weights
     assert none is None and zoo_model.config == eqllm.zoo.config("llama-nano")
-    with pytest.raises(FileNotFoundError, match="not a zoo name"):
+    with pytest.raises(KeyError, match="did you mean llama-nano"):
         eqllm.hub.load_any("llama-nanoo")
 
 

@@ -463,6 +463,8 @@ def load_any(
     tokenizer; a folder or repo gives its tokenizer when it holds tokenizer.json.
     """
     text = os.fspath(spec)
+    if not Path(text).expanduser().exists() and "/" not in text:
+        zoo.entry(text)  # neither a folder nor 'org/name': an unknown zoo name, "did you mean"
     if not Path(text).expanduser().exists() and text in zoo.names():
         config = zoo.config(text)
         if dtype is not None:
