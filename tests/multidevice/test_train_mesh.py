@@ -10,20 +10,10 @@ from eqllm.recipe import OptimSpec
 from eqllm.sharding import MeshConfig, batch_sharding, make_mesh, param_shardings, shard_model
 from eqllm.train import TrainStep, init_opt_state, make_optimizer, schedule
 from eqllm.train.checkpoint import Checkpointer
+from tests.multidevice import CFG, MESHES
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 
-CFG = eqllm.zoo.config(
-    "llama-nano",
-    vocab_size=96,
-    d_model=64,
-    n_layers=2,
-    n_heads=8,
-    n_kv_heads=8,
-    d_ff=128,
-    max_seq_len=32,
-)
-MESHES = ["data=8", "data=2,fsdp=4", "data=2,fsdp=2,tensor=2", "data=1,tensor=8"]
 STEPS = 3
 # AdamW with eps=1e-3: Adam's first updates are ~sign(gradient), so an element whose gradient is
 # ~1e-9 moves by +-lr on a sign flip that mere summation order causes; a larger eps keeps the
