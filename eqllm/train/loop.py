@@ -304,6 +304,7 @@ def run(
         schedule(recipe.optim, total),
         grad_accum=recipe.train.grad_accum,
         param_shardings=shardings,
+        batch_sharding=batch_sharding(mesh) if shardings is not None else None,
     )
     checkpointer = Checkpointer(ckpt_dir, keep=recipe.train.keep_checkpoints)
     start = 0
@@ -359,12 +360,6 @@ def run(
             process_count=jax.process_count(),
         )
 
-    def place(batch: np.ndarray) -> jax.Array:
-        """The global batch array, split over the mesh's data and fsdp axes."""
-        if mesh.size == 1:
-            return jax.numpy.asarray(batch)
-        return jax.make_array_from_process_local_data(batch_sharding(mesh), batch)
-
     def save(step: int, wait: bool = False) -> None:
         nonlocal last_saved
         m, s = model, opt_state
@@ -416,7 +411,7 @@ def run(
             loader_tokens += tokens_per_step
             while step < total:
                 t_step = time.perf_counter()
-                model, opt_state, metrics = train_step(model, opt_state, place(batch))
+                model, opt_state, metrics = train_step(model, opt_state, batch)
                 if step + 1 < total:  # build the next batch while the device computes
                     t0 = time.perf_counter()
                     batch = make_batch(step + 1)

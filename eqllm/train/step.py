@@ -13,6 +13,7 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jaxtyping import Array, Bool, Float, Int
 
@@ -71,6 +72,7 @@ class TrainStep:
         *,
         grad_accum: int = 1,
         param_shardings=None,
+        batch_sharding=None,
     ):
         if grad_accum < 1:
             raise ValueError(f"grad_accum={grad_accum} must be >= 1")
@@ -80,6 +82,8 @@ class TrainStep:
         # Where updated parameters must live (a pytree like the model's trainable arrays, from
         # eqllm.sharding.param_shardings); None lets XLA choose (single device).
         self.param_shardings = param_shardings
+        # How a host batch (this process's rows) is laid out on the devices; None: one device.
+        self.batch_sharding = batch_sharding
         self.n_traces = 0
         # The batch goes first so that "all-except-first" donates exactly model and opt_state.
         # Token ids are checked on the host (check_token_range), so the step is traced without
@@ -88,13 +92,25 @@ class TrainStep:
             trace_without_runtime_checks(self._step), donate="all-except-first"
         )
 
-    def __call__(self, model: CausalLM, opt_state, batch: Int[Array, "batch window"]):
+    def __call__(
+        self,
+        model: CausalLM,
+        opt_state,
+        batch: Int[Array, "batch window"] | Int[np.ndarray, "batch window"],
+    ):
+        """One step. A numpy `batch` (this process's rows) is checked on the host, with no device
+        round trip, then placed by `batch_sharding`; a device array is checked on its device."""
         if batch.shape[0] % self.grad_accum:
             raise ValueError(
                 f"batch of {batch.shape[0]} sequences does not split into "
                 f"grad_accum={self.grad_accum} equal micro-batches"
             )
         check_token_range(batch, model.config.vocab_size)
+        if isinstance(batch, np.ndarray):
+            if self.batch_sharding is None:
+                batch = jnp.asarray(batch)
+            else:
+                batch = jax.make_array_from_process_local_data(self.batch_sharding, batch)
         return self._compiled(batch, model, opt_state)
 
     def lower(self, model: CausalLM, opt_state, batch: Int[Array, "batch window"]):
