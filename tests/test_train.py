@@ -18,28 +18,15 @@ from eqllm.recipe import OptimSpec, Recipe
 from eqllm.train import TrainStep, init_opt_state, make_optimizer, schedule
 from eqllm.train import loop as loop_mod
 from eqllm.train.checkpoint import Checkpointer
-
-TINY_MODEL = {
-    "d_model": 32,
-    "n_layers": 2,
-    "n_heads": 4,
-    "n_kv_heads": 2,
-    "d_ff": 64,
-    "max_seq_len": 64,
-}
+from tests.reliability.harness import make_corpus
+from tests.reliability.harness import tiny_recipe as harness_recipe
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """A tiny text corpus and cache folders shared by the module's runs."""
     root = tmp_path_factory.mktemp("train")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    rng = np.random.default_rng(0)
-    words = ["def", "return", "self", "import", "value", "class", "for", "in", "if", "None"]
-    for i in range(30):
-        lines = [" ".join(rng.choice(words, 6)) + ":" for _ in range(40)]
-        (corpus / f"doc{i}.txt").write_text("\n".join(lines) + "\n")
+    corpus = make_corpus(root)
     old = os.environ.get("EQLLM_CACHE")
     os.environ["EQLLM_CACHE"] = str(root / "cache")
     yield root, corpus
@@ -50,30 +37,10 @@ def env(tmp_path_factory):
 
 
 def tiny_recipe(env, **train) -> Recipe:
+    """The fault tests' tiny recipe, shorter: 8 steps, eval every 4, a checkpoint every 3."""
     root, corpus = env
-    values = {
-        "name": "tiny",
-        "model": {"variant": "llama-nano", "overrides": TINY_MODEL},
-        "data": {
-            "source": {"kind": "files", "path": str(corpus)},
-            "tokenizer": "bytes",
-            "seq_len": 32,
-            "val_fraction": 0.1,
-            "cache_dir": str(root / "tokens"),
-        },
-        "optim": {"lr": 1e-2, "warmup_steps": 2},
-        "train": {
-            "batch_size": 8,
-            "steps": 8,
-            "log_every": 1,
-            "eval_every": 4,
-            "checkpoint_every": 3,
-            "keep_checkpoints": 5,
-            **train,
-        },
-        "eval": {"batches": 2, "sample_tokens": 4, "sample_prompts": ["def "]},
-    }
-    return Recipe.from_dict(values)
+    settings = {"steps": 8, "eval_every": 4, "checkpoint_every": 3, "keep_checkpoints": 5}
+    return harness_recipe(root, corpus, **{**settings, **train})
 
 
 def losses(out_dir):
