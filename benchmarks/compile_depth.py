@@ -19,7 +19,7 @@ import eqllm
 
 
 def loss_fn(model, tokens):
-    logits = jax.vmap(model)(tokens[:, :-1])
+    logits = model(tokens[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 

@@ -23,7 +23,7 @@ def random_tokens(seed, n=SEQ, vocab=97):
 
 
 def loss_fn(model, tokens):
-    logits = jax.vmap(model)(tokens[:, :-1])
+    logits = model(tokens[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
@@ -35,11 +35,13 @@ def test_shapes_and_dtypes(family_model):
     assert model.blocks.attn.q_proj.weight.shape[0] == model.config.n_layers  # stacked
 
 
-def test_batched_with_vmap_equals_one_by_one(family_model):
+def test_batch_call_equals_vmap_and_one_by_one(family_model):
     _, model = family_model
     tokens = jnp.stack([random_tokens(1), random_tokens(2)])
-    batched = jax.vmap(model)(tokens)
+    batched = forward(model, tokens)
+    assert batched.shape == (2, SEQ, 97)
     np.testing.assert_allclose(batched[1], forward(model, tokens[1]), atol=1e-5)
+    np.testing.assert_allclose(batched, eqx.filter_jit(jax.vmap(model))(tokens), atol=1e-5)
 
 
 def test_causality(family_model):
@@ -184,7 +186,7 @@ def test_with_config_refuses_architecture_changes():
 def test_bad_inputs_raise_clear_errors():
     model = eqllm.CausalLM(TINY_CONFIGS["llama"], key=jax.random.key(0))
     with pytest.raises(TypeError, match="tokens"):
-        model(jnp.zeros((2, 8), jnp.int32))  # a batch: needs vmap
+        model(jnp.zeros((2, 2, 8), jnp.int32))  # neither a sequence nor a batch
     with pytest.raises(TypeError, match="tokens"):
         model(jnp.zeros((8,), jnp.float32))
     with pytest.raises(ValueError, match="longer than the context max_seq_len=64"):

@@ -81,7 +81,7 @@ def forward_cached(
         return block.cached(h, positions, layer_cache)
 
     x, cache = jax.lax.scan(layer, x, (params, cache))
-    return jax.vmap(model.final_norm)(x), cache
+    return model.final_norm(x), cache
 
 
 def unstack_layers(tree, n_layers: int) -> tuple:
@@ -110,7 +110,7 @@ def _forward_layers(
     for block, cache in zip(layers, caches, strict=True):
         x, cache = block.cached(x, positions, cache)
         written.append(cache)
-    return jax.vmap(model.final_norm)(x), tuple(written)
+    return model.final_norm(x), tuple(written)
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,7 +289,7 @@ def _prefill(
     hidden, cache = jax.vmap(_forward_layers, in_axes=(None, None, 0, 0, 0))(
         model, layers, tokens, positions, (empty,) * cfg.n_layers
     )
-    logits = jax.vmap(model.logits)(hidden[:, -1:])[:, 0]  # left padding: last column is real
+    logits = model.logits(hidden[:, -1])  # left padding: last column is real
     present_index = jnp.where(positions >= 0, tokens, vocab)  # padding: out of range, dropped
     present = (
         jnp.zeros((batch, vocab), bool)
@@ -332,7 +332,7 @@ def _decode(
         hidden, cache = jax.vmap(_forward_layers, in_axes=(None, None, 0, 0, 0))(
             model, layers, state.token[:, None], state.position[:, None], state.cache
         )
-        logits = jax.vmap(model.logits)(hidden)[:, 0]
+        logits = model.logits(hidden[:, 0])
         state = eqx.tree_at(lambda s: (s.cache, s.position), state, (cache, state.position + 1))
         state, token = _sample_into(state, logits, settings, stop)
         return i + 1, state, out.at[:, i].set(token)

@@ -23,13 +23,13 @@ from eqllm.nn.rope import RotaryEmbedding
 
 
 def attention_mask(
-    q_positions: Int[Array, " seq"],
-    k_positions: Int[Array, " kv_seq"],
+    q_positions: Int[Array, "*batch seq"],
+    k_positions: Int[Array, "*batch kv_seq"],
     sliding_window: int | None = None,
-) -> Bool[Array, "seq kv_seq"]:
+) -> Bool[Array, "*batch seq kv_seq"]:
     """True where query i may attend to key j (causal, within the window, key slot filled)."""
-    q = q_positions[:, None]
-    k = k_positions[None, :]
+    q = q_positions[..., :, None]
+    k = k_positions[..., None, :]
     allowed = (k <= q) & (k >= 0)
     if sliding_window is not None:
         allowed = allowed & (q - k < sliding_window)
@@ -37,31 +37,32 @@ def attention_mask(
 
 
 def dot_product_attention(
-    q: Float[Array, "seq heads head_dim"],
-    k: Float[Array, "kv_seq kv_heads head_dim"],
-    v: Float[Array, "kv_seq kv_heads head_dim"],
-    mask: Bool[Array, "seq kv_seq"],
-) -> Float[Array, "seq heads head_dim"]:
+    q: Float[Array, "*batch seq heads head_dim"],
+    k: Float[Array, "*batch kv_seq kv_heads head_dim"],
+    v: Float[Array, "*batch kv_seq kv_heads head_dim"],
+    mask: Bool[Array, "*batch seq kv_seq"],
+) -> Float[Array, "*batch seq heads head_dim"]:
     """softmax(q k^T / sqrt(d) + mask) v, query heads grouped over the shared kv heads.
 
     Scores and softmax are in fp32 whatever the input dtype. A query row with no allowed key
     returns zeros (it only occurs for padding).
     """
-    seq, heads, head_dim = q.shape
-    kv_heads = k.shape[1]
-    # (seq, kv_heads, groups, head_dim): query heads that share one kv head sit together.
-    q = q.reshape(seq, kv_heads, heads // kv_heads, head_dim)
-    scores = jnp.einsum("tkgd,skd->kgts", q, k, preferred_element_type=jnp.float32)
+    *batch, seq, heads, head_dim = q.shape
+    kv_heads = k.shape[-2]
+    # (..., seq, kv_heads, groups, head_dim): query heads that share one kv head sit together.
+    q = q.reshape(*batch, seq, kv_heads, heads // kv_heads, head_dim)
+    scores = jnp.einsum("...tkgd,...skd->...kgts", q, k, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(head_dim)
+    mask = mask[..., None, None, :, :]  # broadcast over (kv_heads, groups)
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(mask.any(axis=-1)[:, None], probs, 0.0)  # fully masked rows -> 0
-    out = jnp.einsum("kgts,skd->tkgd", probs.astype(v.dtype), v)
-    return out.reshape(seq, heads, head_dim)
+    probs = jnp.where(mask.any(axis=-1, keepdims=True), probs, 0.0)  # fully masked rows -> 0
+    out = jnp.einsum("...kgts,...skd->...tkgd", probs.astype(v.dtype), v)
+    return out.reshape(*batch, seq, heads, head_dim)
 
 
 class Attention(eqx.Module):
-    """Causal self-attention over one sequence.
+    """Causal self-attention over one sequence or a batch of them (leading axes).
 
     Arguments:
         d_model: input and output size.
@@ -134,36 +135,40 @@ class Attention(eqx.Module):
         self.sliding_window = sliding_window
 
     def project(
-        self, x: Float[Array, "seq d_model"], positions: Int[Array, " seq"]
+        self, x: Float[Array, "*batch seq d_model"], positions: Int[Array, "*batch seq"]
     ) -> tuple[
-        Float[Array, "seq heads head_dim"],
-        Float[Array, "seq kv_heads head_dim"],
-        Float[Array, "seq kv_heads head_dim"],
+        Float[Array, "*batch seq heads head_dim"],
+        Float[Array, "*batch seq kv_heads head_dim"],
+        Float[Array, "*batch seq kv_heads head_dim"],
     ]:
         """Queries, keys and values of `x`, normalised and rotated to their positions."""
-        seq = x.shape[0]
-        q = linear_rows(self.q_proj, x).reshape(seq, self.n_heads, self.head_dim)
-        k = linear_rows(self.k_proj, x).reshape(seq, self.n_kv_heads, self.head_dim)
-        v = linear_rows(self.v_proj, x).reshape(seq, self.n_kv_heads, self.head_dim)
+        rows = x.shape[:-1]
+        q = linear_rows(self.q_proj, x).reshape(*rows, self.n_heads, self.head_dim)
+        k = linear_rows(self.k_proj, x).reshape(*rows, self.n_kv_heads, self.head_dim)
+        v = linear_rows(self.v_proj, x).reshape(*rows, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = jax.vmap(jax.vmap(self.q_norm))(q)
-            k = jax.vmap(jax.vmap(self.k_norm))(k)
+            q = self.q_norm(q)
+            k = self.k_norm(k)
         if self.rope is not None:
             q = self.rope(q, positions)
             k = self.rope(k, positions)
         return q, k, v
 
-    def output(self, attended: Float[Array, "seq heads head_dim"]) -> Float[Array, "seq d_model"]:
+    def output(
+        self, attended: Float[Array, "*batch seq heads head_dim"]
+    ) -> Float[Array, "*batch seq d_model"]:
         """The output projection of the concatenated heads."""
-        return linear_rows(self.o_proj, attended.reshape(attended.shape[0], -1))
+        return linear_rows(self.o_proj, attended.reshape(*attended.shape[:-2], -1))
 
     @jax.named_scope("eqllm.Attention")
     def __call__(
-        self, x: Float[Array, "seq d_model"], positions: Int[Array, " seq"] | None = None
-    ) -> Float[Array, "seq d_model"]:
+        self,
+        x: Float[Array, "*batch seq d_model"],
+        positions: Int[Array, "*batch seq"] | None = None,
+    ) -> Float[Array, "*batch seq d_model"]:
         """Causal self-attention of `x`; `positions` default to 0..seq-1."""
         if positions is None:
-            positions = jnp.arange(x.shape[0])
+            positions = jnp.broadcast_to(jnp.arange(x.shape[-2]), x.shape[:-1])
         q, k, v = self.project(x, positions)
         mask = attention_mask(positions, positions, self.sliding_window)
         return self.output(dot_product_attention(q, k, v, mask))

@@ -11,7 +11,7 @@ from eqllm.nn.norm import LayerNorm, RMSNorm
 
 
 class Block(eqx.Module):
-    """x + attn(norm1(x)), then x + mlp(norm2(x)).
+    """x + attn(norm1(x)), then x + mlp(norm2(x)), on one sequence or a batch of them.
 
     Arguments:
         attn: the self-attention layer.
@@ -26,16 +26,18 @@ class Block(eqx.Module):
 
     @jax.named_scope("eqllm.Block")
     def __call__(
-        self, x: Float[Array, "seq d_model"], positions: Int[Array, " seq"] | None = None
-    ) -> Float[Array, "seq d_model"]:
-        x = x + self.attn(jax.vmap(self.attn_norm)(x), positions)
-        return x + self.mlp(jax.vmap(self.mlp_norm)(x))
+        self,
+        x: Float[Array, "*batch seq d_model"],
+        positions: Int[Array, "*batch seq"] | None = None,
+    ) -> Float[Array, "*batch seq d_model"]:
+        x = x + self.attn(self.attn_norm(x), positions)
+        return x + self.mlp(self.mlp_norm(x))
 
     @jax.named_scope("eqllm.Block.cached")
     def cached(
         self, x: Float[Array, "seq d_model"], positions: Int[Array, " seq"], cache: KVCache
     ) -> tuple[Float[Array, "seq d_model"], KVCache]:
         """The block on a chunk of new positions, attending to `cache` (see Attention.cached)."""
-        attended, cache = self.attn.cached(jax.vmap(self.attn_norm)(x), positions, cache)
+        attended, cache = self.attn.cached(self.attn_norm(x), positions, cache)
         x = x + attended
-        return x + self.mlp(jax.vmap(self.mlp_norm)(x)), cache
+        return x + self.mlp(self.mlp_norm(x)), cache

@@ -87,8 +87,8 @@ class MLP(eqx.Module):
         self.down = eqx.nn.Linear(d_ff, d_model, use_bias=use_bias, key=k2, dtype=dtype)
 
     @jax.named_scope("eqllm.MLP")
-    def __call__(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
-        hidden = gelu_tanh(linear_rows(self.up, x))  # (seq, d_ff)
+    def __call__(self, x: Float[Array, "*rows d_model"]) -> Float[Array, "*rows d_model"]:
+        hidden = gelu_tanh(linear_rows(self.up, x))  # (..., d_ff)
         return linear_rows(self.down, hidden)
 
 
@@ -126,6 +126,6 @@ class GatedMLP(eqx.Module):
         self.activation = activation
 
     @jax.named_scope("eqllm.GatedMLP")
-    def __call__(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
+    def __call__(self, x: Float[Array, "*rows d_model"]) -> Float[Array, "*rows d_model"]:
         hidden = gated(self.activation, linear_rows(self.gate, x), linear_rows(self.up, x))
         return linear_rows(self.down, hidden)

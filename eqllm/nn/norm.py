@@ -1,6 +1,7 @@
 """RMSNorm (Zhang & Sennrich, 2019) and LayerNorm (Ba et al., 2016) over the last axis.
 
-Statistics are computed in fp32 whatever the input dtype; the result is cast back.
+Both take any leading axes (a vector, a sequence, a batch). Statistics are computed in fp32
+whatever the input dtype; the result is cast back.
 """
 
 import equinox as eqx
@@ -28,9 +29,9 @@ class RMSNorm(eqx.Module):
         self.plus_one = plus_one
 
     @jax.named_scope("eqllm.RMSNorm")
-    def __call__(self, x: Float[Array, " dim"]) -> Float[Array, " dim"]:
+    def __call__(self, x: Float[Array, "*rows dim"]) -> Float[Array, "*rows dim"]:
         x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32) + self.eps)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         scale = self.weight.astype(jnp.float32)
         if self.plus_one:
             scale = 1.0 + scale
@@ -56,10 +57,10 @@ class LayerNorm(eqx.Module):
         self.eps = eps
 
     @jax.named_scope("eqllm.LayerNorm")
-    def __call__(self, x: Float[Array, " dim"]) -> Float[Array, " dim"]:
+    def __call__(self, x: Float[Array, "*rows dim"]) -> Float[Array, "*rows dim"]:
         x32 = x.astype(jnp.float32)
-        mean = jnp.mean(x32)
-        var = jnp.mean(jnp.square(x32 - mean))
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
         y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * self.weight.astype(jnp.float32)
         if self.bias is not None:
             y = y + self.bias.astype(jnp.float32)

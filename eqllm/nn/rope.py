@@ -80,12 +80,12 @@ class RotaryEmbedding(eqx.Module):
 
     @jax.named_scope("eqllm.RotaryEmbedding")
     def __call__(
-        self, x: Float[Array, "seq heads head_dim"], positions: Int[Array, " seq"]
-    ) -> Float[Array, "seq heads head_dim"]:
-        # angles: (seq, head_dim/2), computed in fp32 so long positions keep their precision.
-        angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(self.inv_freq, jnp.float32)
-        cos = jnp.cos(angles)[:, None, :]
-        sin = jnp.sin(angles)[:, None, :]
+        self, x: Float[Array, "*batch seq heads head_dim"], positions: Int[Array, "*batch seq"]
+    ) -> Float[Array, "*batch seq heads head_dim"]:
+        # angles: (..., seq, head_dim/2), in fp32 so long positions keep their precision.
+        angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(self.inv_freq, jnp.float32)
+        cos = jnp.cos(angles)[..., None, :]
+        sin = jnp.sin(angles)[..., None, :]
         x32 = x.astype(jnp.float32)
         x1, x2 = jnp.split(x32, 2, axis=-1)
         rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -24,7 +24,7 @@ from eqllm.train.guards import check_token_range, trace_without_runtime_checks
 
 def token_nll(model: CausalLM, batch: Int[Array, "batch window"]) -> Float[Array, "batch window-1"]:
     """Negative log-likelihood (nats, fp32) of every target `batch[:, 1:]` given its prefix."""
-    logits = jax.vmap(model)(batch[:, :-1])  # (batch, seq, vocab), fp32
+    logits = model(batch[:, :-1])  # (batch, seq, vocab), fp32
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:])
 
 

@@ -161,25 +161,26 @@ def test_random_token_arrays_get_a_clear_error(model, shape, dtype, low):
     TRIED["token arrays"] += 1
     vocab = model.config.vocab_size
     tokens = (np.arange(int(np.prod(shape))).reshape(shape) + low).astype(dtype)
-    ok_shape = len(shape) == 1 and 0 < shape[0] <= model.config.max_seq_len
+    ok_rank = len(shape) in (1, 2)
+    ok_shape = ok_rank and 0 not in shape and shape[-1] <= model.config.max_seq_len
     ok_ids = tokens.size == 0 or (tokens.min() >= 0 and tokens.max() < vocab)
     ok_dtype = np.issubdtype(tokens.dtype, np.integer)
     if ok_shape and ok_ids and ok_dtype:
         # Traced, not compiled: valid calls are tested elsewhere, this test is about errors.
-        assert jax.eval_shape(model, jnp.asarray(tokens)).shape == (shape[0], vocab)
+        assert jax.eval_shape(model, jnp.asarray(tokens)).shape == (*shape, vocab)
         return
     TRIED["token arrays rejected"] += 1
     with pytest.raises(Exception) as info:
         model(jnp.asarray(tokens))
-    if len(shape) != 1 or not ok_dtype or not ok_shape:
+    if not ok_rank or not ok_dtype or not ok_shape:
         # The suite's jaxtyping hook may reject the call first (a TypeError too); users run
         # without it and get `check_tokens`' message, checked here directly.
         assert isinstance(info.value, (TypeError, ValueError))
         with pytest.raises((TypeError, ValueError)) as info:
             check_tokens(jnp.asarray(tokens), model.config)
     message = str(info.value)
-    if len(shape) != 1:
-        assert isinstance(info.value, TypeError) and "1-D integer array" in message
+    if not ok_rank:
+        assert isinstance(info.value, TypeError) and "(batch, seq) integer array" in message
     elif not ok_dtype:
         assert isinstance(info.value, TypeError) and "integer dtype" in message
     elif not ok_shape:
