@@ -146,7 +146,8 @@ class CausalLM(eqx.Module):
     ) -> Float[Array, "*batch seq d_model"]:
         """The final-norm hidden states, in the compute dtype."""
         cfg = self.config
-        if positions is None:
+        in_order = positions is None  # lets attention skip the masked-out key blocks
+        if in_order:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
         tokens = eqx.error_if(
             tokens,
@@ -155,7 +156,7 @@ class CausalLM(eqx.Module):
         )
         model = cast_floating(self, dtype_of(cfg.compute_dtype))  # the one compute-dtype cast
         x = model.embed_inputs(tokens, positions)
-        x = run_blocks(model.blocks, x, positions, cfg)
+        x = run_blocks(model.blocks, x, None if in_order else positions, cfg)
         return model.final_norm(x)
 
     def embed_inputs(
@@ -209,10 +210,13 @@ def _initial_parts(config: ModelConfig, key: PRNGKeyArray) -> dict:
 def run_blocks(
     blocks: Block,
     x: Float[Array, "*batch seq d_model"],
-    positions: Int[Array, "*batch seq"],
+    positions: Int[Array, "*batch seq"] | None,
     config: ModelConfig,
 ) -> Float[Array, "*batch seq d_model"]:
-    """Apply the stacked blocks in order: `lax.scan` (default) or an unrolled Python loop."""
+    """Apply the stacked blocks in order: `lax.scan` (default) or an unrolled Python loop.
+
+    `positions` None means 0..seq-1 (see `Attention.__call__`).
+    """
     params, static = eqx.partition(blocks, eqx.is_array)
 
     def step(h, layer_params):

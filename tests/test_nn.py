@@ -15,6 +15,7 @@ from eqllm.nn import (
     RotaryEmbedding,
     rope_inv_freq,
 )
+from eqllm.nn.attention import attention_mask, dot_product_attention, in_order_attention
 
 
 def test_rmsnorm_statistics_in_fp32():
@@ -99,6 +100,29 @@ def test_attention_layer_standalone(kv_heads):
     y2 = attn(x.at[5].set(0.0))
     np.testing.assert_allclose(y[:5], y2[:5], atol=1e-6)
     np.testing.assert_allclose(y[9], y2[9], atol=1e-6)  # 5 is outside 9's window of 4
+
+
+@pytest.mark.parametrize("seq, window", [(256, None), (200, None), (256, 100), (130, 3)])
+def test_in_order_attention_equals_full_masked_attention(seq, window):
+    """Skipping future key blocks changes no value: same as the full mask, any split."""
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(kq, (2, seq, 4, 8))
+    k = jax.random.normal(kk, (2, seq, 2, 8))
+    v = jax.random.normal(kv, (2, seq, 2, 8))
+    positions = jnp.arange(seq)
+    full = dot_product_attention(q, k, v, attention_mask(positions, positions, window))
+    for chunks in (1, 3, 4):
+        skipped = in_order_attention(q, k, v, window, chunks=chunks)
+        np.testing.assert_allclose(skipped, full, atol=2e-6)
+
+
+def test_attention_on_a_batch_equals_one_sequence_at_a_time():
+    attn = Attention(32, 4, n_kv_heads=2, rope=RotaryEmbedding(8), key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (3, 70, 32))
+    batched = attn(x)  # default positions: the block-skipping path
+    positions = jnp.broadcast_to(jnp.arange(70), (3, 70))
+    np.testing.assert_allclose(batched, attn(x, positions), atol=2e-6)  # full-mask path
+    np.testing.assert_allclose(batched[1], attn(x[1]), atol=2e-6)
 
 
 def test_attention_rejects_bad_head_counts():

@@ -40,10 +40,11 @@ def dot_product_attention(
     q: Float[Array, "*batch seq heads head_dim"],
     k: Float[Array, "*batch kv_seq kv_heads head_dim"],
     v: Float[Array, "*batch kv_seq kv_heads head_dim"],
-    mask: Bool[Array, "*batch seq kv_seq"],
+    mask: Bool[Array, "*#batch seq kv_seq"],
 ) -> Float[Array, "*batch seq heads head_dim"]:
     """softmax(q k^T / sqrt(d) + mask) v, query heads grouped over the shared kv heads.
 
+    `mask` broadcasts over the leading axes (one (seq, kv_seq) mask serves a whole batch).
     Scores and softmax are in fp32 whatever the input dtype. A query row with no allowed key
     returns zeros (it only occurs for padding).
     """
@@ -59,6 +60,33 @@ def dot_product_attention(
     probs = jnp.where(mask.any(axis=-1, keepdims=True), probs, 0.0)  # fully masked rows -> 0
     out = jnp.einsum("...kgts,...skd->...tkgd", probs.astype(v.dtype), v)
     return out.reshape(*batch, seq, heads, head_dim)
+
+
+def in_order_attention(
+    q: Float[Array, "*batch seq heads head_dim"],
+    k: Float[Array, "*batch seq kv_heads head_dim"],
+    v: Float[Array, "*batch seq kv_heads head_dim"],
+    sliding_window: int | None = None,
+    chunks: int = 4,
+) -> Float[Array, "*batch seq heads head_dim"]:
+    """Causal attention of positions 0..seq-1, skipping key blocks the mask would zero anyway.
+
+    The queries are split into up to `chunks` blocks of at least 64 rows; each attends only to
+    the keys up to its last row (and from its window's start), so the scores computed fall from
+    seq^2 to about (chunks + 1) / (2 * chunks) of it (62.5% at 4). Same values as
+    `dot_product_attention` with the causal mask.
+    """
+    seq = q.shape[-3]
+    n = max(1, min(chunks, seq // 64))
+    bounds = [seq * i // n for i in range(n + 1)]
+    positions = jnp.arange(seq)
+    outs = []
+    for start, end in zip(bounds, bounds[1:]):
+        first = 0 if sliding_window is None else max(0, start - sliding_window + 1)
+        mask = attention_mask(positions[start:end], positions[first:end], sliding_window)
+        keys, values = k[..., first:end, :, :], v[..., first:end, :, :]
+        outs.append(dot_product_attention(q[..., start:end, :, :], keys, values, mask))
+    return outs[0] if n == 1 else jnp.concatenate(outs, axis=-3)
 
 
 class Attention(eqx.Module):
@@ -166,9 +194,15 @@ class Attention(eqx.Module):
         x: Float[Array, "*batch seq d_model"],
         positions: Int[Array, "*batch seq"] | None = None,
     ) -> Float[Array, "*batch seq d_model"]:
-        """Causal self-attention of `x`; `positions` default to 0..seq-1."""
+        """Causal self-attention of `x`; `positions` default to 0..seq-1.
+
+        With the default positions the causal structure is known when tracing, and key blocks
+        entirely in the future are skipped (`in_order_attention`).
+        """
         if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(x.shape[-2]), x.shape[:-1])
+            in_order = jnp.broadcast_to(jnp.arange(x.shape[-2]), x.shape[:-1])
+            q, k, v = self.project(x, in_order)
+            return self.output(in_order_attention(q, k, v, self.sliding_window))
         q, k, v = self.project(x, positions)
         mask = attention_mask(positions, positions, self.sliding_window)
         return self.output(dot_product_attention(q, k, v, mask))
