@@ -9,6 +9,7 @@ Masking is by positions: query i attends to key j when pos_k[j] <= pos_q[i], pos
 cache or a padded batch is expressed without another code path.
 """
 
+import itertools
 import math
 
 import equinox as eqx
@@ -81,7 +82,7 @@ def in_order_attention(
     bounds = [seq * i // n for i in range(n + 1)]
     positions = jnp.arange(seq)
     outs = []
-    for start, end in zip(bounds, bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         first = 0 if sliding_window is None else max(0, start - sliding_window + 1)
         mask = attention_mask(positions[start:end], positions[first:end], sliding_window)
         keys, values = k[..., first:end, :, :], v[..., first:end, :, :]
