@@ -65,10 +65,11 @@ def random_tokens(vocab_size: int, batch: int, seq: int, seed: int = 0) -> np.nd
 def bench_config(
     cfg: ModelConfig, seq: int, dtype: str = "float32", remat: str = "none"
 ) -> ModelConfig:
-    """`cfg` set up to be benchmarked: compute dtype, remat, context at least `seq`."""
-    return cfg.replace(
-        compute_dtype=dtype, remat=remat, max_seq_len=max(cfg.max_seq_len, seq), scan_layers=True
-    )
+    """`cfg` set up to be benchmarked: compute dtype, remat, context at least `seq`.
+
+    The layer loop stays as the variant sets it (`scan_layers`; `--set scan_layers=...`).
+    """
+    return cfg.replace(compute_dtype=dtype, remat=remat, max_seq_len=max(cfg.max_seq_len, seq))
 
 
 class JaxBench:
