@@ -164,7 +164,7 @@ class Attention(eqx.Module):
         self.sliding_window = sliding_window
 
     def project(
-        self, x: Float[Array, "*batch seq d_model"], positions: Int[Array, "*batch seq"]
+        self, x: Float[Array, "*batch seq d_model"], positions: Int[Array, "*#batch seq"]
     ) -> tuple[
         Float[Array, "*batch seq heads head_dim"],
         Float[Array, "*batch seq kv_heads head_dim"],
@@ -200,9 +200,8 @@ class Attention(eqx.Module):
         With the default positions the causal structure is known when tracing, and key blocks
         entirely in the future are skipped (`in_order_attention`).
         """
-        if positions is None:
-            in_order = jnp.broadcast_to(jnp.arange(x.shape[-2]), x.shape[:-1])
-            q, k, v = self.project(x, in_order)
+        if positions is None:  # one row of positions serves the batch: rotations computed once
+            q, k, v = self.project(x, jnp.arange(x.shape[-2]))
             return self.output(in_order_attention(q, k, v, self.sliding_window))
         q, k, v = self.project(x, positions)
         mask = attention_mask(positions, positions, self.sliding_window)

@@ -80,8 +80,9 @@ class RotaryEmbedding(eqx.Module):
 
     @jax.named_scope("eqllm.RotaryEmbedding")
     def __call__(
-        self, x: Float[Array, "*batch seq heads head_dim"], positions: Int[Array, "*batch seq"]
+        self, x: Float[Array, "*batch seq heads head_dim"], positions: Int[Array, "*#batch seq"]
     ) -> Float[Array, "*batch seq heads head_dim"]:
+        """`x` rotated to `positions` (which may omit the batch axes: one row for all)."""
         # angles: (..., seq, head_dim/2), in fp32 so long positions keep their precision.
         angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(self.inv_freq, jnp.float32)
         cos = jnp.cos(angles)[..., None, :]
