@@ -11,7 +11,7 @@ from conftest import TINY_CONFIGS
 import eqllm
 from eqllm import analyze, cli
 from eqllm.bench import BenchResult, parse_overrides, run_bench
-from eqllm.train.mfu import mfu
+from eqllm.train.mfu import measure_cpu_peak, mfu
 
 TINY_SET = "vocab_size=97,d_model=32,n_layers=2,n_heads=4,n_kv_heads=2,d_ff=64,max_seq_len=64"
 
@@ -53,6 +53,18 @@ def test_mfu_formula():
     assert mfu(1000.0, 1e6, None) is None
     d = r.to_dict()
     assert d["step_min_s"] == 0.1 and d["step_max_s"] == 0.5 and d["mfu"] == pytest.approx(0.25)
+
+
+def test_cpu_peak_keeps_the_best_figure_seen(tmp_path):
+    """A peak cached from a busy moment must not stick (it made MFU read above 100%)."""
+    cache = tmp_path / "cpu_peak.json"
+    measured = measure_cpu_peak(size=256, repeats=2, cache=cache)
+    key = json.loads(cache.read_text())["key"]
+    cache.write_text(json.dumps({"key": key, "flops": 1.0}))  # a far too low old figure
+    assert measure_cpu_peak(size=256, repeats=2, cache=cache) > 1.0
+    assert json.loads(cache.read_text())["flops"] > 1.0
+    cache.write_text(json.dumps({"key": key, "flops": 1e3 * measured}))  # a better old figure
+    assert measure_cpu_peak(size=256, repeats=2, cache=cache) == 1e3 * measured
 
 
 def test_parse_overrides():
