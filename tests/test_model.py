@@ -141,6 +141,20 @@ def test_remat_gives_same_loss_and_gradients():
             np.testing.assert_allclose(g, g_r, atol=1e-6)
 
 
+def test_remat_saves_memory_with_an_unrolled_layer_loop_too():
+    """remat runs the layers as a scan whatever scan_layers says: unrolled, XLA would schedule
+    the recomputation early and keep every activation alive anyway."""
+    cfg = TINY_CONFIGS["llama"].replace(n_layers=4, scan_layers=False)
+    model = eqllm.CausalLM(cfg, key=jax.random.key(4))
+    tokens = jax.random.randint(jax.random.key(5), (16, SEQ + 1), 0, 97)
+    grad_fn = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))
+
+    def temp_bytes(m):
+        return grad_fn.lower(m, tokens).compile().compiled.memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(model.with_config(remat="full")) < 0.7 * temp_bytes(model)
+
+
 def test_bf16_compute_keeps_fp32_params_and_logits():
     fp32_model = eqllm.CausalLM(TINY_CONFIGS["llama"], key=jax.random.key(0))
     model = fp32_model.with_config(compute_dtype="bfloat16")
