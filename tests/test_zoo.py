@@ -60,6 +60,9 @@ def test_param_count_equals_transformers(name):
         hf_model = transformers.AutoModelForCausalLM.from_config(hf_config)
     expected = sum(p.numel() for p in hf_model.parameters())
     assert eqllm.zoo.param_count(name) == expected
+    for special in ("bos_token_id", "eos_token_id"):  # GPT-2's 50256 is not in a small vocab
+        token_id = getattr(hf_config, special, None)
+        assert token_id is None or 0 <= token_id < cfg.vocab_size, (special, token_id)
     # The layer loop (scan_layers) is how eqllm runs the model, not part of the HF config.
     assert from_hf_config(hf_config.to_dict()).replace(scan_layers=cfg.scan_layers) == cfg
 

@@ -33,6 +33,9 @@ def _rope_fields(cfg: ModelConfig) -> dict[str, Any]:
     return fields
 
 
+_GPT2_END_OF_TEXT = 50256
+
+
 def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """The transformers `config.json` contents for `cfg` (raises if HF has no such model)."""
     _check_exportable(cfg)
@@ -57,6 +60,10 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
             "resid_pdrop": 0.0,
             "embd_pdrop": 0.0,
             "attn_pdrop": 0.0,
+            # GPT2Config defaults both to 50256 (GPT-2's <|endoftext|>), outside a smaller
+            # vocabulary; transformers then warns and generation would use an invalid id.
+            "bos_token_id": _GPT2_END_OF_TEXT if cfg.vocab_size > _GPT2_END_OF_TEXT else None,
+            "eos_token_id": _GPT2_END_OF_TEXT if cfg.vocab_size > _GPT2_END_OF_TEXT else None,
         }
     llama_like = {
         **common,
