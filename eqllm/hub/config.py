@@ -47,6 +47,9 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "torch_dtype": cfg.param_dtype,
     }
     if cfg.family == "gpt2":
+        # GPT2Config defaults bos/eos to 50256 (GPT-2's <|endoftext|>), outside a smaller
+        # vocabulary; transformers then warns and generation would use an invalid id.
+        end_of_text = _GPT2_END_OF_TEXT if cfg.vocab_size > _GPT2_END_OF_TEXT else None
         return {
             **common,
             "n_embd": cfg.d_model,
@@ -60,10 +63,8 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
             "resid_pdrop": 0.0,
             "embd_pdrop": 0.0,
             "attn_pdrop": 0.0,
-            # GPT2Config defaults both to 50256 (GPT-2's <|endoftext|>), outside a smaller
-            # vocabulary; transformers then warns and generation would use an invalid id.
-            "bos_token_id": _GPT2_END_OF_TEXT if cfg.vocab_size > _GPT2_END_OF_TEXT else None,
-            "eos_token_id": _GPT2_END_OF_TEXT if cfg.vocab_size > _GPT2_END_OF_TEXT else None,
+            "bos_token_id": end_of_text,
+            "eos_token_id": end_of_text,
         }
     llama_like = {
         **common,
