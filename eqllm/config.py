@@ -11,6 +11,8 @@ import math
 import typing
 from typing import Any, Literal, get_args
 
+from eqllm.errors import EqllmError
+
 Family = Literal["gpt2", "llama", "mistral", "qwen2", "gemma"]
 NormKind = Literal["rmsnorm", "layernorm"]
 MLPKind = Literal["gelu", "swiglu", "geglu"]
@@ -20,7 +22,7 @@ RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
 DType = Literal["float32", "bfloat16", "float16"]
 
 
-class ConfigError(ValueError):
+class ConfigError(EqllmError):
     """An invalid configuration value; the message names the field, the value and the rule."""
 
 

@@ -24,6 +24,7 @@ from typing import Any, Literal, get_args, get_origin
 import tomllib
 
 from eqllm.config import ConfigError, ModelConfig
+from eqllm.errors import EqllmError
 from eqllm.resources import data_dir
 from eqllm.sharding import MeshConfig
 
@@ -33,7 +34,7 @@ Remat = Literal["none", "full", "dots", "dots_no_batch"]
 SourceKind = Literal["stdlib", "files", "jsonl", "hf"]
 
 
-class RecipeError(ValueError):
+class RecipeError(EqllmError):
     """An invalid recipe; the message names the key path, the value and what is allowed."""
 
 

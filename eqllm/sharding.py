@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eqllm.config import ModelConfig
+from eqllm.errors import EqllmError
 from eqllm.model import CausalLM
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -67,7 +68,7 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
 }
 
 
-class MeshError(ValueError):
+class MeshError(EqllmError):
     """A mesh that does not fit the devices or the model; the message says what to change."""
 
 

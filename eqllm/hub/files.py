@@ -21,6 +21,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
+from eqllm.errors import EqllmError
+
 _DTYPES = {
     "F64": np.dtype("<f8"),
     "F32": np.dtype("<f4"),
@@ -40,7 +42,7 @@ if sys.byteorder != "little":  # pragma: no cover - every platform JAX runs on i
     raise ImportError("eqllm.hub reads safetensors (little-endian) only on little-endian hosts")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(EqllmError):
     """A checkpoint that cannot be read as asked; the message names the file and tensor."""
 
 
