@@ -12,11 +12,24 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqllm.config import ModelConfig
-from eqllm.nn import MLP, Attention, Block, GatedMLP, LayerNorm, RMSNorm, RotaryEmbedding
-from eqllm.nn.linear import rows_times
+from eqllm.errors import EqllmError
+from eqllm.nn import (
+    MLP,
+    Attention,
+    Block,
+    Embedding,
+    GatedMLP,
+    LayerNorm,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    param_info,
+)
+from eqllm.nn.linear import is_param_info
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -97,11 +110,11 @@ class CausalLM(eqx.Module):
     product over batch x seq rows, which is much faster on CPU (see `eqllm.nn.linear`).
     """
 
-    embed: eqx.nn.Embedding
-    pos_embed: eqx.nn.Embedding | None
+    embed: Embedding
+    pos_embed: Embedding | None
     blocks: Block  # every array has a leading `layers` axis
     final_norm: RMSNorm | LayerNorm
-    lm_head: eqx.nn.Linear | None  # None when tied to `embed`
+    lm_head: Linear | None  # None when tied to `embed`
     config: ModelConfig = eqx.field(static=True)
 
     def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
@@ -135,7 +148,9 @@ class CausalLM(eqx.Module):
         """Next-token logits (fp32) for every position of a sequence or a batch of them.
 
         Arguments:
-            tokens: token ids in [0, vocab_size), shape (seq,) or (batch, seq).
+            tokens: token ids in [0, vocab_size), shape (seq,) or (batch, seq). Concrete ids are
+                checked here; inside `jax.jit` the caller checks them (the train step and
+                generation do, on the host), since an out-of-range id would read a wrong row.
             positions: absolute positions (default 0..seq-1); a negative position marks padding.
         """
         check_tokens(tokens, self.config)
@@ -149,11 +164,6 @@ class CausalLM(eqx.Module):
         in_order = positions is None  # lets attention skip the masked-out key blocks
         if in_order:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
-        tokens = eqx.error_if(
-            tokens,
-            jnp.any((tokens < 0) | (tokens >= cfg.vocab_size)),
-            f"token id out of range: ids must lie in [0, vocab_size={cfg.vocab_size})",
-        )
         model = cast_floating(self, dtype_of(cfg.compute_dtype))  # the one compute-dtype cast
         x = model.embed_inputs(tokens, positions)
         x = run_blocks(model.blocks, x, None if in_order else positions, cfg)
@@ -164,18 +174,19 @@ class CausalLM(eqx.Module):
     ) -> Float[Array, "*batch seq d_model"]:
         """Token embeddings (scaled, plus learned positions where the family has them)."""
         cfg = self.config
-        x = jnp.take(self.embed.weight, tokens, axis=0)  # (..., seq, d_model)
+        x = self.embed(tokens)  # (..., seq, d_model)
         if cfg.embed_scale:
             # Gemma rounds sqrt(d_model) to the compute dtype before multiplying.
             x = x * jnp.asarray(math.sqrt(cfg.d_model), x.dtype)
         if self.pos_embed is not None:
-            x = x + jnp.take(self.pos_embed.weight, jnp.maximum(positions, 0), axis=0)
+            x = x + self.pos_embed(jnp.maximum(positions, 0))
         return x
 
     def logits(self, hidden: Float[Array, "*rows d_model"]) -> Float[Array, "*rows vocab"]:
         """LM head on hidden states; the product accumulates and returns in fp32."""
-        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return rows_times(hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        if self.lm_head is None:
+            return self.embed.attend(hidden, preferred_element_type=jnp.float32)
+        return self.lm_head(hidden, preferred_element_type=jnp.float32)
 
 
 @eqx.filter_jit
@@ -189,9 +200,17 @@ def _initial_parts(config: ModelConfig, key: PRNGKeyArray) -> dict:
     k_embed, k_pos, k_blocks, k_head, k_init = jax.random.split(key, 5)
     block_keys = jax.random.split(k_blocks, config.n_layers)
     parts = {
-        "embed": eqx.nn.Embedding(config.vocab_size, config.d_model, key=k_embed, dtype=dtype),
+        "embed": Embedding(
+            config.vocab_size, config.d_model, axes=("vocab", "d_model"), key=k_embed, dtype=dtype
+        ),
         "pos_embed": (
-            eqx.nn.Embedding(config.max_seq_len, config.d_model, key=k_pos, dtype=dtype)
+            Embedding(
+                config.max_seq_len,
+                config.d_model,
+                axes=("positions", "d_model"),
+                key=k_pos,
+                dtype=dtype,
+            )
             if config.position == "learned"
             else None
         ),
@@ -199,8 +218,12 @@ def _initial_parts(config: ModelConfig, key: PRNGKeyArray) -> dict:
         "lm_head": (
             None
             if config.tie_embeddings
-            else eqx.nn.Linear(
-                config.d_model, config.vocab_size, use_bias=False, key=k_head, dtype=dtype
+            else Linear(
+                config.d_model,
+                config.vocab_size,
+                axes=("vocab", "d_model"),
+                key=k_head,
+                dtype=dtype,
             )
         ),
     }
@@ -252,6 +275,14 @@ def check_tokens(tokens, config: ModelConfig) -> None:
         )
     if 0 in shape:
         raise ValueError(f"tokens is empty (shape {shape}); give at least one token")
+    if not isinstance(tokens, jax.core.Tracer):  # concrete ids: check their range here
+        ids = np.asarray(tokens)
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= config.vocab_size:
+            raise EqllmError(
+                f"token id out of range: ids in [{low}, {high}], but ids must lie in "
+                f"[0, vocab_size={config.vocab_size}); check the tokenizer matches the model"
+            )
 
 
 def cast_floating(tree, dtype):
@@ -265,55 +296,30 @@ def cast_floating(tree, dtype):
     return jax.tree.map(cast, tree)
 
 
-def init_weights(parts: dict, config: ModelConfig, key: PRNGKeyArray) -> dict:
+def init_weights(tree, config: ModelConfig, key: PRNGKeyArray):
     """The one place where initial weights are chosen (GPT-2 scheme, as in nanoGPT).
 
-    - Linear weights and embeddings ~ N(0, init_std): small enough that logits start near
-      uniform, large enough to break symmetry.
-    - Residual output projections (attention out, MLP down) ~ N(0, init_std / sqrt(2 L)): each
-      of the 2L residual branches adds variance, this keeps the stream's variance O(1) in depth.
-    - Biases 0; norm scales 1 (or 0 with Gemma's (1 + w) form): start as the identity.
+    Walks the layers' own metadata (`eqllm.nn.param_info`), so any tree of eqllm layers works:
+    - weights with role "normal" (embeddings, q/k/v, MLP inputs, the head) ~ N(0, init_std):
+      small enough that logits start near uniform, large enough to break symmetry;
+    - weights with role "residual" (attention out, MLP down) ~ N(0, init_std / sqrt(2 L)): each
+      of the 2L residual branches adds variance, this keeps the stream's variance O(1) in depth;
+    - biases 0; every other array (norm scales: 1, or 0 in Gemma's (1 + w) form) keeps the
+      value its layer gave it, which starts the layer as the identity.
     """
-    cfg = config
-    residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    std = {"normal": config.init_std, "residual": config.init_std / math.sqrt(2 * config.n_layers)}
+    infos, treedef = jax.tree.flatten(param_info(tree), is_leaf=is_param_info)
+    arrays = treedef.flatten_up_to(tree)
+    keys = jax.random.split(key, len(arrays))
 
-    def linear_weights(m):
-        blocks = m["blocks"]
-        mlp_in = [blocks.mlp.up.weight] + (
-            [blocks.mlp.gate.weight] if isinstance(blocks.mlp, GatedMLP) else []
-        )
-        extra = [m[name].weight for name in ("lm_head", "pos_embed") if m[name] is not None]
-        return [
-            m["embed"].weight,
-            blocks.attn.q_proj.weight,
-            blocks.attn.k_proj.weight,
-            blocks.attn.v_proj.weight,
-            *mlp_in,
-            *extra,
-        ]
+    def draw(k, x, info):
+        if info.init == "zeros":
+            return jnp.zeros_like(x)
+        if info.init is None:
+            return x
+        return (std[info.init] * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
 
-    def residual_weights(m):
-        return [m["blocks"].attn.o_proj.weight, m["blocks"].mlp.down.weight]
-
-    def biases(m):
-        attn, mlp = m["blocks"].attn, m["blocks"].mlp
-        layers = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.up, mlp.down]
-        if isinstance(mlp, GatedMLP):
-            layers.append(mlp.gate)
-        return [layer.bias for layer in layers if layer.bias is not None]
-
-    def normal(k, like, std):
-        return (std * jax.random.normal(k, like.shape, jnp.float32)).astype(like.dtype)
-
-    plain, residual, zeros = linear_weights(parts), residual_weights(parts), biases(parts)
-    keys = iter(jax.random.split(key, len(plain) + len(residual)))
-    parts = eqx.tree_at(linear_weights, parts, [normal(next(keys), w, cfg.init_std) for w in plain])
-    parts = eqx.tree_at(
-        residual_weights, parts, [normal(next(keys), w, residual_std) for w in residual]
-    )
-    if zeros:
-        parts = eqx.tree_at(biases, parts, [jnp.zeros_like(b) for b in zeros])
-    return parts
+    return jax.tree.unflatten(treedef, list(map(draw, keys, arrays, infos)))
 
 
 def param_count(model_or_shapes) -> int:

@@ -205,5 +205,8 @@ def test_bad_inputs_raise_clear_errors():
         model(jnp.zeros((8,), jnp.float32))
     with pytest.raises(ValueError, match="longer than the context max_seq_len=64"):
         model(jnp.zeros((65,), jnp.int32))
-    with pytest.raises(Exception, match="token id out of range"):
-        forward(model, jnp.full((SEQ,), 97, jnp.int32))
+    # Concrete ids are checked on the host (inside jit the caller checks: train step, generate).
+    with pytest.raises(eqllm.errors.EqllmError, match=r"token id out of range: ids in \[38, 97\]"):
+        model(jnp.arange(60) + 38)
+    with pytest.raises(eqllm.errors.EqllmError, match="vocab_size=97"):
+        model(jnp.full((SEQ,), -1, jnp.int32))

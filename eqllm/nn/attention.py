@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqllm.nn.kv_cache import KVCache
-from eqllm.nn.linear import linear_rows
+from eqllm.nn.linear import Linear
 from eqllm.nn.norm import RMSNorm
 from eqllm.nn.rope import RotaryEmbedding
 
@@ -107,10 +107,10 @@ class Attention(eqx.Module):
         norm_eps: epsilon of the QK-norm.
     """
 
-    q_proj: eqx.nn.Linear
-    k_proj: eqx.nn.Linear
-    v_proj: eqx.nn.Linear
-    o_proj: eqx.nn.Linear
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    o_proj: Linear
     q_norm: RMSNorm | None
     k_norm: RMSNorm | None
     rope: RotaryEmbedding | None
@@ -143,17 +143,24 @@ class Attention(eqx.Module):
                 raise ValueError(f"n_heads={n_heads} must divide d_model={d_model}")
             head_dim = d_model // n_heads
         kq, kk, kv, ko = jax.random.split(key, 4)
-        self.q_proj = eqx.nn.Linear(
-            d_model, n_heads * head_dim, use_bias=qkv_bias, key=kq, dtype=dtype
+        q_size, kv_size = n_heads * head_dim, n_kv_heads * head_dim
+        self.q_proj = Linear(
+            d_model, q_size, axes=("heads", "d_model"), use_bias=qkv_bias, key=kq, dtype=dtype
         )
-        self.k_proj = eqx.nn.Linear(
-            d_model, n_kv_heads * head_dim, use_bias=qkv_bias, key=kk, dtype=dtype
+        self.k_proj = Linear(
+            d_model, kv_size, axes=("kv_heads", "d_model"), use_bias=qkv_bias, key=kk, dtype=dtype
         )
-        self.v_proj = eqx.nn.Linear(
-            d_model, n_kv_heads * head_dim, use_bias=qkv_bias, key=kv, dtype=dtype
+        self.v_proj = Linear(
+            d_model, kv_size, axes=("kv_heads", "d_model"), use_bias=qkv_bias, key=kv, dtype=dtype
         )
-        self.o_proj = eqx.nn.Linear(
-            n_heads * head_dim, d_model, use_bias=out_bias, key=ko, dtype=dtype
+        self.o_proj = Linear(
+            q_size,
+            d_model,
+            axes=("d_model", "heads"),
+            use_bias=out_bias,
+            init="residual",
+            key=ko,
+            dtype=dtype,
         )
         self.q_norm = RMSNorm(head_dim, eps=norm_eps, dtype=dtype) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps=norm_eps, dtype=dtype) if qk_norm else None
@@ -172,9 +179,9 @@ class Attention(eqx.Module):
     ]:
         """Queries, keys and values of `x`, normalised and rotated to their positions."""
         rows = x.shape[:-1]
-        q = linear_rows(self.q_proj, x).reshape(*rows, self.n_heads, self.head_dim)
-        k = linear_rows(self.k_proj, x).reshape(*rows, self.n_kv_heads, self.head_dim)
-        v = linear_rows(self.v_proj, x).reshape(*rows, self.n_kv_heads, self.head_dim)
+        q = self.q_proj(x).reshape(*rows, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(*rows, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(*rows, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -187,7 +194,7 @@ class Attention(eqx.Module):
         self, attended: Float[Array, "*batch seq heads head_dim"]
     ) -> Float[Array, "*batch seq d_model"]:
         """The output projection of the concatenated heads."""
-        return linear_rows(self.o_proj, attended.reshape(*attended.shape[:-2], -1))
+        return self.o_proj(attended.reshape(*attended.shape[:-2], -1))
 
     @jax.named_scope("eqllm.Attention")
     def __call__(

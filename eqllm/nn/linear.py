@@ -1,8 +1,29 @@
-"""Matrix products over every row of a (possibly batched) sequence, as one 2-D product."""
+"""Linear and embedding layers that carry their parameters' metadata.
+
+Each layer knows the logical names of its weight's axes (`("heads", "d_model")`: the query
+projection's output is split into heads, its input is the model width) and its initialisation
+role. Sharding, initialisation and the weight-decay mask are derived from these by walking the
+model (`param_info`), so no table keyed by parameter path has to agree with the model code.
+
+The product itself runs as one 2-D matrix product over every row of a (possibly batched)
+sequence: see `rows_times`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+# The logical axis names of eqllm's layers; `eqllm.sharding` maps each to mesh axes.
+Axis = Literal["vocab", "d_model", "heads", "kv_heads", "d_ff", "positions"]
+# How a weight starts (see `eqllm.model.init_weights`): "normal" draws N(0, std); "residual"
+# draws N(0, std / sqrt(2 * layers)) for projections that write into the residual stream.
+InitRole = Literal["normal", "residual"]
 
 
 def rows_times(x: Float[Array, "*rows d_in"], weight: Float[Array, "d_out d_in"], **kwargs):
@@ -12,20 +33,140 @@ def rows_times(x: Float[Array, "*rows d_in"], weight: Float[Array, "d_out d_in"]
     (batch and sequence) the weight gradient contracts over several axes, and XLA's CPU backend
     then transposes the activations and their gradients through slow copies before the matrix
     product (measured: a llama-mini MLP's forward and backward 237 ms vs 165 ms as one 2-D
-    product). `kwargs` go to `jnp.matmul` (e.g. `preferred_element_type`).
+    product). `kwargs` go to `jnp.einsum` (e.g. `preferred_element_type`).
     """
     rows = x.reshape(-1, x.shape[-1])
     y = jnp.einsum("ti,oi->to", rows, weight, **kwargs)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def linear_rows(layer: eqx.nn.Linear, x: Float[Array, "*rows d_in"]) -> Float[Array, "*rows d_out"]:
-    """`layer` applied to every row of `x` (any leading axes): x @ W^T (+ b).
+class Linear(eqx.Module):
+    """y = x W^T (+ b) over the last axis of `x`, whatever its leading axes.
 
-    Same values as vmapping `layer`; vmapping `W @ x` leaves the row axis last in the product,
-    and XLA's CPU backend then materialises transposes of the activations and their gradients.
+    Arguments:
+        in_features, out_features: sizes of the input and output.
+        axes: logical names of the output and input axes, e.g. `("d_ff", "d_model")`.
+        use_bias: learn an additive bias.
+        init: initialisation role, "normal" or "residual" (see `InitRole`).
+
+    The weight is stored (out, in), as Hugging Face checkpoints store it.
     """
-    y = rows_times(x, layer.weight)
-    if layer.bias is not None:
-        y = y + layer.bias
-    return y
+
+    weight: Float[Array, "d_out d_in"]
+    bias: Float[Array, " d_out"] | None
+    axes: tuple[Axis | None, Axis | None] = eqx.field(static=True)
+    init: InitRole = eqx.field(static=True)
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        axes: tuple[Axis | None, Axis | None],
+        use_bias: bool = False,
+        init: InitRole = "normal",
+        key: PRNGKeyArray,
+        dtype=jnp.float32,
+    ):
+        # Placeholder values: `eqllm.model.init_weights` draws the real ones by `init`; a layer
+        # used on its own gets a small normal draw that is already usable.
+        self.weight = (0.02 * jax.random.normal(key, (out_features, in_features))).astype(dtype)
+        self.bias = jnp.zeros(out_features, dtype) if use_bias else None
+        self.axes = axes
+        self.init = init
+
+    @jax.named_scope("eqllm.Linear")
+    def __call__(self, x: Float[Array, "*rows d_in"], **kwargs) -> Float[Array, "*rows d_out"]:
+        """`kwargs` go to the product (`preferred_element_type=jnp.float32` for fp32 logits)."""
+        y = rows_times(x, self.weight, **kwargs)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+class Embedding(eqx.Module):
+    """A lookup table: row `i` of the weight for token (or position) `i`.
+
+    Arguments:
+        num_embeddings, dim: table size.
+        axes: logical names of the row and column axes, e.g. `("vocab", "d_model")`.
+    """
+
+    weight: Float[Array, "num dim"]
+    axes: tuple[Axis | None, Axis | None] = eqx.field(static=True)
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        dim: int,
+        *,
+        axes: tuple[Axis | None, Axis | None],
+        key: PRNGKeyArray,
+        dtype=jnp.float32,
+    ):
+        self.weight = (0.02 * jax.random.normal(key, (num_embeddings, dim))).astype(dtype)
+        self.axes = axes
+
+    @jax.named_scope("eqllm.Embedding")
+    def __call__(self, ids: Int[Array, "*rows"]) -> Float[Array, "*rows dim"]:
+        return jnp.take(self.weight, ids, axis=0)
+
+    @jax.named_scope("eqllm.Embedding.attend")
+    def attend(self, x: Float[Array, "*rows dim"], **kwargs) -> Float[Array, "*rows num"]:
+        """x against every row of the table: the LM head of a model tied to its embedding."""
+        return rows_times(x, self.weight.astype(x.dtype), **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamInfo:
+    """What the model knows about one array: its logical axes, initialisation and decay.
+
+    `axes` has one entry per dimension, None for a dimension no rule splits (the leading
+    `layers` axis of stacked blocks, norm scales). `init` is the role of a linear or embedding
+    weight ("normal"/"residual"), "zeros" for a bias, None for arrays that keep the value their
+    layer gave them (norm scales). `decay` marks the weights that AdamW decays: matrices of
+    linear layers, not embeddings, biases or norms.
+    """
+
+    axes: tuple[str | None, ...]
+    init: str | None
+    decay: bool
+
+
+def _is_layer(node) -> bool:
+    return isinstance(node, Linear | Embedding)
+
+
+def param_info(tree):
+    """A pytree like `tree` holding a `ParamInfo` at every array (arrays or ShapeDtypeStructs).
+
+    Found by walking the tree: the weights of `Linear` and `Embedding` layers carry their axes
+    (stacked layers get None for the extra leading axes); every other array is replicated and
+    keeps its value. A module that wraps a Linear (an adapter, say) is walked into, so its inner
+    layer keeps its metadata.
+    """
+
+    def leading(x, axes) -> tuple[str | None, ...]:
+        return (None,) * (len(x.shape) - len(axes)) + tuple(axes)
+
+    def info(node):
+        if isinstance(node, Linear):
+            weight = ParamInfo(leading(node.weight, node.axes), node.init, True)
+            bias = None
+            if node.bias is not None:
+                bias = ParamInfo(leading(node.bias, node.axes[:1]), "zeros", False)
+            return eqx.tree_at(
+                lambda m: (m.weight, m.bias), node, (weight, bias), is_leaf=lambda x: x is None
+            )
+        if isinstance(node, Embedding):
+            weight = ParamInfo(leading(node.weight, node.axes), "normal", False)
+            return eqx.tree_at(lambda m: m.weight, node, weight)
+        if hasattr(node, "shape") and hasattr(node, "dtype"):
+            return ParamInfo((None,) * len(node.shape), None, False)
+        return None
+
+    return jax.tree.map(info, tree, is_leaf=_is_layer)
+
+
+def is_param_info(x) -> bool:
+    return isinstance(x, ParamInfo)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from eqllm.nn.linear import linear_rows
+from eqllm.nn.linear import Linear
 
 
 def _gelu_tanh(x):
@@ -70,8 +70,8 @@ class MLP(eqx.Module):
         use_bias: biases on both projections.
     """
 
-    up: eqx.nn.Linear
-    down: eqx.nn.Linear
+    up: Linear
+    down: Linear
 
     def __init__(
         self,
@@ -83,13 +83,23 @@ class MLP(eqx.Module):
         dtype=jnp.float32,
     ):
         k1, k2 = jax.random.split(key)
-        self.up = eqx.nn.Linear(d_model, d_ff, use_bias=use_bias, key=k1, dtype=dtype)
-        self.down = eqx.nn.Linear(d_ff, d_model, use_bias=use_bias, key=k2, dtype=dtype)
+        self.up = Linear(
+            d_model, d_ff, axes=("d_ff", "d_model"), use_bias=use_bias, key=k1, dtype=dtype
+        )
+        self.down = Linear(
+            d_ff,
+            d_model,
+            axes=("d_model", "d_ff"),
+            use_bias=use_bias,
+            init="residual",
+            key=k2,
+            dtype=dtype,
+        )
 
     @jax.named_scope("eqllm.MLP")
     def __call__(self, x: Float[Array, "*rows d_model"]) -> Float[Array, "*rows d_model"]:
-        hidden = gelu_tanh(linear_rows(self.up, x))  # (..., d_ff)
-        return linear_rows(self.down, hidden)
+        hidden = gelu_tanh(self.up(x))  # (..., d_ff)
+        return self.down(hidden)
 
 
 class GatedMLP(eqx.Module):
@@ -102,9 +112,9 @@ class GatedMLP(eqx.Module):
         use_bias: biases on the three projections.
     """
 
-    gate: eqx.nn.Linear
-    up: eqx.nn.Linear
-    down: eqx.nn.Linear
+    gate: Linear
+    up: Linear
+    down: Linear
     activation: Literal["silu", "gelu"] = eqx.field(static=True)
 
     def __init__(
@@ -120,12 +130,24 @@ class GatedMLP(eqx.Module):
         if activation not in ("silu", "gelu"):
             raise ValueError(f"GatedMLP activation must be 'silu' or 'gelu', got {activation!r}")
         k1, k2, k3 = jax.random.split(key, 3)
-        self.gate = eqx.nn.Linear(d_model, d_ff, use_bias=use_bias, key=k1, dtype=dtype)
-        self.up = eqx.nn.Linear(d_model, d_ff, use_bias=use_bias, key=k2, dtype=dtype)
-        self.down = eqx.nn.Linear(d_ff, d_model, use_bias=use_bias, key=k3, dtype=dtype)
+        self.gate = Linear(
+            d_model, d_ff, axes=("d_ff", "d_model"), use_bias=use_bias, key=k1, dtype=dtype
+        )
+        self.up = Linear(
+            d_model, d_ff, axes=("d_ff", "d_model"), use_bias=use_bias, key=k2, dtype=dtype
+        )
+        self.down = Linear(
+            d_ff,
+            d_model,
+            axes=("d_model", "d_ff"),
+            use_bias=use_bias,
+            init="residual",
+            key=k3,
+            dtype=dtype,
+        )
         self.activation = activation
 
     @jax.named_scope("eqllm.GatedMLP")
     def __call__(self, x: Float[Array, "*rows d_model"]) -> Float[Array, "*rows d_model"]:
-        hidden = gated(self.activation, linear_rows(self.gate, x), linear_rows(self.up, x))
-        return linear_rows(self.down, hidden)
+        hidden = gated(self.activation, self.gate(x), self.up(x))
+        return self.down(hidden)

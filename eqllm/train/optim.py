@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import equinox as eqx
 import jax
 import optax
 
+from eqllm.nn import param_info
+from eqllm.nn.linear import is_param_info
 from eqllm.recipe import OptimSpec
 
 
@@ -37,21 +38,9 @@ def schedule(spec: OptimSpec, total_steps: int) -> optax.Schedule:
 
 
 def decay_mask(params):
-    """True for the weights of `eqx.nn.Linear` layers; False for norms, biases and embeddings."""
-    mask = jax.tree.map(lambda _: False, params)
-
-    def linear_weights(tree):
-        is_linear = lambda x: isinstance(x, eqx.nn.Linear)  # noqa: E731
-        return [
-            node.weight
-            for node in jax.tree.leaves(tree, is_leaf=is_linear)
-            if is_linear(node) and node.weight is not None
-        ]
-
-    weights = linear_weights(mask)
-    if not weights:
-        return mask
-    return eqx.tree_at(linear_weights, mask, [True] * len(weights))
+    """True for the weights the layers mark for decay (linear matrices), False for norms,
+    biases and embeddings; read from the layers' metadata (`eqllm.nn.param_info`)."""
+    return jax.tree.map(lambda info: info.decay, param_info(params), is_leaf=is_param_info)
 
 
 def make_optimizer(spec: OptimSpec, total_steps: int, params) -> optax.GradientTransformation:

@@ -1,0 +1,50 @@
+"""Data, FSDP and tensor parallelism as shardings over a `jax.sharding.Mesh`.
+
+The mesh has three named axes: `data` (batch split, parameters replicated), `fsdp` (batch split
+and parameters/optimizer state split, ZeRO-3 style) and `tensor` (attention heads and MLP hidden
+units split, Megatron style: q/k/v/up/gate are column-parallel, o/down row-parallel, so each
+block half ends in one all-reduce). Every parameter gets its sharding from the logical names of
+its axes, which its layer carries (`eqllm.nn.param_info`), and one rule table (`RULES`); no
+model code knows about devices. XLA's SPMD partitioner inserts the collectives.
+"""
+
+from eqllm.sharding.memory import (
+    MemoryEstimate,
+    check_fits,
+    device_memory_bytes,
+    estimate_memory,
+    per_device_bytes,
+    sharding_table,
+)
+from eqllm.sharding.mesh import MESH_AXES, MeshConfig, MeshError, make_mesh
+from eqllm.sharding.rules import (
+    RULES,
+    batch_sharding,
+    check_divisible,
+    logical_axes,
+    param_shardings,
+    shard_model,
+    shardings_like_params,
+    spec_for,
+)
+
+__all__ = [
+    "MESH_AXES",
+    "RULES",
+    "MemoryEstimate",
+    "MeshConfig",
+    "MeshError",
+    "batch_sharding",
+    "check_divisible",
+    "check_fits",
+    "device_memory_bytes",
+    "estimate_memory",
+    "logical_axes",
+    "make_mesh",
+    "param_shardings",
+    "per_device_bytes",
+    "shard_model",
+    "sharding_table",
+    "shardings_like_params",
+    "spec_for",
+]

@@ -1,0 +1,161 @@
+"""Per-device memory of a model and a training step, from shapes alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import equinox as eqx
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from eqllm.config import ModelConfig
+from eqllm.model import CausalLM
+from eqllm.sharding.mesh import MeshError
+from eqllm.sharding.rules import AxisSizes, check_divisible, named_params, sizes_of, spec_for
+
+
+def per_device_bytes(model_shapes, mesh: AxisSizes) -> int:
+    """Bytes of `model_shapes` (arrays or ShapeDtypeStructs) held by one device.
+
+    `mesh` may be a Mesh or just its axis sizes ({"data": 1, "fsdp": 8, "tensor": 1}), so a
+    notional cluster can be sized from a laptop.
+    """
+    check_divisible(model_shapes.config, mesh)
+    sizes = sizes_of(mesh)
+    total = 0
+    for _, leaf, axes in named_params(model_shapes):
+        spec = spec_for(axes, leaf.shape, sizes)
+        total += math.prod(_shard_shape(leaf.shape, spec, sizes)) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def _shard_shape(shape, spec: PartitionSpec, sizes: dict[str, int]) -> list[int]:
+    """The shape of one device's piece (a spec may omit trailing replicated dimensions)."""
+    parts = tuple(spec) + (None,) * (len(shape) - len(spec))
+    return [dim // _split(part, sizes) for dim, part in zip(shape, parts, strict=True)]
+
+
+def _split(part: str | tuple[str, ...] | None, sizes: dict[str, int]) -> int:
+    """How many ways one PartitionSpec entry splits its dimension."""
+    if part is None:
+        return 1
+    return math.prod(sizes[a] for a in ((part,) if isinstance(part, str) else part))
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device for one training configuration (see `estimate_memory`)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations
+
+
+def estimate_memory(
+    config: ModelConfig,
+    mesh: AxisSizes,
+    *,
+    batch_size: int,
+    seq_len: int,
+    grad_accum: int = 1,
+    optimizer_states: int = 2,
+) -> MemoryEstimate:
+    """Per-device memory of a training step, from shapes alone (nothing is allocated).
+
+    Parameters, gradients and `optimizer_states` fp32 moments (AdamW: 2) follow the sharding
+    rules. Activations follow Korthikanti et al. (2022), eq. 2 and its tensor-parallel form,
+    per layer and micro-batch: s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes at 16 bits, scaled to the
+    compute dtype's width, plus the fp32 logits and their gradient; with remat only each layer's
+    input (2*s*b*h at 16 bits) is kept, plus one layer's working set. It is an estimate: XLA may
+    fuse or keep more.
+    """
+    shapes = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0))
+    params = per_device_bytes(shapes, mesh)
+    opt = optimizer_states * per_device_bytes(_as_fp32(shapes), mesh)
+    sizes = sizes_of(mesh)
+    t = sizes["tensor"]
+    batch_split = sizes["data"] * sizes["fsdp"]
+    micro = max(1, batch_size // (grad_accum * batch_split))
+    s, b, h, a = seq_len, micro, config.d_model, config.n_heads
+    width = np.dtype(jax.numpy.dtype(config.compute_dtype)).itemsize / 2
+    per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * width
+    if config.remat == "none":
+        layers = config.n_layers * per_layer
+    else:
+        layers = config.n_layers * 2 * s * b * h * width + per_layer
+    logits = 2 * s * b * config.vocab_size * 4 / (t if config.vocab_size % t == 0 else 1)
+    return MemoryEstimate(params, params, opt, int(layers + logits))
+
+
+def _as_fp32(shapes):
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, np.float32) if hasattr(x, "shape") else x,
+        shapes,
+    )
+
+
+def device_memory_bytes(device: jax.Device | None = None) -> int | None:
+    """Memory one device can hold: the accelerator's limit, or the host's RAM on CPU."""
+    device = device or jax.devices()[0]
+    if device.platform == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    stats = device.memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def check_fits(estimate: MemoryEstimate, device: jax.Device | None = None) -> None:
+    """Raise MeshError when the estimate exceeds what one device holds, saying what to change."""
+    capacity = device_memory_bytes(device)
+    if capacity is not None and estimate.total > capacity:
+        gib = 2**30
+        raise MeshError(
+            f"this run needs about {estimate.total / gib:.1f} GiB per device (params "
+            f"{estimate.params / gib:.1f}, grads {estimate.grads / gib:.1f}, optimizer "
+            f"{estimate.optimizer / gib:.1f}, activations {estimate.activations / gib:.1f}) but a "
+            f"device holds {capacity / gib:.1f} GiB; shard over more devices (fsdp), turn on "
+            "remat, or lower the batch size / raise grad_accum"
+        )
+
+
+def sharding_table(config: ModelConfig, mesh: AxisSizes) -> list[str]:
+    """Lines describing each parameter's logical axes, PartitionSpec and per-device size."""
+    sizes = sizes_of(mesh)
+    check_divisible(config, sizes)
+    shapes = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0))
+    rows = [("parameter", "shape", "logical axes", "spec", "per device")]
+    for name, leaf, axes in named_params(shapes):
+        spec = spec_for(axes, leaf.shape, sizes)
+        shard = _shard_shape(leaf.shape, spec, sizes)
+        rows.append(
+            (
+                name,
+                str(tuple(leaf.shape)),
+                str(axes),
+                str(tuple(spec)),
+                _human_bytes(math.prod(shard) * np.dtype(leaf.dtype).itemsize),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    total = per_device_bytes(shapes, sizes)
+    lines.append(
+        f"parameters per device: {_human_bytes(total)}; with fp32 AdamW moments and "
+        f"gradients: {_human_bytes(4 * total)}"
+    )
+    return lines
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("GiB", "MiB", "KiB"):
+        size = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10}[unit]
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"

@@ -1,0 +1,84 @@
+"""The device mesh: named axes `data`, `fsdp` and `tensor`, sized from a recipe or a flag."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from eqllm.errors import EqllmError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+class MeshError(EqllmError):
+    """A mesh that does not fit the devices or the model; the message says what to change."""
+
+
+@typing.no_type_check  # validates itself, naming the axis
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the `data`, `fsdp` and `tensor` axes; one of them may be -1 (all the rest)."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = self.sizes()
+        for name, size in zip(MESH_AXES, sizes, strict=True):
+            if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+                raise MeshError(f"mesh.{name}={size!r} must be a positive integer or -1")
+        if sizes.count(-1) > 1:
+            raise MeshError(f"mesh {self.describe()}: at most one axis may be -1")
+
+    def sizes(self) -> tuple[int, int, int]:
+        return (self.data, self.fsdp, self.tensor)
+
+    def describe(self) -> str:
+        return ",".join(f"{n}={s}" for n, s in zip(MESH_AXES, self.sizes(), strict=True))
+
+    def resolve(self, n_devices: int) -> tuple[int, int, int]:
+        """Concrete axis sizes for `n_devices`, or a MeshError saying why they do not fit."""
+        sizes = list(self.sizes())
+        known = math.prod(s for s in sizes if s != -1)
+        if -1 in sizes:
+            if n_devices % known:
+                raise MeshError(
+                    f"mesh {self.describe()}: the fixed axes multiply to {known}, which does not "
+                    f"divide the {n_devices} devices; choose sizes whose product divides it"
+                )
+            sizes[sizes.index(-1)] = n_devices // known
+        if math.prod(sizes) != n_devices:
+            raise MeshError(
+                f"mesh {self.describe()} needs {math.prod(sizes)} devices but {n_devices} are "
+                "available; make data*fsdp*tensor equal the device count (or set one axis to -1)"
+            )
+        return tuple(sizes)
+
+    @classmethod
+    def parse(cls, text: str) -> MeshConfig:
+        """'data=2,fsdp=2,tensor=2' -> MeshConfig."""
+        values: dict[str, int] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, _, value = part.partition("=")
+            if name not in MESH_AXES or not value.lstrip("-").isdigit():
+                raise MeshError(
+                    f"bad mesh item {part!r}; write e.g. 'data=2,fsdp=2,tensor=2' with axes "
+                    f"{list(MESH_AXES)}"
+                )
+            values[name] = int(value)
+        if "data" not in values:
+            values["data"] = 1 if values else -1
+        return cls(**values)
+
+
+def make_mesh(mesh: MeshConfig, devices: list | None = None) -> Mesh:
+    """A Mesh with axes (data, fsdp, tensor) over `devices` (default: all of them)."""
+    devices = jax.devices() if devices is None else devices
+    sizes = mesh.resolve(len(devices))
+    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)

@@ -1,0 +1,132 @@
+"""Logical axes -> mesh axes: the one rule table, and the shardings derived from it."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from eqllm.config import ModelConfig
+from eqllm.nn import param_info
+from eqllm.nn.linear import is_param_info
+from eqllm.sharding.mesh import MeshError
+
+# Logical axis -> mesh axes it is split over (None or absent: replicated).
+RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),
+    "vocab": "tensor",
+    "d_model": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "d_ff": "tensor",
+}
+
+
+def named_params(model) -> list[tuple[str, Any, tuple[str | None, ...]]]:
+    """(path, array, logical axes) for every array of `model` (arrays or ShapeDtypeStructs).
+
+    The axes come from the layers themselves (`eqllm.nn.param_info`); the path reads like
+    `blocks.attn.q_proj.weight`.
+    """
+    infos, treedef = jax.tree.flatten(param_info(model), is_leaf=is_param_info)
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(model)[0]]
+    arrays = treedef.flatten_up_to(model)
+    return [
+        (jax.tree_util.keystr(path, simple=True, separator="."), array, info.axes)
+        for path, array, info in zip(paths, arrays, infos, strict=True)
+    ]
+
+
+def logical_axes(model) -> dict[str, tuple[str | None, ...]]:
+    """Path -> logical axis names for every array of `model` (see `named_params`)."""
+    return {name: axes for name, _, axes in named_params(model)}
+
+
+AxisSizes = Mesh | dict[str, int]
+
+
+def check_divisible(config: ModelConfig, mesh: AxisSizes) -> None:
+    """Refuse meshes whose tensor axis splits a head, or whose fsdp axis splits d_model unevenly."""
+    tensor, fsdp = sizes_of(mesh)["tensor"], sizes_of(mesh)["fsdp"]
+    for name, size in (
+        ("n_heads", config.n_heads),
+        ("n_kv_heads", config.n_kv_heads),
+        ("d_ff", config.d_ff),
+    ):
+        if size % tensor:
+            raise MeshError(
+                f"tensor={tensor} does not divide {name}={size}: tensor parallelism splits whole "
+                f"heads and hidden units; choose a tensor size that divides {name}"
+            )
+    if config.d_model % fsdp:
+        raise MeshError(
+            f"fsdp={fsdp} does not divide d_model={config.d_model}; choose an fsdp size that "
+            "divides it"
+        )
+
+
+def sizes_of(mesh: AxisSizes) -> dict[str, int]:
+    return dict(mesh.shape) if isinstance(mesh, Mesh) else mesh
+
+
+def spec_for(
+    axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: AxisSizes
+) -> PartitionSpec:
+    """The PartitionSpec of an array with these logical axes under RULES.
+
+    A dimension that the mesh axes do not divide evenly (GPT-2's vocabulary of 50257, say) is
+    left replicated rather than padded.
+    """
+    parts = []
+    for axis, size in zip(axes, shape, strict=True):
+        mesh_axes = RULES.get(axis) if axis is not None else None
+        if mesh_axes is None:
+            parts.append(None)
+            continue
+        mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes
+        split = math.prod(sizes_of(mesh)[a] for a in mesh_axes)
+        parts.append(mesh_axes if size % split == 0 and split > 1 else None)
+    while parts and parts[-1] is None:  # P(None, None) and P() are the same placement;
+        parts.pop()  # XLA returns the short form, so use it to keep jit's cache keys equal
+    return PartitionSpec(*parts)
+
+
+def param_shardings(model, mesh: Mesh):
+    """A pytree like `model` with the NamedSharding of every array."""
+    check_divisible(model.config, mesh)
+    return jax.tree.map(
+        lambda info, x: NamedSharding(mesh, spec_for(info.axes, x.shape, mesh)),
+        param_info(model),
+        model,
+        is_leaf=is_param_info,
+    )
+
+
+def shardings_like_params(tree, params, shardings):
+    """Shardings for a tree holding copies of the parameters (an optimizer state).
+
+    Every subtree shaped like `params` (AdamW's moments, say) gets the parameters' `shardings`;
+    any other array (step counts) is replicated.
+    """
+    params_def = jax.tree.structure(params)
+    mesh = next(s.mesh for s in jax.tree.leaves(shardings))
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def like_params(node) -> bool:
+        return node is not None and jax.tree.structure(node) == params_def
+
+    return jax.tree.map(
+        lambda node: shardings if like_params(node) else replicated, tree, is_leaf=like_params
+    )
+
+
+def shard_model(model, mesh: Mesh):
+    """Place every array of `model` according to the rules."""
+    return jax.tree.map(jax.device_put, model, param_shardings(model, mesh))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batches (batch, seq) split over data and fsdp."""
+    return NamedSharding(mesh, PartitionSpec(RULES["batch"], None))
