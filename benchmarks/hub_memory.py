@@ -55,7 +55,7 @@ def write_checkpoint(folder: Path, family: str, layers: int) -> int:
         overrides.update(vocab_size=32000, d_model=768, n_heads=12, n_kv_heads=12, d_ff=2048)
     cfg = eqllm.zoo.config(name, **overrides)
     # The tensor names and shapes save_pretrained would write, filled with random numbers.
-    shapes = eqllm.hub.pretrained._skeleton(cfg)[0]
+    shapes = eqllm.hub.folders.skeleton(cfg)[0]
     rows = eqllm.hub.tables.rows_for(cfg.family, set(shapes))
     rng = np.random.default_rng(0)
     tensors = []

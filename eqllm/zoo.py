@@ -10,14 +10,15 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-from typing import Any, get_args
+from typing import Any
 
 import equinox as eqx
 import jax
 import tomllib
 from jaxtyping import PRNGKeyArray
 
-from eqllm.config import ConfigError, Family, ModelConfig
+from eqllm import families
+from eqllm.config import ConfigError, ModelConfig
 from eqllm.model import CausalLM
 from eqllm.model import param_count as _count
 from eqllm.resources import data_dir
@@ -37,10 +38,10 @@ class ZooEntry:
 @functools.cache
 def _entries() -> dict[str, ZooEntry]:
     entries: dict[str, ZooEntry] = {}
-    families = list(get_args(Family))
+    order = families.names()  # oldest family first
     paths = sorted(
         data_dir("zoo").glob("*.toml"),
-        key=lambda p: (families.index(p.stem) if p.stem in families else 99, p.stem),
+        key=lambda p: (order.index(p.stem) if p.stem in order else len(order), p.stem),
     )
     for path in paths:
         with path.open("rb") as f:
@@ -53,6 +54,7 @@ def _entries() -> dict[str, ZooEntry]:
                 raise ConfigError(f"zoo variant {name!r} is defined twice (again in {path.name})")
             try:
                 config = ModelConfig.from_dict(values)
+                families.get(config.family)
             except ConfigError as e:
                 raise ConfigError(f"zoo variant {name!r} in {path.name}: {e}") from None
             entries[name] = ZooEntry(name, config, meta["source"])
@@ -70,7 +72,7 @@ def entry(name: str) -> ZooEntry:
     if name not in entries:
         close = difflib.get_close_matches(name, list(entries), n=3, cutoff=0.5)
         hint = f"did you mean {' or '.join(close)}? " if close else ""
-        raise KeyError(
+        raise ConfigError(
             f"unknown zoo model {name!r}; {hint}`eqllm zoo list` shows all {len(entries)} names"
         )
     return entries[name]

@@ -75,7 +75,7 @@ def test_published_sizes_match_their_release():
 
 
 def test_unknown_name_suggests_close_matches():
-    with pytest.raises(KeyError, match="did you mean llama3-8b"):
+    with pytest.raises(eqllm.ConfigError, match="did you mean llama3-8b"):
         eqllm.zoo.config("llama3-9b")
 
 

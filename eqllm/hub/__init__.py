@@ -5,26 +5,17 @@
     model, tok = eqllm.hub.load_any("llama-nano" | "path" | "org/name")
 
 Families: GPT-2, Llama (1/2/3 with the Llama 3 rope scaling), Mistral, Qwen2, Gemma. The
-tensor names are one table per family (`eqllm.hub.tables`); config translation refuses any
-setting it does not understand rather than build a different model.
+tensor names and the config translation come from each family's file (`eqllm/families/`); the
+translation refuses any setting it does not understand rather than build a different model.
 """
 
-from eqllm.hub.config import ARCHITECTURES, from_hf_config, to_hf_config
+from eqllm.hub.config import from_hf_config, to_hf_config
 from eqllm.hub.files import CheckpointError
-from eqllm.hub.pretrained import (
-    from_pretrained,
-    load_any,
-    load_model,
-    load_tokenizer,
-    resolve,
-    save_model,
-    save_pretrained,
-    with_param_dtype,
-    zoo_match,
-)
+from eqllm.hub.folders import load_tokenizer, resolve, zoo_match
+from eqllm.hub.model_folder import load_any, load_model, save_model, with_param_dtype
+from eqllm.hub.pretrained import from_pretrained, save_pretrained
 
 __all__ = [
-    "ARCHITECTURES",
     "CheckpointError",
     "from_hf_config",
     "from_pretrained",

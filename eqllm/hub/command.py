@@ -8,14 +8,9 @@ from pathlib import Path
 from typing import get_args
 
 from eqllm.config import DType
-from eqllm.hub.pretrained import (
-    is_model_folder,
-    load_any,
-    resolve,
-    save_model,
-    save_pretrained,
-    zoo_match,
-)
+from eqllm.hub.folders import resolve, zoo_match
+from eqllm.hub.model_folder import is_model_folder, load_any, save_model
+from eqllm.hub.pretrained import save_pretrained
 from eqllm.model import param_count
 
 

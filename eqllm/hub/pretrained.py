@@ -1,9 +1,10 @@
-"""Load and save CausalLM weights: Hugging Face folders/repos and eqllm model folders.
+"""Hugging Face checkpoints: load them into a CausalLM and save a CausalLM as one.
 
 Loading builds the model's shape skeleton without allocating (`eqx.filter_eval_shape`), then
 fills one leaf at a time from the safetensors files, stacking layer tensors into the leading
 `layers` axis; each filled buffer is handed to JAX (on CPU without a copy), so the peak host
-memory is one copy of the weights plus one leaf. Saving writes one tensor at a time.
+memory is one copy of the weights plus one leaf. Saving writes one tensor at a time. The key
+table and config translation come from the model's family file (`eqllm/families/`).
 """
 
 from __future__ import annotations
@@ -12,17 +13,15 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
 
-import equinox as eqx
 import jax
 import numpy as np
-from jaxtyping import PRNGKeyArray
 
-from eqllm import zoo
+from eqllm import families
 from eqllm.config import DType, ModelConfig
 from eqllm.data.tokenizer import Tokenizer
-from eqllm.hub.config import ARCHITECTURES, from_hf_config, to_hf_config
+from eqllm.families import Row
+from eqllm.hub.config import from_hf_config, to_hf_config
 from eqllm.hub.files import (
     CheckpointError,
     PlannedTensor,
@@ -32,115 +31,26 @@ from eqllm.hub.files import (
     shard,
     write_file,
 )
-from eqllm.hub.tables import BUFFERS, PREFIX, TIED_HEAD, Row, rows_for
-from eqllm.model import EXECUTION_FIELDS, CausalLM, dtype_of
+from eqllm.hub.folders import (
+    INDEX,
+    host_leaves,
+    read_hf_config,
+    resolve,
+    save_tokenizer,
+    skeleton,
+    weight_files,
+    zoo_match,
+)
+from eqllm.hub.tables import BUFFERS, TIED_HEAD, rows_for
+from eqllm.model import CausalLM, dtype_of
 
 log = logging.getLogger("eqllm.hub")
 
-INDEX = "model.safetensors.index.json"
-EQLLM_CONFIG = "eqllm_config.json"
-# What a hub download fetches: the config, the weights and the tokenizer files.
-_HUB_FILES = [
-    "config.json",
-    "*.safetensors",
-    INDEX,
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-]
-_EMBED_NAMES = {"gpt2": "wte.weight"} | dict.fromkeys(
-    ("llama", "mistral", "qwen2", "gemma"), "embed_tokens.weight"
-)
 _DTYPE_NAMES = {
     np.dtype(np.float32): "float32",
     np.dtype(dtype_of("bfloat16")): "bfloat16",
     np.dtype(np.float16): "float16",
 }
-
-
-# Locating checkpoints ------------------------------------------------------------------------
-
-
-def resolve(
-    path_or_repo_id: str | os.PathLike,
-    *,
-    revision: str | None = None,
-    local_files_only: bool = False,
-) -> Path:
-    """A local folder for `path_or_repo_id`: the folder itself, or the hub snapshot of a repo."""
-    spec = os.fspath(path_or_repo_id)
-    path = Path(spec).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise CheckpointError(f"{path} is a file; give the folder that holds config.json")
-        return path
-    if spec.startswith((".", "/", "~")) or spec.count("/") != 1:
-        raise FileNotFoundError(
-            f"{spec!r} is neither an existing folder nor a hub repo id of the form 'org/name'"
-        )
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(
-            snapshot_download(
-                spec,
-                revision=revision,
-                allow_patterns=_HUB_FILES,
-                local_files_only=local_files_only,
-            )
-        )
-    except Exception as e:
-        offline = " (it is not in the local cache)" if local_files_only else ""
-        raise FileNotFoundError(
-            f"could not get the Hugging Face hub repo {spec!r}{offline}: {type(e).__name__}: {e}"
-        ) from e
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    index = folder / INDEX
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = [folder / name for name in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"{index} lists shard file(s) that are missing: {missing}")
-        return files
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        other = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt*")]
-        hint = (
-            f"; it has PyTorch pickles {other}: re-save them as safetensors with "
-            "transformers (model.save_pretrained(folder)), eqllm does not read pickles"
-            if other
-            else ""
-        )
-        raise CheckpointError(f"no *.safetensors weights in {folder}{hint}")
-    return files
-
-
-def read_hf_config(folder: Path) -> dict[str, Any]:
-    file = folder / "config.json"
-    if not file.is_file():
-        raise CheckpointError(
-            f"no config.json in {folder}: a Hugging Face checkpoint folder holds config.json "
-            "and *.safetensors (an eqllm model folder holds eqllm_config.json)"
-        )
-    try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{file} is not valid JSON: {e}") from None
-
-
-def zoo_match(config: ModelConfig) -> str | None:
-    """The zoo variant with the same architecture as `config` (dtypes and execution aside)."""
-    ignore = {*EXECUTION_FIELDS, "param_dtype", "init_std"}
-
-    def key(cfg: ModelConfig) -> dict:
-        return {k: v for k, v in cfg.to_dict().items() if k not in ignore}
-
-    wanted = key(config)
-    return next((name for name in zoo.names() if key(zoo.config(name)) == wanted), None)
 
 
 # Hugging Face format -------------------------------------------------------------------------
@@ -171,7 +81,7 @@ def from_pretrained(
         config = from_hf_config(hf)
     except ValueError as e:
         raise type(e)(f"{folder}: {e}") from None
-    with TensorReader(_weight_files(folder)) as reader:
+    with TensorReader(weight_files(folder)) as reader:
         if dtype is None:
             dtype = _checkpoint_dtype(reader, config.family)
         config = config.replace(param_dtype=dtype, compute_dtype=dtype)
@@ -179,7 +89,7 @@ def from_pretrained(
     name = zoo_match(config)
     log.info(
         "loaded %s from %s%s",
-        ARCHITECTURES[config.family],
+        families.get(config.family).architecture,
         folder,
         f" (architecture of zoo variant {name})" if name else "",
     )
@@ -188,18 +98,10 @@ def from_pretrained(
 
 def _checkpoint_dtype(reader: TensorReader, family: str) -> DType:
     """The dtype of the token embedding (float32 if it is missing or not a float type)."""
-    embed = next((n for n in reader.tensors if n.endswith(_EMBED_NAMES[family])), None)
+    embed = next((n for n in reader.tensors if n.endswith(families.get(family).embed_name)), None)
     if embed is None:
         return "float32"
     return _DTYPE_NAMES.get(reader.tensors[embed].dtype, "float32")  # type: ignore[return-value]
-
-
-def _skeleton(config: ModelConfig):
-    """(leaf path -> ShapeDtypeStruct, treedef) of CausalLM(config), allocating nothing."""
-    shapes = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0))
-    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-    paths = {jax.tree_util.keystr(p, simple=True, separator="."): leaf for p, leaf in flat}
-    return paths, treedef
 
 
 def _hf_shape(row: Row, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
@@ -209,9 +111,9 @@ def _hf_shape(row: Row, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
 
 
 def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
-    leaves, treedef = _skeleton(config)
+    leaves, treedef = skeleton(config)
     rows = rows_for(config.family, set(leaves))
-    prefix = PREFIX[config.family]
+    prefix = families.get(config.family).prefix
     used: set[str] = set()
 
     def find(name: str) -> str:
@@ -260,7 +162,7 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
         shown = ", ".join(f"{n!r} ({reader.tensors[n].file.name})" for n in extra[:5])
         more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
         raise CheckpointError(
-            f"the checkpoint has tensor(s) a {ARCHITECTURES[config.family]} with this "
+            f"the checkpoint has tensor(s) a {families.get(config.family).architecture} with this "
             f"config.json does not: {shown}{more}; config.json and weights disagree"
         )
     return jax.tree_util.tree_unflatten(treedef, [arrays[p] for p in leaves])
@@ -303,9 +205,9 @@ def save_pretrained(
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     target = np.dtype(dtype_of(dtype))
-    leaves, _ = _skeleton(config)
+    leaves, _ = skeleton(config)
     rows = rows_for(config.family, set(leaves))
-    host = _host_leaves(model)
+    host = host_leaves(model)
 
     def make(row: Row, i: int | None):
         def tensor() -> np.ndarray:
@@ -338,15 +240,6 @@ def save_pretrained(
     return folder
 
 
-def _host_leaves(model: CausalLM) -> dict[str, np.ndarray]:
-    """Leaf path -> numpy array (a view of the JAX buffer on CPU; a host copy otherwise)."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))
-    return {
-        jax.tree_util.keystr(path, simple=True, separator="."): np.asarray(leaf)
-        for path, leaf in flat
-    }
-
-
 def _write_weights(folder: Path, planned: list[PlannedTensor], max_shard_size: int) -> None:
     groups = shard(planned, max_shard_size)
     names = (
@@ -365,122 +258,3 @@ def _write_weights(folder: Path, planned: list[PlannedTensor], max_shard_size: i
             "weight_map": {t.name: n for n, g in zip(names, groups, strict=True) for t in g},
         }
         (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-
-
-def save_tokenizer(tokenizer: Tokenizer, folder: Path) -> None:
-    """tokenizer.json and a tokenizer_config.json that transformers' AutoTokenizer reads too."""
-    tokenizer.save(folder)
-    config_file = folder / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
-    config_file.write_text(json.dumps(config, indent=2) + "\n")
-
-
-def load_tokenizer(folder: Path) -> Tokenizer | None:
-    """The tokenizer saved in `folder` (tokenizer.json + tokenizer_config.json), if any."""
-    return Tokenizer.load(folder) if (folder / "tokenizer.json").is_file() else None
-
-
-# eqllm model folders --------------------------------------------------------------------------
-
-
-def save_model(
-    model: CausalLM, directory: str | os.PathLike, *, tokenizer: Tokenizer | None = None
-) -> Path:
-    """Write an eqllm model folder: eqllm_config.json (ModelConfig) + model.safetensors.
-
-    Tensors are the eqllm arrays as they are (layers stacked), named by their pytree path
-    (e.g. 'blocks.attn.q_proj.weight'). Any config can be saved, exportable to HF or not.
-    """
-    folder = Path(directory)
-    folder.mkdir(parents=True, exist_ok=True)
-    host = _host_leaves(model)
-    planned = [
-        PlannedTensor(name, a.shape, a.dtype, lambda a=a: a) for name, a in sorted(host.items())
-    ]
-    write_file(folder / "model.safetensors", planned, {"format": "eqllm"})
-    config_text = json.dumps(model.config.to_dict(), indent=2) + "\n"
-    (folder / EQLLM_CONFIG).write_text(config_text)
-    if tokenizer is not None:
-        save_tokenizer(tokenizer, folder)
-    return folder
-
-
-def load_model(directory: str | os.PathLike) -> CausalLM:
-    """Read an eqllm model folder written by `save_model`."""
-    folder = Path(directory)
-    config_file = folder / EQLLM_CONFIG
-    if not config_file.is_file():
-        raise CheckpointError(f"no {EQLLM_CONFIG} in {folder}: not an eqllm model folder")
-    config = ModelConfig.from_dict(json.loads(config_file.read_text()))
-    weights = folder / "model.safetensors"
-    if not weights.is_file():
-        raise CheckpointError(f"no model.safetensors in {folder}")
-    leaves, treedef = _skeleton(config)
-    arrays = []
-    with TensorReader([weights]) as reader:
-        extra = sorted(set(reader.tensors) - set(leaves))
-        if extra:
-            raise CheckpointError(f"{weights}: tensors {extra} are not in the model {config}")
-        for path, leaf in leaves.items():
-            if path not in reader:
-                raise CheckpointError(f"{weights}: tensor {path!r} is missing")
-            info = reader.tensors[path]
-            if info.shape != leaf.shape or info.dtype != leaf.dtype:
-                raise CheckpointError(
-                    f"{weights}: tensor {path!r} is {list(info.shape)} {info.dtype}, the "
-                    f"config in {EQLLM_CONFIG} needs {list(leaf.shape)} {leaf.dtype}"
-                )
-            arrays.append(jax.device_put(reader.read(path)))
-    return jax.tree_util.tree_unflatten(treedef, arrays)
-
-
-def with_param_dtype(model: CausalLM, dtype: DType) -> CausalLM:
-    """The model with its parameters (and compute dtype) cast to `dtype`."""
-    if dtype == model.config.param_dtype == model.config.compute_dtype:
-        return model
-    config = model.config.replace(param_dtype=dtype, compute_dtype=dtype)
-    _, treedef = _skeleton(config)
-    return jax.tree_util.tree_unflatten(
-        treedef, [leaf.astype(dtype_of(dtype)) for leaf in jax.tree.leaves(model)]
-    )
-
-
-def is_model_folder(path: Path) -> bool:
-    return (path / EQLLM_CONFIG).is_file()
-
-
-def load_any(
-    spec: str | os.PathLike,
-    *,
-    dtype: DType | None = None,
-    key: PRNGKeyArray | None = None,
-    local_files_only: bool = False,
-) -> tuple[CausalLM, Tokenizer | None]:
-    """(model, tokenizer or None) from a zoo name, an HF folder or repo id, or an eqllm folder.
-
-    A zoo name builds fresh weights from `key` (default `jax.random.key(0)`) and has no
-    tokenizer; a folder or repo gives its tokenizer when it holds tokenizer.json.
-    """
-    text = os.fspath(spec)
-    if not Path(text).expanduser().exists() and "/" not in text:
-        zoo.entry(text)  # neither a folder nor 'org/name': an unknown zoo name, "did you mean"
-    if not Path(text).expanduser().exists() and text in zoo.names():
-        config = zoo.config(text)
-        if dtype is not None:
-            config = config.replace(param_dtype=dtype, compute_dtype=dtype)
-        return CausalLM(config, key=jax.random.key(0) if key is None else key), None
-    try:
-        folder = resolve(text, local_files_only=local_files_only)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(
-            f"{text!r} is not a zoo name (`eqllm zoo list`), an existing folder or a hub repo id "
-            f"('org/name'): {e}"
-        ) from None
-    if is_model_folder(folder):
-        model = load_model(folder)
-        if dtype is not None:
-            model = with_param_dtype(model, dtype)
-    else:
-        model = from_pretrained(folder, dtype=dtype)
-    return model, load_tokenizer(folder)

@@ -1,0 +1,247 @@
+"""What a family file declares, and the Hugging Face translation several families share.
+
+A `Family` holds everything particular to one architecture family: its Hugging Face names, the
+`ModelConfig` fields it fixes, its weight key table and its config translation both ways. The
+generic code in `eqllm.hub` reads only these; nothing outside a family file says
+`if family == ...`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from eqllm.config import ConfigError, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One Hugging Face tensor and the eqllm array(s) it holds.
+
+    `hf` is the tensor name, with `{i}` for the layer index (then the row fills the leading
+    `layers` axis of the stacked blocks). Several `eqllm` paths mean a fused tensor, split along
+    its output axis on the way in and concatenated on the way out. `conv1d` marks GPT-2's Conv1D,
+    which stores a weight (in, out): transposed.
+    """
+
+    hf: str
+    eqllm: tuple[str, ...]
+    conv1d: bool = False
+
+    @property
+    def layered(self) -> bool:
+        return "{i}" in self.hf
+
+
+def rows(*specs: tuple) -> tuple[Row, ...]:
+    """Rows from `(hf, eqllm_path_or_paths[, conv1d])` tuples."""
+    out = []
+    for hf, eqllm, *conv1d in specs:
+        out.append(Row(hf, (eqllm,) if isinstance(eqllm, str) else tuple(eqllm), *conv1d))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One architecture family, as `eqllm/families/<name>.py` declares it.
+
+    Arguments:
+        name: the value of `ModelConfig.family`.
+        year: year of publication; orders the families in the zoo.
+        architecture: the transformers class a checkpoint names (`LlamaForCausalLM`).
+        model_type: the `model_type` of its config.json.
+        fixed: ModelConfig fields the family fixes; a config that differs has no HF counterpart.
+        table: the weight key table (rows whose eqllm arrays a config lacks are skipped).
+        prefix: prefix of the base model's tensor names, which bare checkpoints omit.
+        hf_keys: config.json keys the translation reads or checks (beyond `HARMLESS_KEYS`);
+            any other key is refused.
+        to_hf: the family's config.json fields for a config (besides the common ones).
+        from_hf: ModelConfig fields from a config.json dict (besides `fixed`).
+        check: extra invariants: returns the offending {field: value} (empty when fine).
+    """
+
+    name: str
+    year: int
+    architecture: str
+    model_type: str
+    fixed: dict[str, Any]
+    table: tuple[Row, ...]
+    prefix: str
+    hf_keys: frozenset[str]
+    to_hf: Callable[[ModelConfig], dict[str, Any]]
+    from_hf: Callable[[dict[str, Any]], dict[str, Any]]
+    check: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: {}
+
+    @property
+    def embed_name(self) -> str:
+        """The token embedding's tensor name without the base-model prefix."""
+        row = next(r for r in self.table if r.eqllm == ("embed.weight",))
+        return row.hf.removeprefix(self.prefix)
+
+
+# Keys of any transformers config that do not change what the model computes (bookkeeping,
+# token ids, generation defaults, dropout, which has no effect at inference and none in eqllm).
+HARMLESS_KEYS = frozenset(
+    """
+    architectures model_type transformers_version _name_or_path torch_dtype dtype
+    bos_token_id eos_token_id pad_token_id sep_token_id decoder_start_token_id use_cache
+    initializer_range return_dict output_hidden_states output_attentions torchscript id2label
+    label2id num_labels problem_type tokenizer_class prefix task_specific_params finetuning_task
+    is_decoder is_encoder_decoder chunk_size_feed_forward pruned_heads tf_legacy_loss
+    use_bfloat16 _attn_implementation_autoset max_length min_length do_sample early_stopping
+    num_beams num_beam_groups diversity_penalty temperature top_k top_p typical_p
+    repetition_penalty length_penalty no_repeat_ngram_size encoder_no_repeat_ngram_size
+    bad_words_ids num_return_sequences output_scores return_dict_in_generate
+    forced_bos_token_id forced_eos_token_id remove_invalid_values
+    exponential_decay_length_penalty suppress_tokens begin_suppress_tokens
+    attention_dropout tie_word_embeddings vocab_size
+    """.split()
+)
+
+
+def refuse(hf: dict[str, Any], key: str, allowed: tuple[Any, ...]) -> None:
+    """Raise unless config.json's `key` is absent or one of `allowed`."""
+    if key in hf and hf[key] not in allowed:
+        raise ConfigError(
+            f"config.json {key}={hf[key]!r} is not supported; eqllm handles {list(allowed)}"
+        )
+
+
+def need(hf: dict[str, Any], key: str) -> Any:
+    """config.json's `key`, which must be set."""
+    if hf.get(key) is None:
+        raise ConfigError(f"config.json of a {hf['model_type']} model must set {key!r}")
+    return hf[key]
+
+
+# The Llama layout: Llama, Mistral, Qwen2, Qwen3 and Gemma checkpoints share these names and
+# config keys (they differ in which rows exist and which keys they read).
+
+LLAMA_TABLE = rows(
+    ("model.embed_tokens.weight", "embed.weight"),
+    ("model.layers.{i}.input_layernorm.weight", "blocks.attn_norm.weight"),
+    ("model.layers.{i}.self_attn.q_proj.weight", "blocks.attn.q_proj.weight"),
+    ("model.layers.{i}.self_attn.q_proj.bias", "blocks.attn.q_proj.bias"),
+    ("model.layers.{i}.self_attn.k_proj.weight", "blocks.attn.k_proj.weight"),
+    ("model.layers.{i}.self_attn.k_proj.bias", "blocks.attn.k_proj.bias"),
+    ("model.layers.{i}.self_attn.v_proj.weight", "blocks.attn.v_proj.weight"),
+    ("model.layers.{i}.self_attn.v_proj.bias", "blocks.attn.v_proj.bias"),
+    ("model.layers.{i}.self_attn.o_proj.weight", "blocks.attn.o_proj.weight"),
+    ("model.layers.{i}.self_attn.o_proj.bias", "blocks.attn.o_proj.bias"),
+    ("model.layers.{i}.post_attention_layernorm.weight", "blocks.mlp_norm.weight"),
+    ("model.layers.{i}.mlp.gate_proj.weight", "blocks.mlp.gate.weight"),
+    ("model.layers.{i}.mlp.gate_proj.bias", "blocks.mlp.gate.bias"),
+    ("model.layers.{i}.mlp.up_proj.weight", "blocks.mlp.up.weight"),
+    ("model.layers.{i}.mlp.up_proj.bias", "blocks.mlp.up.bias"),
+    ("model.layers.{i}.mlp.down_proj.weight", "blocks.mlp.down.weight"),
+    ("model.layers.{i}.mlp.down_proj.bias", "blocks.mlp.down.bias"),
+    ("model.norm.weight", "final_norm.weight"),
+    ("lm_head.weight", "lm_head.weight"),
+)
+LLAMA_PREFIX = "model."
+LLAMA_KEYS = frozenset(
+    """
+    hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads
+    head_dim max_position_embeddings rms_norm_eps hidden_act rope_theta rope_scaling
+    rope_parameters
+    """.split()
+)
+_ROPE_KEYS = {
+    "default": {"rope_type", "type", "rope_theta"},
+    "llama3": {
+        "rope_type",
+        "type",
+        "rope_theta",
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    },
+}
+
+
+def llama_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The config.json fields every Llama-layout family writes."""
+    rope_scaling = None
+    if cfg.rope_scaling == "llama3":
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": cfg.rope_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_seq_len,
+        }
+    return {
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.dim_per_head,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "attention_dropout": 0.0,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": rope_scaling,
+    }
+
+
+def llama_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields every Llama-layout family reads from config.json."""
+    d = need(hf, "hidden_size")
+    n_heads = need(hf, "num_attention_heads")
+    return {
+        **_rope_from_hf(hf),
+        "vocab_size": need(hf, "vocab_size"),
+        "d_model": d,
+        "n_layers": need(hf, "num_hidden_layers"),
+        "n_heads": n_heads,
+        "n_kv_heads": hf.get("num_key_value_heads") or n_heads,
+        "head_dim": None if hf.get("head_dim") in (None, d // n_heads) else hf["head_dim"],
+        "d_ff": need(hf, "intermediate_size"),
+        "max_seq_len": hf.get("max_position_embeddings", 2048),
+        "norm_eps": hf.get("rms_norm_eps", 1e-6),
+    }
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """rope_theta and the scaling fields, from the transformers 5 layout (`rope_parameters`) or
+    the older one (`rope_theta` and `rope_scaling` at the top level; it wins when both exist)."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    rope = {**params, **scaling}
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = scaling.get("rope_type", scaling.get("type")) or params.get(
+        "rope_type", params.get("type", "default")
+    )
+    if rope_type not in _ROPE_KEYS:
+        raise ConfigError(
+            f"rope scaling type {rope_type!r} in config.json is not supported; eqllm handles "
+            "the default rotary embedding and 'llama3' scaling"
+        )
+    unknown = sorted(set(rope) - _ROPE_KEYS[rope_type])
+    if unknown:
+        raise ConfigError(
+            f"config.json rope settings {unknown} are not understood for rope_type {rope_type!r}"
+        )
+    fields: dict[str, Any] = {"rope_theta": float(theta)}
+    if rope_type == "llama3":
+        fields.update(
+            rope_scaling="llama3",
+            rope_factor=float(rope["factor"]),
+            rope_low_freq_factor=float(rope["low_freq_factor"]),
+            rope_high_freq_factor=float(rope["high_freq_factor"]),
+            rope_original_max_seq_len=int(rope["original_max_position_embeddings"]),
+        )
+    return fields
+
+
+def full_attention_only(hf: dict[str, Any], family: str) -> None:
+    """Refuse a config.json whose `layer_types` asks for anything but full attention."""
+    layer_types = set(hf.get("layer_types") or ())
+    if layer_types - {"full_attention"}:
+        raise ConfigError(
+            f"config.json layer_types={sorted(layer_types)}: eqllm's {family} has only "
+            "'full_attention' layers"
+        )

@@ -1,0 +1,60 @@
+"""Gemma (Gemma Team, 2024): GeGLU, (1 + w) RMSNorm, embeddings scaled by sqrt(d_model),
+multi-query attention at 2B, LM head tied to the embedding."""
+
+from typing import Any
+
+from eqllm.config import ModelConfig
+from eqllm.families.base import (
+    LLAMA_KEYS,
+    LLAMA_PREFIX,
+    LLAMA_TABLE,
+    Family,
+    llama_from_hf,
+    llama_to_hf,
+    refuse,
+)
+
+
+def to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        **llama_to_hf(cfg),
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+
+
+def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    # "gelu" is the legacy value of Gemma's releases; transformers maps it to the tanh form.
+    refuse(hf, "hidden_act", ("gelu_pytorch_tanh", "gelu"))
+    refuse(hf, "hidden_activation", ("gelu_pytorch_tanh", "gelu", None))
+    refuse(hf, "attention_bias", (False,))
+    refuse(hf, "use_bidirectional_attention", (False, None))
+    refuse(hf, "tie_word_embeddings", (True,))
+    return llama_from_hf(hf)
+
+
+FAMILY = Family(
+    name="gemma",
+    year=2024,
+    architecture="GemmaForCausalLM",
+    model_type="gemma",
+    fixed={
+        "norm": "rmsnorm",
+        "norm_plus_one": True,
+        "mlp": "geglu",
+        "position": "rope",
+        "qkv_bias": False,
+        "out_bias": False,
+        "mlp_bias": False,
+        "sliding_window": None,
+        "qk_norm": False,
+        "embed_scale": True,
+        "tie_embeddings": True,
+        "rope_scaling": "none",
+    },
+    table=LLAMA_TABLE,
+    prefix=LLAMA_PREFIX,
+    hf_keys=LLAMA_KEYS | {"hidden_activation", "attention_bias", "use_bidirectional_attention"},
+    to_hf=to_hf,
+    from_hf=from_hf,
+)

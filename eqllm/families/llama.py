@@ -1,0 +1,60 @@
+"""Llama 1/2/3 (Touvron et al., 2023; Llama 3 herd, 2024): pre-norm RMSNorm, SwiGLU, rotary
+positions with the Llama 3 frequency scaling, grouped-query attention, optional biases."""
+
+from typing import Any
+
+from eqllm.config import ModelConfig
+from eqllm.families.base import (
+    LLAMA_KEYS,
+    LLAMA_PREFIX,
+    LLAMA_TABLE,
+    Family,
+    llama_from_hf,
+    llama_to_hf,
+    refuse,
+)
+
+
+def to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        **llama_to_hf(cfg),
+        "hidden_act": "silu",
+        "attention_bias": cfg.qkv_bias,
+        "mlp_bias": cfg.mlp_bias,
+    }
+
+
+def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    refuse(hf, "hidden_act", ("silu",))
+    attention_bias = bool(hf.get("attention_bias", False))
+    return {
+        **llama_from_hf(hf),
+        "qkv_bias": attention_bias,
+        "out_bias": attention_bias,
+        "mlp_bias": bool(hf.get("mlp_bias", False)),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+    }
+
+
+FAMILY = Family(
+    name="llama",
+    year=2023,
+    architecture="LlamaForCausalLM",
+    model_type="llama",
+    fixed={
+        "norm": "rmsnorm",
+        "norm_plus_one": False,
+        "mlp": "swiglu",
+        "position": "rope",
+        "sliding_window": None,
+        "qk_norm": False,
+        "embed_scale": False,
+    },
+    table=LLAMA_TABLE,
+    prefix=LLAMA_PREFIX,
+    hf_keys=LLAMA_KEYS | {"attention_bias", "mlp_bias", "pretraining_tp"},
+    to_hf=to_hf,
+    from_hf=from_hf,
+    # One `attention_bias` switch sets both the q/k/v and the output biases.
+    check=lambda cfg: {} if cfg.qkv_bias == cfg.out_bias else {"out_bias": cfg.out_bias},
+)

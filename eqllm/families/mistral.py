@@ -1,0 +1,52 @@
+"""Mistral (Jiang et al., 2023): the Llama block with sliding-window attention."""
+
+from typing import Any
+
+from eqllm.config import ModelConfig
+from eqllm.families.base import (
+    LLAMA_KEYS,
+    LLAMA_PREFIX,
+    LLAMA_TABLE,
+    Family,
+    llama_from_hf,
+    llama_to_hf,
+    refuse,
+)
+
+
+def to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return {**llama_to_hf(cfg), "hidden_act": "silu", "sliding_window": cfg.sliding_window}
+
+
+def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    refuse(hf, "hidden_act", ("silu",))
+    return {
+        **llama_from_hf(hf),
+        "sliding_window": hf.get("sliding_window"),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+    }
+
+
+FAMILY = Family(
+    name="mistral",
+    year=2023,
+    architecture="MistralForCausalLM",
+    model_type="mistral",
+    fixed={
+        "norm": "rmsnorm",
+        "norm_plus_one": False,
+        "mlp": "swiglu",
+        "position": "rope",
+        "qkv_bias": False,
+        "out_bias": False,
+        "mlp_bias": False,
+        "qk_norm": False,
+        "embed_scale": False,
+        "rope_scaling": "none",
+    },
+    table=LLAMA_TABLE,
+    prefix=LLAMA_PREFIX,
+    hf_keys=LLAMA_KEYS | {"sliding_window"},
+    to_hf=to_hf,
+    from_hf=from_hf,
+)
