@@ -31,7 +31,7 @@ def _families() -> dict[str, Family]:
         if family.name != module.name:
             raise AssertionError(f"eqllm/families/{module.name}.py defines family {family.name!r}")
         found.append(family)
-    return {f.name: f for f in sorted(found, key=lambda f: (f.year, f.name))}
+    return {f.name: f for f in sorted(found, key=lambda f: (f.released, f.name))}
 
 
 def names() -> list[str]:

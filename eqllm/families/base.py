@@ -48,7 +48,7 @@ class Family:
 
     Arguments:
         name: the value of `ModelConfig.family`.
-        year: year of publication; orders the families in the zoo.
+        released: year and month of the first release ("2023-02"); orders the zoo.
         architecture: the transformers class a checkpoint names (`LlamaForCausalLM`).
         model_type: the `model_type` of its config.json.
         fixed: ModelConfig fields the family fixes; a config that differs has no HF counterpart.
@@ -62,7 +62,7 @@ class Family:
     """
 
     name: str
-    year: int
+    released: str
     architecture: str
     model_type: str
     fixed: dict[str, Any]

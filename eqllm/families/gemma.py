@@ -35,7 +35,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 FAMILY = Family(
     name="gemma",
-    year=2024,
+    released="2024-02",
     architecture="GemmaForCausalLM",
     model_type="gemma",
     fixed={

@@ -72,7 +72,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 FAMILY = Family(
     name="gpt2",
-    year=2019,
+    released="2019-02",
     architecture="GPT2LMHeadModel",
     model_type="gpt2",
     fixed={

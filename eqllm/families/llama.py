@@ -38,7 +38,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 FAMILY = Family(
     name="llama",
-    year=2023,
+    released="2023-02",
     architecture="LlamaForCausalLM",
     model_type="llama",
     fixed={

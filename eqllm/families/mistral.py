@@ -29,7 +29,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 FAMILY = Family(
     name="mistral",
-    year=2023,
+    released="2023-09",
     architecture="MistralForCausalLM",
     model_type="mistral",
     fixed={

@@ -33,7 +33,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 FAMILY = Family(
     name="qwen2",
-    year=2024,
+    released="2024-06",
     architecture="Qwen2ForCausalLM",
     model_type="qwen2",
     fixed={
