@@ -12,7 +12,7 @@ keep_freed_memory()  # before anything starts JAX's CPU backend (see eqllm.hostm
 
 from eqllm import hub, nn, zoo
 from eqllm.config import ConfigError, ModelConfig
-from eqllm.eval.generate import generate, generate_batch
+from eqllm.generation import generate, generate_batch
 from eqllm.model import CausalLM
 
 __all__ = [

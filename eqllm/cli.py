@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from eqllm import analyze, bench, zoo
-from eqllm.eval import generate_cli
+from eqllm.commands import generate as generate_command
 from eqllm.eval.evaluate import add_eval_arguments, eval_command
 from eqllm.hub.command import add_convert_command
 from eqllm.train.loop import add_run_arguments, run_command
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     show.set_defaults(func=_zoo_show)
     add_convert_command(commands)
-    generate_cli.add_parser(commands)
+    generate_command.add_parser(commands)
 
     run_parser = commands.add_parser("run", help="train a recipe and write a run folder")
     add_run_arguments(run_parser)

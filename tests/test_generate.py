@@ -1,7 +1,11 @@
-"""Generation: cached decode == full forward, greedy == argmax chain, sampling filters, batching,
-stop tokens, errors, and the `eqllm generate` command."""
+"""Generation: cached decode == full forward for every family, greedy == transformers'
+`generate`, sampling filters, batching, stop tokens, errors, and the `eqllm generate` command.
 
-import importlib
+The models are tiny (d_model 32, 2 layers) with every parameter perturbed, so a bias, norm or
+plus-one norm mishandled on the cached path shows up. Every test generates NEW tokens from
+prompts in one bucket, so the compiled functions are shared across tests.
+"""
+
 import io
 
 import equinox as eqx
@@ -12,36 +16,46 @@ import pytest
 from conftest import TINY_CONFIGS
 
 import eqllm
+import eqllm.generation.loop
 from eqllm import cli
+from eqllm.commands import generate as generate_command
 from eqllm.data import Tokenizer
-from eqllm.eval import generate_cli
-from eqllm.eval.generate import (
-    cache_slots,
+from eqllm.generation import (
+    GenerationError,
     filter_logits,
-    forward_cached,
-    init_cache,
     sample_token,
     sampling,
     stream,
 )
 
-# `eqllm.eval.generate` is the function; the module of the same name:
-generate_module = importlib.import_module("eqllm.eval.generate")
-
-CACHED_FAMILIES = ["gpt2", "llama", "mistral"]  # learned positions; rope + GQA; sliding window
-
-
-NEW = 8  # every test generates this many tokens, so the compiled functions are shared
+# gpt2: learned positions, biases; llama3: rope with Llama 3 scaling, GQA; mistral: a window of
+# 5, shorter than the prompt, so the ring-buffer cache wraps; qwen2: qkv bias, one kv head;
+# gemma: embedding scaling, plus-one norms, tied head.
+FAMILIES = ["gpt2", "llama3", "mistral", "qwen2", "gemma"]
+NEW = 24
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32]  # 9 tokens: longer than mistral's window of 5
+LENGTH = 48  # the cached test prefills PROMPT, then decodes one token at a time up to here
+
+
+def perturbed(model, key):
+    """`model` with N(0, 0.1) added to every floating parameter: no zero bias or unit norm."""
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(key, len(leaves))
+    leaves = [
+        x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)
+    ]
+    return eqx.combine(jax.tree.unflatten(treedef, leaves), static)
 
 
 @pytest.fixture(scope="module")
 def models():
-    """Tiny models, built on first use."""
+    """Tiny perturbed models, built on first use."""
 
     class Lazy(dict):
         def __missing__(self, name):
-            self[name] = eqllm.CausalLM(TINY_CONFIGS[name], key=jax.random.key(0))
+            model = eqllm.CausalLM(TINY_CONFIGS[name], key=jax.random.key(0))
+            self[name] = perturbed(model, jax.random.key(1))
             return self[name]
 
     return Lazy()
@@ -49,19 +63,19 @@ def models():
 
 @eqx.filter_jit
 def _reference(model, tokens, *, prefill: int, new: int):
-    """Full-forward logits of `tokens`; the same from the cache (prefill, then one token per
-    step); and the greedy chain after tokens[:prefill] computed by repeated full forwards."""
+    """Full-forward logits of `tokens`; the logits after positions prefill-1 .. end-2 from the
+    cache (prefill tokens[:prefill], then decode one token per step); and the greedy chain after
+    tokens[:prefill] computed by repeated full forwards."""
     length = tokens.shape[0]
     full = model(tokens)
-    cache = init_cache(model, cache_slots(model, length))
-    hidden, cache = forward_cached(model, tokens[:prefill], jnp.arange(prefill), cache)
-    first = model.logits(hidden)
+    cache = model.init_cache(length)
+    first, cache = model.prefill(tokens[:prefill], jnp.arange(prefill), cache)
 
     def decode(cache, i):
-        hidden, cache = forward_cached(model, tokens[i][None], i[None], cache)
-        return cache, model.logits(hidden)[0]
+        logits, cache = model.decode(tokens[i], i, cache)
+        return cache, logits
 
-    _, rest = jax.lax.scan(decode, cache, jnp.arange(prefill, length))
+    _, rest = jax.lax.scan(decode, cache, jnp.arange(prefill, length - 1))
 
     def chain(buffer, i):  # causal: the zeros after position i - 1 do not change its logits
         token = jnp.argmax(model(buffer)[i - 1]).astype(jnp.int32)
@@ -69,7 +83,7 @@ def _reference(model, tokens, *, prefill: int, new: int):
 
     buffer = jnp.zeros(prefill + new, jnp.int32).at[:prefill].set(tokens[:prefill])
     _, greedy = jax.lax.scan(chain, buffer, jnp.arange(prefill, prefill + new))
-    return full, jnp.concatenate([first, rest]), greedy
+    return full, jnp.concatenate([first[None], rest]), greedy
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +93,9 @@ def reference(models):
     def get(family):
         if family not in results:
             model = models[family]
-            tail = jax.random.randint(jax.random.key(1), (15,), 0, model.config.vocab_size)
+            tail = jax.random.randint(
+                jax.random.key(1), (LENGTH - len(PROMPT),), 0, model.config.vocab_size
+            )
             tokens = jnp.concatenate([jnp.asarray(PROMPT), tail.astype(jnp.int32)])
             results[family] = _reference(model, tokens, prefill=len(PROMPT), new=NEW)
         return results[family]
@@ -87,33 +103,64 @@ def reference(models):
     return get
 
 
-@pytest.mark.parametrize("family", CACHED_FAMILIES)
+@pytest.fixture(scope="module")
+def greedy(models):
+    """`eqllm.generate`'s greedy continuation of PROMPT, once per family."""
+    results = {}
+
+    def get(family):
+        if family not in results:
+            kw = dict(max_new_tokens=NEW, key=jax.random.key(0), temperature=0)
+            results[family] = eqllm.generate(models[family], PROMPT, **kw)
+        return results[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_cached_decode_matches_full_forward(models, reference, family):
     model = models[family]
     full, cached, _ = reference(family)
-    np.testing.assert_allclose(cached, full, atol=1e-5, rtol=1e-5)
-    cache = init_cache(model, cache_slots(model, 24))
-    slots = model.config.sliding_window or 24  # the ring holds just the window
-    assert cache.k.shape == (2, slots, model.config.n_kv_heads, model.config.dim_per_head)
+    np.testing.assert_allclose(cached, full[len(PROMPT) - 1 : -1], atol=1e-4, rtol=1e-5)
+    cache = model.init_cache(LENGTH)
+    slots = model.config.sliding_window or LENGTH  # the ring holds just the window
+    assert len(cache) == model.config.n_layers
+    assert cache[0].k.shape == (slots, model.config.n_kv_heads, model.config.dim_per_head)
 
 
 def test_left_padding_is_invisible(models, reference):
-    model = models["llama"]
+    model = models["llama3"]
     padded = jnp.asarray([0, 0, 0, *PROMPT])
     positions = jnp.concatenate([jnp.full(3, -1), jnp.arange(len(PROMPT))])
-    cache = init_cache(model, 16)
-    hidden, cache = jax.jit(forward_cached)(model, padded, positions, cache)
-    full = reference("llama")[0][: len(PROMPT)]
-    np.testing.assert_allclose(model.logits(hidden)[3:], full, atol=1e-5)
-    assert sorted(np.asarray(cache.positions[0]).tolist()) == [-1] * 7 + list(range(9))
+    prefill = eqx.filter_jit(eqllm.CausalLM.prefill)
+    logits, cache = prefill(model, padded, positions, model.init_cache(16))
+    np.testing.assert_allclose(logits, reference("llama3")[0][len(PROMPT) - 1], atol=1e-4)
+    assert sorted(np.asarray(cache[0].positions).tolist()) == [-1] * 7 + list(range(9))
 
 
-@pytest.mark.parametrize("family", CACHED_FAMILIES)
-def test_greedy_equals_argmax_chain(models, reference, family):
-    got = eqllm.generate(
-        models[family], PROMPT, max_new_tokens=NEW, key=jax.random.key(0), temperature=0
-    )
-    assert got.tolist() == reference(family)[2].tolist()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_equals_argmax_chain(reference, greedy, family):
+    assert greedy(family).tolist() == reference(family)[2].tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_equals_transformers_generate(models, greedy, family, tmp_path):
+    """The model exported to transformers, greedy-decoded by its `generate`."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    eqllm.hub.save_pretrained(models[family], tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    assert out[0, len(PROMPT) :].tolist() == greedy(family).tolist()
 
 
 BATCH = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [42]]
@@ -156,9 +203,9 @@ def test_same_key_same_sample_and_keys_differ(models):
 def test_settings_do_not_recompile(models, monkeypatch):
     model = models["mistral"]
     traces = []
-    real = generate_module._prefill
+    real = eqllm.generation.loop.prefill
     monkeypatch.setattr(
-        generate_module, "_prefill", lambda *a, **k: traces.append(1) or real(*a, **k)
+        eqllm.generation.loop, "prefill", lambda *a, **k: traces.append(1) or real(*a, **k)
     )
     eqllm.generate(model, [1, 2], max_new_tokens=NEW, key=jax.random.key(1))
     first = len(traces)
@@ -171,7 +218,7 @@ def test_stream_joins_to_generate(models):
     model = models["mistral"]
     kw = dict(max_new_tokens=NEW, key=jax.random.key(4), top_p=0.8, stop_tokens=())
     chunks = list(stream(model, [9, 8, 7], chunk=4, **kw))
-    assert [len(c) for c in chunks] == [1, 4, 3]
+    assert [len(c) for c in chunks] == [1] + [4] * ((NEW - 1) // 4) + [(NEW - 1) % 4]
     assert np.concatenate(chunks).tolist() == eqllm.generate(model, [9, 8, 7], **kw).tolist()
 
 
@@ -240,21 +287,25 @@ def test_repetition_penalty_is_ctrl_style():
         ([1, 2], {"min_p": 2.0}, "min_p must lie in"),
         ([1, 2], {"repetition_penalty": 0.0}, "repetition_penalty must be"),
         ([1, 2], {"stop_tokens": [500]}, "stop_tokens must be token ids"),
+        ([1.0, 2.0], {}, "must hold integer token ids"),
+        ([[1, 2]], {}, "must be a 1-D sequence"),
     ],
 )
 def test_bad_input_gives_clear_errors(models, prompt, kw, message):
-    kw = {"max_new_tokens": 4, **kw}
-    with pytest.raises(ValueError, match=message):
-        eqllm.generate(models["gpt2"], prompt, key=jax.random.key(0), **kw)
+    kw = {"max_new_tokens": 4, "key": jax.random.key(0), **kw}
+    with pytest.raises(GenerationError, match=message):
+        eqllm.generate(models["gpt2"], prompt, **kw)
 
 
 def test_batch_errors(models):
-    with pytest.raises(ValueError, match="no prompts"):
+    with pytest.raises(GenerationError, match="no prompts"):
         eqllm.generate_batch(models["gpt2"], [], max_new_tokens=2, key=jax.random.key(0))
-    with pytest.raises(ValueError, match="one per prompt"):
+    with pytest.raises(GenerationError, match="one per prompt"):
         eqllm.generate_batch(
             models["gpt2"], [[1], [2]], max_new_tokens=2, key=jax.random.split(jax.random.key(0), 3)
         )
+    with pytest.raises(GenerationError, match="chunk must be a positive integer"):
+        next(stream(models["gpt2"], [1], max_new_tokens=2, key=jax.random.key(0), chunk=0))
 
 
 # The command line -----------------------------------------------------------------------------
@@ -263,12 +314,12 @@ def test_batch_errors(models):
 @pytest.fixture
 def tiny_zoo(monkeypatch, models):
     """`eqllm generate tiny` loads the tiny mistral (the zoo's smallest models are still big)."""
-    real = generate_cli.loading.load
+    real = generate_command.loading.load
 
     def load(spec, *, seed=0):
         return (models["mistral"], None) if spec == "tiny" else real(spec, seed=seed)
 
-    monkeypatch.setattr(generate_cli.loading, "load", load)
+    monkeypatch.setattr(generate_command.loading, "load", load)
 
 
 def _greedy(models, prompt, n):
@@ -317,7 +368,7 @@ def test_cli_interactive_session(models, tiny_zoo, monkeypatch, capsys):
 
 
 def test_cli_interactive_ctrl_c_stops_only_the_generation(models, tiny_zoo, monkeypatch, capsys):
-    real_stream = generate_cli.stream
+    real_stream = generate_command.stream
     calls = []
 
     def interrupted(*args, **kwargs):
@@ -327,7 +378,7 @@ def test_cli_interactive_ctrl_c_stops_only_the_generation(models, tiny_zoo, monk
                 raise KeyboardInterrupt
             yield ids
 
-    monkeypatch.setattr(generate_cli, "stream", interrupted)
+    monkeypatch.setattr(generate_command, "stream", interrupted)
     _feed(monkeypatch, ["/temp 0", "1 2 3", "4 5"])
     argv = ["generate", "tiny", "--interactive", "--chunk", "4", "--max-new-tokens", "6"]
     assert cli.main(argv) == 0  # end of input leaves normally
@@ -338,12 +389,12 @@ def test_cli_interactive_ctrl_c_stops_only_the_generation(models, tiny_zoo, monk
 
 def test_loading_an_empty_folder_says_what_it_accepts(tmp_path):
     with pytest.raises(ValueError, match="no config.json in .* holds config.json"):
-        generate_cli.loading.load(str(tmp_path))
+        eqllm.loading.load(str(tmp_path))
 
 
 def test_printer_holds_back_partial_characters():
     out = io.StringIO()
-    printer = generate_cli._Printer(Tokenizer.bytes(), out)
+    printer = generate_command._Printer(Tokenizer.bytes(), out)
     for b in "é!".encode():
         printer.add(np.asarray([b]))
     assert out.getvalue() == "é!"

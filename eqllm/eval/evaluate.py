@@ -9,8 +9,8 @@ import sys
 import jax
 
 from eqllm.data import TokenData, Tokenizer, prepare
-from eqllm.eval.generate import generate_batch
 from eqllm.eval.harness import evaluate_tokens, loss_report, unigram_loss
+from eqllm.generation import generate_batch
 from eqllm.model import CausalLM
 from eqllm.recipe import Recipe
 

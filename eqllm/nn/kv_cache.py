@@ -14,6 +14,8 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from eqllm.errors import EqllmError
+
 
 class KVCache(eqx.Module):
     """Past keys and values of one sequence in one layer (stack it for several layers).
@@ -31,7 +33,7 @@ class KVCache(eqx.Module):
     def empty(slots: int, kv_heads: int, head_dim: int, dtype=jnp.float32) -> KVCache:
         """A cache with every slot empty."""
         if slots <= 0:
-            raise ValueError(f"a KV cache needs at least one slot, got slots={slots}")
+            raise EqllmError(f"a KV cache needs at least one slot, got slots={slots}")
         return KVCache(
             jnp.zeros((slots, kv_heads, head_dim), dtype),
             jnp.zeros((slots, kv_heads, head_dim), dtype),

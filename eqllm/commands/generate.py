@@ -1,6 +1,6 @@
 """`eqllm generate`: continue a prompt with streamed output, or hold an interactive session.
 
-The decode loop runs compiled in chunks of `--chunk` tokens (see `eqllm.eval.generate.stream`);
+The decode loop runs compiled in chunks of `--chunk` tokens (see `eqllm.generation.stream`);
 the text printed between chunks is the decoded continuation. A model without a tokenizer reads
 and writes token ids.
 """
@@ -17,7 +17,8 @@ import numpy as np
 
 from eqllm import loading
 from eqllm.data import Tokenizer
-from eqllm.eval.generate import sampling, stream
+from eqllm.errors import EqllmError
+from eqllm.generation import GenerationError, sampling, stream
 from eqllm.model import CausalLM
 
 HELP = """commands:
@@ -57,7 +58,7 @@ def _prompt_ids(text: str, tokenizer: Tokenizer | None) -> list[int]:
     try:
         return [int(t) for t in text.replace(",", " ").split()]
     except ValueError:
-        raise ValueError(
+        raise GenerationError(
             f"this model has no tokenizer, so the prompt must be token ids such as '1 2 3', "
             f"got {text!r} (or give --tokenizer to type text)"
         ) from None
@@ -137,15 +138,22 @@ def _apply_command(line: str, settings: Settings) -> bool:
     elif name == "settings":
         print(settings.describe())
     elif name == "stop":
-        settings.stop_tokens = () if off else tuple(int(v) for v in value.replace(",", " ").split())
+        try:
+            stops = () if off else tuple(int(v) for v in value.replace(",", " ").split())
+        except ValueError:
+            raise GenerationError(f"/stop takes token ids such as '2 7', got {value!r}") from None
+        settings.stop_tokens = stops
         print(settings.describe())
     elif name in fields:
         field, kind = fields[name]
-        number = None if off and field in OPTIONAL else kind(value)
+        try:
+            number = None if off and field in OPTIONAL else kind(value)
+        except ValueError:
+            raise GenerationError(f"/{name} takes a number, got {value!r}") from None
         if field == "top_k" and number == 0:
             number = None
         if field == "max_new_tokens" and number < 1:
-            raise ValueError(f"/max must be at least 1, got {number}")
+            raise GenerationError(f"/max must be at least 1, got {number}")
         changed = dataclasses.replace(settings, **{field: number})
         sampling(  # validate now rather than at the next prompt
             changed.temperature,
@@ -195,7 +203,7 @@ def interactive(
             print(f"[{n} tokens, {n / seconds:.1f} tokens/s]")
         except KeyboardInterrupt:
             print("[stopped]")
-        except (ValueError, TypeError) as e:
+        except EqllmError as e:  # bad input keeps the session; anything else is a bug
             print(f"error: {e}")
 
 

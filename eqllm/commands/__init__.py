@@ -1,0 +1,1 @@
+"""The `eqllm` subcommands: one module each, holding its argument parsing and its function."""
