@@ -10,14 +10,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-from typing import Any, get_args
+from typing import Any
 
 import equinox as eqx
 import jax
 import tomllib
 from jaxtyping import PRNGKeyArray
 
-from eqllm.config import ConfigError, Family, ModelConfig
+from eqllm.config import ConfigError, ModelConfig
 from eqllm.model import CausalLM
 from eqllm.model import param_count as _count
 from eqllm.resources import data_dir
@@ -37,7 +37,7 @@ class ZooEntry:
 @functools.cache
 def _entries() -> dict[str, ZooEntry]:
     entries: dict[str, ZooEntry] = {}
-    families = list(get_args(Family))
+    families = ["gpt2", "llama", "mistral", "qwen2", "gemma"]  # listing order
     paths = sorted(
         data_dir("zoo").glob("*.toml"),
         key=lambda p: (families.index(p.stem) if p.stem in families else 99, p.stem),

@@ -173,7 +173,7 @@ def _check_exportable(cfg: ModelConfig) -> None:
     wrong = {
         k: getattr(cfg, k)
         for k, v in _FAMILY_INVARIANTS[cfg.family].items()
-        if getattr(cfg, k) != v
+        if getattr(cfg, k) != (cfg.d_model // cfg.n_heads if k == "head_dim" and v is None else v)
     }
     if cfg.family == "llama" and cfg.qkv_bias != cfg.out_bias:
         wrong["out_bias"] = cfg.out_bias  # Llama's attention_bias sets both
