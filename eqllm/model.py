@@ -49,7 +49,7 @@ def make_block(config: ModelConfig, key: PRNGKeyArray) -> Block:
     rope = None
     if config.position == "rope":
         rope = RotaryEmbedding(
-            config.dim_per_head,
+            config.head_dim,
             config.rope_theta,
             llama3_factor=config.rope_factor if config.rope_scaling == "llama3" else None,
             low_freq_factor=config.rope_low_freq_factor,
@@ -60,7 +60,7 @@ def make_block(config: ModelConfig, key: PRNGKeyArray) -> Block:
         config.d_model,
         config.n_heads,
         n_kv_heads=config.n_kv_heads,
-        head_dim=config.dim_per_head,
+        head_dim=config.head_dim,
         qkv_bias=config.qkv_bias,
         out_bias=config.out_bias,
         qk_norm=config.qk_norm,

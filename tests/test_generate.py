@@ -94,7 +94,7 @@ def test_cached_decode_matches_full_forward(models, reference, family):
     np.testing.assert_allclose(cached, full, atol=1e-5, rtol=1e-5)
     cache = init_cache(model, cache_slots(model, 24))
     slots = model.config.sliding_window or 24  # the ring holds just the window
-    assert cache.k.shape == (2, slots, model.config.n_kv_heads, model.config.dim_per_head)
+    assert cache.k.shape == (2, slots, model.config.n_kv_heads, model.config.head_dim)
 
 
 def test_left_padding_is_invisible(models, reference):

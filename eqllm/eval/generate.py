@@ -55,7 +55,7 @@ def init_cache(model: CausalLM, slots: int) -> KVCache:
     Only the kv heads are cached (grouped-query attention shares them), in the compute dtype.
     """
     cfg = model.config
-    one = KVCache.empty(slots, cfg.n_kv_heads, cfg.dim_per_head, dtype_of(cfg.compute_dtype))
+    one = KVCache.empty(slots, cfg.n_kv_heads, cfg.head_dim, dtype_of(cfg.compute_dtype))
     return jax.tree.map(lambda a: jnp.broadcast_to(a, (cfg.n_layers, *a.shape)), one)
 
 
@@ -284,7 +284,7 @@ def _prefill(
     batch, _ = tokens.shape
     vocab = model.config.vocab_size
     cfg = model.config
-    empty = KVCache.empty(slots, cfg.n_kv_heads, cfg.dim_per_head, dtype_of(cfg.compute_dtype))
+    empty = KVCache.empty(slots, cfg.n_kv_heads, cfg.head_dim, dtype_of(cfg.compute_dtype))
     empty = jax.tree.map(lambda a: jnp.broadcast_to(a, (batch, *a.shape)), empty)
     hidden, cache = jax.vmap(_forward_layers, in_axes=(None, None, 0, 0, 0))(
         model, layers, tokens, positions, (empty,) * cfg.n_layers

@@ -73,7 +73,7 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.dim_per_head,
+        "head_dim": cfg.head_dim,
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "attention_dropout": 0.0,
