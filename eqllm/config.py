@@ -197,7 +197,7 @@ class ModelConfig:
         n_heads, n_kv_heads == n_heads (multi-head attention) follows n_heads.
         """
         _check_names(overrides)
-        values = self.to_dict()
+        values = {name: getattr(self, name) for name in ModelConfig.__pydantic_fields__}
         changed = set(overrides)
         if self.head_dim == self.d_model // self.n_heads and changed & {"d_model", "n_heads"}:
             values["head_dim"] = None
