@@ -240,9 +240,9 @@ def field_names() -> list[str]:
     return list(ModelConfig.__pydantic_fields__)
 
 
-def _require(ok: bool, name: str, value: Any, rule: str) -> None:
+def _require(ok: bool, name: str, value: Any, broken: str) -> None:
     if not ok:
-        raise ConfigError(f"ModelConfig.{name}={value!r} {rule}")
+        raise ConfigError(f"ModelConfig.{name}={show(value)} {broken}")
 
 
 def _check_names(values: dict[str, Any]) -> None:
@@ -320,8 +320,9 @@ _SYMBOLS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
 
 def show(value: Any) -> str:
     """A value as a message shows it: repr for scalars, one-line JSON for lists and tables."""
-    if isinstance(value, (list, tuple, dict)):
-        text = json.dumps(value, default=repr)
-    else:
-        text = repr(value)
+    try:
+        text = json.dumps(value, default=repr) if isinstance(value, (list, tuple, dict)) else None
+    except (TypeError, ValueError):  # keys JSON cannot write
+        text = None
+    text = text or repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
