@@ -174,6 +174,14 @@ def test_model_overrides_may_not_set_what_train_sets(key, where):
     assert (cfg.remat, cfg.compute_dtype) == ("dots", "bfloat16")
 
 
+def test_model_overrides_cannot_hold_none():
+    """A recipe must write back to TOML (the run folder's config.toml), which has no null."""
+    values = load_recipe("quickstart").to_dict()
+    values["model"]["overrides"]["sliding_window"] = None
+    with pytest.raises(RecipeError, match=r"^model.overrides.sliding_window=None: TOML has no"):
+        Recipe.from_dict(values)
+
+
 def test_to_toml_round_trips_every_field():
     recipe = load_recipe(
         "quickstart",

@@ -140,6 +140,12 @@ class Recipe:
                     f"model.overrides.{key}={value} is not allowed here: the recipe sets it from "
                     f"{where}; set {where} instead"
                 )
+        for key, value in self.model.overrides.items():
+            if value is None:  # to_toml could not write it, and the run folder needs it
+                raise RecipeError(
+                    f"model.overrides.{key}=None: TOML has no null; leave {key} out to keep the "
+                    "variant's value"
+                )
         cfg = self.model_config()
         given = [f"{p}={show(getattr(t, p.split('.')[1]))}" for p in RUN_LENGTH if _get(self, p)]
         if len(given) != 1:
