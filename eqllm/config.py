@@ -1,44 +1,102 @@
 """ModelConfig: the frozen, flat description of one decoder-only Transformer.
 
 Every architectural difference between the zoo's families (GPT-2, Llama 1/2/3, Mistral, Qwen2,
-Gemma) is one of the fields below; the model code reads nothing else.
+Gemma) is one of the fields below; the model code reads nothing else. Validation is pydantic's,
+with its errors rewritten into one-line `ConfigError`s that name the field, the value and the
+rule (`ModelConfig.d_model=-1 must be positive`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import difflib
+import functools
+import json
 import typing
-from typing import Any, Literal, get_args
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+import pydantic
+from pydantic import ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
 
 from eqllm.errors import EqllmError
 
-Family = Literal["gpt2", "llama", "mistral", "qwen2", "gemma"]
+# A family is a name the families registry knows; config.py does not list them.
+Family = str
 NormKind = Literal["rmsnorm", "layernorm"]
 MLPKind = Literal["gelu", "swiglu", "geglu"]
 PositionKind = Literal["learned", "rope"]
 RopeScaling = Literal["none", "llama3"]
+# The one list of remat policies: eqllm.model maps each non-"none" name to a jax policy and the
+# recipe's train.remat reuses this type.
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
 DType = Literal["float32", "bfloat16", "float16"]
+
+Positive = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
 
 
 class ConfigError(EqllmError):
     """An invalid configuration value; the message names the field, the value and the rule."""
 
 
-@typing.no_type_check  # validates itself in __post_init__, with messages that say more
-@dataclasses.dataclass(frozen=True)
+def validated(config: ConfigDict, error: Callable[[ValidationError, type], Exception]):
+    """Class decorator: a frozen pydantic dataclass (hashable, compared by value, cheap to build).
+
+    A ValidationError of its constructor becomes `error(validation_error, cls)`, one line of
+    eqllm's error type. Validation of a nested value (`TypeAdapter`) does not pass through the
+    constructor and raises the ValidationError itself.
+    """
+
+    def wrap(cls: type) -> type:
+        cls = pydantic.dataclasses.dataclass(frozen=True, config=config)(cls)
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            try:
+                init(self, *args, **kwargs)
+            except ValidationError as e:
+                raise error(e, cls) from None
+
+        cls.__init__ = __init__
+        return cls
+
+    return wrap
+
+
+def _config_error(error: ValidationError, cls: type) -> ConfigError:
+    first = error.errors(include_url=False)[0]
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, EqllmError):  # raised by __post_init__ with its own message
+        return ConfigError(str(cause))
+    name = str(first["loc"][0]) if first["loc"] else ""
+    if first["type"] == "missing":
+        missing = [str(e["loc"][0]) for e in error.errors() if e["type"] == "missing"]
+        return ConfigError(f"ModelConfig is missing required field(s) {', '.join(missing)}")
+    if first["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+        return _unknown(name)
+    info = cls.__pydantic_fields__.get(name)
+    return ConfigError(f"ModelConfig.{name}={show(first['input'])} {rule(first, info)}")
+
+
+# strict: no "3" -> 3 or 64.0 -> 64; an int is still accepted where a float is expected.
+@typing.no_type_check  # pydantic checks the fields (the test suite's beartype hook need not)
+@validated(ConfigDict(strict=True, extra="forbid", allow_inf_nan=False), _config_error)
 class ModelConfig:
-    """Hyperparameters of a decoder-only Transformer.
+    """Hyperparameters of a decoder-only Transformer (frozen, hashable, compared by value).
 
     Sizes: `vocab_size`, `d_model`, `n_layers`, `n_heads`, `n_kv_heads` (== n_heads: multi-head;
-    1: multi-query; otherwise grouped-query), `d_ff` (hidden units of the MLP), `max_seq_len`
-    (context length), `head_dim` (None: d_model // n_heads).
+    1: multi-query; otherwise grouped-query; None at construction means n_heads), `d_ff` (hidden
+    units of the MLP), `max_seq_len` (context length), `head_dim` (None at construction means
+    d_model // n_heads; filled in, so never None afterwards).
 
-    Architecture switches: `norm` (+ `norm_eps`, `norm_plus_one` for Gemma's (1 + w) scale),
-    `mlp`, `position` (+ `rope_theta` and the Llama 3 `rope_scaling`), biases, `tie_embeddings`,
-    `sliding_window` (None: full causal attention), `qk_norm`, `embed_scale` (multiply token
-    embeddings by sqrt(d_model), as Gemma does).
+    Architecture switches: `family` (a name of the families registry), `norm` (+ `norm_eps`,
+    `norm_plus_one` for Gemma's (1 + w) scale), `mlp`, `position` (+ `rope_theta` and the Llama 3
+    `rope_scaling`), biases, `tie_embeddings`, `sliding_window` (None: full causal attention),
+    `qk_norm`, `embed_scale` (multiply token embeddings by sqrt(d_model), as Gemma does).
 
     Numerics and compilation: `param_dtype`, `compute_dtype` (activations and matmuls; norms,
     softmax and the loss stay fp32), `scan_layers` (False unrolls the layer loop: faster steps
@@ -47,58 +105,44 @@ class ModelConfig:
     the recomputation early and the memory saving disappears), `init_std`.
     """
 
-    vocab_size: int
-    d_model: int
-    n_layers: int
-    n_heads: int
-    d_ff: int
-    max_seq_len: int
-    n_kv_heads: int | None = None
-    head_dim: int | None = None
-    family: Family = "llama"
+    vocab_size: Positive
+    d_model: Positive
+    n_layers: Positive
+    n_heads: Positive
+    d_ff: Positive
+    max_seq_len: Positive
+    n_kv_heads: Positive | None = None
+    head_dim: Positive | None = None
+    family: Annotated[Family, Field(min_length=1)] = "llama"
     norm: NormKind = "rmsnorm"
-    norm_eps: float = 1e-5
+    norm_eps: PositiveFloat = 1e-5
     norm_plus_one: bool = False
     mlp: MLPKind = "swiglu"
     position: PositionKind = "rope"
-    rope_theta: float = 10000.0
+    rope_theta: PositiveFloat = 10000.0
     rope_scaling: RopeScaling = "none"
     rope_factor: float = 8.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
-    rope_original_max_seq_len: int = 8192
+    rope_original_max_seq_len: Positive = 8192
     qkv_bias: bool = False
     out_bias: bool = False
     mlp_bias: bool = False
     norm_bias: bool = False
     tie_embeddings: bool = False
-    sliding_window: int | None = None
+    sliding_window: Positive | None = None
     qk_norm: bool = False
     embed_scale: bool = False
     param_dtype: DType = "float32"
     compute_dtype: DType = "float32"
     scan_layers: bool = True
     remat: RematPolicy = "none"
-    init_std: float = 0.02
+    init_std: PositiveFloat = 0.02
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
+        # Runs after pydantic's field checks. Derived sizes are filled in once, here.
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
-        for field in dataclasses.fields(self):
-            _check_type(field.name, getattr(self, field.name), field.type)
-        for name in (
-            "vocab_size",
-            "d_model",
-            "n_layers",
-            "n_heads",
-            "n_kv_heads",
-            "d_ff",
-            "max_seq_len",
-        ):
-            _require(getattr(self, name) > 0, name, getattr(self, name), "must be positive")
-        for name in ("head_dim", "sliding_window"):
-            value = getattr(self, name)
-            _require(value is None or value > 0, name, value, "must be positive or None")
         if self.head_dim is None:
             _require(
                 self.d_model % self.n_heads == 0,
@@ -106,6 +150,7 @@ class ModelConfig:
                 self.n_heads,
                 f"must divide d_model={self.d_model} (or set head_dim explicitly)",
             )
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         _require(
             self.n_heads % self.n_kv_heads == 0,
             "n_kv_heads",
@@ -113,13 +158,8 @@ class ModelConfig:
             f"must divide n_heads={self.n_heads}",
         )
         if self.position == "rope":
-            _require(
-                self.dim_per_head % 2 == 0,
-                "head_dim",
-                self.dim_per_head,
-                "must be even with rotary positions",
-            )
-            _require(self.rope_theta > 0, "rope_theta", self.rope_theta, "must be positive")
+            even = self.head_dim % 2 == 0
+            _require(even, "head_dim", self.head_dim, "must be even with rotary positions")
         if self.rope_scaling == "llama3":
             _require(
                 self.position == "rope", "rope_scaling", self.rope_scaling, "needs position='rope'"
@@ -131,8 +171,6 @@ class ModelConfig:
                 self.rope_high_freq_factor,
                 f"must exceed rope_low_freq_factor={self.rope_low_freq_factor}",
             )
-        _require(self.norm_eps > 0, "norm_eps", self.norm_eps, "must be positive")
-        _require(self.init_std > 0, "init_std", self.init_std, "must be positive")
         _require(
             not (self.norm_bias and self.norm == "rmsnorm"),
             "norm_bias",
@@ -146,37 +184,32 @@ class ModelConfig:
             "is only defined for norm='rmsnorm'",
         )
 
-    @property
-    def dim_per_head(self) -> int:
-        """Size of one attention head (head_dim if set, else d_model // n_heads)."""
-        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
-
     def replace(self, **overrides: Any) -> ModelConfig:
-        """A copy with some fields changed; unknown fields are an error naming the valid ones."""
-        unknown = sorted(set(overrides) - set(field_names()))
-        if unknown:
-            raise ConfigError(
-                f"unknown ModelConfig field(s) {unknown}; valid fields: {', '.join(field_names())}"
-            )
-        return dataclasses.replace(self, **overrides)
+        """A copy with some fields changed (validated); unknown fields name the valid ones.
+
+        Sizes that equal their default count as derived and follow the fields they derive from
+        unless `overrides` sets them too: head_dim == d_model // n_heads follows d_model and
+        n_heads, n_kv_heads == n_heads (multi-head attention) follows n_heads.
+        """
+        _check_names(overrides)
+        values = {name: getattr(self, name) for name in ModelConfig.__pydantic_fields__}
+        changed = set(overrides)
+        if self.head_dim == self.d_model // self.n_heads and changed & {"d_model", "n_heads"}:
+            values["head_dim"] = None
+        if self.n_kv_heads == self.n_heads and "n_heads" in changed:
+            values["n_kv_heads"] = None
+        return ModelConfig(**{**values, **overrides})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
-        unknown = sorted(set(values) - set(field_names()))
-        if unknown:
-            raise ConfigError(
-                f"unknown ModelConfig field(s) {unknown}; valid fields: {', '.join(field_names())}"
-            )
-        missing = [
-            f.name
-            for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING and f.name not in values
-        ]
+        _check_names(values)
+        fields = cls.__pydantic_fields__
+        missing = [n for n, f in fields.items() if f.is_required() and n not in values]
         if missing:
-            raise ConfigError(f"ModelConfig is missing required field(s) {missing}")
+            raise ConfigError(f"ModelConfig is missing required field(s) {', '.join(missing)}")
         return cls(**values)
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
@@ -190,7 +223,7 @@ class ModelConfig:
         t = seq_len or self.max_seq_len
         if self.sliding_window is not None:
             t = min(t, self.sliding_window)
-        d, h, kv, q = self.d_model, self.n_heads, self.n_kv_heads, self.dim_per_head
+        d, h, kv, q = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim
         attn = d * q * (h + 2 * kv) + h * q * d
         mlp = (3 if self.mlp in ("swiglu", "geglu") else 2) * d * self.d_ff
         head = d * self.vocab_size
@@ -199,36 +232,92 @@ class ModelConfig:
 
 
 def field_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(ModelConfig)]
+    return list(ModelConfig.__pydantic_fields__)
 
 
-def _require(ok: bool, name: str, value: Any, rule: str) -> None:
+def _require(ok: bool, name: str, value: Any, broken: str) -> None:
     if not ok:
-        raise ConfigError(f"ModelConfig.{name}={value!r} {rule}")
+        raise ConfigError(f"ModelConfig.{name}={show(value)} {broken}")
 
 
-_SCALARS = {"int": int, "float": (int, float), "bool": bool, "str": str}
+def _check_names(values: dict[str, Any]) -> None:
+    for key in values:
+        if key not in ModelConfig.__pydantic_fields__:
+            raise _unknown(key)
 
 
-def _check_type(name: str, value: Any, annotation: str) -> None:
-    """Check a field against its annotation (strings, since annotations are postponed)."""
-    options = [a.strip() for a in annotation.split("|")]
-    if value is None:
-        _require("None" in options, name, value, "must not be None")
-        return
-    literal = globals().get(options[0])
-    if literal is not None and get_args(literal):
-        allowed = get_args(literal)
-        _require(value in allowed, name, value, f"must be one of {list(allowed)}")
-        return
-    for option in options:
-        kind = _SCALARS.get(option)
-        if kind is None:
-            continue
-        if isinstance(value, bool) and option != "bool":
-            continue
-        if isinstance(value, kind):
-            if option == "float" and not math.isfinite(value):
-                continue
-            return
-    _require(False, name, value, f"must be of type {annotation}")
+def _unknown(key: Any) -> ConfigError:
+    names = field_names()
+    close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return ConfigError(f"unknown ModelConfig field {key!r}; {hint}valid fields: {', '.join(names)}")
+
+
+# Messages from pydantic errors (shared with the recipe) --------------------------------------
+
+_TYPES = {
+    "int_type": "must be int",
+    "int_parsing": "must be int",
+    "int_from_float": "must be int",
+    "float_type": "must be float",
+    "float_parsing": "must be float",
+    "finite_number": "must be a finite number",
+    "bool_type": "must be bool",
+    "bool_parsing": "must be bool",
+    "string_type": "must be str",
+    "string_too_short": "must be a non-empty string",
+    "tuple_type": "must be a list",
+    "list_type": "must be a list",
+    "dict_type": "must be a table",
+    "model_type": "must be a table",
+    "model_attributes_type": "must be a table",
+    "dataclass_type": "must be a table",
+    "missing": "is required",
+}
+
+
+def rule(error: ErrorDetails, info: FieldInfo | None = None) -> str:
+    """The rule a pydantic error says was broken, in words ("must be positive").
+
+    `info`, the field's FieldInfo, turns a broken bound into the field's whole range.
+    """
+    kind = error["type"]
+    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        bounds = [
+            (name, getattr(m, name))
+            for m in (info.metadata if info is not None else [])
+            for name in ("gt", "ge", "lt", "le")
+            if getattr(m, name, None) is not None
+        ]
+        return _range(bounds or list(error.get("ctx", {}).items()))
+    if kind == "literal_error":
+        # pydantic writes "'a', 'b' or 'c'"
+        return "must be one of " + ", ".join(error["ctx"]["expected"].rsplit(" or ", 1))
+    if kind == "value_error":
+        return str(error["ctx"]["error"])
+    return _TYPES.get(kind, error["msg"][0].lower() + error["msg"][1:])
+
+
+def _range(bounds: list[tuple[str, Any]]) -> str:
+    lo = next(((n, b) for n, b in bounds if n in ("gt", "ge")), None)
+    hi = next(((n, b) for n, b in bounds if n in ("lt", "le")), None)
+    if lo and hi:
+        left, right = "(" if lo[0] == "gt" else "[", ")" if hi[0] == "lt" else "]"
+        return f"must be in {left}{lo[1]}, {hi[1]}{right}"
+    if lo == ("gt", 0):
+        return "must be positive"
+    name, bound = lo or hi
+    return f"must be {_SYMBOLS[name]} {bound}"
+
+
+_SYMBOLS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+
+
+def show(value: Any) -> str:
+    """A value as a message shows it: repr for scalars, one-line JSON for lists and tables."""
+    try:
+        text = json.dumps(value, default=repr) if isinstance(value, (list, tuple, dict)) else None
+    except (TypeError, ValueError):  # keys JSON cannot write
+        text = None
+    text = text or repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -63,7 +63,7 @@ def make_block(config: ModelConfig, key: PRNGKeyArray) -> Block:
     rope = None
     if config.position == "rope":
         rope = RotaryEmbedding(
-            config.dim_per_head,
+            config.head_dim,
             config.rope_theta,
             llama3_factor=config.rope_factor if config.rope_scaling == "llama3" else None,
             low_freq_factor=config.rope_low_freq_factor,
@@ -74,7 +74,7 @@ def make_block(config: ModelConfig, key: PRNGKeyArray) -> Block:
         config.d_model,
         config.n_heads,
         n_kv_heads=config.n_kv_heads,
-        head_dim=config.dim_per_head,
+        head_dim=config.head_dim,
         qkv_bias=config.qkv_bias,
         out_bias=config.out_bias,
         qk_norm=config.qk_norm,
@@ -204,7 +204,7 @@ class CausalLM(eqx.Module):
         """
         cfg = self.config
         slots = min(length, cfg.max_seq_len, cfg.sliding_window or cfg.max_seq_len)
-        empty = KVCache.empty(slots, cfg.n_kv_heads, cfg.dim_per_head, dtype_of(cfg.compute_dtype))
+        empty = KVCache.empty(slots, cfg.n_kv_heads, cfg.head_dim, dtype_of(cfg.compute_dtype))
         return (empty,) * cfg.n_layers
 
     def layers(self) -> tuple[Block, ...]:

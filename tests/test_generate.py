@@ -125,7 +125,7 @@ def test_cached_decode_matches_full_forward(models, reference, family):
     cache = model.init_cache(LENGTH)
     slots = model.config.sliding_window or LENGTH  # the ring holds just the window
     assert len(cache) == model.config.n_layers
-    assert cache[0].k.shape == (slots, model.config.n_kv_heads, model.config.dim_per_head)
+    assert cache[0].k.shape == (slots, model.config.n_kv_heads, model.config.head_dim)
 
 
 def test_left_padding_is_invisible(models, reference):

@@ -91,7 +91,7 @@ def test_gqa_equals_multi_head_with_repeated_kv_heads():
     mha_cfg = gqa_cfg.replace(n_kv_heads=gqa_cfg.n_heads)
     mha = eqllm.CausalLM(mha_cfg, key=jax.random.key(3))
     group = gqa_cfg.n_heads // gqa_cfg.n_kv_heads
-    hd = gqa_cfg.dim_per_head
+    hd = gqa_cfg.head_dim
 
     def repeat(w):  # (layers, kv_heads * hd, d) -> (layers, heads * hd, d)
         layers, _, d = w.shape

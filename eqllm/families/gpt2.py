@@ -101,6 +101,6 @@ FAMILY = Family(
     to_hf=to_hf,
     from_hf=from_hf,
     check=lambda cfg: (
-        {} if cfg.dim_per_head * cfg.n_heads == cfg.d_model else {"head_dim": cfg.dim_per_head}
+        {} if cfg.head_dim * cfg.n_heads == cfg.d_model else {"head_dim": cfg.head_dim}
     ),
 )

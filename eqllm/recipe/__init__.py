@@ -1,0 +1,46 @@
+"""Recipe: the frozen, nested description of one training run, read from `recipes/<name>.toml`.
+
+A recipe names a zoo variant (with overrides), the data, the optimizer and schedule, the batch,
+the length of training, precision, checkpointing, evaluation and the seed. Everything is checked
+(by pydantic, plus the checks in `Recipe.check`) when the recipe is loaded, before anything is
+compiled: an unknown key, a value of the wrong type, an unknown variant or a missing data path
+fails with a one-line RecipeError that names the key path (`train.batch_size`), the value and
+what is allowed.
+
+    recipe = load_recipe("quickstart", overrides=["train.steps=50"])
+    recipe.train.steps  # 50
+"""
+
+from eqllm.recipe.errors import RecipeError
+from eqllm.recipe.load import load_recipe, parse_value, recipe_names, recipe_path
+from eqllm.recipe.sections import (
+    DataSpec,
+    EvalSpec,
+    ModelSpec,
+    OptimSpec,
+    Precision,
+    Schedule,
+    SourceKind,
+    SourceSpec,
+    TrainSpec,
+)
+from eqllm.recipe.spec import RUN_LENGTH, Recipe
+
+__all__ = [
+    "RUN_LENGTH",
+    "DataSpec",
+    "EvalSpec",
+    "ModelSpec",
+    "OptimSpec",
+    "Precision",
+    "Recipe",
+    "RecipeError",
+    "Schedule",
+    "SourceKind",
+    "SourceSpec",
+    "TrainSpec",
+    "load_recipe",
+    "parse_value",
+    "recipe_names",
+    "recipe_path",
+]

@@ -1,0 +1,195 @@
+"""The sections of a recipe: frozen pydantic dataclasses that refuse unknown keys and wrong types.
+
+Scalars are strict (no "3" -> 3, no 3.0 -> 3, no 1 -> True; an int is accepted for a float),
+lists become tuples, and ranges are declared on the fields, so a message can state them.
+Checks that need several sections or the outside world live in `Recipe.check`. Built directly
+(`OptimSpec(lr=-1.0)`), a bad value raises a RecipeError naming `OptimSpec.lr`; inside a recipe
+the path is `optim.lr`.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field, Strict, ValidationError
+
+from eqllm.config import RematPolicy, validated
+from eqllm.data import DataSource
+from eqllm.recipe.errors import RecipeError, recipe_error
+
+Schedule = Literal["cosine", "linear", "constant", "wsd"]
+Precision = Literal["float32", "bfloat16"]
+SourceKind = Literal["stdlib", "files", "jsonl", "hf"]
+
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
+Str = Annotated[str, Strict()]
+Positive = Annotated[Int, Field(gt=0)]
+Count = Annotated[Int, Field(ge=0)]  # 0 is allowed and usually means "off"
+Fraction = Annotated[Float, Field(ge=0, lt=1)]
+
+
+# Not strict as a whole: a TOML list must become a tuple, a table a section.
+CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+def _section_error(error: ValidationError, cls: type) -> RecipeError:
+    return recipe_error(error, cls, f"{cls.__name__}.")
+
+
+section = validated(CONFIG, _section_error)
+
+
+@typing.no_type_check  # pydantic checks the fields
+@section
+class ModelSpec:
+    """Which network to train.
+
+    variant: a zoo name (`eqllm zoo list`).
+    overrides: ModelConfig fields to change, e.g. `{ max_seq_len = 128 }` (not `remat` or
+        `compute_dtype`: those are train.remat and train.precision).
+    init_from: start from these weights (a Hugging Face folder or hub repo, read with
+        `eqllm.hub.from_pretrained`) instead of a random initialisation; "" for none.
+    """
+
+    variant: Str
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    init_from: Str = ""
+
+
+@typing.no_type_check  # pydantic checks the fields
+@section
+class SourceSpec:
+    """A text source (the fields of `eqllm.data.DataSource`); `label` names it in reports."""
+
+    kind: SourceKind = "stdlib"
+    path: Str = ""
+    name: Str = ""
+    config: Str = ""
+    split: Str = "train"
+    text_field: Str = "text"
+    glob: Str = ""
+    streaming: Bool = False
+    max_bytes: Count = 0
+    label: Str = ""
+
+    def to_source(self) -> DataSource:
+        """The `eqllm.data.DataSource` this spec describes (empty strings / 0 mean unset)."""
+        return DataSource(
+            kind=self.kind,
+            path=self.path or None,
+            text_field=self.text_field,
+            name=self.name or None,
+            config=self.config or None,
+            split=self.split,
+            streaming=self.streaming,
+            glob=self.glob or None,
+            max_bytes=self.max_bytes or None,
+        )
+
+
+@typing.no_type_check  # pydantic checks the fields
+@section
+class DataSpec:
+    """The training corpus and its tokenization.
+
+    source: where the documents come from (default: the Python standard library, offline).
+    tokenizer: "bytes", "bpe" (trained on the training split, saved into the run folder), a
+        tokenizer.json path or folder, or a hub repo id.
+    bpe_vocab_size: ids of the trained BPE; 0 means the variant's vocab_size.
+    seq_len: tokens per training sequence (at most the model's max_seq_len).
+    val_fraction: share of documents held out for validation (split by document).
+    split_seed: seed of that split.
+    cache_dir: where token files are cached; "" for $EQLLM_CACHE/tokens or ~/.cache/eqllm/tokens.
+    """
+
+    source: SourceSpec = Field(default_factory=SourceSpec)
+    tokenizer: Str = "bpe"
+    bpe_vocab_size: Count = 0
+    seq_len: Positive = 256
+    val_fraction: Fraction = 0.01
+    split_seed: Count = 0
+    cache_dir: Str = ""
+
+
+@typing.no_type_check  # pydantic checks the fields
+@section
+class OptimSpec:
+    """AdamW with a learning-rate schedule and global-norm clipping.
+
+    schedule: "cosine" (warmup, then cosine to lr * min_lr_ratio), "linear" (warmup, then linear
+        decay), "constant" (warmup, then flat), "wsd" (warmup, flat, then linear decay over the
+        last `decay_fraction` of the steps).
+    weight_decay applies to Linear weights only (not to norms, biases or embeddings).
+    clip_norm: global gradient-norm clip; 0 disables it.
+    """
+
+    lr: Annotated[Float, Field(gt=0)] = 3e-4
+    min_lr_ratio: Annotated[Float, Field(ge=0, le=1)] = 0.1
+    warmup_steps: Count = 100
+    schedule: Schedule = "cosine"
+    decay_fraction: Annotated[Float, Field(gt=0, le=1)] = 0.2
+    weight_decay: Annotated[Float, Field(ge=0)] = 0.1
+    b1: Fraction = 0.9
+    b2: Fraction = 0.95
+    eps: Annotated[Float, Field(gt=0)] = 1e-8
+    clip_norm: Annotated[Float, Field(ge=0)] = 1.0
+
+
+@typing.no_type_check  # pydantic checks the fields
+@section
+class TrainSpec:
+    """Batch, length of training, precision and the loop's cadence.
+
+    batch_size: sequences per optimizer step (global); split into `grad_accum` micro-batches
+        that are accumulated inside the compiled step.
+    steps / tokens / tokens_per_param: the length of training; give exactly one (0 = unset).
+        tokens_per_param counts the model's parameters (20 is the compute-optimal rule of thumb).
+        A `--set` of one of them replaces the one the recipe file gives.
+    precision: compute dtype of matmuls and activations; parameters stay float32.
+    remat: jax.checkpoint policy per block ("none" keeps every activation).
+    log_every, eval_every, checkpoint_every: cadence in steps (0 disables eval / periodic saves).
+    keep_checkpoints: how many of the latest checkpoints to keep.
+    compile_cache: JAX's persistent compilation cache folder; "" for $EQLLM_CACHE/jax or
+        ~/.cache/eqllm/jax, "off" to disable it.
+    skip_nonfinite: how many steps with a non-finite loss or gradient to skip (not applied,
+        logged) before the run stops at the next one; 0 stops at the first.
+    """
+
+    batch_size: Positive = 16
+    grad_accum: Positive = 1
+    steps: Count = 0
+    tokens: Count = 0
+    tokens_per_param: Annotated[Float, Field(ge=0)] = 0.0
+    seed: Count = 0
+    precision: Precision = "float32"
+    remat: RematPolicy = "none"
+    log_every: Positive = 10
+    eval_every: Count = 200
+    checkpoint_every: Count = 500
+    keep_checkpoints: Positive = 3
+    compile_cache: Str = ""
+    skip_nonfinite: Count = 0
+
+
+@typing.no_type_check  # pydantic checks the fields
+@section
+class EvalSpec:
+    """Evaluation during and after training.
+
+    batches: validation batches per evaluation (0 = the whole validation split).
+    batch_size: rows per evaluation batch; 0 means train.batch_size.
+    extra_sources: more text sources scored at the end (tokenized with the run's tokenizer).
+    sample_prompts, sample_tokens, temperature (0: greedy), top_k (0: all): text samples
+        written to samples.txt.
+    """
+
+    batches: Count = 20
+    batch_size: Count = 0
+    extra_sources: tuple[SourceSpec, ...] = ()
+    sample_prompts: tuple[Str, ...] = ("def ", "import ", "class ")
+    sample_tokens: Count = 200
+    temperature: Annotated[Float, Field(ge=0)] = 0.8
+    top_k: Count = 40

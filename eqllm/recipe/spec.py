@@ -1,0 +1,233 @@
+"""Recipe: the whole run, its derived values and the checks that span sections."""
+
+from __future__ import annotations
+
+import glob
+import math
+import typing
+from pathlib import Path
+from typing import Annotated, Any
+
+import tomli_w
+from pydantic import BeforeValidator, Field, TypeAdapter, ValidationError
+
+from eqllm import zoo
+from eqllm.config import ConfigError, ModelConfig, show, validated
+from eqllm.recipe.errors import RecipeError, recipe_error
+from eqllm.recipe.sections import (
+    CONFIG,
+    DataSpec,
+    EvalSpec,
+    ModelSpec,
+    OptimSpec,
+    SourceSpec,
+    Str,
+    TrainSpec,
+)
+from eqllm.sharding import MeshConfig, MeshError
+
+# The length of training: exactly one is given; setting one replaces the others.
+RUN_LENGTH = ("train.steps", "train.tokens", "train.tokens_per_param")
+# ModelConfig fields the recipe sets from its own fields, and where.
+_FROM_TRAIN = {"compute_dtype": "train.precision", "remat": "train.remat"}
+
+
+def _strict_mesh(value: Any) -> Any:
+    # MeshConfig is a plain dataclass, which pydantic would fill from "2" or 2.0 as well.
+    if isinstance(value, dict):
+        for key, size in value.items():
+            if isinstance(size, bool) or not isinstance(size, int):
+                raise MeshError(f"mesh.{key}={show(size)} must be a positive integer or -1")
+    return value
+
+
+@typing.no_type_check  # pydantic checks the fields
+@validated(CONFIG, lambda error, cls: recipe_error(error, cls))
+class Recipe:
+    """A complete training run. Build with `load_recipe` or `Recipe.from_dict`."""
+
+    model: ModelSpec
+    data: DataSpec = Field(default_factory=DataSpec)
+    optim: OptimSpec = Field(default_factory=OptimSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+    mesh: Annotated[MeshConfig, BeforeValidator(_strict_mesh)] = Field(default_factory=MeshConfig)
+    name: Str = ""
+    description: Str = ""
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Recipe:
+        """The recipe these plain values (a parsed TOML file) describe, checked."""
+        if not isinstance(values, dict):
+            raise RecipeError(f"the recipe must be a table, got {show(values)}")
+        try:
+            return _ADAPTER.validate_python(values)
+        except ValidationError as e:
+            raise recipe_error(e, cls) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (lists, not tuples) that `from_dict` turns back into this recipe."""
+        return _ADAPTER.dump_python(self, mode="json")
+
+    def to_toml(self) -> str:
+        """The recipe as TOML text (loads back to an equal recipe)."""
+        return tomli_w.dumps(self.to_dict())
+
+    def replace(self, path: str, value: Any) -> Recipe:
+        """A copy with the field at `path` ("train.steps") set to `value` (checked).
+
+        Setting one of train.steps / tokens / tokens_per_param unsets the other two.
+        """
+        values = self.to_dict()
+        if path in RUN_LENGTH:
+            clear_run_length(values)
+        set_path(values, path, value)
+        return Recipe.from_dict(values)
+
+    # Derived values ---------------------------------------------------------------------------
+
+    def model_config(self, vocab_size: int | None = None) -> ModelConfig:
+        """The variant with its overrides, train.precision and train.remat applied.
+
+        vocab_size: the tokenizer's size; a model trained from scratch gets it (rounded up to a
+        multiple of 64) unless the overrides set vocab_size explicitly.
+        """
+        overrides = dict(self.model.overrides)
+        overrides["compute_dtype"] = self.train.precision
+        overrides["remat"] = self.train.remat
+        if vocab_size is not None and "vocab_size" not in self.model.overrides:
+            if not self.model.init_from:
+                overrides["vocab_size"] = -(-vocab_size // 64) * 64
+        try:
+            return zoo.config(self.model.variant, **overrides)
+        except KeyError as e:
+            raise RecipeError(f"model.variant: {e.args[0]}") from None
+        except ConfigError as e:
+            raise RecipeError(f"model.overrides: {e}") from None
+
+    def bpe_vocab_size(self) -> int:
+        if self.data.bpe_vocab_size:
+            return self.data.bpe_vocab_size
+        return self.model_config().vocab_size
+
+    def tokens_per_step(self) -> int:
+        return self.train.batch_size * self.data.seq_len
+
+    def total_steps(self, n_params: int | None = None) -> int:
+        """Optimizer steps: `train.steps`, or the token budget divided by tokens per step."""
+        t = self.train
+        if t.steps:
+            return t.steps
+        budget = t.tokens
+        if t.tokens_per_param:
+            if n_params is None:
+                n_params = zoo.param_count(self.model_config())
+            budget = int(t.tokens_per_param * n_params)
+        return max(1, math.ceil(budget / self.tokens_per_step()))
+
+    # Checks that span sections or read the outside world --------------------------------------
+
+    def __post_init__(self) -> None:  # runs after pydantic's field checks
+        self.check()
+
+    def check(self) -> None:
+        """Checks that need several fields, the zoo or the file system (run at construction)."""
+        t, d = self.train, self.data
+        for key, where in _FROM_TRAIN.items():
+            if key in self.model.overrides:
+                value = show(self.model.overrides[key])
+                raise RecipeError(
+                    f"model.overrides.{key}={value} is not allowed here: the recipe sets it from "
+                    f"{where}; set {where} instead"
+                )
+        for key, value in self.model.overrides.items():
+            if value is None:  # to_toml could not write it, and the run folder needs it
+                raise RecipeError(
+                    f"model.overrides.{key}=None: TOML has no null; leave {key} out to keep the "
+                    "variant's value"
+                )
+        cfg = self.model_config()
+        given = [f"{p}={show(getattr(t, p.split('.')[1]))}" for p in RUN_LENGTH if _get(self, p)]
+        if len(given) != 1:
+            what = " and ".join(given) if given else "no length of training"
+            raise RecipeError(
+                f"train: {what}; give exactly one of train.steps, train.tokens, "
+                "train.tokens_per_param"
+            )
+        if t.batch_size % t.grad_accum:
+            raise RecipeError(
+                f"train.grad_accum={t.grad_accum} must divide train.batch_size={t.batch_size}"
+            )
+        if d.seq_len > cfg.max_seq_len:
+            raise RecipeError(
+                f"data.seq_len={d.seq_len} must be at most the model's "
+                f"max_seq_len={cfg.max_seq_len}"
+            )
+        if d.bpe_vocab_size and d.bpe_vocab_size < 257:
+            raise RecipeError(
+                f"data.bpe_vocab_size={d.bpe_vocab_size} must be 0 (the variant's vocab_size) "
+                "or at least 257"
+            )
+        _check_tokenizer(d.tokenizer)
+        _check_source(d.source, "data.source")
+        for i, extra in enumerate(self.eval.extra_sources):
+            _check_source(extra, f"eval.extra_sources[{i}]")
+
+
+_ADAPTER = TypeAdapter(Recipe)
+
+
+def _get(recipe: Recipe, path: str) -> Any:
+    section, key = path.split(".")
+    return getattr(getattr(recipe, section), key)
+
+
+def _check_tokenizer(spec: str) -> None:
+    if spec in ("bytes", "bpe"):
+        return
+    path = Path(spec).expanduser()
+    if path.exists():
+        if path.is_dir() and not (path / "tokenizer.json").is_file():
+            raise RecipeError(f"data.tokenizer={spec!r}: folder has no tokenizer.json")
+        return
+    if spec.count("/") != 1 or spec.startswith((".", "/", "~")):
+        raise RecipeError(
+            f"data.tokenizer={spec!r} is not 'bytes', 'bpe', an existing tokenizer.json path or "
+            "folder, or a hub repo id (org/name)"
+        )
+
+
+def _check_source(spec: SourceSpec, key: str) -> None:
+    try:
+        spec.to_source()
+    except ValueError as e:  # DataSource's own rules (a `files` source needs a path, ...)
+        raise RecipeError(f"{key}: {e}") from None
+    if spec.kind in ("files", "jsonl"):
+        if not (Path(spec.path).expanduser().exists() or glob.glob(spec.path)):
+            raise RecipeError(
+                f"{key}.path={spec.path!r} does not exist; point it at a file, folder or glob "
+                "pattern of text"
+            )
+
+
+# Plain-value editing (shared with load_recipe) -------------------------------------------------
+
+
+def set_path(values: dict, path: str, value: Any) -> None:
+    """Set `values[a][b] = value` for path "a.b", creating tables on the way."""
+    parts = path.split(".")
+    node = values
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise RecipeError(f"{'.'.join(parts[: i + 1])} is not a table; cannot set {path}")
+        node = child
+    node[parts[-1]] = value
+
+
+def clear_run_length(values: dict) -> None:
+    """Remove train.steps, train.tokens and train.tokens_per_param from plain recipe values."""
+    train = values.get("train")
+    if isinstance(train, dict):
+        for path in RUN_LENGTH:
+            train.pop(path.split(".")[1], None)
