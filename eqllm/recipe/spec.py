@@ -99,9 +99,11 @@ class Recipe:
             if not self.model.init_from:
                 overrides["vocab_size"] = -(-vocab_size // 64) * 64
         try:
-            return zoo.config(self.model.variant, **overrides)
-        except KeyError as e:
-            raise RecipeError(f"model.variant: {e.args[0]}") from None
+            entry = zoo.entry(self.model.variant)
+        except ConfigError as e:
+            raise RecipeError(f"model.variant: {e}") from None
+        try:
+            return entry.config.replace(**overrides)
         except ConfigError as e:
             raise RecipeError(f"model.overrides: {e}") from None
 
