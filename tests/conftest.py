@@ -22,6 +22,7 @@ TINY_CONFIGS = {
     "qwen2": eqllm.zoo.config("qwen2.5-0.5b", **TINY, n_kv_heads=1),
     "gemma": eqllm.zoo.config("gemma-2b", **TINY, n_kv_heads=1),
     "llama3": eqllm.zoo.config("llama3.2-1b", **TINY, n_kv_heads=2, rope_original_max_seq_len=16),
+    "qwen3": eqllm.zoo.config("qwen3-0.6b", **TINY, n_kv_heads=2, head_dim=16),
 }
 
 

@@ -30,8 +30,9 @@ from eqllm.generation import (
 
 # gpt2: learned positions, biases; llama3: rope with Llama 3 scaling, GQA; mistral: a window of
 # 5, shorter than the prompt, so the ring-buffer cache wraps; qwen2: qkv bias, one kv head;
-# gemma: embedding scaling, plus-one norms, tied head.
-FAMILIES = ["gpt2", "llama3", "mistral", "qwen2", "gemma"]
+# gemma: embedding scaling, plus-one norms, tied head; qwen3: QK-norm, heads wider than
+# d_model / n_heads.
+FAMILIES = ["gpt2", "llama3", "mistral", "qwen2", "gemma", "qwen3"]
 NEW = 24
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32]  # 9 tokens: longer than mistral's window of 5
 LENGTH = 48  # the cached test prefills PROMPT, then decodes one token at a time up to here

@@ -62,8 +62,13 @@ HF_CONFIGS = {
     "mistral": dict(model_type="mistral", **DIMS, num_key_value_heads=2, sliding_window=7),
     "qwen2": dict(model_type="qwen2", **DIMS, num_key_value_heads=1, tie_word_embeddings=True),
     "gemma": dict(model_type="gemma", **DIMS, num_key_value_heads=1, head_dim=8),
+    # QK-norm, and heads wider than d_model / n_heads; tied and untied heads.
+    "qwen3": dict(
+        model_type="qwen3", **DIMS, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True
+    ),
+    "qwen3-untied": dict(model_type="qwen3", **DIMS, num_key_value_heads=2, head_dim=16),
 }
-TIED = {"gpt2", "qwen2", "gemma"}
+TIED = {"gpt2", "qwen2", "gemma", "qwen3"}
 
 
 def _hf_model(spec: dict):

@@ -32,6 +32,10 @@ PUBLISHED = [
     "qwen2.5-0.5b",
     "qwen2.5-1.5b",
     "gemma-2b",
+    "qwen3-0.6b",
+    "qwen3-1.7b",
+    "qwen3-4b",
+    "qwen3-8b",
 ]
 
 
@@ -72,6 +76,7 @@ def test_published_sizes_match_their_release():
     assert eqllm.zoo.param_count("gpt2-small") == 124_439_808
     assert eqllm.zoo.param_count("llama2-7b") == 6_738_415_616
     assert eqllm.zoo.param_count("llama3-8b") == 8_030_261_248
+    assert eqllm.zoo.param_count("qwen3-8b") == 8_190_735_360
 
 
 def test_unknown_name_suggests_close_matches():

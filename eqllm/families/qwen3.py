@@ -1,0 +1,72 @@
+"""Qwen3 (Qwen Team, 2025): the Llama block with QK-norm (RMSNorm over each query and key head
+before the rotation), a head size decoupled from d_model, no q/k/v biases; the small sizes tie
+the LM head to the embedding."""
+
+from typing import Any
+
+from eqllm.config import ModelConfig
+from eqllm.families.base import (
+    LLAMA_KEYS,
+    LLAMA_PREFIX,
+    LLAMA_TABLE,
+    Family,
+    full_attention_only,
+    llama_from_hf,
+    llama_to_hf,
+    refuse,
+    rows,
+)
+
+TABLE = LLAMA_TABLE + rows(
+    ("model.layers.{i}.self_attn.q_norm.weight", "blocks.attn.q_norm.weight"),
+    ("model.layers.{i}.self_attn.k_norm.weight", "blocks.attn.k_norm.weight"),
+)
+
+
+def to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        **llama_to_hf(cfg),
+        "hidden_act": "silu",
+        "attention_bias": cfg.qkv_bias,
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
+
+
+def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    refuse(hf, "hidden_act", ("silu",))
+    refuse(hf, "use_sliding_window", (False, None))
+    full_attention_only(hf, "Qwen3")
+    attention_bias = bool(hf.get("attention_bias", False))
+    return {
+        **llama_from_hf(hf),
+        "qkv_bias": attention_bias,
+        "out_bias": attention_bias,
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+    }
+
+
+FAMILY = Family(
+    name="qwen3",
+    released="2025-04",
+    architecture="Qwen3ForCausalLM",
+    model_type="qwen3",
+    fixed={
+        "norm": "rmsnorm",
+        "norm_plus_one": False,
+        "mlp": "swiglu",
+        "position": "rope",
+        "mlp_bias": False,
+        "sliding_window": None,
+        "qk_norm": True,
+        "embed_scale": False,
+    },
+    table=TABLE,
+    prefix=LLAMA_PREFIX,
+    hf_keys=LLAMA_KEYS
+    | {"attention_bias", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
+    to_hf=to_hf,
+    from_hf=from_hf,
+    # One `attention_bias` switch sets the q/k/v and the output biases.
+    check=lambda cfg: {} if cfg.qkv_bias == cfg.out_bias else {"out_bias": cfg.out_bias},
+)
