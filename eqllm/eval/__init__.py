@@ -17,11 +17,13 @@ from eqllm.eval.harness import (
     loss_report,
     unigram_loss,
 )
+from eqllm.eval.loss import check_token_range, mean_loss, token_nll
 
 __all__ = [
     "DecodeState",
     "Sampling",
     "bits_per_byte",
+    "check_token_range",
     "evaluate_tokens",
     "filter_logits",
     "forward_cached",
@@ -29,7 +31,9 @@ __all__ = [
     "generate_batch",
     "init_cache",
     "loss_report",
+    "mean_loss",
     "sampling",
     "stream",
+    "token_nll",
     "unigram_loss",
 ]
