@@ -148,6 +148,9 @@ def test_a_run_folder_loads_everywhere(env, tmp_path, capsys):
     for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(restored), strict=True):
         np.testing.assert_array_equal(a, b)
     assert main(["convert", str(out), str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(out), "--step", "99"]) == 2  # no such checkpoint: bad input
+    assert "no checkpoint step 99" in capsys.readouterr().err
     exported = hub.from_pretrained(tmp_path / "hf")
     np.testing.assert_array_equal(exported.embed.weight, model.embed.weight)
     capsys.readouterr()

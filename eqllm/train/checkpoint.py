@@ -135,12 +135,18 @@ class Checkpointer:
         return eqx.combine(params, static), opt_state, saved_meta
 
     def _step(self, step: int | None) -> int:
-        if step is None:
-            step = self.latest_step()
-        if step is None:
+        steps = self.steps()
+        if not steps:
             raise MissingRunFile(
                 f"no checkpoint in {self.directory}; train with `eqllm run` first, or give the "
                 "folder that holds the run's checkpoints"
+            )
+        if step is None:
+            return self.latest_step()
+        if step not in steps:
+            raise MissingRunFile(
+                f"no checkpoint step {step} in {self.directory}; it holds steps {steps}: give "
+                "one of those (or no step, for the latest)"
             )
         return step
 
