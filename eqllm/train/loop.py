@@ -136,7 +136,39 @@ def run(
     _announce(setup, echo, resume=resume)
     state = RunState(step=setup.start, skipped=setup.skipped)
     meter = Throughput(setup.tokens_per_step)
-    model, opt_state, total, saver = setup.model, setup.opt_state, setup.total, setup.checkpoints
+    model = _train(setup, state, meter, stop_after=stop_after, progress=progress)
+
+    if state.interrupted:
+        setup.log.close()
+        echo(
+            f"{state.interrupted}: saved checkpoint at step {state.step} in "
+            f"{setup.checkpoints.directory}; "
+            f"continue with `eqllm run {recipe.name or out / 'config.toml'} --out {out} --resume`"
+        )
+        return RunResult(out, state.step, setup.total, {"step": state.step}, state.interrupted)
+    summary = summarize(
+        setup, meter, step=state.step, traces=setup.train_step.n_traces, cache=cache
+    )
+    summary = finish_run(
+        setup,
+        model,
+        summary,
+        final_eval=final_eval,
+        progress=progress,
+        t_start=t_start,
+        echo=echo,
+    )
+    return RunResult(out, state.step, setup.total, summary)
+
+
+def _train(
+    setup: RunSetup, state: RunState, meter: Throughput, *, stop_after: int | None, progress: bool
+):
+    """Steps from `state.step` to the end (or a signal, or `stop_after`), then a checkpoint of
+    the last step; returns the trained model. Updates `state` and `meter` as it goes."""
+    recipe = setup.recipe
+    model, opt_state = setup.take_state()
+    total, saver = setup.total, setup.checkpoints
     bar = tqdm(
         total=total,
         initial=state.step,
@@ -171,12 +203,8 @@ def run(
                     with meter.paused():  # evaluation is not train time
                         _evaluate(setup, state, model, bar)
                 if _due(recipe.train.checkpoint_every, state.step, total):
-                    saver.save(
-                        state.step,
-                        model,
-                        opt_state,
-                        setup.checkpoint_meta(state.step, state.skipped),
-                    )
+                    meta = setup.checkpoint_meta(state.step, state.skipped)
+                    saver.save(state.step, model, opt_state, meta)
                 if signals.received or (stop_after is not None and state.step >= stop_after):
                     if state.step < total:
                         state.interrupted = signals.received or "stop_after"
@@ -190,26 +218,7 @@ def run(
         bar.close()
         saver.close(failing=sys.exc_info()[1] is not None)
 
-    if state.interrupted:
-        setup.log.close()
-        echo(
-            f"{state.interrupted}: saved checkpoint at step {state.step} in {saver.directory}; "
-            f"continue with `eqllm run {recipe.name or out / 'config.toml'} --out {out} --resume`"
-        )
-        return RunResult(out, state.step, total, {"step": state.step}, state.interrupted)
-    summary = summarize(
-        setup, meter, step=state.step, traces=setup.train_step.n_traces, cache=cache
-    )
-    summary = finish_run(
-        setup,
-        model,
-        summary,
-        final_eval=final_eval,
-        progress=progress,
-        t_start=t_start,
-        echo=echo,
-    )
-    return RunResult(out, state.step, total, summary)
+    return model
 
 
 def _due(every: int, step: int, total: int) -> bool:
@@ -219,7 +228,7 @@ def _due(every: int, step: int, total: int) -> bool:
 
 
 def _announce(setup: RunSetup, echo, *, resume: bool) -> None:
-    recipe, cfg, data = setup.recipe, setup.model.config, setup.data
+    recipe, cfg, data = setup.recipe, setup.config, setup.data
     tokens = setup.total * setup.tokens_per_step
     echo(f"run folder: {setup.out}")
     echo(

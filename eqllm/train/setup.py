@@ -17,6 +17,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from eqllm.config import ModelConfig
 from eqllm.data import TokenData, batch_at, prepare
 from eqllm.hub import from_pretrained
 from eqllm.model import CausalLM, param_count
@@ -163,7 +164,8 @@ class RunSetup:
     out: Path
     recipe: Recipe
     data: TokenData
-    model: CausalLM
+    config: ModelConfig
+    model: CausalLM | None  # None once `take_state` handed it to the loop
     opt_state: object
     train_step: TrainStep
     checkpoints: RunCheckpoints
@@ -180,6 +182,13 @@ class RunSetup:
     @property
     def tokens_per_step(self) -> int:
         return self.recipe.train.batch_size * self.recipe.data.seq_len
+
+    def take_state(self) -> tuple[CausalLM, object]:
+        """(model, opt_state) for the loop, which owns them from now on: the train step donates
+        their buffers, so no other reference to them is kept here."""
+        model, opt_state = self.model, self.opt_state
+        self.model = self.opt_state = None
+        return model, opt_state
 
     def batch(self, step: int) -> np.ndarray:
         """This process's rows of step `step`'s global batch."""
@@ -252,6 +261,7 @@ def start_run(
         out=out,
         recipe=recipe,
         data=data,
+        config=model.config,
         model=model,
         opt_state=opt_state,
         train_step=train_step,
