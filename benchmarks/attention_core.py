@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import eqllm  # noqa: F401  (applies the host-memory setting before JAX starts)
+import eqllm
 from eqllm.bench.torch_bench import cpu_threads, import_torch
 from eqllm.nn.attention import in_order_attention
 
@@ -83,4 +83,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    eqllm.configure_process()  # as the eqllm command does, before JAX starts
     raise SystemExit(main())

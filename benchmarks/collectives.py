@@ -110,4 +110,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    eqllm.configure_process()  # as the eqllm command does, before JAX starts
     sys.exit(main())

@@ -64,4 +64,5 @@ def main():
 
 
 if __name__ == "__main__":
+    eqllm.configure_process()  # as the eqllm command does, before JAX starts
     main()

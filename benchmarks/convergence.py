@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import eqllm
 from eqllm import zoo
 from eqllm.bench import machine_info
 from eqllm.data import DataSource, batch_at, eval_batches, prepare
@@ -221,4 +222,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    eqllm.configure_process()  # as the eqllm command does, before JAX starts
     sys.exit(main())

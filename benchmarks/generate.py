@@ -147,4 +147,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    eqllm.configure_process()  # as the eqllm command does, before JAX starts
     main()

@@ -23,6 +23,7 @@ CHILD = r"""
 import json, resource, sys
 import jax, jax.numpy as jnp
 import eqllm
+eqllm.configure_process()
 jnp.ones(4).block_until_ready()
 def peak():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import jax
 
+import eqllm
 from eqllm import zoo
 from eqllm.bench.jax_bench import JaxBench, bench_config, random_tokens
 
@@ -108,4 +109,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    eqllm.configure_process()  # as the eqllm command does, before JAX starts
     raise SystemExit(main())

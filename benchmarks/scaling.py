@@ -21,6 +21,7 @@ from pathlib import Path
 
 import jax
 
+import eqllm
 from eqllm import zoo
 from eqllm.bench import machine_info, markdown_table, run_bench
 from eqllm.bench.jax_bench import JaxBench, bench_config, random_tokens
@@ -248,4 +249,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    eqllm.configure_process()  # as the eqllm command does, before JAX starts
     sys.exit(main())

@@ -20,6 +20,7 @@ import argparse
 
 import numpy as np
 
+import eqllm
 import eqllm.nn.attention as attention_module
 from eqllm import zoo
 from eqllm.bench.jax_bench import JaxBench, bench_config, random_tokens
@@ -81,4 +82,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    eqllm.configure_process()  # as the eqllm command does, before JAX starts
     raise SystemExit(main())

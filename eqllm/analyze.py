@@ -1,4 +1,4 @@
-"""`eqllm analyze`: loss-curvature and gradient-noise diagnostics at a checkpoint.
+"""Loss-curvature and gradient-noise diagnostics at a checkpoint.
 
 - Top Hessian eigenvalue, by power iteration on Hessian-vector products (forward-over-reverse:
   `jax.jvp` of `jax.grad`, never forming the Hessian). With plain gradient descent a step is
@@ -24,8 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
+from eqllm.data import batch_at
+from eqllm.errors import EqllmError
+from eqllm.eval.loss import mean_loss
 from eqllm.model import CausalLM
-from eqllm.train.step import mean_loss
+from eqllm.recipe import load_recipe
+from eqllm.train.guards import MissingRunFile
+from eqllm.train.setup import build_model, prepare_data, restore_model
 
 Loss = Callable[[PyTree, Any], Float[Array, ""]]
 
@@ -99,7 +104,7 @@ def gradient_noise_scale(
     """
     n = jax.tree.leaves(micro_batches)[0].shape[0]
     if n < 2:
-        raise ValueError(f"gradient_noise_scale needs at least 2 micro-batches, got {n}")
+        raise EqllmError(f"gradient_noise_scale needs at least 2 micro-batches, got {n}")
 
     @jax.jit
     def sums(p, mbs):
@@ -136,7 +141,7 @@ def analyze_model(
 ) -> dict[str, Any]:
     """Hessian top eigenvalue (on the whole `batch`) and B_simple (its `micro_batch` splits)."""
     if batch.shape[0] % micro_batch or batch.shape[0] // micro_batch < 2:
-        raise ValueError(
+        raise EqllmError(
             f"batch of {batch.shape[0]} sequences must split into >= 2 micro-batches of "
             f"{micro_batch}; use a larger batch or a smaller micro_batch"
         )
@@ -174,17 +179,10 @@ def analyze_run(
 
     Writes `analysis.json` (or `analysis-<step>.json`) into the run folder and returns it.
     """
-    from eqllm.data import batch_at
-    from eqllm.recipe import load_recipe
-
-    try:
-        from eqllm.train.loop import build_model, prepare_data, restore_model
-    except ImportError as e:
-        raise ValueError(f"eqllm analyze needs the training loop (eqllm.train.loop): {e}") from e
     run_dir = Path(run_dir)
     config = run_dir / "config.toml"
     if not config.exists():
-        raise FileNotFoundError(
+        raise MissingRunFile(
             f"{run_dir} is not a run folder (no config.toml); give the --out folder of `eqllm run`"
         )
     recipe = load_recipe(config)
@@ -220,30 +218,3 @@ def format_analysis(r: dict[str, Any]) -> list[str]:
     if not np.isfinite(ns["b_simple"]):
         lines.append("  (|G|^2 estimate <= 0: use a larger --batch-size for a usable estimate)")
     return lines
-
-
-def main(args) -> int:
-    r = analyze_run(
-        args.run_dir,
-        step=args.step,
-        batch_size=args.batch_size,
-        micro_batch=args.micro_batch,
-        iters=args.iters,
-    )
-    for line in format_analysis(r):
-        print(line)
-    print(f"wrote {r['written']}")
-    return 0
-
-
-def add_parser(commands) -> None:
-    """Register `eqllm analyze` on the CLI's subparsers."""
-    p = commands.add_parser(
-        "analyze", help="Hessian top eigenvalue and gradient noise scale at a run's checkpoint"
-    )
-    p.add_argument("run_dir", help="the run folder (eqllm run --out)")
-    p.add_argument("--step", type=int, help="checkpoint step (default: latest)")
-    p.add_argument("--batch-size", type=int, help="sequences (default: the recipe's batch)")
-    p.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
-    p.add_argument("--iters", type=int, default=20, help="power-iteration steps (HVPs)")
-    p.set_defaults(func=main)

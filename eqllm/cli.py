@@ -1,115 +1,35 @@
-"""The `eqllm` command line."""
+"""The `eqllm` command line: builds the parser from `eqllm.commands` and dispatches.
+
+Bad input (`EqllmError`) prints `eqllm: error: <message>` on one line and exits 2; any other
+exception is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from eqllm import analyze, bench, zoo
-from eqllm.commands import generate as generate_command
-from eqllm.eval.evaluate import add_eval_arguments, eval_command
-from eqllm.hub.command import add_convert_command
-from eqllm.train.loop import add_run_arguments, run_command
-
-
-def _zoo_list(args: argparse.Namespace) -> int:
-    header = [
-        "name",
-        "family",
-        "params",
-        "exact",
-        "layers",
-        "d_model",
-        "heads/kv",
-        "context",
-        "vocab",
-        "source",
-    ]
-    rows = []
-    for name in zoo.names():
-        entry = zoo.entry(name)
-        cfg = entry.config
-        count = zoo.param_count(cfg)
-        rows.append(
-            [
-                name,
-                cfg.family,
-                zoo.human_count(count),
-                f"{count:,}",
-                str(cfg.n_layers),
-                str(cfg.d_model),
-                f"{cfg.n_heads}/{cfg.n_kv_heads}",
-                str(cfg.max_seq_len),
-                str(cfg.vocab_size),
-                entry.source or "-",
-            ]
-        )
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    right = {2, 3, 4, 5, 6, 7, 8}
-    for row in [header, *rows]:
-        cells = [
-            c.rjust(w) if i in right else c.ljust(w)
-            for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        print("  ".join(cells).rstrip())
-    return 0
-
-
-def _zoo_show(args: argparse.Namespace) -> int:
-    entry = zoo.entry(args.name)
-    count = zoo.param_count(entry.config)
-    print(f"{entry.name}: {zoo.human_count(count)} parameters ({count:,})")
-    if entry.source:
-        print(f"mirrors: {entry.source}")
-    for key, value in entry.config.to_dict().items():
-        print(f"  {key} = {value!r}")
-    if args.mesh:
-        from eqllm.sharding import MeshConfig, sharding_table
-
-        mesh = MeshConfig.parse(args.mesh)
-        if -1 in mesh.sizes():
-            raise ValueError(f"--mesh {args.mesh}: give every axis a size (no -1) to size it")
-        sizes = dict(zip(("data", "fsdp", "tensor"), mesh.sizes(), strict=True))
-        print(f"\nsharding on mesh {mesh.describe()}:")
-        for line in sharding_table(entry.config, sizes):
-            print(f"  {line}")
-    return 0
+from eqllm.commands import analyze, bench, convert, generate, run, zoo
+from eqllm.commands import eval as eval_
+from eqllm.errors import EqllmError
+from eqllm.hostmem import configure_process
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eqllm", description=__doc__)
+    parser = argparse.ArgumentParser(prog="eqllm", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-
-    zoo_parser = commands.add_parser("zoo", help="list or inspect the model zoo")
-    zoo_commands = zoo_parser.add_subparsers(dest="zoo_command", required=True)
-    zoo_commands.add_parser("list", help="table of every variant").set_defaults(func=_zoo_list)
-    show = zoo_commands.add_parser("show", help="the full config of one variant")
-    show.add_argument("name")
-    show.add_argument(
-        "--mesh", help="also show each parameter's sharding, e.g. data=2,fsdp=2,tensor=2"
-    )
-    show.set_defaults(func=_zoo_show)
-    add_convert_command(commands)
-    generate_command.add_parser(commands)
-
-    run_parser = commands.add_parser("run", help="train a recipe and write a run folder")
-    add_run_arguments(run_parser)
-    run_parser.set_defaults(func=run_command)
-
-    eval_parser = commands.add_parser("eval", help="evaluate a run folder, checkpoint or model")
-    add_eval_arguments(eval_parser)
-    eval_parser.set_defaults(func=eval_command)
-    bench.add_parser(commands)
-    analyze.add_parser(commands)
+    for command in (zoo, convert, generate, run, eval_, bench, analyze):
+        command.add_parser(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    configure_process()  # first: before any command starts JAX's CPU backend
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (KeyError, ValueError, FileNotFoundError, FileExistsError, TypeError) as e:
-        message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    except EqllmError as e:
+        message = str(e).replace("\n", " ")  # one line, whatever the message holds
         print(f"eqllm: error: {message}", file=sys.stderr)
         return 2
 

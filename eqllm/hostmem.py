@@ -9,9 +9,11 @@ page-faults the whole block in again: about 1 s of kernel time per 3-4 s step (m
 high trim threshold, so freed blocks stay mapped and are reused.
 
 It must run before JAX starts its CPU backend (threads that already own a malloc arena keep
-it), which is why `import eqllm` applies it first thing. Set EQLLM_KEEP_HOST_MEMORY=0 to leave
-malloc alone; for a process that starts JAX before importing eqllm, the same settings as
-environment variables: MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647.
+it): the `eqllm` command calls `configure_process()` first thing; a program that uses eqllm as a
+library calls `eqllm.configure_process()` itself, before its first JAX computation (importing
+eqllm changes nothing). Set EQLLM_KEEP_HOST_MEMORY=0 to leave malloc alone; for a process that
+starts JAX before it can call it, the same settings as environment variables:
+MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647.
 The cost: the process keeps its peak host memory mapped until it exits.
 """
 
@@ -35,3 +37,14 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):  # no C library found, or one without mallopt (musl)
         return False
     return all(mallopt(option, value) == 1 for option, value in _SETTINGS)
+
+
+def configure_process() -> bool:
+    """Tune this process for eqllm's workloads: call it once, before the first JAX computation.
+
+    It keeps freed host memory mapped for reuse (`keep_freed_memory`, see the module docstring:
+    ~15% faster CPU training steps, at the cost of keeping the peak host memory mapped). The
+    `eqllm` command calls it first thing; `import eqllm` does not. Returns whether the settings
+    took effect (False off glibc/Linux, or with EQLLM_KEEP_HOST_MEMORY=0).
+    """
+    return keep_freed_memory()

@@ -3,7 +3,10 @@
 `load(spec)` accepts a zoo name (fresh weights), a run folder written by `eqllm run` (its latest
 checkpoint, or `step`), one of its checkpoints (`RUN/checkpoints/STEP`), an eqllm model folder,
 or a Hugging Face folder / hub repo id. `eqllm generate`, `eqllm eval` and `eqllm convert` all
-go through it, so each accepts all of these.
+go through it, so each accepts all of these. `convert(src, dst)` writes any of them as a
+Hugging Face folder or an eqllm model folder.
+
+This module sits above both `eqllm.train` (run folders) and `eqllm.hub` (everything else).
 """
 
 from __future__ import annotations
@@ -14,9 +17,16 @@ from pathlib import Path
 
 import jax
 
-from eqllm.config import ModelConfig
+from eqllm.config import DType, ModelConfig
 from eqllm.data import Tokenizer
-from eqllm.model import CausalLM
+from eqllm.errors import EqllmError
+from eqllm.hub import load_any, save_model, save_pretrained, with_param_dtype, zoo_match
+from eqllm.hub.folders import resolve
+from eqllm.hub.model_folder import is_model_folder
+from eqllm.model import CausalLM, param_count
+from eqllm.recipe import load_recipe
+from eqllm.train.guards import MissingRunFile
+from eqllm.train.setup import build_model, restore_model
 
 
 def run_folder_of(spec: str | os.PathLike) -> tuple[Path, int | None] | None:
@@ -32,15 +42,12 @@ def run_folder_of(spec: str | os.PathLike) -> tuple[Path, int | None] | None:
 
 def load_run(run_dir: Path, step: int | None = None, overrides: list[str] | None = None):
     """(model, tokenizer, recipe, checkpoint meta) of a run folder at `step` (default latest)."""
-    from eqllm.recipe import load_recipe
-    from eqllm.train.loop import build_model, restore_model
-
     recipe = load_recipe(run_dir / "config.toml", overrides or [])
     tokenizer_file = run_dir / "tokenizer.json"
     if not tokenizer_file.is_file():
-        raise FileNotFoundError(
+        raise MissingRunFile(
             f"run folder {run_dir} has no tokenizer.json; it was not written by `eqllm run` or "
-            "is incomplete"
+            "is incomplete (rerun `eqllm run ... --resume` to complete it)"
         )
     tokenizer = Tokenizer.load(tokenizer_file)
     config_file = run_dir / "model_config.json"
@@ -62,14 +69,47 @@ def load(
     local_files_only: bool = False,
 ) -> tuple[CausalLM, Tokenizer | None]:
     """(model, tokenizer or None) from any of the sources the module docstring lists."""
-    from eqllm import hub
-
     run = run_folder_of(spec)
     if run is not None:
         model, tokenizer, _, _ = load_run(run[0], step if step is not None else run[1])
         if dtype is not None:
-            model = hub.with_param_dtype(model, dtype)
+            model = with_param_dtype(model, dtype)
         return model, tokenizer
-    return hub.load_any(
-        spec, dtype=dtype, key=jax.random.key(seed), local_files_only=local_files_only
+    return load_any(spec, dtype=dtype, key=jax.random.key(seed), local_files_only=local_files_only)
+
+
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    to: str | None = None,
+    dtype: DType | None = None,
+    max_shard_size: int | str = "5GB",
+    local_files_only: bool = False,
+) -> str:
+    """Convert the model (and tokenizer) at `src` into the folder `dst`; returns a summary.
+
+    `to` is 'hf' or 'eqllm'; by default the other format than the source's (an HF folder or
+    repo id becomes an eqllm model folder, an eqllm folder becomes an HF folder).
+    """
+    run = run_folder_of(src)
+    folder = run[0] if run else resolve(src, local_files_only=local_files_only)
+    source_format = "eqllm" if run or is_model_folder(folder) else "hf"
+    to = to or ("hf" if source_format == "eqllm" else "eqllm")
+    if to not in ("hf", "eqllm"):
+        raise EqllmError(f"to={to!r}: choose 'hf' or 'eqllm'")
+    if Path(dst).resolve() == folder.resolve():
+        raise EqllmError(f"destination {dst} is the source folder; write to another folder")
+    model, tokenizer = load(src, dtype=dtype) if run else load_any(folder, dtype=dtype)
+    if to == "hf":
+        save_pretrained(model, dst, tokenizer=tokenizer, max_shard_size=max_shard_size)
+    else:
+        save_model(model, dst, tokenizer=tokenizer)
+    cfg = model.config
+    match = zoo_match(cfg)
+    return (
+        f"wrote {'Hugging Face' if to == 'hf' else 'eqllm'} folder {dst}: {cfg.family}, "
+        f"{param_count(model):,} parameters, {cfg.param_dtype}"
+        + (f", architecture of zoo variant {match}" if match else "")
+        + (", with tokenizer" if tokenizer is not None else "")
     )

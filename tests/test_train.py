@@ -148,6 +148,9 @@ def test_a_run_folder_loads_everywhere(env, tmp_path, capsys):
     for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(restored), strict=True):
         np.testing.assert_array_equal(a, b)
     assert main(["convert", str(out), str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(out), "--step", "99"]) == 2  # no such checkpoint: bad input
+    assert "no checkpoint step 99" in capsys.readouterr().err
     exported = hub.from_pretrained(tmp_path / "hf")
     np.testing.assert_array_equal(exported.embed.weight, model.embed.weight)
     capsys.readouterr()
@@ -176,6 +179,36 @@ def test_stop_and_resume_is_bit_exact(env, tmp_path):
         strict=True,
     ):
         assert np.array_equal(a, b)
+
+
+def test_resume_at_the_last_step_finishes_the_run_folder(env, tmp_path, monkeypatch, capsys):
+    """Killed after the final checkpoint but before the final evaluation and report: --resume
+    runs no step and writes what is missing."""
+    recipe = tmp_path / "tiny.toml"
+    recipe.write_text(tiny_recipe(env, steps=4).to_toml())
+    out = tmp_path / "run"
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # stands in for a kill at the end of training
+
+    monkeypatch.setattr(loop_mod, "summarize", killed)
+    with pytest.raises(KeyboardInterrupt):
+        main(["run", str(recipe), "--out", str(out), "--no-progress"])
+    monkeypatch.undo()
+    assert Checkpointer(out / "checkpoints").latest_step() == 4
+    assert not (out / "report.md").exists() and not (out / "summary.json").exists()
+    capsys.readouterr()
+    assert main(["run", str(recipe), "--out", str(out), "--resume", "--no-progress"]) == 0
+    printed = capsys.readouterr()
+    assert "resuming at step 4" in printed.out and "validation: loss" in printed.out
+    for name in ("samples.txt", "loss.png", "report.md", "summary.json"):
+        assert (out / name).is_file(), name
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4 and "val" in summary and summary["samples"]
+    assert summary["compile_s"] is not None and summary["final_train_loss"] is not None
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "unigram/bpb" in r] == [4]  # one final evaluation row
+    assert set(losses(out)) == {1, 2, 3, 4}
 
 
 def _patch_step(monkeypatch, at_step, action):

@@ -16,18 +16,26 @@ import time
 import numpy as np
 
 from eqllm.config import ModelConfig
+from eqllm.errors import EqllmError
+from eqllm.hub import to_hf_config
 from eqllm.recipe import OptimSpec
+from eqllm.train.optim import schedule
 
 INSTALL_HINT = "install the torch extra: pip install 'eqllm[torch]'"
 
 
+class MissingTorch(EqllmError, ImportError):
+    """PyTorch or transformers is not installed (the optional `torch` extra)."""
+
+
 def import_torch():
-    """(torch, transformers), or an ImportError that says how to install them."""
+    """(torch, transformers), or `MissingTorch` (an ImportError) that says how to install them."""
     try:
         import torch
         import transformers
     except ImportError as e:
-        raise ImportError(f"--vs-torch needs PyTorch and transformers ({e}); {INSTALL_HINT}") from e
+        message = f"--vs-torch needs PyTorch and transformers ({e}); {INSTALL_HINT}"
+        raise MissingTorch(message) from e
     return torch, transformers
 
 
@@ -61,8 +69,6 @@ class TorchBench:
     ):
         torch, transformers = import_torch()
         optim = optim or OptimSpec()
-        from eqllm.hub import to_hf_config
-        from eqllm.train.optim import schedule
 
         self.torch = torch
         self.framework = "transformers + torch.compile" if compiled else "transformers eager"

@@ -7,12 +7,15 @@
 """
 
 from .batches import batch_at, eval_batches
+from .errors import DataError, DataNotFound
 from .sources import DataSource
 from .tokenizer import EOT, Tokenizer
 from .tokens import TokenData, default_cache_dir, prepare, split_documents, token_dtype
 
 __all__ = [
     "EOT",
+    "DataError",
+    "DataNotFound",
     "DataSource",
     "TokenData",
     "Tokenizer",

@@ -11,16 +11,18 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from .errors import DataError
+
 
 def _check_shard(batch_size: int, process_index: int, process_count: int) -> slice:
     if batch_size <= 0:
-        raise ValueError(f"batch_size={batch_size} must be positive.")
+        raise DataError(f"batch_size={batch_size} must be positive.")
     if process_count <= 0 or not 0 <= process_index < process_count:
-        raise ValueError(
+        raise DataError(
             f"process_index={process_index} must be in [0, process_count={process_count})."
         )
     if batch_size % process_count:
-        raise ValueError(
+        raise DataError(
             f"The global batch_size={batch_size} does not divide evenly over "
             f"process_count={process_count} processes; use a multiple of {process_count}."
         )
@@ -30,11 +32,11 @@ def _check_shard(batch_size: int, process_index: int, process_count: int) -> sli
 
 def _check_length(tokens: np.ndarray, seq_len: int, what: str) -> None:
     if seq_len <= 0:
-        raise ValueError(f"seq_len={seq_len} must be positive.")
+        raise DataError(f"seq_len={seq_len} must be positive.")
     if tokens.ndim != 1:
-        raise ValueError(f"tokens must be a 1-D array of token ids, got shape {tokens.shape}.")
+        raise DataError(f"tokens must be a 1-D array of token ids, got shape {tokens.shape}.")
     if tokens.shape[0] < seq_len + 1:
-        raise ValueError(
+        raise DataError(
             f"The {what} token array holds {tokens.shape[0]} tokens, fewer than seq_len + 1 = "
             f"{seq_len + 1} needed for one window; use a shorter seq_len or more data "
             "(a larger max_bytes or val_fraction)."
@@ -69,7 +71,7 @@ def batch_at(
     rows = _check_shard(batch_size, process_index, process_count)
     _check_length(tokens, seq_len, "training")
     if step < 0 or seed < 0:
-        raise ValueError(f"step={step} and seed={seed} must be non-negative ints.")
+        raise DataError(f"step={step} and seed={seed} must be non-negative ints.")
     rng = np.random.default_rng([seed, step])
     # Offsets for the whole global batch are drawn on every process, then sliced: the global
     # batch is the same whatever process_count is.

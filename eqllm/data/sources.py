@@ -34,6 +34,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
+from .errors import DataError, DataNotFound
+
 SourceKind = Literal["stdlib", "files", "jsonl", "hf"]
 _KINDS = ("stdlib", "files", "jsonl", "hf")
 DEFAULT_FILE_PATTERNS = ("*.txt", "*.md", "*.py")
@@ -65,15 +67,15 @@ class DataSource:
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
-            raise ValueError(
+            raise DataError(
                 f"DataSource.kind={self.kind!r} is not a known source kind; use one of {_KINDS}."
             )
         if self.kind in ("files", "jsonl") and not self.path:
-            raise ValueError(
+            raise DataError(
                 f"DataSource(kind={self.kind!r}) needs `path`: a file, a folder or a glob pattern."
             )
         if self.kind == "hf" and not self.name:
-            raise ValueError(
+            raise DataError(
                 "DataSource(kind='hf') needs `name`: a Hugging Face dataset id (e.g. "
                 "'roneneldan/TinyStories'), a builder such as 'json' with `path` as data_files, "
                 "or a folder written by Dataset.save_to_disk."
@@ -81,7 +83,7 @@ class DataSource:
         if self.max_bytes is not None and (
             not isinstance(self.max_bytes, int) or self.max_bytes <= 0
         ):
-            raise ValueError(
+            raise DataError(
                 f"DataSource.max_bytes={self.max_bytes!r} must be a positive int, or None for "
                 "no cap."
             )
@@ -160,7 +162,7 @@ class DataSource:
             count += 1
             yield doc
         if count == 0:
-            raise ValueError(
+            raise DataError(
                 f"{self.describe()} yielded no documents: the files are empty, not UTF-8 text, or "
                 "have no text in the expected field. Point the source at text data (or check "
                 "`text_field`/`glob`)."
@@ -208,20 +210,20 @@ class DataSource:
         files = _expand(self.path, self.glob, patterns)
         if not files:
             if _is_pattern(self.path):
-                raise FileNotFoundError(
+                raise DataNotFound(
                     f"The glob pattern {self.path!r} matched no files; expected {expected}."
                 )
             if Path(self.path).is_dir():
-                raise ValueError(
+                raise DataError(
                     f"The folder {self.path!r} holds no files matching {list(patterns)}; put "
                     f"text files there or pass `glob=` to select them."
                 )
-            raise FileNotFoundError(f"Data path {self.path!r} does not exist; expected {expected}.")
+            raise DataNotFound(f"Data path {self.path!r} does not exist; expected {expected}.")
         return files
 
     def _hf_documents(self) -> Iterator[str]:
         if self.path is not None and not _has_local_files(self.path):
-            raise FileNotFoundError(
+            raise DataNotFound(
                 f"data_files {self.path!r} for the {self.name!r} dataset does not exist; "
                 "expected a local file, folder or glob pattern."
             )
@@ -238,7 +240,7 @@ class DataSource:
             ds = datasets.load_from_disk(str(local))
             if isinstance(ds, datasets.DatasetDict):
                 if self.split not in ds:
-                    raise ValueError(
+                    raise DataError(
                         f"The saved dataset {self.name!r} has splits {sorted(ds)}, not "
                         f"{self.split!r}; set `split` to one of them."
                     )
@@ -253,7 +255,7 @@ class DataSource:
             )
         columns = ds.column_names
         if columns is not None and self.text_field not in columns:
-            raise ValueError(
+            raise DataError(
                 f"{self.describe()} has no column {self.text_field!r} (columns: {columns}); set "
                 "`text_field` to the column holding the text."
             )
@@ -287,7 +289,7 @@ def _expand(path: str, glob: str | None, patterns: tuple[str, ...]) -> list[Path
 def _stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
-        raise FileNotFoundError(
+        raise DataNotFound(
             f"The Python standard library folder {str(root)!r} does not exist, so the built-in "
             "'stdlib' corpus is unavailable; use a 'files', 'jsonl' or 'hf' source instead."
         )
@@ -318,19 +320,19 @@ def _read_jsonl(files: list[Path], field: str) -> Iterator[str]:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(
+                    raise DataError(
                         f"{f}:{lineno} is not valid JSON ({e.msg}); each line of a JSONL file "
                         "must be one JSON object."
                     ) from None
                 if not isinstance(row, dict) or field not in row:
                     keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-                    raise ValueError(
+                    raise DataError(
                         f"{f}:{lineno} has no field {field!r} (found: {keys}); set "
                         "`text_field` to the field holding the text."
                     )
                 text = row[field]
                 if not isinstance(text, str):
-                    raise ValueError(
+                    raise DataError(
                         f"{f}:{lineno} field {field!r} is a {type(text).__name__}, not a string."
                     )
                 if text:

@@ -27,6 +27,8 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from .errors import DataError, DataNotFound
+
 EOT = "<|endoftext|>"
 TokenizerKind = Literal["bytes", "bpe", "pretrained"]
 _EOT_FALLBACKS = (EOT, "</s>", "<eos>")
@@ -57,7 +59,7 @@ class Tokenizer:
     def __init__(self, hf: tokenizers.Tokenizer, eot_token: str, kind: TokenizerKind):
         eot_id = hf.token_to_id(eot_token)
         if eot_id is None:
-            raise ValueError(
+            raise DataError(
                 f"The end-of-text token {eot_token!r} is not in the tokenizer's vocabulary; "
                 "pass a token that is (or add it as a special token)."
             )
@@ -100,7 +102,7 @@ class Tokenizer:
         with fewer than `vocab_size` ids. `progress` shows the trainer's own progress bars.
         """
         if vocab_size < 257:
-            raise ValueError(
+            raise DataError(
                 f"bpe_vocab_size={vocab_size} is too small: a byte-level BPE needs the 256 byte "
                 "tokens plus <|endoftext|>, so use at least 257 (e.g. 4096 or 32768)."
             )
@@ -127,7 +129,7 @@ class Tokenizer:
         path = Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
-            raise FileNotFoundError(
+            raise DataNotFound(
                 f"No tokenizer file at {str(file)!r}; expected a tokenizer.json file or a folder "
                 "containing one (as written by Tokenizer.save or a Hugging Face model repo)."
             )
@@ -144,7 +146,7 @@ class Tokenizer:
         try:
             file = hf_hub_download(repo_id, "tokenizer.json", revision=revision)
         except Exception as e:
-            raise FileNotFoundError(
+            raise DataNotFound(
                 f"Could not get tokenizer.json from the Hugging Face hub repo {repo_id!r} "
                 f"({type(e).__name__}: {e}). Check the repo id and the network (or the offline "
                 "cache), or pass a local tokenizer.json path, 'bytes' or 'bpe'."
@@ -166,7 +168,7 @@ class Tokenizer:
         if spec_str == "bytes":
             return cls.bytes()
         if spec_str == "bpe":
-            raise ValueError(
+            raise DataError(
                 "tokenizer='bpe' must be trained on documents: call Tokenizer.train_bpe(docs, "
                 "vocab_size) or eqllm.data.prepare(source, 'bpe', bpe_vocab_size=...)."
             )
@@ -174,7 +176,7 @@ class Tokenizer:
             return cls.load(spec_str)
         looks_like_path = spec_str.startswith((".", "/", "~")) or spec_str.endswith(".json")
         if looks_like_path or spec_str.count("/") != 1:
-            raise FileNotFoundError(
+            raise DataNotFound(
                 f"Tokenizer {spec_str!r} is neither 'bytes', 'bpe', an existing tokenizer.json "
                 "file or folder, nor a hub repo id of the form 'org/name'."
             )
@@ -188,7 +190,7 @@ class Tokenizer:
         if not (isinstance(eos, str) and hf.token_to_id(eos) is not None):
             eos = next((t for t in _EOT_FALLBACKS if hf.token_to_id(t) is not None), None)
         if eos is None:
-            raise ValueError(
+            raise DataError(
                 f"Cannot find an end-of-text token for the tokenizer at {where}: no eos_token in "
                 f"tokenizer_config.json and none of {list(_EOT_FALLBACKS)} in the vocabulary. "
                 "Add a tokenizer_config.json with an 'eos_token' beside tokenizer.json."

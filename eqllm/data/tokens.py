@@ -32,6 +32,7 @@ from typing import Literal
 import numpy as np
 from tqdm.auto import tqdm
 
+from .errors import DataError, DataNotFound
 from .sources import DataSource
 from .tokenizer import Tokenizer
 
@@ -52,7 +53,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
         return np.dtype(np.uint16)
     if vocab_size <= 1 << 32:
         return np.dtype(np.uint32)
-    raise ValueError(f"vocab_size={vocab_size} does not fit uint32 token files.")
+    raise DataError(f"vocab_size={vocab_size} does not fit uint32 token files.")
 
 
 def split_documents(n_docs: int, val_fraction: float, seed: int) -> np.ndarray:
@@ -62,7 +63,7 @@ def split_documents(n_docs: int, val_fraction: float, seed: int) -> np.ndarray:
     but at least one when ``n_docs >= 2`` and ``val_fraction > 0``, and never all of them.
     """
     if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(
+        raise DataError(
             f"val_fraction={val_fraction!r} must be in [0, 1): it is the fraction of documents "
             "held out for validation (0.01 is typical; 0 for no validation split)."
         )
@@ -95,7 +96,7 @@ class TokenData:
         path = Path(path)
         meta_file = path / "meta.json"
         if not meta_file.is_file():
-            raise FileNotFoundError(
+            raise DataNotFound(
                 f"{str(path)!r} is not a prepared token folder (no meta.json); create one with "
                 "eqllm.data.prepare(source, tokenizer, cache_dir=...)."
             )
@@ -107,7 +108,7 @@ class TokenData:
                 return np.zeros(0, dtype)  # mmap cannot map an empty file
             arr = np.memmap(path / f"{split}.bin", dtype=dtype, mode="r")
             if arr.shape[0] != meta[f"{split}_tokens"]:
-                raise ValueError(
+                raise DataError(
                     f"{path / f'{split}.bin'} holds {arr.shape[0]} tokens but meta.json says "
                     f"{meta[f'{split}_tokens']}; the cache is damaged, delete {str(path)!r} and "
                     "prepare again."
@@ -123,10 +124,10 @@ class TokenData:
         Bits per byte = (mean loss in nats per token) / ln 2 / bytes_per_token.
         """
         if split not in ("train", "val"):
-            raise ValueError(f"split={split!r} must be 'train' or 'val'.")
+            raise DataError(f"split={split!r} must be 'train' or 'val'.")
         tokens = self.meta[f"{split}_tokens"]
         if tokens == 0:
-            raise ValueError(f"The {split} split of {self.path} is empty; it has no bytes/token.")
+            raise DataError(f"The {split} split of {self.path} is empty; it has no bytes/token.")
         return self.meta[f"{split}_bytes"] / tokens
 
 
@@ -174,7 +175,7 @@ def prepare(
         The `TokenData`; a second call with the same inputs returns the cached folder at once.
     """
     if not isinstance(source, DataSource):
-        raise ValueError(
+        raise DataError(
             f"source must be an eqllm.data.DataSource, got {type(source).__name__}; e.g. "
             "DataSource.stdlib() or DataSource.files('corpus/')."
         )
@@ -300,7 +301,7 @@ def _encode_to_files(
         if docs:
             flush(docs, flags)
         if index + 1 != len(is_val):
-            raise ValueError(
+            raise DataError(
                 f"{source.describe()} changed while being read ({len(is_val)} documents, then "
                 f"{index + 1}); a source must yield the same documents each time it is read."
             )

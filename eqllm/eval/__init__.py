@@ -6,10 +6,14 @@ from eqllm.eval.harness import (
     loss_report,
     unigram_loss,
 )
+from eqllm.eval.loss import check_token_range, mean_loss, token_nll
 
 __all__ = [
     "bits_per_byte",
+    "check_token_range",
     "evaluate_tokens",
     "loss_report",
+    "mean_loss",
+    "token_nll",
     "unigram_loss",
 ]

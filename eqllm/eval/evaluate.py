@@ -1,10 +1,6 @@
-"""The end-of-run evaluation (validation, baseline, extra sources, samples) and `eqllm eval`."""
+"""The end-of-run evaluation: validation, the unigram baseline, extra sources and samples."""
 
 from __future__ import annotations
-
-import argparse
-import json
-import sys
 
 import jax
 
@@ -12,7 +8,7 @@ from eqllm.data import TokenData, Tokenizer, prepare
 from eqllm.eval.harness import evaluate_tokens, loss_report, unigram_loss
 from eqllm.generation import generate_batch
 from eqllm.model import CausalLM
-from eqllm.recipe import Recipe
+from eqllm.recipe import Recipe, RecipeError
 
 
 def eval_batch_size(recipe: Recipe) -> int:
@@ -89,7 +85,7 @@ def sample_texts(
     encoded = [tokenizer.encode(p) or [tokenizer.eot_id] for p in prompts]
     room = model.config.max_seq_len - max(len(ids) for ids in encoded)
     if room < 1:
-        raise ValueError(
+        raise RecipeError(
             f"a sample prompt fills the model's context of {model.config.max_seq_len} tokens; "
             "shorten eval.sample_prompts"
         )
@@ -123,75 +119,3 @@ def format_eval(result: dict) -> list[str]:
             f"bits/byte {r['bpb']:.4f}"
         )
     return lines
-
-
-def eval_command(args: argparse.Namespace) -> int:
-    """`eqllm eval RUN_DIR_OR_CHECKPOINT [--step N]`: re-evaluate a run's checkpoint."""
-    from eqllm.loading import load_run, run_folder_of
-
-    run = run_folder_of(args.target)
-    if run is None:
-        return _eval_pretrained(args)
-    run_dir, step = run[0], args.step if args.step is not None else run[1]
-    model, tokenizer, recipe, meta = load_run(run_dir, step, args.set or [])
-    data = prepare(
-        recipe.data.source.to_source(),
-        run_dir / "tokenizer.json",
-        cache_dir=recipe.data.cache_dir or None,
-        val_fraction=recipe.data.val_fraction,
-        seed=recipe.data.split_seed,
-        progress=True,
-    )
-    print(f"evaluating {run_dir} at step {meta['step']}", file=sys.stderr)
-    result = evaluate_run(model, data, recipe, progress=True)
-    result["step"] = meta["step"]
-    for line in format_eval(result):
-        print(line)
-    for text in result.get("samples", []):
-        print("-" * 40 + "\n" + text)
-    out = run_dir / f"eval-{meta['step']}.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
-    return 0
-
-
-def _eval_pretrained(args: argparse.Namespace) -> int:
-    """Evaluate a Hugging Face-format model (folder or hub id) on a recipe's validation split."""
-    from eqllm import hub
-    from eqllm.recipe import load_recipe
-
-    model = hub.from_pretrained(args.target)
-    recipe = load_recipe(args.recipe, [f'data.tokenizer="{args.target}"', *(args.set or [])])
-    data = prepare(
-        recipe.data.source.to_source(),
-        recipe.data.tokenizer,
-        cache_dir=recipe.data.cache_dir or None,
-        val_fraction=recipe.data.val_fraction,
-        seed=recipe.data.split_seed,
-    )
-    if data.tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {data.tokenizer.vocab_size} ids, the model only "
-            f"{model.config.vocab_size}"
-        )
-    result = evaluate_run(model, data, recipe)
-    for line in format_eval(result):
-        print(line)
-    for text in result.get("samples", []):
-        print("-" * 40 + "\n" + text)
-    return 0
-
-
-def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "target",
-        help="a run folder, one of its checkpoints (RUN/checkpoints/STEP), or a Hugging Face "
-        "model folder / hub id",
-    )
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (latest)")
-    parser.add_argument(
-        "--recipe",
-        default="quickstart",
-        help="for a Hugging Face model: the recipe whose data and eval settings to use",
-    )
-    parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="recipe override")

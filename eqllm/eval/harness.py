@@ -16,14 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from eqllm.data import eval_batches
+from eqllm.data import DataError, eval_batches
+from eqllm.eval.loss import check_token_range, token_nll
 from eqllm.model import CausalLM
-from eqllm.train.guards import check_token_range, trace_without_runtime_checks
-from eqllm.train.step import token_nll
 
 
-@eqx.filter_jit
-@trace_without_runtime_checks  # ids are checked on the host: keeps it in the compile cache
+@eqx.filter_jit  # ids are checked on the host (check_token_range) before each call
 def _nll_sum(
     model: CausalLM, batch: Int[Array, "batch window"], mask: Bool[Array, "batch window-1"]
 ) -> tuple[Float[Array, ""], Int[Array, ""]]:
@@ -53,7 +51,10 @@ def evaluate_tokens(
         total += float(s)
         count += int(n)
     if count == 0:
-        raise ValueError("no tokens were evaluated: the token array is too short")
+        raise DataError(
+            f"no tokens were evaluated: the token array holds {len(tokens)} tokens, fewer than "
+            f"seq_len + 1 = {seq_len + 1}; use a shorter seq_len or more data"
+        )
     return total / count, count
 
 

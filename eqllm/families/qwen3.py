@@ -64,7 +64,13 @@ FAMILY = Family(
     table=TABLE,
     prefix=LLAMA_PREFIX,
     hf_keys=LLAMA_KEYS
-    | {"attention_bias", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
+    | {
+        "attention_bias",
+        "use_sliding_window",
+        "sliding_window",
+        "max_window_layers",
+        "layer_types",
+    },
     to_hf=to_hf,
     from_hf=from_hf,
     # One `attention_bias` switch sets the q/k/v and the output biases.

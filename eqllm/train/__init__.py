@@ -1,7 +1,12 @@
-"""Training: optimizer and schedule, the compiled train step, checkpoints, MFU and the loop."""
+"""Training: optimizer and schedule, the compiled train step, checkpoints, MFU and the loop.
+
+`mean_loss` and `token_nll` live in `eqllm.eval.loss` and are re-exported here.
+"""
+
+from eqllm.eval.loss import mean_loss, token_nll
 
 from .optim import decay_mask, make_optimizer, schedule
-from .step import TrainStep, init_opt_state, mean_loss, token_nll
+from .step import TrainStep, init_opt_state
 
 __all__ = [
     "TrainStep",

@@ -10,7 +10,8 @@ A checkpoint at step s is a folder `<dir>/<s>/` holding two items:
 
 orbax writes into a temporary folder and renames it (atomic), saves asynchronously and keeps the
 last `keep` checkpoints. `save(..., wait=True)` and `wait()` surface errors from the background
-write.
+write. `RunCheckpoints` is the training loop's view: it turns any failure to write into one
+`CheckpointWriteError` that names the checkpoint still intact.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from eqllm.train.guards import fingerprints, verify_fingerprints
+from eqllm.train.guards import (
+    CheckpointMismatch,
+    CheckpointWriteError,
+    MissingRunFile,
+    fingerprints,
+    save_error,
+    verify_fingerprints,
+)
 
 
 def _flat(tree, prefix: str) -> dict[str, Any]:
@@ -106,16 +114,18 @@ class Checkpointer:
                 args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)),
             )["state"]
         except (ValueError, KeyError) as e:
-            raise ValueError(
+            raise CheckpointMismatch(
                 f"checkpoint {self.directory / str(step)} does not match this model/optimizer "
                 f"(was the recipe changed?): {e}"
             ) from None
         missing = sorted(set(template) - set(restored))
         if missing:
-            raise ValueError(f"checkpoint {self.directory / str(step)} lacks arrays {missing[:5]}")
+            raise CheckpointMismatch(
+                f"checkpoint {self.directory / str(step)} lacks arrays {missing[:5]}"
+            )
         garbled = verify_fingerprints(restored, saved_meta.get("fingerprints", {}))
         if garbled:
-            raise ValueError(
+            raise CheckpointMismatch(
                 f"checkpoint {self.directory / str(step)}: arrays {garbled[:5]} do not match the "
                 "checksums written with them (the files were changed or damaged)"
             )
@@ -125,10 +135,19 @@ class Checkpointer:
         return eqx.combine(params, static), opt_state, saved_meta
 
     def _step(self, step: int | None) -> int:
+        steps = self.steps()
+        if not steps:
+            raise MissingRunFile(
+                f"no checkpoint in {self.directory}; train with `eqllm run` first, or give the "
+                "folder that holds the run's checkpoints"
+            )
         if step is None:
-            step = self.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+            return self.latest_step()
+        if step not in steps:
+            raise MissingRunFile(
+                f"no checkpoint step {step} in {self.directory}; it holds steps {steps}: give "
+                "one of those (or no step, for the latest)"
+            )
         return step
 
     def close(self) -> None:
@@ -146,7 +165,7 @@ def _unflat(tree, prefix: str, flat: dict[str, Any]):
             continue
         value = flat[key]
         if np.shape(value) != np.shape(leaf):
-            raise ValueError(
+            raise CheckpointMismatch(
                 f"checkpoint array {key} has shape {np.shape(value)}, the model expects "
                 f"{np.shape(leaf)} (was the recipe changed?)"
             )
@@ -159,3 +178,51 @@ def _flat_keys(leaves_with_path, prefix: str) -> list[str]:
         (prefix + jax.tree_util.keystr(p)).replace("[", ".").replace("]", "").replace("'", "")
         for p, _ in leaves_with_path
     ]
+
+
+class RunCheckpoints:
+    """A run's checkpoints as the loop uses them: background saves, errors as
+    `CheckpointWriteError` naming the folder, the cause and the checkpoint still intact.
+
+    Attributes:
+        last_saved: the step of the newest checkpoint saved (or restored), None before any.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, keep: int):
+        self.checkpointer = Checkpointer(directory, keep=keep)
+        self.directory = self.checkpointer.directory
+        self.last_saved: int | None = None
+
+    def save(self, step: int, model, opt_state, meta: dict, *, wait: bool = False) -> None:
+        """Start saving checkpoint `step` (after the previous save finished); `wait`: block."""
+        if jax.devices()[0].platform == "cpu":
+            # The next step donates these buffers; on CPU hand orbax host copies of its own.
+            model = jax.tree.map(lambda x: np.array(x) if eqx.is_array(x) else x, model)
+            opt_state = jax.tree.map(lambda x: np.array(x) if eqx.is_array(x) else x, opt_state)
+        self.wait()  # the previous (background) save: its errors surface here
+        try:
+            self.checkpointer.save(step, model, opt_state, meta, wait=wait)
+        except Exception as e:  # disk full, read-only folder, ...
+            self._raise(e, step)
+        self.last_saved = step
+
+    def wait(self) -> None:
+        """Block until the background save finished; raise `CheckpointWriteError` if it failed."""
+        try:
+            self.checkpointer.wait()
+        except Exception as e:
+            self._raise(e, self.last_saved)
+
+    def close(self, *, failing: bool = False) -> None:
+        """Finish the background save and close; with `failing` (an error already in flight,
+        the one to report) a failure here is not raised."""
+        try:
+            self.checkpointer.close()
+        except Exception as e:
+            if not failing:
+                self._raise(e, self.last_saved)
+
+    def _raise(self, e: Exception, step: int | None):
+        self.checkpointer.manager.reload()
+        intact = self.checkpointer.latest_step()
+        raise CheckpointWriteError(save_error(e, step, self.directory, intact)) from e

@@ -10,16 +10,16 @@
   so the resumed run's own saves cannot overwrite or collect them.
 - `save_error(...)`: the message for a checkpoint that could not be written (disk full,
   read-only folder), naming the folder, the cause, the checkpoint still intact, and the fix.
-- `trace_without_runtime_checks(fn)` and `check_token_range`: the train step checks token ids on
-  the host and traces the model without Equinox's runtime checks, whose host callback would keep
-  JAX's persistent compilation cache from storing the step (a restart would compile it again).
+
+Bad input (a changed recipe, a missing or damaged run folder) raises `EqllmError` subclasses; a
+checkpoint that cannot be written raises `CheckpointWriteError`, an `OSError`, because it wraps a
+failure of the disk, not of the input.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
-import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -27,8 +27,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from eqllm.errors import EqllmError
 from eqllm.recipe import Recipe
 
 # Fields whose change does not change what is computed: names, cache locations.
@@ -48,16 +48,37 @@ FORCE_OK = (
 )
 
 
-class ResumeMismatch(ValueError):
+class RunFolderError(EqllmError):
+    """A run folder or checkpoint that is missing, incomplete or does not fit the request."""
+
+
+class MissingRunFile(RunFolderError, FileNotFoundError):
+    """A run folder, checkpoint or file of one that does not exist."""
+
+
+class RunExists(RunFolderError, FileExistsError):
+    """The output folder already holds a run with checkpoints (and --resume was not given)."""
+
+
+class ResumeMismatch(RunFolderError):
     """A resumed run's recipe differs from the saved one in fields it may not change."""
 
 
-class DamagedCheckpoint(RuntimeError):
+class DamagedCheckpoint(RunFolderError):
     """No checkpoint of the run restores intact."""
 
 
+class CheckpointMismatch(RunFolderError):
+    """A checkpoint's arrays do not match the model and optimizer state it is restored into."""
+
+
 class CheckpointWriteError(OSError):
-    """A checkpoint could not be written; the message names the folder, cause and fix."""
+    """A checkpoint could not be written (disk full, folder not writable, ...).
+
+    An `OSError`, not an `EqllmError`: the cause is the disk, not the input. The message names
+    the folder, the cause, the intact checkpoint and the fix in one line; `eqllm run` prints it
+    and exits with status 1, as for any run that stopped.
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +168,7 @@ def _as_uint32(x: jax.Array) -> jax.Array:
         return jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32).ravel()
     if bits == 64:
         return jax.lax.bitcast_convert_type(x, jnp.uint32).ravel()
-    raise TypeError(f"no checksum for dtype {x.dtype}")
+    raise TypeError(f"no checksum for dtype {x.dtype}")  # a bug: every saved dtype is listed
 
 
 @jax.jit
@@ -260,70 +281,23 @@ def save_error(e: BaseException, step: int, directory: Path, intact: int | None)
     )
 
 
-# Token ids ----------------------------------------------------------------------------------
-
-
-def check_token_range(batch, vocab_size: int) -> None:
-    """Raise ValueError unless every id of a concrete batch lies in [0, vocab_size)."""
-    if isinstance(batch, jax.core.Tracer):
-        return
-    if np.ndim(batch) != 2 or not jnp.issubdtype(batch.dtype, jnp.integer):
-        raise TypeError(
-            f"a training batch must be a 2-D integer array (sequences, tokens), got shape "
-            f"{np.shape(batch)} and dtype {batch.dtype}"
-        )
-    lo, hi = (int(v) for v in jax.device_get((batch.min(), batch.max())))
-    if lo < 0 or hi >= vocab_size:
-        raise ValueError(
-            f"token id out of range: the batch holds ids in [{lo}, {hi}] but the model's "
-            f"vocab_size is {vocab_size}; use the tokenizer the model was built for, or a "
-            "model with a larger vocab_size"
-        )
-
-
-def trace_without_runtime_checks(fn: Callable) -> Callable:
-    """`fn` traced with Equinox's runtime checks (`eqx.error_if`) off.
-
-    Those checks compile to a host callback, and JAX does not store executables with host
-    callbacks in its persistent compilation cache. Only for functions whose inputs are checked
-    before the call (the train step checks token ids with `check_token_range`).
-    """
-    try:  # the switch behind EQX_ON_ERROR, and error_if's jitted core (its trace cache)
-        from equinox import _errors
-
-        _errors.EQX_ON_ERROR, _errors.branched_error_if_impl_jit  # noqa: B018
-    except (ImportError, AttributeError):  # another equinox: keep the checks, lose the cache
-        return fn
-
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        saved = _errors.EQX_ON_ERROR, _errors.branched_error_if_impl_jit
-        # Unjitted core while tracing: a cached "off" trace must not leak to other callers.
-        _errors.EQX_ON_ERROR = "off"
-        _errors.branched_error_if_impl_jit = _errors.branched_error_if_impl
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _errors.EQX_ON_ERROR, _errors.branched_error_if_impl_jit = saved
-
-    return wrapped
-
-
 __all__ = [
     "ALWAYS_OK",
     "atomic_write_text",
     "FORCE_OK",
     "Change",
+    "CheckpointMismatch",
     "CheckpointWriteError",
     "DamagedCheckpoint",
+    "MissingRunFile",
     "ResumeMismatch",
-    "check_token_range",
+    "RunExists",
+    "RunFolderError",
     "fingerprints",
     "move_aside",
     "recipe_diff",
     "restore_intact",
     "resume_changes",
     "save_error",
-    "trace_without_runtime_checks",
     "verify_fingerprints",
 ]

@@ -1,18 +1,122 @@
-"""The human-readable part of a run folder: loss.png and report.md."""
+"""The end of a run: final evaluation, summary.json, loss.png, report.md and the printed summary.
+
+`finish_run` also completes a run resumed from its last checkpoint, which runs no step: the
+throughput and compile time then come from the rows metrics.jsonl already holds.
+"""
 
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import jax
+
+from eqllm.eval.evaluate import evaluate_run, format_eval
+from eqllm.model import CausalLM
 from eqllm.recipe import Recipe
+from eqllm.train.metrics import Throughput, peak_memory, read_rows
+from eqllm.train.mfu import mfu
+from eqllm.train.setup import RunSetup
 
 
 def read_metrics(out_dir: Path) -> list[dict]:
-    path = Path(out_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_rows(Path(out_dir) / "metrics.jsonl")
+
+
+def summarize(setup: RunSetup, meter: Throughput, *, step: int, traces: int, cache) -> dict:
+    """summary.json's numbers (before the final evaluation) for a run that reached `step`."""
+    flops_per_token, peak = setup.flops_per_token, setup.peak_flops
+    rows = read_rows(setup.log.path)
+    train_rows = [r for r in rows if "grad_norm" in r]  # logged (finite) train steps
+    if meter.ran:
+        step_s = meter.step_s
+        compile_s = meter.compile_s if meter.compile_s is not None else meter.first_step_s
+        tokens_per_s, loader = meter.tokens_per_s, meter.loader_tokens_per_s
+    else:  # resumed at the last step: what the earlier processes measured
+        step_s = train_rows[-1]["step_s"] if train_rows else 0.0
+        compile_rows = [r["compile_s"] for r in rows if "compile_s" in r]
+        compile_s = compile_rows[-1] if compile_rows else None
+        tokens_per_s = train_rows[-1]["tokens_per_s"] if train_rows else 0.0
+        loader = None
+    step_tokens_per_s = setup.tokens_per_step / step_s if step_s else 0.0
+    mem, mem_kind = peak_memory()
+    return {
+        "variant": setup.recipe.model.variant,
+        "params": setup.n_params,
+        "steps": step,
+        "tokens": step * setup.tokens_per_step,
+        "tokens_per_s": tokens_per_s,
+        "step_s": step_s,
+        "step_tokens_per_s": step_tokens_per_s,
+        "loader_tokens_per_s": loader,
+        "mfu": mfu(step_tokens_per_s, flops_per_token, peak, setup.n_devices),
+        "peak_flops": peak,
+        "peak_flops_source": setup.peak_source,
+        "flops_per_token": flops_per_token,
+        "compile_s": compile_s,
+        "compile_cache": str(cache) if cache else "off",
+        "traces": traces,
+        "peak_memory_bytes": mem,
+        "peak_memory_kind": mem_kind,
+        "device": jax.devices()[0].device_kind,
+        "final_train_loss": train_rows[-1]["loss"] if train_rows else None,
+    }
+
+
+def finish_run(
+    setup: RunSetup,
+    model: CausalLM,
+    summary: dict,
+    *,
+    final_eval: bool,
+    progress: bool,
+    t_start: float,
+    echo: Callable[[str], None],
+) -> dict:
+    """Evaluate (with `final_eval`), write summary.json, loss.png and report.md; the summary."""
+    out, recipe, step = setup.out, setup.recipe, summary["steps"]
+    if final_eval:
+        t_eval = time.perf_counter()
+        result = evaluate_run(model, setup.data, recipe, progress=progress)
+        summary["eval_s"] = time.perf_counter() - t_eval
+        summary.update({k: v for k, v in result.items() if k != "samples"})
+        if "val" in result:
+            setup.log.log(
+                {
+                    "step": step,
+                    "tokens": step * setup.tokens_per_step,
+                    **{f"val/{k}": v for k, v in result["val"].items() if k != "tokens"},
+                    "unigram/bpb": result["unigram"]["bpb"],
+                }
+            )
+        samples = result.get("samples", [])
+        if samples:
+            sep = "\n" + "=" * 72 + "\n"
+            (out / "samples.txt").write_text(sep.join(samples) + "\n")
+        summary["samples"] = samples
+    summary["wall_s"] = time.perf_counter() - t_start
+    setup.log.close()
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    write_loss_plot(out)
+    write_report(out, recipe, summary)
+    for line in format_summary(summary):
+        echo(line)
+    echo(f"report: {out / 'report.md'}")
+    return summary
+
+
+def format_summary(s: dict) -> list[str]:
+    """The lines `eqllm run` prints at the end: evaluation, throughput, compile and wall time."""
+    lines = format_eval(s)
+    util = f", MFU {s['mfu']:.1%}" if s.get("mfu") is not None else ""
+    lines.append(
+        f"throughput: {_fmt(s['step_tokens_per_s'], ',.0f')} tokens/s per train step{util} "
+        f"(loader {_fmt(s['loader_tokens_per_s'], ',.0f')} tokens/s); compile "
+        f"{_fmt(s['compile_s'], '.1f')} s; wall {s['wall_s']:.0f} s"
+    )
+    return lines
 
 
 def write_loss_plot(out_dir: Path) -> Path | None:
@@ -67,11 +171,11 @@ def write_report(out_dir: Path, recipe: Recipe, s: dict) -> Path:
         f"| validation perplexity | {_fmt(val.get('perplexity'), '.2f')} |",
         f"| validation bits/byte | {_fmt(val.get('bpb'))} |",
         f"| unigram baseline bits/byte | {_fmt(uni.get('bpb'))} |",
-        f"| train step throughput | {s['step_tokens_per_s']:,.0f} tokens/s |",
-        f"| loader throughput | {s['loader_tokens_per_s']:,.0f} tokens/s |",
+        f"| train step throughput | {_fmt(s['step_tokens_per_s'], ',.0f')} tokens/s |",
+        f"| loader throughput | {_fmt(s['loader_tokens_per_s'], ',.0f')} tokens/s |",
         f"| MFU | {_fmt(s.get('mfu'), '.2%')} (peak {_fmt(s.get('peak_flops'), '.3g')} FLOP/s: "
         f"{s['peak_flops_source']}; {s['flops_per_token']:.3g} FLOPs/token) |",
-        f"| compile time | {s['compile_s']:.2f} s (cache: {s['compile_cache']}) |",
+        f"| compile time | {_fmt(s['compile_s'], '.2f')} s (cache: {s['compile_cache']}) |",
         f"| peak memory | {mem:,.0f} MiB ({s['peak_memory_kind']}) |",
         f"| device | {s['device']} |",
         f"| wall time | {s['wall_s']:.1f} s |",

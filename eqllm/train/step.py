@@ -15,29 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
+from eqllm.data import DataError
+from eqllm.errors import EqllmError
+from eqllm.eval.loss import check_token_range, mean_loss
 from eqllm.model import CausalLM
 from eqllm.sharding import shardings_like_params
-from eqllm.train.guards import check_token_range, trace_without_runtime_checks
-
-
-def token_nll(model: CausalLM, batch: Int[Array, "batch window"]) -> Float[Array, "batch window-1"]:
-    """Negative log-likelihood (nats, fp32) of every target `batch[:, 1:]` given its prefix."""
-    logits = model(batch[:, :-1])  # (batch, seq, vocab), fp32
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:])
-
-
-def mean_loss(
-    model: CausalLM,
-    batch: Int[Array, "batch window"],
-    mask: Bool[Array, "batch window-1"] | None = None,
-) -> Float[Array, ""]:
-    """Mean next-token cross entropy over the (masked-in) targets."""
-    nll = token_nll(model, batch)
-    if mask is None:
-        return nll.mean()
-    return jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.maximum(mask.sum(), 1)
 
 
 def _layer_grad_norms(grads) -> Float[Array, " layers"]:
@@ -75,7 +59,7 @@ class TrainStep:
         batch_sharding=None,
     ):
         if grad_accum < 1:
-            raise ValueError(f"grad_accum={grad_accum} must be >= 1")
+            raise EqllmError(f"grad_accum={grad_accum} must be >= 1")
         self.optimizer = optimizer
         self.lr_schedule = lr_schedule
         self.grad_accum = grad_accum
@@ -86,11 +70,7 @@ class TrainStep:
         self.batch_sharding = batch_sharding
         self.n_traces = 0
         # The batch goes first so that "all-except-first" donates exactly model and opt_state.
-        # Token ids are checked on the host (check_token_range), so the step is traced without
-        # the model's runtime check: a host callback would keep it out of the compile cache.
-        self._compiled = eqx.filter_jit(
-            trace_without_runtime_checks(self._step), donate="all-except-first"
-        )
+        self._compiled = eqx.filter_jit(self._step, donate="all-except-first")
 
     def __call__(
         self,
@@ -101,7 +81,7 @@ class TrainStep:
         """One step. A numpy `batch` (this process's rows) is checked on the host, with no device
         round trip, then placed by `batch_sharding`; a device array is checked on its device."""
         if batch.shape[0] % self.grad_accum:
-            raise ValueError(
+            raise DataError(
                 f"batch of {batch.shape[0]} sequences does not split into "
                 f"grad_accum={self.grad_accum} equal micro-batches"
             )

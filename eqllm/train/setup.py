@@ -1,0 +1,278 @@
+"""Everything a run needs before its first step: the run folder, data, model, mesh, optimizer.
+
+`start_run` checks the run folder (a new run must not overwrite one with checkpoints; a resumed
+one must keep the saved recipe), writes the files a run folder holds from the start
+(config.toml, model_config.json, tokenizer.json) and returns a `RunSetup`, restored from the
+newest intact checkpoint when resuming.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from eqllm.config import ModelConfig
+from eqllm.data import TokenData, batch_at, prepare
+from eqllm.hub import from_pretrained
+from eqllm.model import CausalLM, param_count
+from eqllm.recipe import Recipe, RecipeError, load_recipe
+from eqllm.sharding import (
+    batch_sharding,
+    check_divisible,
+    check_fits,
+    estimate_memory,
+    make_mesh,
+    param_shardings,
+    shard_model,
+)
+from eqllm.train import guards
+from eqllm.train.checkpoint import Checkpointer, RunCheckpoints
+from eqllm.train.metrics import MetricsLog
+from eqllm.train.mfu import cache_root, device_peak_flops
+from eqllm.train.optim import make_optimizer, schedule
+from eqllm.train.step import TrainStep, init_opt_state
+
+
+def setup_compile_cache(setting: str) -> Path | None:
+    """Turn on JAX's persistent compilation cache ("" = default folder, "off" = disabled)."""
+    if setting == "off":
+        return None
+    path = Path(setting).expanduser() if setting else cache_root() / "jax"
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+def prepare_data(recipe: Recipe, *, progress: bool = True) -> TokenData:
+    d = recipe.data
+    return prepare(
+        d.source.to_source(),
+        d.tokenizer,
+        cache_dir=d.cache_dir or None,
+        val_fraction=d.val_fraction,
+        seed=d.split_seed,
+        bpe_vocab_size=recipe.bpe_vocab_size(),
+        progress=progress,
+    )
+
+
+def build_model(recipe: Recipe, tokenizer_vocab: int) -> CausalLM:
+    """The recipe's model: `init_from` weights, or a fresh one sized to the tokenizer."""
+    if recipe.model.init_from:
+        model = from_pretrained(recipe.model.init_from)
+        model = model.with_config(compute_dtype=recipe.train.precision, remat=recipe.train.remat)
+    else:
+        cfg = recipe.model_config(vocab_size=tokenizer_vocab)
+        model = CausalLM(cfg, key=jax.random.key(recipe.train.seed))
+    if model.config.vocab_size < tokenizer_vocab:
+        raise RecipeError(
+            f"the tokenizer has {tokenizer_vocab} ids but the model's vocab_size is "
+            f"{model.config.vocab_size}; use a smaller data.bpe_vocab_size or a larger "
+            "model.overrides.vocab_size"
+        )
+    return model
+
+
+def place_on_mesh(recipe: Recipe, model: CausalLM):
+    """(mesh, model placed on it, the parameters' shardings) for the recipe's [mesh].
+
+    Fails before any compilation when the mesh does not fit the devices, the heads, the batch or
+    the devices' memory, with a message that says which size to change.
+    """
+    mesh = make_mesh(recipe.mesh)
+    check_divisible(model.config, mesh)
+    t = recipe.train
+    split = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = t.batch_size // t.grad_accum
+    if micro % split:
+        raise RecipeError(
+            f"train.batch_size={t.batch_size} / grad_accum={t.grad_accum} = {micro} rows per "
+            f"micro-batch do not split over data*fsdp={split} devices; make it a multiple "
+            f"of {split}"
+        )
+    estimate = estimate_memory(
+        model.config,
+        mesh,
+        batch_size=t.batch_size,
+        seq_len=recipe.data.seq_len,
+        grad_accum=t.grad_accum,
+    )
+    check_fits(estimate, mesh.devices.flat[0])
+    if mesh.size == 1:  # one device: nothing to place (and no new shardings to trace against)
+        return mesh, model, None
+    return mesh, shard_model(model, mesh), param_shardings(model, mesh)
+
+
+def restore_model(ckpt_dir: Path, model: CausalLM, recipe: Recipe, step: int | None = None):
+    """(model, meta) from a run's checkpoint folder; the optimizer state is read and dropped."""
+    params = eqx.filter(model, eqx.is_inexact_array)
+    optimizer = make_optimizer(recipe.optim, 1, params)
+    checkpointer = Checkpointer(ckpt_dir, keep=recipe.train.keep_checkpoints, async_save=False)
+    try:
+        model, _, meta = checkpointer.restore(model, init_opt_state(optimizer, model), step)
+    finally:
+        checkpointer.close()
+    return model, meta
+
+
+def check_run_folder(
+    out: Path, recipe: Recipe, *, resume: bool, force: bool, echo: Callable[[str], None]
+) -> bool:
+    """Whether the run in `out` resumes: refuses to overwrite checkpoints without `resume`, and
+    a resume whose recipe changes fields it may not (see `guards.resume_changes`)."""
+    ckpt_dir = out / "checkpoints"
+    has_ckpt = ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
+    if resume and not has_ckpt:
+        if not (out / "config.toml").is_file():
+            raise guards.MissingRunFile(
+                f"--resume: no checkpoint in {ckpt_dir} to resume from; give the --out folder "
+                "of an earlier run, or drop --resume to start a new one"
+            )
+        echo(f"--resume: {out} has no checkpoint yet; starting the run from step 0")
+        return False
+    if has_ckpt and not resume:
+        raise guards.RunExists(
+            f"{out} already holds a run with checkpoints; pass --resume to continue it or "
+            "--out to start a new run elsewhere"
+        )
+    if resume:
+        try:
+            saved = load_recipe(out / "config.toml")
+        except (RecipeError, OSError) as e:
+            raise RecipeError(
+                f"--resume: cannot read the run's recipe {out / 'config.toml'} ({e}); restore "
+                "it (the checkpoints' meta holds a copy) or start a new run with another --out"
+            ) from None
+        where = str(out / "config.toml")
+        for change in guards.resume_changes(saved, recipe, force=force, where=where):
+            echo(f"--resume --force: {change}")
+    return resume
+
+
+@dataclasses.dataclass
+class RunSetup:
+    """A run ready for its first step (or its next one, when resumed)."""
+
+    out: Path
+    recipe: Recipe
+    data: TokenData
+    config: ModelConfig
+    model: CausalLM | None  # None once `take_state` handed it to the loop
+    opt_state: object
+    train_step: TrainStep
+    checkpoints: RunCheckpoints
+    log: MetricsLog
+    n_params: int
+    n_devices: int
+    total: int  # steps in the whole run
+    start: int  # the first step this process runs (the checkpoint's step when resumed)
+    skipped: int  # non-finite steps skipped before `start` (train.skip_nonfinite)
+    flops_per_token: float  # for MFU (see eqllm.train.mfu)
+    peak_flops: float | None  # the device's peak FLOP/s, None when unknown
+    peak_source: str  # where `peak_flops` comes from
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.recipe.train.batch_size * self.recipe.data.seq_len
+
+    def take_state(self) -> tuple[CausalLM, object]:
+        """(model, opt_state) for the loop, which owns them from now on: the train step donates
+        their buffers, so no other reference to them is kept here."""
+        model, opt_state = self.model, self.opt_state
+        self.model = self.opt_state = None
+        return model, opt_state
+
+    def batch(self, step: int) -> np.ndarray:
+        """This process's rows of step `step`'s global batch."""
+        return batch_at(
+            self.data.train,
+            step=step,
+            seed=self.recipe.train.seed,
+            batch_size=self.recipe.train.batch_size,
+            seq_len=self.recipe.data.seq_len,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
+
+    def checkpoint_meta(self, step: int, skipped: int) -> dict:
+        """What a checkpoint at `step` records besides the arrays: where the run stands."""
+        return {
+            "step": step,
+            "tokens": step * self.tokens_per_step,
+            "data_position": {"seed": self.recipe.train.seed, "next_step": step},
+            "seed": self.recipe.train.seed,
+            "recipe": self.recipe.to_dict(),
+            "metrics_rows": self.log.rows,  # metrics.jsonl is cut back to these rows on resume
+            "nonfinite_skipped": skipped,
+        }
+
+
+def start_run(
+    recipe: Recipe, out: Path, *, resume: bool, progress: bool, echo: Callable[[str], None]
+) -> RunSetup:
+    """Data, model, mesh, optimizer, step, checkpoints and metrics of the run in `out`.
+
+    `resume` (checked by `check_run_folder`) restores the newest intact checkpoint.
+    """
+    data = prepare_data(recipe, progress=progress)
+    data.tokenizer.save(out)
+    model = build_model(recipe, data.tokenizer.vocab_size)
+    # The exact architecture, so the run's checkpoints load without the recipe's init_from.
+    (out / "model_config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    n_params = param_count(eqx.filter(model, eqx.is_array))
+    total = recipe.total_steps(n_params)
+    guards.atomic_write_text(out / "config.toml", recipe.to_toml())
+    seq_len = recipe.data.seq_len
+    if data.train.shape[0] <= seq_len:
+        raise RecipeError(
+            f"data.seq_len={seq_len} needs more than {seq_len} training tokens; the corpus has "
+            f"{data.train.shape[0]} (use more data or a shorter seq_len)"
+        )
+
+    mesh, model, shardings = place_on_mesh(recipe, model)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    optimizer = make_optimizer(recipe.optim, total, params)
+    opt_state = init_opt_state(optimizer, model, shardings)
+    train_step = TrainStep(
+        optimizer,
+        schedule(recipe.optim, total),
+        grad_accum=recipe.train.grad_accum,
+        param_shardings=shardings,
+        batch_sharding=batch_sharding(mesh) if shardings is not None else None,
+    )
+    checkpoints = RunCheckpoints(out / "checkpoints", keep=recipe.train.keep_checkpoints)
+    meta: dict = {"step": 0}
+    if resume:
+        model, opt_state, meta = guards.restore_intact(
+            checkpoints.checkpointer, model, opt_state, echo=echo
+        )
+        checkpoints.last_saved = int(meta["step"])
+    log = MetricsLog(out, int(meta["step"]) if resume else None, meta.get("metrics_rows"))
+    peak, peak_source = device_peak_flops()  # measured on CPU: once per run
+    return RunSetup(
+        out=out,
+        recipe=recipe,
+        data=data,
+        config=model.config,
+        model=model,
+        opt_state=opt_state,
+        train_step=train_step,
+        checkpoints=checkpoints,
+        log=log,
+        n_params=n_params,
+        n_devices=mesh.size,
+        total=total,
+        start=int(meta["step"]),
+        skipped=int(meta.get("nonfinite_skipped", 0)),
+        flops_per_token=model.config.flops_per_token(seq_len),
+        peak_flops=peak,
+        peak_source=peak_source,
+    )
