@@ -126,7 +126,7 @@ def test_missing_model_and_unknown_recipe():
         Recipe.from_dict({"model": {}, "train": {"steps": 1}})
     with pytest.raises(RecipeError, match="^the recipe must be a table, got 5$"):
         Recipe.from_dict(5)
-    with pytest.raises(FileNotFoundError, match="did you mean quickstart"):
+    with pytest.raises(RecipeError, match="did you mean quickstart"):
         load_recipe("quikstart")
 
 

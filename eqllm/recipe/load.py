@@ -24,7 +24,7 @@ def recipe_path(name_or_path: str | os.PathLike) -> Path:
     path = Path(name_or_path)
     if path.suffix == ".toml" or path.is_file():
         if not path.is_file():
-            raise FileNotFoundError(f"recipe file {str(path)!r} does not exist")
+            raise RecipeError(f"recipe file {str(path)!r} does not exist; check the path")
         return path
     shipped = data_dir("recipes") / f"{name_or_path}.toml"
     if shipped.is_file():
@@ -32,7 +32,7 @@ def recipe_path(name_or_path: str | os.PathLike) -> Path:
     names = recipe_names()
     close = difflib.get_close_matches(str(name_or_path), names, n=3, cutoff=0.5)
     hint = f"did you mean {' or '.join(close)}? " if close else ""
-    raise FileNotFoundError(
+    raise RecipeError(
         f"no recipe named {str(name_or_path)!r}; {hint}shipped recipes: {', '.join(names)} "
         "(or give a path to a .toml file)"
     )
