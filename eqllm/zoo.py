@@ -8,7 +8,6 @@ a `ModelConfig` field. Nothing registers itself at import time: the files are th
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 from typing import Any
 
@@ -19,6 +18,7 @@ from jaxtyping import PRNGKeyArray
 
 from eqllm import families
 from eqllm.config import ConfigError, ModelConfig
+from eqllm.errors import did_you_mean
 from eqllm.model import CausalLM
 from eqllm.model import param_count as _count
 from eqllm.resources import data_dir
@@ -70,8 +70,7 @@ def entry(name: str) -> ZooEntry:
     """The zoo entry called `name`; an unknown name lists the closest ones."""
     entries = _entries()
     if name not in entries:
-        close = difflib.get_close_matches(name, list(entries), n=3, cutoff=0.5)
-        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        hint = did_you_mean(name, list(entries))
         raise ConfigError(
             f"unknown zoo model {name!r}; {hint}`eqllm zoo list` shows all {len(entries)} names"
         )

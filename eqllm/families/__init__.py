@@ -8,12 +8,12 @@ generically.
 
 from __future__ import annotations
 
-import difflib
 import functools
 import importlib
 import pkgutil
 
 from eqllm.config import ConfigError
+from eqllm.errors import did_you_mean
 from eqllm.families.base import Family, Row
 
 __all__ = ["Family", "Row", "for_model_type", "get", "names"]
@@ -43,8 +43,7 @@ def get(name: str) -> Family:
     """The family called `name`; an unknown name lists the closest ones."""
     families = _families()
     if name not in families:
-        close = difflib.get_close_matches(name, list(families), n=2, cutoff=0.5)
-        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        hint = did_you_mean(name, list(families))
         raise ConfigError(f"unknown model family {name!r}; {hint}eqllm has {', '.join(families)}")
     return families[name]
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import difflib
 import os
 from pathlib import Path
 from typing import Any
 
 import tomllib
 
+from eqllm.errors import did_you_mean
 from eqllm.recipe.errors import RecipeError
 from eqllm.recipe.spec import RUN_LENGTH, Recipe, clear_run_length, set_path
 from eqllm.resources import data_dir
@@ -30,8 +30,7 @@ def recipe_path(name_or_path: str | os.PathLike) -> Path:
     if shipped.is_file():
         return shipped
     names = recipe_names()
-    close = difflib.get_close_matches(str(name_or_path), names, n=3, cutoff=0.5)
-    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    hint = did_you_mean(str(name_or_path), names)
     raise RecipeError(
         f"no recipe named {str(name_or_path)!r}; {hint}shipped recipes: {', '.join(names)} "
         "(or give a path to a .toml file)"
