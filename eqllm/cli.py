@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from eqllm.commands import analyze, bench, convert, generate, run, zoo
 from eqllm.commands import eval as eval_
@@ -23,8 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _print_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"eqllm: warning: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     configure_process()  # first: before any command starts JAX's CPU backend
+    warnings.showwarning = _print_warning  # one line each, like the errors
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

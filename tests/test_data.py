@@ -10,6 +10,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
 from eqllm.data import (
+    DataError,
     DataSource,
     TokenData,
     Tokenizer,
@@ -108,7 +109,8 @@ def test_pretrained_eot_from_config_or_vocab(tmp_path):
 
 
 def test_folder_source_skips_binary(folder):
-    docs = list(DataSource.files(folder).documents())
+    with pytest.warns(UserWarning, match=r"skipped 1 file.*broken.txt \(not UTF-8\)"):
+        docs = list(DataSource.files(folder).documents())
     assert sorted(docs) == sorted(TEXTS)
     assert list(DataSource.files(folder).documents()) == docs  # fixed order
     assert list(DataSource.files(folder / "doc0.txt").documents()) == [TEXTS[0]]
@@ -156,10 +158,20 @@ def test_source_errors(tmp_path):
         DataSource.jsonl(tmp_path / "nowhere.jsonl").documents()
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "blob.txt").write_bytes(b"\xff\xfe\xfa")
-    with pytest.raises(ValueError, match="no documents"):
+    with pytest.raises(DataError, match=r"no documents.*skipped 1 file.*blob.txt \(not UTF-8\)"):
         list(DataSource.files(tmp_path).documents())
     with pytest.raises(ValueError, match="kind"):
         DataSource(kind="web")  # type: ignore[arg-type]
+
+
+def test_unreadable_files_are_counted_and_named(tmp_path):
+    (tmp_path / "a.txt").write_text("some text")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "zeros.txt").write_bytes(b"ab\x00cd")
+    with pytest.warns(
+        UserWarning, match=r"skipped 2 file\(s\).*latin1.txt \(not UTF-8\).*zeros.txt \(binary\)"
+    ):
+        assert list(DataSource.files(tmp_path).documents()) == ["some text"]
 
 
 # Token files --------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import os
 import sys
 import sysconfig
 import typing
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
@@ -142,31 +143,43 @@ class DataSource:
     def documents(self) -> Iterator[str]:
         """Return an iterator over the non-empty documents, in a fixed order, at most ``max_bytes``.
 
-        Raises `FileNotFoundError` for a missing path and `ValueError` when the source holds no
-        text at all.
+        Files that are not UTF-8 text (or cannot be read) are skipped, and said so in one
+        warning once the iterator is exhausted. Raises `DataNotFound` for a missing path and
+        `DataError` when the source holds no readable text at all.
         """
         # Paths are resolved here, eagerly, so a missing path fails at the call, not later.
+        skipped: list[str] = []
         if self.kind == "stdlib":
-            docs = _read_files(_stdlib_files())
+            docs = _read_files(_stdlib_files(), skipped)
         elif self.kind == "files":
-            docs = _read_files(self._files())
+            docs = _read_files(self._files(), skipped)
         elif self.kind == "jsonl":
             docs = _read_jsonl(self._files(), self.text_field)
         else:
             docs = self._hf_documents()
-        return self._checked(_cap(docs, self.max_bytes))
+        return self._checked(_cap(docs, self.max_bytes), skipped)
 
-    def _checked(self, docs: Iterator[str]) -> Iterator[str]:
+    def _checked(self, docs: Iterator[str], skipped: list[str]) -> Iterator[str]:
         count = 0
         for doc in docs:
             count += 1
             yield doc
+        unread = ""
+        if skipped:
+            shown = ", ".join(skipped[:3]) + (
+                f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+            )
+            unread = (
+                f"skipped {len(skipped)} file(s) that are not UTF-8 text or unreadable: {shown}"
+            )
         if count == 0:
             raise DataError(
                 f"{self.describe()} yielded no documents: the files are empty, not UTF-8 text, or "
                 "have no text in the expected field. Point the source at text data (or check "
-                "`text_field`/`glob`)."
+                f"`text_field`/`glob`).{' It ' + unread + '.' if unread else ''}"
             )
+        if unread:
+            warnings.warn(f"{self.describe()}: {unread}", stacklevel=2)
 
     def fingerprint(self) -> str:
         """A stable hex digest of the spec and of the local files' sizes and mtimes."""
@@ -301,13 +314,20 @@ def _stdlib_files() -> list[Path]:
     return sorted(f for f in files if f.is_file())
 
 
-def _read_files(files: list[Path]) -> Iterator[str]:
+def _read_files(files: list[Path], skipped: list[str]) -> Iterator[str]:
+    """The UTF-8 text of each file; the others are appended to `skipped`, with the reason."""
     for f in files:
         try:
             text = f.read_bytes().decode("utf-8")
-        except (UnicodeDecodeError, OSError):
+        except UnicodeDecodeError:
+            skipped.append(f"{f.name} (not UTF-8)")
             continue
-        if text and "\x00" not in text:
+        except OSError as e:
+            skipped.append(f"{f.name} ({e.strerror or type(e).__name__})")
+            continue
+        if "\x00" in text:
+            skipped.append(f"{f.name} (binary)")
+        elif text:
             yield text
 
 
