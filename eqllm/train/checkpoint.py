@@ -29,6 +29,7 @@ from eqllm.train.guards import (
     CheckpointMismatch,
     CheckpointWriteError,
     MissingRunFile,
+    UnverifiedCheckpoint,
     fingerprints,
     save_error,
     verify_fingerprints,
@@ -94,12 +95,13 @@ class Checkpointer:
             self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         )
 
-    def restore(self, model, opt_state, step: int | None = None):
+    def restore(self, model, opt_state, step: int | None = None, *, verify: bool = True):
         """(model, opt_state, meta) of checkpoint `step` (default latest), shaped like the inputs.
 
         `model` and `opt_state` are templates (e.g. freshly initialised); their arrays are
         replaced by the saved ones. A template that does not match the checkpoint is an error
-        naming the differing arrays.
+        naming the differing arrays. The arrays are checked against the checksums saved with
+        them; a checkpoint without checksums is refused unless `verify` is False.
         """
         step = self._step(step)
         template = _state_tree(model, opt_state)
@@ -123,7 +125,15 @@ class Checkpointer:
             raise CheckpointMismatch(
                 f"checkpoint {self.directory / str(step)} lacks arrays {missing[:5]}"
             )
-        garbled = verify_fingerprints(restored, saved_meta.get("fingerprints", {}))
+        expected = saved_meta.get("fingerprints") or {}
+        unchecked = sorted(set(template) - set(expected))
+        if verify and unchecked:
+            raise UnverifiedCheckpoint(
+                f"checkpoint {self.directory / str(step)} has no checksums for arrays "
+                f"{unchecked[:3]}{' ...' if len(unchecked) > 3 else ''}, so it cannot be shown "
+                "intact; resume with --force to restore it unverified"
+            )
+        garbled = verify_fingerprints(restored, expected)
         if garbled:
             raise CheckpointMismatch(
                 f"checkpoint {self.directory / str(step)}: arrays {garbled[:5]} do not match the "

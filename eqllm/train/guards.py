@@ -72,6 +72,10 @@ class CheckpointMismatch(RunFolderError):
     """A checkpoint's arrays do not match the model and optimizer state it is restored into."""
 
 
+class UnverifiedCheckpoint(RunFolderError):
+    """A checkpoint without the checksums that would show it intact; restored only with --force."""
+
+
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (disk full, folder not writable, ...).
 
@@ -214,18 +218,53 @@ def move_aside(path: Path) -> Path:
     return target
 
 
-def restore_intact(checkpointer, model, opt_state, *, echo: Callable[[str], None] = print):
+# Failures that say nothing about the checkpoint's files: a bug, memory, or a read the system
+# could not do now (a transient I/O error). They propagate and nothing is moved aside.
+_NOT_DAMAGE = (
+    MemoryError,
+    TypeError,
+    AttributeError,
+    NameError,
+    AssertionError,
+    ImportError,
+    NotImplementedError,
+    RecursionError,
+    UnverifiedCheckpoint,
+)
+# Errors of the file system that mean the checkpoint's files are missing: damage.
+_MISSING = (errno.ENOENT, errno.ENOTDIR)
+
+
+def is_damage(e: BaseException) -> bool:
+    """Whether a failure to restore a checkpoint shows that its files are damaged.
+
+    Checksum and shape mismatches, unreadable or missing files, undecodable data are damage;
+    bugs, running out of memory and I/O errors other than a missing file are not.
+    """
+    if isinstance(e, _NOT_DAMAGE):
+        return False
+    os_error = _root_os_error(e)
+    return os_error is None or os_error.errno in _MISSING
+
+
+def restore_intact(
+    checkpointer, model, opt_state, *, force: bool = False, echo: Callable[[str], None] = print
+):
     """(model, opt_state, meta) of the newest checkpoint that restores and verifies.
 
-    Each damaged newer checkpoint is reported through `echo` and moved aside to
-    `<step>.damaged`. Raises `DamagedCheckpoint` (moving nothing) when none is intact.
+    Each damaged newer checkpoint (`is_damage`) is reported through `echo` and moved aside to
+    `<step>.damaged`; any other failure propagates, moving nothing. Raises `DamagedCheckpoint`
+    (moving nothing) when none is intact. A checkpoint without checksums is refused
+    (`UnverifiedCheckpoint`) unless `force`.
     """
     steps = sorted(checkpointer.steps(), reverse=True)
     damaged: list[tuple[int, str]] = []
     for step in steps:
         try:
-            result = checkpointer.restore(model, opt_state, step)
-        except Exception as e:  # any failure to read or verify makes this one unusable
+            result = checkpointer.restore(model, opt_state, step, verify=not force)
+        except Exception as e:
+            if not is_damage(e):
+                raise
             damaged.append((step, _describe(e)))
             continue
         for bad_step, why in damaged:
@@ -296,6 +335,8 @@ __all__ = [
     "fingerprints",
     "move_aside",
     "recipe_diff",
+    "UnverifiedCheckpoint",
+    "is_damage",
     "restore_intact",
     "resume_changes",
     "save_error",

@@ -132,7 +132,7 @@ def run(
     resume = check_run_folder(out, recipe, resume=resume, force=force, echo=echo)
     out.mkdir(parents=True, exist_ok=True)
     cache = setup_compile_cache(recipe.train.compile_cache)
-    setup = start_run(recipe, out, resume=resume, progress=progress, echo=echo)
+    setup = start_run(recipe, out, resume=resume, progress=progress, echo=echo, force=force)
     _announce(setup, echo, resume=resume)
     state = RunState(step=setup.start, skipped=setup.skipped)
     meter = Throughput(setup.tokens_per_step)

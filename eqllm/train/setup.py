@@ -216,11 +216,18 @@ class RunSetup:
 
 
 def start_run(
-    recipe: Recipe, out: Path, *, resume: bool, progress: bool, echo: Callable[[str], None]
+    recipe: Recipe,
+    out: Path,
+    *,
+    resume: bool,
+    progress: bool,
+    echo: Callable[[str], None],
+    force: bool = False,
 ) -> RunSetup:
     """Data, model, mesh, optimizer, step, checkpoints and metrics of the run in `out`.
 
-    `resume` (checked by `check_run_folder`) restores the newest intact checkpoint.
+    `resume` (checked by `check_run_folder`) restores the newest intact checkpoint; `force`
+    accepts one written without checksums.
     """
     data = prepare_data(recipe, progress=progress)
     data.tokenizer.save(out)
@@ -252,7 +259,7 @@ def start_run(
     meta: dict = {"step": 0}
     if resume:
         model, opt_state, meta = guards.restore_intact(
-            checkpoints.checkpointer, model, opt_state, echo=echo
+            checkpoints.checkpointer, model, opt_state, force=force, echo=echo
         )
         checkpoints.last_saved = int(meta["step"])
     log = MetricsLog(out, int(meta["step"]) if resume else None, meta.get("metrics_rows"))

@@ -1,6 +1,7 @@
 """Damaged checkpoints, failed saves, changed recipes on resume and non-finite steps."""
 
 import errno
+import json
 import shutil
 
 import jax.numpy as jnp
@@ -103,6 +104,47 @@ def test_damaged_checkpoint_falls_back_loudly_and_is_kept(env, tmp_path, damage)
     assert (out / "checkpoints" / "9.damaged").is_dir()
     assert Checkpointer(out / "checkpoints").steps() == [9, 12]
     assert curves(out) == expected  # steps 7-12 redone exactly
+
+
+def strip_checksums(ckpt):
+    """The checkpoint as an older writer left it: metadata without the arrays' checksums."""
+    for path in files_of(ckpt / "meta"):
+        text = path.read_text()
+        if '"fingerprints"' in text:
+            meta = json.loads(text)
+            meta.pop("fingerprints")
+            path.write_text(json.dumps(meta))
+
+
+def test_checkpoint_without_checksums_is_refused_unless_forced(env, tmp_path):
+    _, recipe, expected = env
+    out = copy_run(env, tmp_path)
+    for step in ("6", "9"):
+        strip_checksums(out / "checkpoints" / step)
+    kw = {"progress": False, "final_eval": False, "echo": quiet}
+    with pytest.raises(guards.UnverifiedCheckpoint, match="no checksums.*--force"):
+        loop_mod.run(recipe, out, resume=True, **kw)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["6", "9"]  # none moved
+    result = loop_mod.run(recipe, out, resume=True, force=True, **kw)
+    assert result.step == STEPS and curves(out) == expected
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [MemoryError(), OSError(errno.EIO, "Input/output error"), TypeError("a bug")],
+    ids=["memory", "io-error", "bug"],
+)
+def test_a_restore_failure_that_is_not_damage_moves_nothing(env, tmp_path, monkeypatch, failure):
+    _, recipe, _ = env
+    out = copy_run(env, tmp_path)
+
+    def failing(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(Checkpointer, "restore", failing)
+    with pytest.raises(type(failure)):
+        loop_mod.run(recipe, out, resume=True, progress=False, final_eval=False, echo=quiet)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["6", "9"]
 
 
 def test_no_intact_checkpoint_is_an_error_that_moves_nothing(env, tmp_path, capsys):
