@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -102,7 +103,15 @@ def kill_at(recipe: Path, out: Path, plan, *, rng=None, timeout: float = 240) ->
     many seconds after this process logged its first metrics row). Returns counts: kills,
     kills during a checkpoint write, and the final child's output.
     """
-    stats = {"kills": 0, "during_checkpoint_write": 0, "phases": []}
+    stats = {"kills": 0, "during_checkpoint_write": 0, "phases": [], "resumes": []}
+    killed_at = None  # (last step logged before the latest kill, whether a save was in flight)
+
+    def resumed(output: str) -> None:
+        """Record (last step logged, save in flight, step the next process resumed at)."""
+        if killed_at is not None:
+            found = re.search(r"resuming at step (\d+)", output)
+            stats["resumes"].append((*killed_at, int(found.group(1)) if found else None))
+
     for item in plan:
         marker = out.parent / f"{out.name}.paused"
         marker.unlink(missing_ok=True)
@@ -119,8 +128,10 @@ def kill_at(recipe: Path, out: Path, plan, *, rng=None, timeout: float = 240) ->
                 break
             time.sleep(0.05)
         if proc.poll() == 0 and not pause:  # finished within the random delay: no kill
+            resumed(proc.stdout.read().decode())
             proc.stdout.close()
             stats["finished_before_kill"] = stats.get("finished_before_kill", 0) + 1
+            killed_at = None
             continue
         if proc.poll() is not None:
             raise AssertionError(
@@ -132,15 +143,56 @@ def kill_at(recipe: Path, out: Path, plan, *, rng=None, timeout: float = 240) ->
         in_write = checkpoint_write_in_progress(out, started)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
+        resumed(proc.stdout.read().decode())
         proc.stdout.close()
+        killed_at = (last_step(out), bool(in_write))
         stats["kills"] += 1
         stats["during_checkpoint_write"] += in_write
         stats["phases"].append(pause.split(":")[0] if pause else f"random {float(item):.2f}s")
     proc = start(recipe, out)
     output = proc.communicate(timeout=timeout)[0].decode()
     assert proc.returncode == 0, output[-3000:]
+    resumed(output)
     stats["output"] = output
     return stats
+
+
+def last_step(out: Path) -> int:
+    """The last training step metrics.jsonl records (0 when none)."""
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    steps = [0]
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by the kill
+            continue
+        if "loss" in row:
+            steps.append(row["step"])
+    return max(steps)
+
+
+def check_resumes(stats: dict, checkpoint_every: int) -> None:
+    """Every restart resumed from a checkpoint, redoing at most `checkpoint_every` steps.
+
+    A kill while a checkpoint was being written loses that one (it is committed atomically or
+    not at all), so up to twice `checkpoint_every` steps are redone then. A restart from step 0
+    after training had passed a checkpoint (a resume that silently started over) fails here,
+    though its final losses would be the same.
+    """
+    assert stats["resumes"], "no restart was recorded"
+    for killed_at, in_write, resumed_at in stats["resumes"]:
+        assert resumed_at is not None, f"a restart after step {killed_at} did not resume"
+        assert resumed_at <= killed_at and resumed_at % checkpoint_every == 0, (
+            killed_at,
+            resumed_at,
+        )
+        allowed = checkpoint_every * (2 if in_write else 1)
+        assert killed_at - resumed_at <= allowed, (
+            f"killed after step {killed_at}{' during a checkpoint write' if in_write else ''}, "
+            f"resumed at step {resumed_at}: more than {allowed} steps redone"
+        )
 
 
 def curves(out: Path) -> dict[tuple[int, str], float]:

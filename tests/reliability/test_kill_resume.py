@@ -3,7 +3,15 @@
 import numpy as np
 import pytest
 
-from .harness import curves, kill_at, make_corpus, start, tiny_recipe, write_recipe
+from .harness import (
+    check_resumes,
+    curves,
+    kill_at,
+    make_corpus,
+    start,
+    tiny_recipe,
+    write_recipe,
+)
 
 STEPS = 30
 
@@ -41,6 +49,7 @@ def test_killed_three_times_resumes_to_the_same_losses(root, record_property):
     out = root / "killed"
     stats = kill_at(recipe, out, DEFAULT_PLAN)
     assert stats["kills"] == 3 and stats["during_checkpoint_write"] >= 1
+    check_resumes(stats, checkpoint_every=5)
     check_same(curves(out), expected)
     record_property("kills", stats["kills"])
 
@@ -66,5 +75,6 @@ def test_random_kills_resume_to_the_same_losses(root, name, kw, record_property)
         f"during a checkpoint write, {stats.get('finished_before_kill', 0)} finished first"
     )
     assert stats["kills"] >= 6 and stats["during_checkpoint_write"] >= 2
+    check_resumes(stats, checkpoint_every=5)
     check_same(curves(out), expected, steps=60)
     record_property("kills", stats["kills"])
