@@ -13,6 +13,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 import eqllm  # noqa: E402
 
+pytest_plugins = ["ci_strict"]  # with CI=true a skip fails (tests/ci_strict.py)
+
 TINY = dict(vocab_size=97, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=64)
 
 TINY_CONFIGS = {

@@ -158,6 +158,5 @@ def test_analyze_model_smoke():
 
 
 def test_analyze_rejects_non_run_folder(tmp_path):
-    pytest.importorskip("eqllm.train.loop")
     with pytest.raises(FileNotFoundError, match="not a run folder"):
         analyze.analyze_run(tmp_path)

@@ -47,3 +47,25 @@ def test_every_documented_subcommand_is_registered():
     parser = cli.build_parser()
     commands = parser._subparsers._group_actions[0].choices
     assert set(commands) >= {"zoo", "run", "eval", "generate", "convert", "bench", "analyze"}
+
+
+def test_a_skip_fails_in_ci(tmp_path):
+    """With CI=true a missing extra is a failure, not a silent skip (tests/ci_strict.py)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "test_extra.py").write_text(
+        'import pytest\nnot_there = pytest.importorskip("no_such_extra_module")\n'
+        "def test_x():\n    pass\n"
+    )
+    tests = str(Path(__file__).parent)
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "ci_strict", "-p", "no:cacheprovider"]
+    args += ["--rootdir", str(tmp_path), str(tmp_path)]
+    # Exit 5: nothing ran (the module skipped); 2: a collection error stopped the run.
+    for ci, expected in (("", 5), ("true", 2)):
+        env = {**os.environ, "CI": ci, "PYTHONPATH": tests}
+        result = subprocess.run(args, env=env, capture_output=True, text=True, cwd=tmp_path)
+        assert result.returncode == expected, result.stdout[-2000:]
+    assert "module skipped with CI=true" in result.stdout
