@@ -74,10 +74,11 @@ def main() -> int:
         d_ff=512,
         vocab_size=4096,
         max_seq_len=128,
+        scan_layers=True,  # llama-nano unrolls its layers; the counts per layer need the scan
     )
     model = eqllm.CausalLM(cfg, key=jax.random.key(0))
     print(
-        f"llama-nano width {cfg.d_model}, {cfg.n_layers} layers, batch 16 x seq 128, "
+        f"llama-nano width {cfg.d_model}, {cfg.n_layers} scanned layers, batch 16 x seq 128, "
         f"{jax.device_count()} {jax.devices()[0].platform} devices, jax {jax.__version__}"
     )
     print(f"{'mesh':<24}{'where':<10}" + "".join(f"{k:>20}" for k in KINDS[:3]) + "  design")

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 
 from eqllm import zoo
-from eqllm.bench.jax_bench import HostPeak, JaxBench, MatmulProbe, bench_config, random_tokens
+from eqllm.bench.jax_bench import JaxBench, MatmulProbe, bench_config, random_tokens
 from eqllm.bench.report import (
     FLOPS_CONVENTION,
     BenchResult,
@@ -131,14 +131,12 @@ def run_bench(
         cfg = bench_config(zoo.config(name, **(overrides or {})), seq, dtype, remat)
         tokens = random_tokens(cfg.vocab_size, batch, seq)
         flops = cfg.flops_per_token(seq)
-        benches, compile_s, host = [], {}, {}
+        benches, compile_s = [], {}
 
-        with HostPeak() as hp:
-            jb = JaxBench(cfg, tokens, optim=optim)
-            compile_s[jb.framework] = jb.compile()
-            for _ in range(warmup):
-                jb.step()
-        host[jb.framework] = hp.bytes
+        jb = JaxBench(cfg, tokens, optim=optim)
+        compile_s[jb.framework] = jb.compile()
+        for _ in range(warmup):
+            jb.step()
         benches.append(jb)
         log(
             f"{name}: eqllm compiled in {compile_s[jb.framework]:.1f}s "
@@ -150,12 +148,10 @@ def run_bench(
             from eqllm.bench.torch_bench import TorchBench
 
             for compiled in (False, True) if torch_compile else (False,):
-                with HostPeak() as hp:
-                    tb = TorchBench(cfg, tokens, optim=optim, compiled=compiled)
-                    first[tb.framework] = tb.step()
-                    for _ in range(max(warmup - 1, 0)):
-                        tb.step()
-                host[tb.framework] = hp.bytes
+                tb = TorchBench(cfg, tokens, optim=optim, compiled=compiled)
+                first[tb.framework] = tb.step()
+                for _ in range(max(warmup - 1, 0)):
+                    tb.step()
                 benches.append(tb)
                 log(f"{name}: {tb.framework} first step {first[tb.framework]:.1f}s")
 
@@ -202,7 +198,6 @@ def run_bench(
                     peak_source=source,
                     memory_bytes=mem,
                     memory_source=mem_source,
-                    host_peak_bytes=host.get(b.framework),
                     remat=remat if isinstance(b, JaxBench) else "none",
                     xla_flops_per_token=(
                         b.xla_flops / (batch * seq)

@@ -7,7 +7,6 @@ one compiled call, with the model and optimizer state donated.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -19,42 +18,6 @@ from eqllm.model import CausalLM, param_count
 from eqllm.recipe import OptimSpec
 from eqllm.train.optim import make_optimizer, schedule
 from eqllm.train.step import TrainStep, init_opt_state
-
-_STATUS = Path("/proc/self/status")
-
-
-def host_rss() -> tuple[int | None, int | None]:
-    """(resident, peak resident) bytes of this process, from /proc (None off Linux)."""
-    try:
-        fields = dict(
-            line.split(":", 1) for line in _STATUS.read_text().splitlines() if ":" in line
-        )
-        return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None, None
-
-
-def reset_host_peak() -> None:
-    """Reset the process's peak-resident counter (Linux: write 5 to clear_refs); else a no-op."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
-class HostPeak:
-    """Growth of the process's peak resident memory inside a `with` block (None off Linux)."""
-
-    def __enter__(self) -> HostPeak:
-        reset_host_peak()
-        self.start, _ = host_rss()
-        self.bytes: int | None = None
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _, peak = host_rss()
-        if self.start is not None and peak is not None:
-            self.bytes = max(peak - self.start, 0)
 
 
 def random_tokens(vocab_size: int, batch: int, seq: int, seed: int = 0) -> np.ndarray:

@@ -39,7 +39,6 @@ class BenchResult:
     peak_source: str
     memory_bytes: int | None
     memory_source: str
-    host_peak_bytes: int | None = None
     remat: str = "none"
     xla_flops_per_token: float | None = None
 
@@ -90,7 +89,6 @@ def table_rows(results: list[BenchResult]) -> tuple[list[str], list[list[str]]]:
         "MFLOP/token",
         "MFU",
         "memory MiB",
-        "host peak MiB",
     ]
     base = {
         (r.variant, r.remat): r.tokens_per_s for r in results if r.framework.startswith("eqllm")
@@ -112,7 +110,6 @@ def table_rows(results: list[BenchResult]) -> tuple[list[str], list[list[str]]]:
                 f"{r.flops_per_token / 1e6:.1f}",
                 "-" if r.mfu is None else f"{100 * r.mfu:.1f}%",
                 _mib(r.memory_bytes),
-                _mib(r.host_peak_bytes),
             ]
         )
     return header, rows
@@ -163,8 +160,6 @@ def write_report(
         )
         + ".",
         "Memory: " + "; ".join(sorted({f"{r.framework}: {r.memory_source}" for r in results})),
-        "Host peak: growth of the process's peak resident memory while that framework was "
-        "built and warmed up (Linux VmHWM, reset first).",
         "",
     ]
     if plots:

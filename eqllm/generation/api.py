@@ -138,7 +138,10 @@ def generate_batch(
         key: one PRNG key (split into one per prompt) or an array of one key per prompt. Row i
             with key k_i gives what `generate(model, prompts[i], key=k_i)` gives.
         temperature: divides the logits; 0 is greedy decoding.
-        top_k, top_p, min_p, repetition_penalty: see `filter_logits` and `penalize_repetition`.
+        top_k: see `filter_logits`.
+        top_p: see `filter_logits`.
+        min_p: see `filter_logits`.
+        repetition_penalty: see `penalize_repetition`.
         stop_tokens: a row ends after producing one of these (it is included in the output).
 
     Returns:

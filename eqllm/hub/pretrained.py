@@ -70,7 +70,8 @@ def from_pretrained(
             model.safetensors.index.json), or a hub repo id, downloaded into the hub cache.
         dtype: parameter dtype ('float32', 'bfloat16', 'float16'); None keeps the checkpoint's.
             The compute dtype is set to the same (change it with `model.with_config`).
-        revision, local_files_only: passed to `huggingface_hub.snapshot_download`.
+        revision: passed to `huggingface_hub.snapshot_download`.
+        local_files_only: passed to `huggingface_hub.snapshot_download`.
 
     Raises CheckpointError naming the file and tensor for a missing, misshapen or unexpected
     tensor; ConfigError naming the field for an unsupported config.json.

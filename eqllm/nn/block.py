@@ -13,10 +13,11 @@ from eqllm.nn.norm import LayerNorm, RMSNorm
 class Block(eqx.Module):
     """x + attn(norm1(x)), then x + mlp(norm2(x)), on one sequence or a batch of them.
 
-    Arguments:
+    Attributes:
+        attn_norm: the norm applied before attention.
         attn: the self-attention layer.
+        mlp_norm: the norm applied before the feed-forward layer.
         mlp: the feed-forward layer.
-        attn_norm, mlp_norm: the norms applied before each.
     """
 
     attn_norm: RMSNorm | LayerNorm

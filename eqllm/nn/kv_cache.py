@@ -20,8 +20,9 @@ from eqllm.errors import EqllmError
 class KVCache(eqx.Module):
     """Past keys and values of one sequence in one layer (stack it for several layers).
 
-    Arguments:
-        k, v: keys and values, one row per slot.
+    Attributes:
+        k: keys, one row per slot.
+        v: values, one row per slot.
         positions: the position each slot holds; negative for an empty slot.
     """
 

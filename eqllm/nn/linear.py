@@ -44,7 +44,8 @@ class Linear(eqx.Module):
     """y = x W^T (+ b) over the last axis of `x`, whatever its leading axes.
 
     Arguments:
-        in_features, out_features: sizes of the input and output.
+        in_features: size of the input.
+        out_features: size of the output.
         axes: logical names of the output and input axes, e.g. `("d_ff", "d_model")`.
         use_bias: learn an additive bias.
         init: initialisation role, "normal" or "residual" (see `InitRole`).
@@ -88,7 +89,8 @@ class Embedding(eqx.Module):
     """A lookup table: row `i` of the weight for token (or position) `i`.
 
     Arguments:
-        num_embeddings, dim: table size.
+        num_embeddings: rows of the table.
+        dim: size of each row.
         axes: logical names of the row and column axes, e.g. `("vocab", "d_model")`.
     """
 

@@ -49,11 +49,13 @@ def rope_inv_freq(
 class RotaryEmbedding(eqx.Module):
     """Rotates query/key heads by their absolute position.
 
-    Arguments:
+    Attributes:
         head_dim: size of one head (even).
         theta: base of the frequencies.
-        llama3_factor, low_freq_factor, high_freq_factor, original_max_seq_len: the Llama 3
-            scaling (see `rope_inv_freq`); None disables it.
+        llama3_factor: the Llama 3 scaling factor (see `rope_inv_freq`); None disables it.
+        low_freq_factor: Llama 3 scaling: the low-frequency factor.
+        high_freq_factor: Llama 3 scaling: the high-frequency factor.
+        original_max_seq_len: Llama 3 scaling: the context the model was trained with.
     """
 
     head_dim: int = eqx.field(static=True)
