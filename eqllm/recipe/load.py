@@ -55,8 +55,10 @@ def load_recipe(
     parsed = []
     for item in overrides:
         key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise RecipeError(f"--set {item!r}: expected key=value, e.g. train.steps=100")
+        if not sep or not all(part.strip() for part in key.split(".")):
+            raise RecipeError(
+                f"--set {item!r}: expected key=value with a dotted key, e.g. train.steps=100"
+            )
         parsed.append((key.strip(), parse_value(text.strip())))
     if any(key in RUN_LENGTH for key, _ in parsed):
         clear_run_length(values)
