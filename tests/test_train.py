@@ -18,6 +18,7 @@ from eqllm.eval.evaluate import evaluate_run
 from eqllm.recipe import OptimSpec, Recipe
 from eqllm.train import TrainStep, init_opt_state, make_optimizer, schedule
 from eqllm.train import loop as loop_mod
+from eqllm.train import report as report_mod
 from eqllm.train.checkpoint import Checkpointer
 from tests.reliability.harness import make_corpus
 from tests.reliability.harness import tiny_recipe as harness_recipe
@@ -185,22 +186,29 @@ def test_stop_and_resume_is_bit_exact(env, tmp_path):
         assert np.array_equal(a, b)
 
 
-def test_resume_at_the_last_step_finishes_the_run_folder(env, tmp_path, monkeypatch, capsys):
-    """Killed after the final checkpoint but before the final evaluation and report: --resume
-    runs no step and writes what is missing."""
+@pytest.mark.parametrize(
+    "module, phase",
+    [(loop_mod, "summarize"), (report_mod, "evaluate_run"), (report_mod, "write_report")],
+    ids=["before-final-eval", "during-final-eval-and-samples", "during-report"],
+)
+def test_resume_at_the_last_step_finishes_the_run_folder(
+    env, tmp_path, monkeypatch, capsys, module, phase
+):
+    """Killed after the final checkpoint (before or during the final evaluation and samples, or
+    while the report is written): --resume runs no step and writes what is missing."""
     recipe = tmp_path / "tiny.toml"
     recipe.write_text(tiny_recipe(env, steps=4).to_toml())
     out = tmp_path / "run"
 
     def killed(*args, **kwargs):
-        raise KeyboardInterrupt  # stands in for a kill at the end of training
+        raise KeyboardInterrupt  # stands in for a kill in that phase
 
-    monkeypatch.setattr(loop_mod, "summarize", killed)
+    monkeypatch.setattr(module, phase, killed)
     with pytest.raises(KeyboardInterrupt):
         main(["run", str(recipe), "--out", str(out), "--no-progress"])
     monkeypatch.undo()
     assert Checkpointer(out / "checkpoints").latest_step() == 4
-    assert not (out / "report.md").exists() and not (out / "summary.json").exists()
+    assert not (out / "report.md").exists()
     capsys.readouterr()
     assert main(["run", str(recipe), "--out", str(out), "--resume", "--no-progress"]) == 0
     printed = capsys.readouterr()
