@@ -26,6 +26,8 @@ from eqllm.cli import main as cli_main  # noqa: E402
 from eqllm.commands.eval import write_report_section  # noqa: E402
 from eqllm.data import Tokenizer  # noqa: E402
 from eqllm.hub.folders import save_tokenizer  # noqa: E402
+from eqllm.train import loop  # noqa: E402
+from tests.reliability.harness import make_corpus, tiny_recipe  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TASKS_DIR = REPO / "tests" / "harness_tasks"
@@ -192,3 +194,22 @@ def test_lm_eval_command_line_uses_the_registered_backend(folder, tmp_path):
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "eqllm_toy_cloze" in done.stdout and list((tmp_path / "out").rglob("results_*.json"))
+
+
+@pytest.mark.slow  # trains a tiny run first (~50 s on two cores)
+def test_eval_tasks_on_a_run_folder_writes_its_report(tmp_path, monkeypatch):
+    monkeypatch.setenv("EQLLM_CACHE", str(tmp_path / "cache"))
+    recipe = tiny_recipe(tmp_path, make_corpus(tmp_path), steps=2, eval_every=2)
+    run = loop.run(recipe, tmp_path / "run", progress=False, echo=lambda *a: None).out_dir
+    monkeypatch.chdir(REPO)
+    args = ["--tasks", "eqllm_toy_cloze", "--include-path", str(TASKS_DIR), "--limit", "2"]
+    assert cli_main(["eval", str(run), *args]) == 0
+    assert json.loads((run / "harness-2.json").read_text())["results"]["eqllm_toy_cloze"]
+    assert "## lm-evaluation-harness, step 2" in (run / "report.md").read_text()
+
+
+def test_a_zoo_name_needs_a_tokenizer(folder):
+    with pytest.raises(eqllm.EqllmError, match="without a tokenizer"):
+        eqllm.harness.EqllmLM("llama-nano")  # a zoo name has fresh weights and no tokenizer
+    lm = eqllm.harness.EqllmLM("llama-nano", tokenizer=str(folder), batch_size=2)
+    assert lm.max_length == eqllm.zoo.config("llama-nano").max_seq_len
