@@ -213,3 +213,44 @@ def test_a_zoo_name_needs_a_tokenizer(folder):
         eqllm.harness.EqllmLM("llama-nano")  # a zoo name has fresh weights and no tokenizer
     lm = eqllm.harness.EqllmLM("llama-nano", tokenizer=str(folder), batch_size=2)
     assert lm.max_length == eqllm.zoo.config("llama-nano").max_seq_len
+
+
+@pytest.fixture(scope="module")
+def bos_folder(folder, tmp_path_factory):
+    """The same model with a tokenizer that prepends a BOS token (Llama-style post-processor)."""
+    out = tmp_path_factory.mktemp("harness-bos")
+    for file in folder.iterdir():
+        (out / file.name).write_bytes(file.read_bytes())
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    eot = "<|endoftext|>"
+    eot_id = next(t["id"] for t in spec["added_tokens"] if t["content"] == eot)
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [
+            {"SpecialToken": {"id": eot, "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+        ],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {eot: {"id": eot, "ids": [eot_id], "tokens": [eot]}},
+    }
+    (out / "tokenizer.json").write_text(json.dumps(spec))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": eot}))
+    return out
+
+
+def test_bos_and_empty_context_encoding_match_hf(bos_folder):
+    from lm_eval.api.instance import Instance
+
+    ours = eqllm.harness.EqllmLM(str(bos_folder), batch_size=4)
+    ref = lm_eval.api.registry.get_model("hf")(
+        pretrained=str(bos_folder), batch_size=4, device="cpu"
+    )
+    texts = ["The red fox", "<|endoftext|>The red fox", " hides in the barn. "]
+    assert [ours.tok_encode(t) for t in texts] == [ref.tok_encode(t) for t in texts]
+    assert ours.tok_encode(texts[0])[0] == ours.prefix_token_id == ref.prefix_token_id
+    pairs = [("", "The red fox"), ("The red fox ", "hides"), ("<|endoftext|>The", " cat")]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    a, b = ours.loglikelihood(requests), ref.loglikelihood(requests)
+    np.testing.assert_allclose([x for x, _ in a], [x for x, _ in b], atol=1e-4, rtol=0)
+    assert [g for _, g in a] == [g for _, g in b]
