@@ -82,8 +82,7 @@ def _fit(model, tokenizer: Tokenizer, steps: int = 60) -> None:
     model.eval()
 
 
-def _run(model: str, folder: Path) -> dict:
-    manager = lm_eval.tasks.TaskManager(include_path=str(TASKS_DIR))
+def _run(model: str, folder: Path, manager) -> dict:
     return lm_eval.simple_evaluate(
         model=model,
         model_args=f"pretrained={folder},dtype=float32",
@@ -100,7 +99,8 @@ def results(folder):
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(REPO)  # the task YAMLs name their data relative to the repository
         torch.set_num_threads(2)
-        return {name: _run(name, folder) for name in ("eqllm", "hf")}
+        manager = lm_eval.tasks.TaskManager(include_path=str(TASKS_DIR))  # indexing takes seconds
+        return {name: _run(name, folder, manager) for name in ("eqllm", "hf")}
 
 
 def _responses(results: dict, task: str) -> list:
@@ -213,6 +213,14 @@ def test_a_zoo_name_needs_a_tokenizer(folder):
         eqllm.harness.EqllmLM("llama-nano")  # a zoo name has fresh weights and no tokenizer
     lm = eqllm.harness.EqllmLM("llama-nano", tokenizer=str(folder), batch_size=2)
     assert lm.max_length == eqllm.zoo.config("llama-nano").max_seq_len
+    with pytest.raises(eqllm.EqllmError, match="apply_chat_template is not supported"):
+        lm.chat_template(True)
+    # Generation kwargs: greedy unless do_sample; sampling settings pass through; others refused.
+    assert lm._sampling({"do_sample": False, "temperature": 0.7}) == {"temperature": 0.0}
+    sampled = lm._sampling({"do_sample": True, "temperature": 0.7, "top_p": 0.9})
+    assert sampled == {"temperature": 0.7, "top_p": 0.9}
+    with pytest.raises(eqllm.EqllmError, match=r"\['num_beams'\] are not supported"):
+        lm._sampling({"num_beams": 4})
 
 
 @pytest.fixture(scope="module")

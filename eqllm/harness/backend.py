@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import jax
 import tokenizers
@@ -27,8 +26,10 @@ from lm_eval.models.utils import (
 from tqdm import tqdm
 
 from eqllm.data import Tokenizer
+from eqllm.errors import EqllmError
 from eqllm.harness import scoring
 from eqllm.harness.errors import HarnessError
+from eqllm.hub.folders import resolve
 from eqllm.loading import load, run_folder_of
 from eqllm.model import CausalLM
 
@@ -37,10 +38,15 @@ _SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"
 
 
 def _bos_token(spec) -> str | None:
-    """The bos_token of the tokenizer_config.json in a local model folder, if any."""
+    """The bos_token of the tokenizer_config.json beside the model (a local folder or the hub
+    snapshot `load` fetched), if any; run folders and zoo names have none."""
     if spec is None or run_folder_of(spec) is not None:
         return None
-    file = Path(os.fspath(spec)).expanduser() / "tokenizer_config.json"
+    try:
+        folder = resolve(spec, local_files_only=True)
+    except EqllmError:  # a zoo name
+        return None
+    file = folder / "tokenizer_config.json"
     config = json.loads(file.read_text()) if file.is_file() else {}
     bos = config.get("bos_token")
     return bos.get("content") if isinstance(bos, dict) else bos
@@ -89,6 +95,7 @@ class EqllmLM(TemplateLM):
             )
         loaded_tok = None
         if model is None:
+            dtype = None if dtype in (None, "auto") else dtype  # "auto": the saved dtype
             model, loaded_tok = load(pretrained, step=step, dtype=dtype)
         if isinstance(tokenizer, str | os.PathLike):
             tokenizer = Tokenizer.from_spec(tokenizer)
@@ -242,6 +249,16 @@ class EqllmLM(TemplateLM):
         if not do_sample:
             settings["temperature"] = 0.0
         return settings
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        if chat_template:
+            raise HarnessError(
+                "apply_chat_template is not supported by the eqllm backend; run without it"
+            )
+        return None
+
+    def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
+        raise HarnessError("apply_chat_template is not supported by the eqllm backend")
 
     def get_model_info(self) -> dict:
         cfg = self.model.config

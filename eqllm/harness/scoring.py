@@ -31,8 +31,9 @@ def _score(
     """Per row: the summed log-probability of `targets` where `mask`, and whether each of those
     targets is the argmax (lm_eval's `is_greedy`). Log-softmax in fp32, as the reference does."""
     logits = model(tokens, positions).astype(jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    # log_softmax at the targets only: no second [batch, seq, vocab] array
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - lse
     total = jnp.sum(jnp.where(mask, picked, 0.0), axis=-1)
     greedy = jnp.all(jnp.where(mask, jnp.argmax(logits, axis=-1) == targets, True), axis=-1)
     return total, greedy
