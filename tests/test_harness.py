@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -213,6 +214,9 @@ def test_a_zoo_name_needs_a_tokenizer(folder):
         eqllm.harness.EqllmLM("llama-nano")  # a zoo name has fresh weights and no tokenizer
     lm = eqllm.harness.EqllmLM("llama-nano", tokenizer=str(folder), batch_size=2)
     assert lm.max_length == eqllm.zoo.config("llama-nano").max_seq_len
+    small = eqllm.CausalLM(eqllm.zoo.config("llama-nano", vocab_size=64), key=jax.random.key(0))
+    with pytest.raises(eqllm.EqllmError, match="the model only 64"):
+        eqllm.harness.EqllmLM(model=small, tokenizer=str(folder))
     with pytest.raises(eqllm.EqllmError, match="apply_chat_template is not supported"):
         lm.chat_template(True)
     # Generation kwargs: greedy unless do_sample; sampling settings pass through; others refused.

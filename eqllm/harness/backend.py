@@ -105,6 +105,11 @@ class EqllmLM(TemplateLM):
                 f"model {pretrained!r} comes without a tokenizer; pass tokenizer=PATH_OR_REPO "
                 "(model_args 'tokenizer=...', or --tokenizer on `eqllm eval`)"
             )
+        if tokenizer.vocab_size > model.config.vocab_size:
+            raise HarnessError(
+                f"the tokenizer has {tokenizer.vocab_size} ids, the model only "
+                f"{model.config.vocab_size}; use the model's own tokenizer (or one that fits)"
+            )
         self.model = model
         self.eqllm_tokenizer = tokenizer
         # A copy that reads special-token strings as special tokens and applies the
