@@ -56,7 +56,7 @@ def command_lines(page: Path) -> list[tuple[str, str]]:
                 nxt = lines[j][1]
                 if not nxt[:1].isspace() or not nxt.strip().startswith(("[", "--")):
                     break
-                part += " " + nxt.strip()
+                part = part.removesuffix("\\").rstrip() + " " + nxt.strip()  # shell continuation
                 j += 1
             found.append((f"{page.relative_to(ROOT)}:{number}", part))
     return found
