@@ -203,6 +203,17 @@ class InstructionData:
     val_mask: np.ndarray
     tokenizer: Tokenizer
     truncated: int  # examples cut to seq_len + 1 tokens
+    template: str | None = None  # the chat template (None: DEFAULT_TEMPLATE)
+
+    def bytes_per_token(self, split: str) -> float:
+        """UTF-8 bytes per token of a split's text (for bits per byte)."""
+        tokens = self.train if split == "train" else self.val
+        return len(self.tokenizer.decode(tokens).encode("utf-8")) / max(len(tokens), 1)
+
+    def chat_prompt(self, text: str) -> str:
+        """`text` as a user turn, formatted up to the start of the assistant's answer."""
+        chat = ChatFormat(self.tokenizer, self.template)
+        return chat.render([{"role": "user", "content": text}], add_generation_prompt=True)
 
     @property
     def train(self) -> np.ndarray:
@@ -270,4 +281,4 @@ def prepare_instructions(
     val_rows, val_mask, val_cut = pad_rows(encoded[:n_val], seq_len, tokenizer.eot_id)
     if not mask.any():
         raise DataError(f"{path}: no response token fits in seq_len={seq_len}; raise data.seq_len")
-    return InstructionData(rows, mask, val_rows, val_mask, tokenizer, cut + val_cut)
+    return InstructionData(rows, mask, val_rows, val_mask, tokenizer, cut + val_cut, template)
