@@ -132,3 +132,69 @@ def test_lora_steps_keep_the_base_bit_identical(jsonl):
     after = [np.asarray(x) for x in jax.tree.leaves(eqx.filter(merged_base, eqx.is_array))]
     for b, a in zip(frozen_before, after, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def lora_run(jsonl, tmp_path_factory):
+    """A tiny LoRA run from a Hugging Face base folder (with a byte tokenizer) on `jsonl`."""
+    from eqllm.hub.folders import save_tokenizer
+    from eqllm.recipe import Recipe
+    from eqllm.train import loop
+
+    root = tmp_path_factory.mktemp("lora-run")
+    base = eqllm.zoo.create(
+        "llama-nano",
+        vocab_size=257,
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=1,
+        d_ff=64,
+        max_seq_len=128,
+        key=jax.random.key(0),
+    )
+    eqllm.hub.save_pretrained(base, root / "base", tokenizer=Tokenizer.bytes())
+    save_tokenizer(Tokenizer.bytes(), root / "base")
+    recipe = Recipe.from_dict(
+        {
+            "model": {"variant": "llama-nano", "init_from": str(root / "base")},
+            "finetune": {
+                "method": "lora",
+                "rank": 2,
+                "alpha": 4.0,
+                "data": str(jsonl),
+                "targets": ["q_proj", "v_proj", "down_proj"],
+            },
+            "data": {"seq_len": 64, "val_fraction": 0.0},
+            "optim": {"lr": 1e-2, "warmup_steps": 0},
+            "train": {"batch_size": 2, "steps": 4, "eval_every": 0, "checkpoint_every": 0},
+            "eval": {"sample_prompts": ["Name a colour."], "sample_tokens": 4, "batches": 1},
+        }
+    )
+    loop.run(recipe, root / "run", progress=False, echo=lambda *a: None)
+    return root
+
+
+def test_lora_run_reports_before_and_after_and_converts(lora_run, capsys):
+    from eqllm import cli, loading
+
+    report = (lora_run / "run" / "report.md").read_text()
+    assert "## Samples before and after fine-tuning" in report and "<|user|>" in report
+    model, tokenizer = loading.load(lora_run / "run")
+    assert len(lora.adapters(model)) == 3
+    base = eqllm.hub.from_pretrained(lora_run / "base")
+    np.testing.assert_array_equal(  # the base weights are untouched
+        model.blocks.attn.q_proj.base.weight, base.blocks.attn.q_proj.weight
+    )
+    tokens = jnp.arange(40) % 200
+    ours = np.asarray(model(tokens))
+    assert cli.main(["convert", str(lora_run / "run"), str(lora_run / "adapter")]) == 0
+    assert "PEFT LoRA adapter" in capsys.readouterr().out
+    with_adapter = eqllm.hub.from_pretrained(lora_run / "base", adapter=lora_run / "adapter")
+    np.testing.assert_allclose(np.asarray(with_adapter(tokens)), ours, atol=1e-5, rtol=0)
+    assert cli.main(["convert", str(lora_run / "run"), str(lora_run / "merged"), "--merge"]) == 0
+    merged = eqllm.hub.from_pretrained(lora_run / "merged")
+    np.testing.assert_allclose(np.asarray(merged(tokens)), ours, atol=1e-5, rtol=0)
+    assert cli.main(["convert", str(lora_run / "base"), str(lora_run / "x"), "--merge"]) == 2
+    argv = ["generate", str(lora_run / "run"), "--chat", "--prompt", "Hi", "--max-new-tokens", "3"]
+    assert cli.main(argv) == 0

@@ -205,6 +205,17 @@ class InstructionData:
     truncated: int  # examples cut to seq_len + 1 tokens
     template: str | None = None  # the chat template (None: DEFAULT_TEMPLATE)
 
+    @property
+    def meta(self) -> dict:
+        """What a run reports about its data (as `TokenData.meta` does)."""
+        return {
+            "train_tokens": int(len(self.train)),
+            "val_tokens": int(len(self.val)),
+            "train_examples": len(self.rows),
+            "val_examples": len(self.val_rows),
+            "truncated_examples": self.truncated,
+        }
+
     def bytes_per_token(self, split: str) -> float:
         """UTF-8 bytes per token of a split's text (for bits per byte)."""
         tokens = self.train if split == "train" else self.val
