@@ -52,7 +52,8 @@ class ModelSpec:
     overrides: ModelConfig fields to change, e.g. `{ max_seq_len = 128 }` (not `remat` or
         `compute_dtype`: those are train.remat and train.precision).
     init_from: start from these weights (a Hugging Face folder or hub repo, read with
-        `eqllm.hub.from_pretrained`) instead of a random initialisation; "" for none.
+        `eqllm.hub.from_pretrained`, or an eqllm run folder) instead of a random
+        initialisation; "" for none.
     """
 
     variant: Str
