@@ -87,6 +87,7 @@ def test_adapter_made_with_peft_loads_with_peft_logits(base, tmp_path):
         rank_pattern={targets[-1]: 2},
         alpha_pattern={targets[-1]: 3},
         fan_in_fan_out=family == "gpt2",
+        use_rslora=family == "llama",  # scale alpha / sqrt(r)
     )
     torch.manual_seed(1)
     peft_model = peft.get_peft_model(_fresh_hf(folder), config).eval()
@@ -181,3 +182,35 @@ def test_adapter_for_another_base_names_the_shapes(tmp_path):
         r"\[64, 64\]",
     ):
         eqllm.hub.load_adapter(small, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"use_dora": True}, "use_dora=True is not supported"),
+        ({"bias": "all"}, "bias='all' is not supported"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save=\\['lm_head'\\] is not supported"),
+        ({"peft_type": "IA3"}, "peft_type='IA3'; eqllm reads only 'LORA'"),
+    ],
+)
+def test_adapters_eqllm_cannot_read_are_refused(tmp_path, change, message):
+    model = eqllm.zoo.create("llama-nano", key=jax.random.key(0))
+    adapted = lora.apply(model, rank=2, alpha=2, targets=["q_proj"], key=jax.random.key(0))
+    eqllm.hub.save_adapter(adapted, tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(LoraError, match=message):
+        eqllm.hub.load_adapter(model, tmp_path)
+
+
+def test_adapter_on_some_layers_only_is_refused(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    model = eqllm.zoo.create("llama-nano", key=jax.random.key(0))
+    adapted = lora.apply(model, rank=2, alpha=2, targets=["q_proj"], key=jax.random.key(0))
+    eqllm.hub.save_adapter(adapted, tmp_path)
+    tensors = load_file(str(tmp_path / "adapter_model.safetensors"))
+    kept = {k: v for k, v in tensors.items() if ".layers.1." not in k}
+    save_file(kept, str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(LoraError, match="adapter covers only some layers"):
+        eqllm.hub.load_adapter(model, tmp_path)
