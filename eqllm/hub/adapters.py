@@ -192,6 +192,11 @@ def load_adapter(model: CausalLM, directory: str | os.PathLike) -> CausalLM:
             missing = [m for (_, m), p in zip(instances, present, strict=True) if not p][:3]
             raise LoraError(f"{file}: adapter covers only some layers; missing {missing} ...")
         bases: list[Linear] = [get_path(model, p.removesuffix(".weight")) for p in row.eqllm]
+        if not all(isinstance(b, Linear | LoraLinear) for b in bases):
+            raise LoraError(
+                f"{file}: {instances[0][1]} adapts a module this model does not have "
+                f"({row.eqllm}; a tied head, say)"
+            )
         if any(is_lora(b) for b in bases):
             raise LoraError(f"the model already has adapters at {row.eqllm}; merge them first")
         a_layers, b_layers = [], []
