@@ -48,9 +48,21 @@ class LoraLinear(eqx.Module):
     base: Linear
     lora_a: Linear  # weight [*layers, rank, in]
     lora_b: Linear  # weight [*layers, out, rank]
+    # Dropout on the adapter's input; it acts only while `key` is set (in a training step, see
+    # `with_dropout_keys`): layers call their modules without a key.
+    key: PRNGKeyArray | None
     scale: float = eqx.field(static=True)
+    dropout: float = eqx.field(static=True)
 
-    def __init__(self, base: Linear, *, rank: int, alpha: int | float, key: PRNGKeyArray):
+    def __init__(
+        self,
+        base: Linear,
+        *,
+        rank: int,
+        alpha: int | float,
+        key: PRNGKeyArray,
+        dropout: float = 0.0,
+    ):
         *lead, d_out, d_in = base.weight.shape
         dtype = base.weight.dtype
         out_axis, in_axis = base.axes
@@ -62,6 +74,8 @@ class LoraLinear(eqx.Module):
         )
         self.lora_b = _linear(jnp.zeros((*lead, d_out, rank), dtype), (out_axis, None))
         self.scale = float(alpha) / rank
+        self.dropout = float(dropout)
+        self.key = None
 
     @property
     def rank(self) -> int:
@@ -71,6 +85,9 @@ class LoraLinear(eqx.Module):
     def __call__(self, x: Float[Array, "*rows d_in"], **kwargs) -> Float[Array, "*rows d_out"]:
         """`kwargs` go to the base product (the adapter runs in the input's dtype)."""
         y = self.base(x, **kwargs)
+        if self.key is not None and self.dropout > 0:
+            keep = jax.random.bernoulli(self.key, 1.0 - self.dropout, x.shape)
+            x = jnp.where(keep, x / (1.0 - self.dropout), 0.0).astype(x.dtype)
         delta = self.lora_b(self.lora_a(x))
         return y + (self.scale * delta).astype(y.dtype)
 
@@ -153,16 +170,15 @@ def apply(
         rank: the adapters' rank (> 0).
         alpha: PEFT's `lora_alpha`; the update is scaled by alpha / rank.
         targets: Hugging Face module names (`["q_proj", "v_proj"]`); see `available_targets`.
-        dropout: dropout on the adapter's input; only 0 is supported (it is a no-op at
-            inference, and the training step passes no dropout key to the layers).
+        dropout: dropout probability on the adapter's input, in training steps only.
         key: PRNG key for A.
     """
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
         raise LoraError(f"lora rank={rank!r} must be a positive integer (8 or 16 are usual)")
     if not alpha > 0:
         raise LoraError(f"lora alpha={alpha!r} must be > 0 (the update is scaled by alpha/rank)")
-    if dropout != 0:
-        raise LoraError(f"lora dropout={dropout!r} is not supported; set dropout = 0")
+    if not 0 <= dropout < 1:
+        raise LoraError(f"lora dropout={dropout!r} must be in [0, 1)")
     paths = target_paths(model, targets)
     already = [p for p in paths if is_lora(get_path(model, p))]
     if already:
@@ -172,7 +188,7 @@ def apply(
         lambda m: [get_path(m, p) for p in paths],
         model,
         [
-            LoraLinear(get_path(model, p), rank=rank, alpha=alpha, key=k)
+            LoraLinear(get_path(model, p), rank=rank, alpha=alpha, key=k, dropout=dropout)
             for p, k in zip(paths, keys, strict=True)
         ],
     )
@@ -224,3 +240,27 @@ def trainable(model):
         return eqx.is_inexact_array(leaf) and bool(names & {"lora_a", "lora_b"})
 
     return jax.tree_util.tree_map_with_path(mark, model)
+
+
+def with_dropout_keys(model, key: PRNGKeyArray | None):
+    """`model` with a dropout key in every adapter that has dropout (one per stacked layer), or
+    with them removed (`key` None). The training step sets them for its forward pass only."""
+    found = [a for a in adapters(model).values() if a.dropout > 0]
+    if not found:
+        return model
+
+    def keys(i: int, adapter: LoraLinear):
+        if key is None:
+            return None
+        return jax.random.split(jax.random.fold_in(key, i), adapter.lora_a.weight.shape[:-2])
+
+    ids = {id(a): i for i, a in enumerate(found)}
+    return jax.tree.map(
+        lambda n: (
+            eqx.tree_at(lambda m: m.key, n, keys(ids[id(n)], n), is_leaf=lambda x: x is None)
+            if is_lora(n) and id(n) in ids
+            else n
+        ),
+        model,
+        is_leaf=is_lora,
+    )

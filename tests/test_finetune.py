@@ -198,3 +198,35 @@ def test_lora_run_reports_before_and_after_and_converts(lora_run, capsys):
     assert cli.main(["convert", str(lora_run / "base"), str(lora_run / "x"), "--merge"]) == 2
     argv = ["generate", str(lora_run / "run"), "--chat", "--prompt", "Hi", "--max-new-tokens", "3"]
     assert cli.main(argv) == 0
+
+
+def test_lora_dropout_acts_in_training_steps_only(jsonl):
+    base = eqllm.zoo.create(
+        "llama-nano",
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=1,
+        d_ff=64,
+        key=jax.random.key(0),
+    )
+    plain = lora.apply(base, rank=2, alpha=4, targets=["q_proj"], key=jax.random.key(1))
+    dropped = lora.apply(
+        base, rank=2, alpha=4, targets=["q_proj"], dropout=0.5, key=jax.random.key(1)
+    )
+    nonzero = lambda m: eqx.tree_at(  # noqa: E731
+        lambda m: m.blocks.attn.q_proj.lora_b.weight, m, replace_fn=lambda w: w + 0.1
+    )
+    plain, dropped = nonzero(plain), nonzero(dropped)
+    tokens = jnp.arange(20)
+    np.testing.assert_array_equal(dropped(tokens), plain(tokens))  # no key: no dropout
+    keyed = lora.with_dropout_keys(dropped, jax.random.key(2))
+    assert keyed.blocks.attn.q_proj.key.shape == (2,)  # one key per stacked layer
+    assert np.abs(np.asarray(keyed(tokens) - plain(tokens))).max() > 1e-4
+    optimizer = make_optimizer(OptimSpec(warmup_steps=0), 5, dropped)
+    opt_state = init_opt_state(optimizer, dropped)
+    step = TrainStep(optimizer, schedule(OptimSpec(), 5))
+    data = prepare_instructions(jsonl, Tokenizer.bytes(), seq_len=64)
+    for i in range(2):
+        dropped, opt_state, _ = step(dropped, opt_state, data.batch_at(i, seed=0, batch_size=2))
+    assert step.n_traces == 1 and dropped.blocks.attn.q_proj.key is None

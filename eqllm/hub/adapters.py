@@ -120,7 +120,7 @@ def save_adapter(
         "target_modules": sorted(ranks),
         "rank_pattern": {k: r for k, (r, _) in ranks.items() if r != rank},
         "alpha_pattern": {k: a for k, (_, a) in ranks.items() if a != alpha},
-        "lora_dropout": 0.0,
+        "lora_dropout": next(iter(found.values())).dropout,
         "bias": "none",
         "fan_in_fan_out": any(r.conv1d for r in _module_rows(cfg.family)),
         "modules_to_save": None,

@@ -124,7 +124,7 @@ class FinetuneSpec:
     method: "lora" (low-rank adapters; the base frozen: no gradients, no optimizer state),
         "full" (every weight trained), "none" (not a fine-tuning run).
     rank, alpha, dropout, targets: the adapters (`eqllm.lora.apply`): rank, PEFT's lora_alpha
-        (scale alpha / rank), dropout (only 0 is supported), Hugging Face module names.
+        (scale alpha / rank), dropout on the adapters' input, Hugging Face module names.
     data: a JSON/JSONL file of instruction examples (Alpaca or chat form); training then uses
         it instead of data.source, with the loss on the responses only. A relative path is
         looked up in the working directory, then among the recipes shipped with eqllm. "" keeps

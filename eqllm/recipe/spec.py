@@ -197,8 +197,6 @@ def _check_finetune(recipe: Recipe) -> None:
         )
     if f.method != "lora" and f.data == "":
         return
-    if f.dropout != 0:
-        raise RecipeError(f"finetune.dropout={f.dropout} is not supported; set it to 0")
     if f.data and finetune_data_path(f.data) is None:
         raise RecipeError(
             f"finetune.data={f.data!r} does not exist (in the working directory or among "

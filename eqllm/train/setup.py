@@ -133,6 +133,7 @@ def with_adapters(recipe: Recipe, model: CausalLM) -> CausalLM:
             rank=f.rank,
             alpha=f.alpha,
             targets=list(f.targets),
+            dropout=f.dropout,
             key=jax.random.key(recipe.train.seed),
         )
     except lora.LoraError as e:
@@ -328,6 +329,7 @@ def start_run(
         grad_accum=recipe.train.grad_accum,
         param_shardings=shardings,
         batch_sharding=batch_sharding(mesh) if shardings is not None else None,
+        dropout_seed=recipe.train.seed,
     )
     checkpoints = RunCheckpoints(out / "checkpoints", keep=recipe.train.keep_checkpoints)
     meta: dict = {"step": 0}

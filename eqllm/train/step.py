@@ -20,7 +20,7 @@ from jaxtyping import Array, Bool, Float, Int
 from eqllm.data import DataError
 from eqllm.errors import EqllmError
 from eqllm.eval.loss import check_token_range, mean_loss
-from eqllm.lora import trainable
+from eqllm.lora import trainable, with_dropout_keys
 from eqllm.model import CausalLM
 from eqllm.sharding import shardings_like_params
 
@@ -58,6 +58,7 @@ class TrainStep:
         grad_accum: int = 1,
         param_shardings=None,
         batch_sharding=None,
+        dropout_seed: int = 0,
     ):
         if grad_accum < 1:
             raise EqllmError(f"grad_accum={grad_accum} must be >= 1")
@@ -70,6 +71,8 @@ class TrainStep:
         # How a host batch (this process's rows) is laid out on the devices; None: one device.
         self.batch_sharding = batch_sharding
         self.n_traces = 0
+        # LoRA dropout's masks: a function of this seed and the optimizer's step count.
+        self.dropout_seed = dropout_seed
         # The batch goes first so that "all-except-first" donates exactly model and opt_state.
         self._compiled = eqx.filter_jit(self._step, donate="all-except-first")
 
@@ -123,7 +126,10 @@ class TrainStep:
         # With LoRA adapters only they are differentiated and updated: the base weights stay in
         # `static` (traced inputs, no gradient, no optimizer state).
         spec = trainable(model)
-        params, static = eqx.partition(model, spec)
+        count = _step_count(opt_state)
+        step_key = jax.random.fold_in(jax.random.key(self.dropout_seed), count)
+        keyed = with_dropout_keys(model, step_key)  # the same arrays to train, dropout keys added
+        params, static = eqx.partition(keyed, trainable(keyed))
         shardings = None if self.param_shardings is None else eqx.filter(self.param_shardings, spec)
 
         def loss_of(p, micro):
@@ -151,7 +157,6 @@ class TrainStep:
             grads = jax.tree.map(lambda g: g / self.grad_accum, grads)
 
         grad_norm = optax.tree.norm(grads)
-        count = _step_count(opt_state)
         updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
         new_params = eqx.apply_updates(params, updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -173,7 +178,8 @@ class TrainStep:
             "finite": finite,
             "grad_norm/layer": _layer_grad_norms(grads),
         }
-        return eqx.combine(new_params, static), new_opt_state, metrics
+        model = with_dropout_keys(eqx.combine(new_params, static), None)  # as it came in
+        return model, new_opt_state, metrics
 
 
 def init_opt_state(optimizer: optax.GradientTransformation, model: CausalLM, param_shardings=None):
