@@ -35,13 +35,14 @@ __all__ = [
     "generate",
     "generate_batch",
     "hub",
+    "lora",
     "nn",
     "zoo",
 ]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from eqllm import hub, nn, zoo
+    from eqllm import hub, lora, nn, zoo
     from eqllm.config import ConfigError, ModelConfig
     from eqllm.errors import EqllmError
     from eqllm.generation import generate, generate_batch

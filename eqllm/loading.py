@@ -17,16 +17,25 @@ from pathlib import Path
 
 import jax
 
+from eqllm import lora
 from eqllm.config import DType, ModelConfig
 from eqllm.data import Tokenizer
 from eqllm.errors import EqllmError
-from eqllm.hub import load_any, save_model, save_pretrained, with_param_dtype, zoo_match
-from eqllm.hub.folders import resolve
+from eqllm.hub import (
+    load_any,
+    save_adapter,
+    save_model,
+    save_pretrained,
+    with_param_dtype,
+    zoo_match,
+)
+from eqllm.hub.folders import resolve, save_tokenizer
 from eqllm.hub.model_folder import is_model_folder
+from eqllm.lora import adapters
 from eqllm.model import CausalLM, param_count
 from eqllm.recipe import load_recipe
 from eqllm.train.guards import MissingRunFile
-from eqllm.train.setup import build_model, restore_model
+from eqllm.train.setup import build_model, restore_model, with_adapters
 
 
 def run_folder_of(spec: str | os.PathLike) -> tuple[Path, int | None] | None:
@@ -53,7 +62,7 @@ def load_run(run_dir: Path, step: int | None = None, overrides: list[str] | None
     config_file = run_dir / "model_config.json"
     if config_file.is_file():  # the template's weights are replaced by the checkpoint's
         config = ModelConfig.from_dict(json.loads(config_file.read_text()))
-        model = CausalLM(config, key=jax.random.key(0))
+        model = with_adapters(recipe, CausalLM(config, key=jax.random.key(0)))
     else:
         model = build_model(recipe, tokenizer.vocab_size)
     model, meta = restore_model(run_dir / "checkpoints", model, recipe, step)
@@ -86,11 +95,14 @@ def convert(
     dtype: DType | None = None,
     max_shard_size: int | str = "5GB",
     local_files_only: bool = False,
+    merge: bool = False,
 ) -> str:
     """Convert the model (and tokenizer) at `src` into the folder `dst`; returns a summary.
 
     `to` is 'hf' or 'eqllm'; by default the other format than the source's (an HF folder or
     repo id becomes an eqllm model folder, an eqllm folder becomes an HF folder).
+    A model with LoRA adapters (a LoRA run) is written as its adapter alone, in PEFT's format
+    (with the tokenizer), or with `merge` as a Hugging Face folder with the adapters folded in.
     """
     run = run_folder_of(src)
     folder = run[0] if run else resolve(src, local_files_only=local_files_only)
@@ -101,6 +113,18 @@ def convert(
     if Path(dst).resolve() == folder.resolve():
         raise EqllmError(f"destination {dst} is the source folder; write to another folder")
     model, tokenizer = load(src, dtype=dtype) if run else load_any(folder, dtype=dtype)
+    if adapters(model) and not merge:
+        save_adapter(model, dst)
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, Path(dst))
+        n = sum(a.lora_a.weight.size + a.lora_b.weight.size for a in adapters(model).values())
+        return (
+            f"wrote PEFT LoRA adapter {dst}: {len(adapters(model))} adapted projections, "
+            f"{n:,} parameters (--merge writes the merged model instead)"
+        )
+    if merge and not adapters(model):
+        raise EqllmError(f"--merge: {src} has no LoRA adapters to merge")
+    model = lora.merge(model)
     if to == "hf":
         save_pretrained(model, dst, tokenizer=tokenizer, max_shard_size=max_shard_size)
     else:

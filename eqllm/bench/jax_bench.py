@@ -106,7 +106,9 @@ class JaxBench:
         if self.compiled is None:
             self.compile()
         t0 = time.perf_counter()
-        self.model, self.opt_state, metrics = self.compiled(self.batch, self.model, self.opt_state)
+        self.model, self.opt_state, metrics = self.compiled(
+            (self.batch, None), self.model, self.opt_state
+        )
         metrics["loss"].block_until_ready()
         jax.block_until_ready(self.model)
         return time.perf_counter() - t0

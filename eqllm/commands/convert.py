@@ -18,6 +18,7 @@ def convert_command(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             max_shard_size=args.max_shard_size,
             local_files_only=args.local_files_only,
+            merge=args.merge,
         )
     )
     return 0
@@ -31,13 +32,19 @@ def add_parser(commands) -> None:
         description=(
             "Convert a model and its tokenizer. SRC is a Hugging Face folder or hub repo id, "
             "or an eqllm model folder; DST gets the other format unless --to says otherwise "
-            "(--to hf from an HF source re-exports it)."
+            "(--to hf from an HF source re-exports it). A LoRA run gives its adapter in PEFT's "
+            "format, or with --merge a Hugging Face folder with the adapter folded in."
         ),
     )
     parser.add_argument("src", help="HF folder or hub repo id ('org/name'), or an eqllm folder")
     parser.add_argument("dst", help="output folder")
     parser.add_argument("--to", choices=["hf", "eqllm"], help="output format (default: the other)")
     parser.add_argument("--dtype", choices=get_args(DType), help="cast the weights")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run: write the merged model (default: the adapter alone, in PEFT's format)",
+    )
     parser.add_argument("--max-shard-size", default="5GB", help="HF shard size (default 5GB)")
     parser.add_argument(
         "--local-files-only", action="store_true", help="use the hub cache, no download"

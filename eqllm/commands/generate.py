@@ -2,7 +2,9 @@
 
 The decode loop runs compiled in chunks of `--chunk` tokens (see `eqllm.generation.stream`);
 the text printed between chunks is the decoded continuation. A model without a tokenizer reads
-and writes token ids.
+and writes token ids. `--chat` formats each prompt as a user turn with the model's chat template
+(its tokenizer_config.json's, else eqllm's default, see `eqllm.data.instruct`); interactively,
+the conversation is kept (`/clear` starts a new one).
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ import argparse
 import dataclasses
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 
 from eqllm import loading
 from eqllm.data import Tokenizer
+from eqllm.data.instruct import ChatFormat, chat_template_of
 from eqllm.errors import EqllmError
 from eqllm.generation import GenerationError, sampling, stream
 from eqllm.model import CausalLM
@@ -27,6 +31,7 @@ HELP = """commands:
   /rep R       repetition penalty (1: off)  /max N    max new tokens
   /seed S      restart the sampling keys    /stop IDS stop token ids (none: clear)
   /settings    show the settings            /quit     leave (or Ctrl-D)
+  /clear       forget the conversation (--chat)
 Ctrl-C stops the current generation and keeps the session."""
 OPTIONAL = ("top_k", "top_p", "min_p", "repetition_penalty")
 
@@ -108,7 +113,30 @@ def _run_once(model, tokenizer, prompt: list[int], settings: Settings, key, chun
     finally:
         out.write("\n")
         out.flush()
-    return len(printer.ids), time.perf_counter() - start
+    return len(printer.ids), time.perf_counter() - start, printer.ids
+
+
+class Chat:
+    """A conversation rendered with a chat template: each prompt is a user turn."""
+
+    def __init__(self, spec: str, tokenizer: Tokenizer | None):
+        if tokenizer is None:
+            raise GenerationError("--chat needs a tokenizer: give --tokenizer or a model with one")
+        run = loading.run_folder_of(spec)
+        folder = run[0] if run else (Path(spec) if Path(spec).is_dir() else None)
+        self.format = ChatFormat(tokenizer, chat_template_of(folder) if folder else None)
+        self.messages: list[dict[str, str]] = []
+
+    def prompt(self, text: str) -> list[int]:
+        self.messages.append({"role": "user", "content": text})
+        return self.format.encode_text(
+            self.format.render(self.messages, add_generation_prompt=True)
+        )
+
+    def answered(self, ids: list[int]) -> None:
+        tokenizer = self.format.tokenizer
+        text = tokenizer.decode([i for i in ids if i != tokenizer.eot_id])
+        self.messages.append({"role": "assistant", "content": text})
 
 
 def _default_stops(tokenizer: Tokenizer | None, model: CausalLM) -> tuple[int, ...]:
@@ -170,7 +198,12 @@ def _apply_command(line: str, settings: Settings) -> bool:
 
 
 def interactive(
-    model: CausalLM, tokenizer: Tokenizer | None, settings: Settings, *, chunk: int = 16
+    model: CausalLM,
+    tokenizer: Tokenizer | None,
+    settings: Settings,
+    *,
+    chunk: int = 16,
+    chat: Chat | None = None,
 ) -> int:
     """Read prompts and /commands from stdin until /quit or end of input."""
     out = sys.stdout
@@ -193,13 +226,17 @@ def interactive(
             continue
         try:
             if line.startswith("/"):
-                if not _apply_command(line, settings):
+                if line == "/clear" and chat is not None:
+                    chat.messages.clear()
+                elif not _apply_command(line, settings):
                     return 0
                 continue
-            prompt = _prompt_ids(line, tokenizer)
+            prompt = chat.prompt(line) if chat else _prompt_ids(line, tokenizer)
             key = jax.random.fold_in(jax.random.key(settings.seed), turn)
             turn += 1
-            n, seconds = _run_once(model, tokenizer, prompt, settings, key, chunk, out)
+            n, seconds, ids = _run_once(model, tokenizer, prompt, settings, key, chunk, out)
+            if chat is not None:
+                chat.answered(ids)
             print(f"[{n} tokens, {n / seconds:.1f} tokens/s]")
         except KeyboardInterrupt:
             print("[stopped]")
@@ -222,10 +259,11 @@ def run(args: argparse.Namespace) -> int:
         stop_tokens=tuple(args.stop) if args.stop is not None else _default_stops(tokenizer, model),
         seed=args.seed,
     )
+    chat = Chat(args.model, tokenizer) if args.chat else None
     if args.interactive:
-        return interactive(model, tokenizer, settings, chunk=args.chunk)
-    prompt = _prompt_ids(args.prompt, tokenizer)
-    n, seconds = _run_once(
+        return interactive(model, tokenizer, settings, chunk=args.chunk, chat=chat)
+    prompt = chat.prompt(args.prompt) if chat else _prompt_ids(args.prompt, tokenizer)
+    n, seconds, _ = _run_once(
         model, tokenizer, prompt, settings, jax.random.key(args.seed), args.chunk, sys.stdout
     )
     print(f"[{n} tokens in {seconds:.2f} s, compilation included]", file=sys.stderr)
@@ -255,4 +293,7 @@ def add_parser(commands) -> None:
     )
     p.add_argument("--tokenizer", default=None, help="tokenizer spec: bytes, a path or org/name")
     p.add_argument("--chunk", type=int, default=16, help="tokens per compiled decode call")
+    p.add_argument(
+        "--chat", action="store_true", help="format prompts with the model's chat template"
+    )
     p.set_defaults(func=run)

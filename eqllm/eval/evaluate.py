@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 
 from eqllm.data import TokenData, Tokenizer, prepare
+from eqllm.data.instruct import InstructionData
 from eqllm.eval.harness import evaluate_tokens, loss_report, unigram_loss
 from eqllm.generation import generate_batch
 from eqllm.model import CausalLM
@@ -17,7 +18,7 @@ def eval_batch_size(recipe: Recipe) -> int:
 
 def evaluate_run(
     model: CausalLM,
-    data: TokenData,
+    data: TokenData | InstructionData,
     recipe: Recipe,
     *,
     samples: bool = True,
@@ -56,16 +57,24 @@ def evaluate_run(
             "tokens": n,
         }
     if samples and recipe.eval.sample_prompts and recipe.eval.sample_tokens:
-        result["samples"] = sample_texts(
-            model,
-            data.tokenizer,
-            list(recipe.eval.sample_prompts),
-            max_new_tokens=recipe.eval.sample_tokens,
-            key=jax.random.key(recipe.train.seed),
-            temperature=recipe.eval.temperature,
-            top_k=recipe.eval.top_k or None,
-        )
+        result["samples"] = recipe_samples(model, data, recipe)
     return result
+
+
+def recipe_samples(model: CausalLM, data: TokenData | InstructionData, recipe: Recipe) -> list:
+    """Samples for the recipe's eval.sample_prompts (as user turns, for instruction data)."""
+    prompts = list(recipe.eval.sample_prompts)
+    if isinstance(data, InstructionData):  # fine-tuned on instructions: ask in chat form
+        prompts = [data.chat_prompt(p) for p in prompts]
+    return sample_texts(
+        model,
+        data.tokenizer,
+        prompts,
+        max_new_tokens=recipe.eval.sample_tokens,
+        key=jax.random.key(recipe.train.seed),
+        temperature=recipe.eval.temperature,
+        top_k=recipe.eval.top_k or None,
+    )
 
 
 def sample_texts(

@@ -2,6 +2,8 @@
 
     model = eqllm.hub.from_pretrained("path/or/org-name")      # HF folder or hub repo id
     eqllm.hub.save_pretrained(model, "out/", tokenizer=tok)     # transformers loads it
+    model = eqllm.hub.from_pretrained("base/", adapter="adapter/")  # a PEFT LoRA adapter
+    eqllm.hub.save_adapter(model, "adapter/")                   # peft loads it
     model, tok = eqllm.hub.load_any("llama-nano" | "path" | "org/name")
 
 Families: GPT-2, Llama (1/2/3 with the Llama 3 rope scaling), Mistral, Qwen2, Gemma. The
@@ -9,6 +11,7 @@ tensor names and the config translation come from each family's file (`eqllm/fam
 translation refuses any setting it does not understand rather than build a different model.
 """
 
+from eqllm.hub.adapters import load_adapter, save_adapter
 from eqllm.hub.config import from_hf_config, to_hf_config
 from eqllm.hub.files import CheckpointError
 from eqllm.hub.folders import load_tokenizer, resolve, zoo_match
@@ -19,10 +22,12 @@ __all__ = [
     "CheckpointError",
     "from_hf_config",
     "from_pretrained",
+    "load_adapter",
     "load_any",
     "load_model",
     "load_tokenizer",
     "resolve",
+    "save_adapter",
     "save_model",
     "save_pretrained",
     "to_hf_config",

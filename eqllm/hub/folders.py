@@ -43,8 +43,10 @@ def resolve(
     *,
     revision: str | None = None,
     local_files_only: bool = False,
+    files: list[str] | None = None,
 ) -> Path:
-    """A local folder for `path_or_repo_id`: the folder itself, or the hub snapshot of a repo."""
+    """A local folder for `path_or_repo_id`: the folder itself, or the hub snapshot of a repo
+    (of `files`, glob patterns; default: a model's config, weights and tokenizer)."""
     spec = os.fspath(path_or_repo_id)
     path = Path(spec).expanduser()
     if path.exists():
@@ -60,7 +62,7 @@ def resolve(
             snapshot_download(
                 spec,
                 revision=revision,
-                allow_patterns=_HUB_FILES,
+                allow_patterns=files or _HUB_FILES,
                 local_files_only=local_files_only,
             )
         )

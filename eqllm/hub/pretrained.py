@@ -21,6 +21,7 @@ from eqllm import families
 from eqllm.config import DType, ModelConfig
 from eqllm.data.tokenizer import Tokenizer
 from eqllm.families import Row
+from eqllm.hub.adapters import ADAPTER_FILES, load_adapter
 from eqllm.hub.config import from_hf_config, to_hf_config
 from eqllm.hub.files import (
     CheckpointError,
@@ -62,6 +63,7 @@ def from_pretrained(
     dtype: DType | None = None,
     revision: str | None = None,
     local_files_only: bool = False,
+    adapter: str | os.PathLike | None = None,
 ) -> CausalLM:
     """A CausalLM with the weights of a Hugging Face checkpoint (folder or hub repo id).
 
@@ -72,6 +74,8 @@ def from_pretrained(
             The compute dtype is set to the same (change it with `model.with_config`).
         revision: passed to `huggingface_hub.snapshot_download`.
         local_files_only: passed to `huggingface_hub.snapshot_download`.
+        adapter: a PEFT LoRA adapter folder (or hub repo id) to apply on top (see
+            `eqllm.hub.adapters.load_adapter`); the model then holds `eqllm.lora` adapters.
 
     Raises CheckpointError naming the file and tensor for a missing, misshapen or unexpected
     tensor; ConfigError naming the field for an unsupported config.json.
@@ -94,6 +98,9 @@ def from_pretrained(
         folder,
         f" (architecture of zoo variant {name})" if name else "",
     )
+    if adapter is not None:
+        adapter_folder = resolve(adapter, local_files_only=local_files_only, files=ADAPTER_FILES)
+        model = load_adapter(model, adapter_folder)
     return model
 
 

@@ -16,6 +16,8 @@ from eqllm.recipe.load import load_recipe, parse_value, recipe_names, recipe_pat
 from eqllm.recipe.sections import (
     DataSpec,
     EvalSpec,
+    FinetuneMethod,
+    FinetuneSpec,
     ModelSpec,
     OptimSpec,
     Precision,
@@ -24,12 +26,14 @@ from eqllm.recipe.sections import (
     SourceSpec,
     TrainSpec,
 )
-from eqllm.recipe.spec import RUN_LENGTH, Recipe
+from eqllm.recipe.spec import RUN_LENGTH, Recipe, finetune_data_path
 
 __all__ = [
     "RUN_LENGTH",
     "DataSpec",
     "EvalSpec",
+    "FinetuneMethod",
+    "FinetuneSpec",
     "ModelSpec",
     "OptimSpec",
     "Precision",
@@ -39,6 +43,7 @@ __all__ = [
     "SourceKind",
     "SourceSpec",
     "TrainSpec",
+    "finetune_data_path",
     "load_recipe",
     "parse_value",
     "recipe_names",

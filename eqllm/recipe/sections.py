@@ -21,6 +21,7 @@ from eqllm.recipe.errors import RecipeError, recipe_error
 Schedule = Literal["cosine", "linear", "constant", "wsd"]
 Precision = Literal["float32", "bfloat16"]
 SourceKind = Literal["stdlib", "files", "jsonl", "hf"]
+FinetuneMethod = Literal["none", "lora", "full"]
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]
@@ -51,7 +52,8 @@ class ModelSpec:
     overrides: ModelConfig fields to change, e.g. `{ max_seq_len = 128 }` (not `remat` or
         `compute_dtype`: those are train.remat and train.precision).
     init_from: start from these weights (a Hugging Face folder or hub repo, read with
-        `eqllm.hub.from_pretrained`) instead of a random initialisation; "" for none.
+        `eqllm.hub.from_pretrained`, or an eqllm run folder) instead of a random
+        initialisation; "" for none.
     """
 
     variant: Str
@@ -112,6 +114,29 @@ class DataSpec:
     val_fraction: Fraction = 0.01
     split_seed: Count = 0
     cache_dir: Str = ""
+
+
+@typing.no_type_check  # pydantic checks the fields
+@section
+class FinetuneSpec:
+    """Fine-tuning of the `model.init_from` weights (docs/finetune.md).
+
+    method: "lora" (low-rank adapters; the base frozen: no gradients, no optimizer state),
+        "full" (every weight trained), "none" (not a fine-tuning run).
+    rank, alpha, dropout, targets: the adapters (`eqllm.lora.apply`): rank, PEFT's lora_alpha
+        (scale alpha / rank), dropout on the adapters' input, Hugging Face module names.
+    data: a JSON/JSONL file of instruction examples (Alpaca or chat form); training then uses
+        it instead of data.source, with the loss on the responses only. A relative path is
+        looked up in the working directory, then among the recipes shipped with eqllm. "" keeps
+        data.source (plain text).
+    """
+
+    method: FinetuneMethod = "none"
+    rank: Positive = 8
+    alpha: Annotated[Float, Field(gt=0)] = 16.0
+    dropout: Fraction = 0.0
+    targets: tuple[Str, ...] = ("q_proj", "v_proj")
+    data: Str = ""
 
 
 @typing.no_type_check  # pydantic checks the fields

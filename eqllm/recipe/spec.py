@@ -18,12 +18,14 @@ from eqllm.recipe.sections import (
     CONFIG,
     DataSpec,
     EvalSpec,
+    FinetuneSpec,
     ModelSpec,
     OptimSpec,
     SourceSpec,
     Str,
     TrainSpec,
 )
+from eqllm.resources import data_dir
 from eqllm.sharding import MeshConfig, MeshError
 
 # The length of training: exactly one is given; setting one replaces the others.
@@ -51,6 +53,7 @@ class Recipe:
     optim: OptimSpec = Field(default_factory=OptimSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
+    finetune: FinetuneSpec = Field(default_factory=FinetuneSpec)
     mesh: Annotated[MeshConfig, BeforeValidator(_strict_mesh)] = Field(default_factory=MeshConfig)
     name: Str = ""
     description: Str = ""
@@ -170,6 +173,7 @@ class Recipe:
                 f"data.bpe_vocab_size={d.bpe_vocab_size} must be 0 (the variant's vocab_size) "
                 "or at least 257"
             )
+        _check_finetune(self)
         _check_tokenizer(d.tokenizer)
         _check_source(d.source, "data.source")
         for i, extra in enumerate(self.eval.extra_sources):
@@ -182,6 +186,30 @@ _ADAPTER = TypeAdapter(Recipe)
 def _get(recipe: Recipe, path: str) -> Any:
     section, key = path.split(".")
     return getattr(getattr(recipe, section), key)
+
+
+def _check_finetune(recipe: Recipe) -> None:
+    f = recipe.finetune
+    if f.method != "none" and not recipe.model.init_from:
+        raise RecipeError(
+            f"finetune.method={f.method!r} needs a base: set model.init_from to a Hugging Face "
+            "folder or hub repo id, or an eqllm run folder"
+        )
+    if f.method != "lora" and f.data == "":
+        return
+    if f.data and finetune_data_path(f.data) is None:
+        raise RecipeError(
+            f"finetune.data={f.data!r} does not exist (in the working directory or among "
+            "eqllm's shipped recipes); point it at a JSON/JSONL file of examples"
+        )
+
+
+def finetune_data_path(spec: str) -> Path | None:
+    """The instruction file `spec` names: a path, else one under the shipped recipes folder."""
+    for path in (Path(spec).expanduser(), data_dir("recipes") / spec):
+        if path.is_file():
+            return path
+    return None
 
 
 def _check_tokenizer(spec: str) -> None:

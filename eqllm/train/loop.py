@@ -20,12 +20,15 @@ import threading
 import time
 from pathlib import Path
 
+import equinox as eqx
 import jax
 from tqdm.auto import tqdm
 
+from eqllm import lora
 from eqllm.errors import EqllmError
 from eqllm.eval.evaluate import eval_batch_size
 from eqllm.eval.harness import evaluate_tokens, loss_report
+from eqllm.model import param_count
 from eqllm.recipe import Recipe
 from eqllm.train.metrics import Throughput
 from eqllm.train.mfu import mfu
@@ -235,6 +238,15 @@ def _announce(setup: RunSetup, echo, *, resume: bool) -> None:
         f"model: {recipe.model.variant} ({cfg.family}), {setup.n_params:,} parameters, "
         f"vocab {cfg.vocab_size}, context {cfg.max_seq_len}"
     )
+    f = recipe.finetune
+    if f.method == "lora" and setup.model is not None:
+        trained = param_count(eqx.filter(setup.model, lora.trainable(setup.model)))
+        echo(
+            f"finetune: LoRA rank {f.rank}, alpha {f.alpha:g} on {', '.join(f.targets)}: "
+            f"{trained:,} trainable parameters ({100 * trained / setup.n_params:.2f}%), base frozen"
+        )
+    elif f.method == "full":
+        echo(f"finetune: every weight from {recipe.model.init_from}")
     echo(
         f"data: {data.meta['train_tokens']:,} training / {data.meta['val_tokens']:,} validation "
         f"tokens ({data.tokenizer.kind} tokenizer, {data.tokenizer.vocab_size} ids, "

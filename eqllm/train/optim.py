@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import equinox as eqx
 import jax
 import optax
 
+from eqllm.lora import trainable
 from eqllm.nn import param_info
 from eqllm.nn.linear import is_param_info
 from eqllm.recipe import OptimSpec
@@ -37,17 +39,21 @@ def schedule(spec: OptimSpec, total_steps: int) -> optax.Schedule:
     return optax.join_schedules([warm, decay], [warmup])
 
 
-def decay_mask(params):
-    """True for the weights the layers mark for decay (linear matrices), False for norms,
-    biases and embeddings; read from the layers' metadata (`eqllm.nn.param_info`)."""
-    return jax.tree.map(lambda info: info.decay, param_info(params), is_leaf=is_param_info)
+def decay_mask(model):
+    """True for the weights the layers mark for decay (linear matrices, LoRA's A and B), False
+    for norms, biases and embeddings; read from the layers' metadata (`eqllm.nn.param_info`).
+
+    Shaped like the trainable arrays of `model` (`eqllm.lora.trainable`): None at frozen ones.
+    """
+    mask = jax.tree.map(lambda info: info.decay, param_info(model), is_leaf=is_param_info)
+    return eqx.filter(mask, trainable(model))
 
 
-def make_optimizer(spec: OptimSpec, total_steps: int, params) -> optax.GradientTransformation:
+def make_optimizer(spec: OptimSpec, total_steps: int, model) -> optax.GradientTransformation:
     """optax chain: clip by global norm (if clip_norm > 0) -> AdamW(schedule, masked decay).
 
-    `params` is the trainable pytree (`eqx.filter(model, eqx.is_inexact_array)`); it fixes the
-    weight-decay mask.
+    `model` (or `eqx.filter(model, eqx.is_inexact_array)`) fixes the weight-decay mask over its
+    trainable arrays (only the adapters of a LoRA model).
     """
     adamw = optax.adamw(
         schedule(spec, total_steps),
@@ -55,7 +61,7 @@ def make_optimizer(spec: OptimSpec, total_steps: int, params) -> optax.GradientT
         b2=spec.b2,
         eps=spec.eps,
         weight_decay=spec.weight_decay,
-        mask=decay_mask(params),
+        mask=decay_mask(model),
     )
     if spec.clip_norm > 0:
         return optax.chain(optax.clip_by_global_norm(spec.clip_norm), adamw)

@@ -184,7 +184,15 @@ def write_report(out_dir: Path, recipe: Recipe, s: dict) -> Path:
         lines.append(f"| {label} bits/byte | {_fmt(r['bpb'])} |")
     lines += ["", "![loss](loss.png)", ""]
     samples = s.get("samples") or []
-    if samples:
+    before_file = Path(out_dir) / "samples_before.json"
+    if samples and before_file.is_file():  # a fine-tuning run: the same prompts before and after
+        before = json.loads(before_file.read_text())
+        lines += ["## Samples before and after fine-tuning", ""]
+        for i, text in enumerate(samples):
+            if i < len(before):
+                lines += ["Before:", "", "```", before[i], "```", ""]
+            lines += ["After:", "", "```", text, "```", ""]
+    elif samples:
         lines += ["## Samples", ""]
         for text in samples:
             lines += ["```", text, "```", ""]

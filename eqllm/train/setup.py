@@ -17,11 +17,19 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from eqllm import lora
 from eqllm.config import ModelConfig
-from eqllm.data import TokenData, batch_at, prepare
-from eqllm.hub import from_pretrained
+from eqllm.data import TokenData, Tokenizer, batch_at, prepare
+from eqllm.data.instruct import (
+    DEFAULT_TEMPLATE,
+    InstructionData,
+    chat_template_of,
+    prepare_instructions,
+)
+from eqllm.eval.evaluate import recipe_samples
+from eqllm.hub import from_pretrained, load_tokenizer, resolve
 from eqllm.model import CausalLM, param_count
-from eqllm.recipe import Recipe, RecipeError, load_recipe
+from eqllm.recipe import Recipe, RecipeError, finetune_data_path, load_recipe
 from eqllm.sharding import (
     batch_sharding,
     check_divisible,
@@ -51,8 +59,20 @@ def setup_compile_cache(setting: str) -> Path | None:
     return path
 
 
-def prepare_data(recipe: Recipe, *, progress: bool = True) -> TokenData:
+def prepare_data(recipe: Recipe, *, progress: bool = True) -> TokenData | InstructionData:
+    """The run's tokens: data.source's text, or finetune.data's instruction examples
+    (tokenized with the base model's tokenizer and chat template)."""
     d = recipe.data
+    if recipe.finetune.data:
+        tokenizer, template = base_tokenizer(recipe)
+        return prepare_instructions(
+            finetune_data_path(recipe.finetune.data),
+            tokenizer,
+            seq_len=d.seq_len,
+            template=template,
+            val_fraction=d.val_fraction,
+            seed=d.split_seed,
+        )
     return prepare(
         d.source.to_source(),
         d.tokenizer,
@@ -64,10 +84,31 @@ def prepare_data(recipe: Recipe, *, progress: bool = True) -> TokenData:
     )
 
 
+def is_run_folder(path: str) -> bool:
+    folder = Path(path).expanduser()
+    return (folder / "config.toml").is_file() and (folder / "checkpoints").is_dir()
+
+
+def base_tokenizer(recipe: Recipe) -> tuple[Tokenizer, str | None]:
+    """(tokenizer, chat template or None) of the base model `model.init_from`; data.tokenizer
+    when the base folder has no tokenizer.json."""
+    init_from = recipe.model.init_from
+    folder = Path(init_from).expanduser() if is_run_folder(init_from) else resolve(init_from)
+    tokenizer = load_tokenizer(folder)
+    if tokenizer is None:
+        tokenizer = Tokenizer.from_spec(recipe.data.tokenizer)
+    return tokenizer, chat_template_of(folder)
+
+
 def build_model(recipe: Recipe, tokenizer_vocab: int) -> CausalLM:
-    """The recipe's model: `init_from` weights, or a fresh one sized to the tokenizer."""
+    """The recipe's model: `init_from` weights (a Hugging Face folder or repo, or an eqllm run
+    folder), or a fresh one sized to the tokenizer; with finetune.method "lora", adapted."""
     if recipe.model.init_from:
-        model = from_pretrained(recipe.model.init_from)
+        init_from = recipe.model.init_from
+        if is_run_folder(init_from):
+            model, _ = load_run_model(Path(init_from).expanduser())
+        else:
+            model = from_pretrained(init_from)
         model = model.with_config(compute_dtype=recipe.train.precision, remat=recipe.train.remat)
     else:
         cfg = recipe.model_config(vocab_size=tokenizer_vocab)
@@ -78,7 +119,34 @@ def build_model(recipe: Recipe, tokenizer_vocab: int) -> CausalLM:
             f"{model.config.vocab_size}; use a smaller data.bpe_vocab_size or a larger "
             "model.overrides.vocab_size"
         )
-    return model
+    return with_adapters(recipe, model)
+
+
+def with_adapters(recipe: Recipe, model: CausalLM) -> CausalLM:
+    """`model` with the recipe's LoRA adapters (finetune.method "lora"), else unchanged."""
+    f = recipe.finetune
+    if f.method != "lora":
+        return model
+    try:
+        return lora.apply(
+            model,
+            rank=f.rank,
+            alpha=f.alpha,
+            targets=list(f.targets),
+            dropout=f.dropout,
+            key=jax.random.key(recipe.train.seed),
+        )
+    except lora.LoraError as e:
+        raise RecipeError(f"finetune: {e}") from None
+
+
+def load_run_model(run_dir: Path, step: int | None = None, recipe: Recipe | None = None):
+    """(model, checkpoint meta) of a run folder at `step` (default latest), adapters included."""
+    recipe = recipe or load_recipe(run_dir / "config.toml")
+    config_file = run_dir / "model_config.json"
+    config = ModelConfig.from_dict(json.loads(config_file.read_text()))
+    model = with_adapters(recipe, CausalLM(config, key=jax.random.key(0)))
+    return restore_model(run_dir / "checkpoints", model, recipe, step)
 
 
 def place_on_mesh(recipe: Recipe, model: CausalLM):
@@ -113,8 +181,7 @@ def place_on_mesh(recipe: Recipe, model: CausalLM):
 
 def restore_model(ckpt_dir: Path, model: CausalLM, recipe: Recipe, step: int | None = None):
     """(model, meta) from a run's checkpoint folder; the optimizer state is read and dropped."""
-    params = eqx.filter(model, eqx.is_inexact_array)
-    optimizer = make_optimizer(recipe.optim, 1, params)
+    optimizer = make_optimizer(recipe.optim, 1, model)
     checkpointer = Checkpointer(ckpt_dir, keep=recipe.train.keep_checkpoints, async_save=False)
     try:
         model, _, meta = checkpointer.restore(model, init_opt_state(optimizer, model), step)
@@ -163,7 +230,7 @@ class RunSetup:
 
     out: Path
     recipe: Recipe
-    data: TokenData
+    data: TokenData | InstructionData
     config: ModelConfig
     model: CausalLM | None  # None once `take_state` handed it to the loop
     opt_state: object
@@ -190,8 +257,15 @@ class RunSetup:
         self.model = self.opt_state = None
         return model, opt_state
 
-    def batch(self, step: int) -> np.ndarray:
-        """This process's rows of step `step`'s global batch."""
+    def batch(self, step: int) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        """This process's rows of step `step`'s global batch ((tokens, loss mask) for
+        instruction data)."""
+        if isinstance(self.data, InstructionData):
+            if jax.process_count() > 1:
+                raise RecipeError("finetune.data runs on one process only for now")
+            return self.data.batch_at(
+                step, seed=self.recipe.train.seed, batch_size=self.recipe.train.batch_size
+            )
         return batch_at(
             self.data.train,
             step=step,
@@ -231,6 +305,11 @@ def start_run(
     """
     data = prepare_data(recipe, progress=progress)
     data.tokenizer.save(out)
+    if isinstance(data, InstructionData):  # the chat format goes with the tokenizer
+        config_file = out / "tokenizer_config.json"
+        config = json.loads(config_file.read_text())
+        config["chat_template"] = data.template or DEFAULT_TEMPLATE
+        config_file.write_text(json.dumps(config, indent=2) + "\n")
     model = build_model(recipe, data.tokenizer.vocab_size)
     # The exact architecture, so the run's checkpoints load without the recipe's init_from.
     (out / "model_config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
@@ -244,9 +323,12 @@ def start_run(
             f"{data.train.shape[0]} (use more data or a shorter seq_len)"
         )
 
+    if recipe.finetune.method != "none" and not resume and recipe.eval.sample_tokens:
+        # The same prompts before and after, for the report (adapters start as the identity).
+        before = recipe_samples(model, data, recipe) if recipe.eval.sample_prompts else []
+        (out / "samples_before.json").write_text(json.dumps(before, indent=2) + "\n")
     mesh, model, shardings = place_on_mesh(recipe, model)
-    params = eqx.filter(model, eqx.is_inexact_array)
-    optimizer = make_optimizer(recipe.optim, total, params)
+    optimizer = make_optimizer(recipe.optim, total, model)
     opt_state = init_opt_state(optimizer, model, shardings)
     train_step = TrainStep(
         optimizer,
@@ -254,6 +336,7 @@ def start_run(
         grad_accum=recipe.train.grad_accum,
         param_shardings=shardings,
         batch_sharding=batch_sharding(mesh) if shardings is not None else None,
+        dropout_seed=recipe.train.seed,
     )
     checkpoints = RunCheckpoints(out / "checkpoints", keep=recipe.train.keep_checkpoints)
     meta: dict = {"step": 0}

@@ -15,11 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from eqllm.data import DataError
 from eqllm.errors import EqllmError
 from eqllm.eval.loss import check_token_range, mean_loss
+from eqllm.lora import trainable, with_dropout_keys
 from eqllm.model import CausalLM
 from eqllm.sharding import shardings_like_params
 
@@ -57,6 +58,7 @@ class TrainStep:
         grad_accum: int = 1,
         param_shardings=None,
         batch_sharding=None,
+        dropout_seed: int = 0,
     ):
         if grad_accum < 1:
             raise EqllmError(f"grad_accum={grad_accum} must be >= 1")
@@ -69,6 +71,8 @@ class TrainStep:
         # How a host batch (this process's rows) is laid out on the devices; None: one device.
         self.batch_sharding = batch_sharding
         self.n_traces = 0
+        # LoRA dropout's masks: a function of this seed and the optimizer's step count.
+        self.dropout_seed = dropout_seed
         # The batch goes first so that "all-except-first" donates exactly model and opt_state.
         self._compiled = eqx.filter_jit(self._step, donate="all-except-first")
 
@@ -76,22 +80,37 @@ class TrainStep:
         self,
         model: CausalLM,
         opt_state,
-        batch: Int[Array, "batch window"] | Int[np.ndarray, "batch window"],
+        batch: Int[Array, "batch window"]
+        | Int[np.ndarray, "batch window"]
+        | tuple[Int[np.ndarray, "batch window"], Bool[np.ndarray, "batch window-1"]],
+        mask: Bool[np.ndarray, "batch window-1"] | Bool[Array, "batch window-1"] | None = None,
     ):
         """One step. A numpy `batch` (this process's rows) is checked on the host, with no device
-        round trip, then placed by `batch_sharding`; a device array is checked on its device."""
+        round trip, then placed by `batch_sharding`; a device array is checked on its device.
+        `batch` may also be a (tokens, mask) pair, `mask` marking the targets `batch[:, 1:]` the
+        loss is taken on (instruction data: the responses); no mask trains on every target."""
+        if isinstance(batch, tuple):
+            batch, mask = batch
         if batch.shape[0] % self.grad_accum:
             raise DataError(
                 f"batch of {batch.shape[0]} sequences does not split into "
                 f"grad_accum={self.grad_accum} equal micro-batches"
             )
         check_token_range(batch, model.config.vocab_size)
+        if mask is not None and mask.shape != (batch.shape[0], batch.shape[1] - 1):
+            raise DataError(
+                f"loss mask of shape {mask.shape} does not fit the batch {batch.shape}: it must "
+                "be (batch, window - 1), one entry per target"
+            )
         if isinstance(batch, np.ndarray):
             if self.batch_sharding is None:
                 batch = jnp.asarray(batch)
+                mask = None if mask is None else jnp.asarray(mask)
             else:
                 batch = jax.make_array_from_process_local_data(self.batch_sharding, batch)
-        return self._compiled(batch, model, opt_state)
+                if mask is not None:
+                    mask = jax.make_array_from_process_local_data(self.batch_sharding, mask)
+        return self._compiled((batch, mask), model, opt_state)
 
     def lower(self, model: CausalLM, opt_state, batch: Int[Array, "batch window"]):
         """The step lowered ahead of time (`.compile()` it; call the result like the step).
@@ -99,20 +118,33 @@ class TrainStep:
         For compile time, memory (`.compile().compiled.memory_analysis()`) and the HLO
         (`.compile().compiled.as_text()`).
         """
-        return self._compiled.lower(batch, model, opt_state)
+        return self._compiled.lower((batch, None), model, opt_state)
 
-    def _step(self, batch, model, opt_state):
+    def _step(self, batch_and_mask, model, opt_state):
         self.n_traces += 1
-        params, static = eqx.partition(model, eqx.is_inexact_array)
+        batch, mask = batch_and_mask
+        # With LoRA adapters only they are differentiated and updated: the base weights stay in
+        # `static` (traced inputs, no gradient, no optimizer state).
+        spec = trainable(model)
+        count = _step_count(opt_state)
+        step_key = jax.random.fold_in(jax.random.key(self.dropout_seed), count)
+        keyed = with_dropout_keys(model, step_key)  # the same arrays to train, dropout keys added
+        params, static = eqx.partition(keyed, trainable(keyed))
+        shardings = None if self.param_shardings is None else eqx.filter(self.param_shardings, spec)
 
         def loss_of(p, micro):
-            return mean_loss(eqx.combine(p, static), micro)
+            tokens, micro_mask = micro
+            return mean_loss(eqx.combine(p, static), tokens, micro_mask)
 
         grad_fn = jax.value_and_grad(loss_of)
         if self.grad_accum == 1:
-            loss, grads = grad_fn(params, batch)
+            loss, grads = grad_fn(params, (batch, mask))
         else:
-            micro = batch.reshape(self.grad_accum, -1, batch.shape[-1])
+            # Each micro-batch's loss is its own masked mean; with a mask, micro-batches of
+            # different response lengths are weighted equally (as transformers' Trainer does).
+            micro = jax.tree.map(
+                lambda x: x.reshape(self.grad_accum, -1, x.shape[-1]), (batch, mask)
+            )
 
             def accumulate(carry, mb):
                 loss_sum, grad_sum = carry
@@ -125,7 +157,6 @@ class TrainStep:
             grads = jax.tree.map(lambda g: g / self.grad_accum, grads)
 
         grad_norm = optax.tree.norm(grads)
-        count = _step_count(opt_state)
         updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
         new_params = eqx.apply_updates(params, updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -133,10 +164,10 @@ class TrainStep:
         keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
         new_params = jax.tree.map(keep, new_params, params)
         new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
-        if self.param_shardings is not None:  # keep everything where it was placed
-            new_params = jax.lax.with_sharding_constraint(new_params, self.param_shardings)
+        if shardings is not None:  # keep everything where it was placed
+            new_params = jax.lax.with_sharding_constraint(new_params, shardings)
             new_opt_state = jax.lax.with_sharding_constraint(
-                new_opt_state, shardings_like_params(new_opt_state, params, self.param_shardings)
+                new_opt_state, shardings_like_params(new_opt_state, params, shardings)
             )
         metrics = {
             "loss": loss,
@@ -147,17 +178,21 @@ class TrainStep:
             "finite": finite,
             "grad_norm/layer": _layer_grad_norms(grads),
         }
-        return eqx.combine(new_params, static), new_opt_state, metrics
+        model = with_dropout_keys(eqx.combine(new_params, static), None)  # as it came in
+        return model, new_opt_state, metrics
 
 
 def init_opt_state(optimizer: optax.GradientTransformation, model: CausalLM, param_shardings=None):
-    """The optimizer state for the trainable (floating-point) arrays of `model` (one compiled call).
+    """The optimizer state for the trainable arrays of `model` (one compiled call): every
+    floating-point array, or only the LoRA adapters when it has them (`eqllm.lora.trainable`).
 
     With `param_shardings` (eqllm.sharding.param_shardings), moments are placed like their
     parameters and scalars replicated: the layout the train step keeps.
     """
-    params = eqx.filter(model, eqx.is_inexact_array)
+    spec = trainable(model)
+    params = eqx.filter(model, spec)
     state = eqx.filter_jit(optimizer.init)(params)
     if param_shardings is None:
         return state
-    return jax.device_put(state, shardings_like_params(state, params, param_shardings))
+    shardings = eqx.filter(param_shardings, spec)
+    return jax.device_put(state, shardings_like_params(state, params, shardings))

@@ -1,0 +1,295 @@
+"""Instruction data: JSON/JSONL examples, chat formatting and loss masks for fine-tuning.
+
+An example is either Alpaca form (`instruction`, optional `input`, `output`) or chat form
+(`messages`: a list of `{"role": "system"|"user"|"assistant", "content": ...}`). It is formatted
+with the tokenizer's chat template (the Jinja `chat_template` of its tokenizer_config.json, as
+transformers renders it) when there is one, else with `DEFAULT_TEMPLATE`:
+
+    <|system|>
+    {system message}
+    <|user|>
+    {user message}
+    <|assistant|>
+    {assistant message}<eos>
+
+The loss is masked to the assistant turns (their tokens and the end-of-sequence token appended
+after the last one, so that a fine-tuned model learns to stop). Each example becomes one row of
+`seq_len + 1` tokens, truncated or padded on the right with the end-of-sequence id; padding is
+masked out, and since attention is causal it never changes the real tokens' logits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+import numpy as np
+import tokenizers
+
+from eqllm.data.errors import DataError, DataNotFound
+from eqllm.data.tokenizer import Tokenizer
+
+Messages = list[dict[str, str]]
+
+DEFAULT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}"
+    "{% if m.role == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+ROLES = ("system", "user", "assistant")
+
+
+def read_examples(path: str | os.PathLike) -> list[Messages]:
+    """The examples of a JSON (a list) or JSONL (one per line) file, as chat messages.
+
+    Raises DataError naming the file, the line (JSONL) or index (JSON) and the missing field.
+    """
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise DataNotFound(f"instruction data file {str(file)!r} does not exist")
+    text = file.read_text(encoding="utf-8")
+    if file.suffix == ".json":
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{file}: not valid JSON ({e})") from None
+        if not isinstance(records, list):
+            raise DataError(f"{file}: a .json file must hold a list of examples")
+        where = [f"{file} example {i}" for i in range(len(records))]
+    else:
+        records, where = [], []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{file} line {n}: not valid JSON ({e})") from None
+            where.append(f"{file} line {n}")
+    if not records:
+        raise DataError(f"{file} holds no examples")
+    return [to_messages(r, w) for r, w in zip(records, where, strict=True)]
+
+
+def to_messages(record, where: str) -> Messages:
+    """Chat messages of one Alpaca-form or chat-form record."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: an example must be a JSON object, got {type(record).__name__}")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise DataError(f"{where}: 'messages' must be a non-empty list")
+        for i, m in enumerate(messages):
+            ok = isinstance(m, dict) and m.get("role") in ROLES
+            if not ok or not isinstance(m.get("content"), str):
+                raise DataError(
+                    f"{where}: messages[{i}] needs 'role' (one of {list(ROLES)}) and a string "
+                    f"'content', got {m!r}"
+                )
+        if not any(m["role"] == "assistant" for m in messages):
+            raise DataError(f"{where}: no 'assistant' message to learn from")
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
+    missing = [k for k in ("instruction", "output") if not isinstance(record.get(k), str)]
+    if missing:
+        raise DataError(
+            f"{where}: missing field(s) {missing}; an example needs 'instruction' and 'output' "
+            "(Alpaca form, optional 'input') or 'messages' (chat form)"
+        )
+    prompt = record["instruction"]
+    if record.get("input"):
+        prompt += "\n\n" + str(record["input"])
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
+
+
+def chat_template_of(folder: str | os.PathLike) -> str | None:
+    """The `chat_template` of the tokenizer_config.json in `folder`, if any."""
+    file = Path(folder) / "tokenizer_config.json"
+    if not file.is_file():
+        return None
+    template = json.loads(file.read_text()).get("chat_template")
+    if isinstance(template, list):  # named templates: transformers uses "default"
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template
+
+
+@dataclass
+class ChatFormat:
+    """Renders messages as text with a Jinja chat template, and tokenizes them with the loss
+    mask. `template` None uses `DEFAULT_TEMPLATE`."""
+
+    tokenizer: Tokenizer
+    template: str | None = None
+
+    def __post_init__(self):
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        self._template = env.from_string(self.template or DEFAULT_TEMPLATE)
+        self._special = None
+        if self.tokenizer.kind != "bytes":
+            # Special tokens a template writes (<|im_end|>) are meant as their ids, unlike in
+            # documents: a copy of the tokenizer that recognises them.
+            self._special = tokenizers.Tokenizer.from_str(self.tokenizer.to_str())
+            self._special.encode_special_tokens = False
+
+    def render(self, messages: Messages, *, add_generation_prompt: bool = False) -> str:
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            eos_token=self.tokenizer.eot_token,
+            bos_token="",
+        )
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of rendered text; the end-of-sequence string becomes its id (for any tokenizer)."""
+        ids: list[int] = []
+        for i, part in enumerate(text.split(self.tokenizer.eot_token)):
+            if i:
+                ids.append(self.tokenizer.eot_id)
+            if part and self._special is None:
+                ids += self.tokenizer.encode(part)
+            elif part:
+                ids += self._special.encode(part, add_special_tokens=False).ids
+        return ids
+
+    def encode(self, messages: Messages) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, bool mask of the tokens the loss is taken on) for one conversation.
+
+        The text is cut at the start and end of each assistant turn (found by rendering the
+        conversation up to it) and each piece tokenized on its own, so the mask is exact.
+        The end-of-sequence id is appended (in the mask) unless the text already ends with it.
+        """
+        full = self.render(messages)
+        cuts: list[tuple[int, int]] = []
+        for k, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            start = len(self.render(messages[:k], add_generation_prompt=True))
+            end = len(self.render(messages[: k + 1]).rstrip())  # the newline after is prompt
+            if not full.startswith(self.render(messages[: k + 1])) or start > end:
+                raise DataError(
+                    "the chat template does not render a conversation as a prefix of its "
+                    "continuation; eqllm cannot find the assistant turns to train on"
+                )
+            cuts.append((start, end))
+        ids: list[int] = []
+        mask: list[bool] = []
+        pos = 0
+        for start, end in cuts:
+            for piece, train in ((full[pos:start], False), (full[start:end], True)):
+                tokens = self.encode_text(piece) if piece else []
+                ids += tokens
+                mask += [train] * len(tokens)
+            pos = end
+        tail = self.encode_text(full[pos:]) if full[pos:].strip() else []
+        ids += tail
+        mask += [False] * len(tail)
+        if not ids or ids[-1] != self.tokenizer.eot_id:
+            ids.append(self.tokenizer.eot_id)
+            mask.append(True)
+        return np.asarray(ids, np.int64), np.asarray(mask, bool)
+
+
+@dataclass
+class InstructionData:
+    """Fine-tuning rows: `rows` [n, seq_len + 1] token ids and `mask` [n, seq_len], True where
+    the target `rows[:, 1:]` is a response token. `train` / `val` are the examples' tokens laid
+    end to end (what evaluation scores, like a `TokenData`'s)."""
+
+    rows: np.ndarray
+    mask: np.ndarray
+    val_rows: np.ndarray
+    val_mask: np.ndarray
+    tokenizer: Tokenizer
+    truncated: int  # examples cut to seq_len + 1 tokens
+    template: str | None = None  # the chat template (None: DEFAULT_TEMPLATE)
+
+    @property
+    def meta(self) -> dict:
+        """What a run reports about its data (as `TokenData.meta` does)."""
+        return {
+            "train_tokens": int(len(self.train)),
+            "val_tokens": int(len(self.val)),
+            "train_examples": len(self.rows),
+            "val_examples": len(self.val_rows),
+            "truncated_examples": self.truncated,
+        }
+
+    def bytes_per_token(self, split: str) -> float:
+        """UTF-8 bytes per token of a split's text (for bits per byte)."""
+        tokens = self.train if split == "train" else self.val
+        return len(self.tokenizer.decode(tokens).encode("utf-8")) / max(len(tokens), 1)
+
+    def chat_prompt(self, text: str) -> str:
+        """`text` as a user turn, formatted up to the start of the assistant's answer."""
+        chat = ChatFormat(self.tokenizer, self.template)
+        return chat.render([{"role": "user", "content": text}], add_generation_prompt=True)
+
+    @property
+    def train(self) -> np.ndarray:
+        return _flat(self.rows, self.mask)
+
+    @property
+    def val(self) -> np.ndarray:
+        return _flat(self.val_rows, self.val_mask)
+
+    def batch_at(self, step: int, *, seed: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, mask) of step `step`: rows of a seeded permutation per epoch, so a pure
+        function of (seed, step) as the token batches are."""
+        n = len(self.rows)
+        index = np.arange(step * batch_size, (step + 1) * batch_size)
+        epochs, within = np.divmod(index, n)
+        picks = np.empty(batch_size, np.int64)
+        for epoch in np.unique(epochs):
+            order = np.random.default_rng([seed, int(epoch)]).permutation(n)
+            picks[epochs == epoch] = order[within[epochs == epoch]]
+        return self.rows[picks], self.mask[picks]
+
+
+def _flat(rows: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    # Each row's real tokens: up to its last response target (padding follows it).
+    out = []
+    for row, m in zip(rows, mask, strict=True):
+        last = np.flatnonzero(m)
+        out.append(row[: (last[-1] + 2) if len(last) else 1])
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def pad_rows(
+    encoded: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """(rows [n, seq_len + 1], target mask [n, seq_len], examples truncated)."""
+    rows = np.full((len(encoded), seq_len + 1), pad_id, np.int64)
+    mask = np.zeros((len(encoded), seq_len), bool)
+    truncated = 0
+    for i, (ids, m) in enumerate(encoded):
+        truncated += len(ids) > seq_len + 1
+        ids, m = ids[: seq_len + 1], m[: seq_len + 1]
+        rows[i, : len(ids)] = ids
+        mask[i, : len(ids) - 1] = m[1:]  # target t + 1 is trained when token t + 1 is
+    return rows, mask, truncated
+
+
+def prepare_instructions(
+    path: str | os.PathLike,
+    tokenizer: Tokenizer,
+    *,
+    seq_len: int,
+    template: str | None = None,
+    val_fraction: float = 0.0,
+    seed: int = 0,
+) -> InstructionData:
+    """Read, format, tokenize and pad the examples of `path` (see the module docstring)."""
+    chat = ChatFormat(tokenizer, template)
+    examples = read_examples(path)
+    order = np.random.default_rng(seed).permutation(len(examples))
+    n_val = int(round(len(examples) * val_fraction))
+    if n_val >= len(examples):
+        raise DataError(f"{path}: {len(examples)} examples leave none to train on")
+    encoded = [chat.encode(examples[i]) for i in order]
+    rows, mask, cut = pad_rows(encoded[n_val:], seq_len, tokenizer.eot_id)
+    val_rows, val_mask, val_cut = pad_rows(encoded[:n_val], seq_len, tokenizer.eot_id)
+    if not mask.any():
+        raise DataError(f"{path}: no response token fits in seq_len={seq_len}; raise data.seq_len")
+    return InstructionData(rows, mask, val_rows, val_mask, tokenizer, cut + val_cut, template)
