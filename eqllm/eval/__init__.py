@@ -1,12 +1,12 @@
 """Evaluation: loss, perplexity and bits per byte (generation lives in `eqllm.generation`)."""
 
-from eqllm.eval.harness import (
+from eqllm.eval.loss import check_token_range, mean_loss, token_nll
+from eqllm.eval.metrics import (
     bits_per_byte,
     evaluate_tokens,
     loss_report,
     unigram_loss,
 )
-from eqllm.eval.loss import check_token_range, mean_loss, token_nll
 
 __all__ = [
     "bits_per_byte",

@@ -6,7 +6,7 @@ import jax
 
 from eqllm.data import TokenData, Tokenizer, prepare
 from eqllm.data.instruct import InstructionData
-from eqllm.eval.harness import evaluate_tokens, loss_report, unigram_loss
+from eqllm.eval.metrics import evaluate_tokens, loss_report, unigram_loss
 from eqllm.generation import generate_batch
 from eqllm.model import CausalLM
 from eqllm.recipe import Recipe, RecipeError

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from eqllm import lora
 from eqllm.errors import EqllmError
 from eqllm.eval.evaluate import eval_batch_size
-from eqllm.eval.harness import evaluate_tokens, loss_report
+from eqllm.eval.metrics import evaluate_tokens, loss_report
 from eqllm.model import param_count
 from eqllm.recipe import Recipe
 from eqllm.train.metrics import Throughput

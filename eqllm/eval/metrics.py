@@ -1,4 +1,4 @@
-"""Evaluation harness: validation loss, perplexity, bits per byte, a unigram baseline, samples.
+"""Validation loss, perplexity, bits per byte, a unigram baseline, samples, over token data.
 
 Bits per byte make runs with different tokenizers comparable:
 ``bpb = loss_nats_per_token / ln 2 / bytes_per_token``, where bytes per token is the split's
