@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import eqllm
+from eqllm import families
 from eqllm.cli import main as cli_main
 from eqllm.data.tokenizer import Tokenizer
 from eqllm.hub import CheckpointError
@@ -67,8 +68,43 @@ HF_CONFIGS = {
         model_type="qwen3", **DIMS, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True
     ),
     "qwen3-untied": dict(model_type="qwen3", **DIMS, num_key_value_heads=2, head_dim=16),
+    # Windows far shorter than LONG; soft-capping small enough to bend the scores and logits;
+    # query_pre_attn_scalar unlike head_dim.
+    "gemma2": dict(
+        model_type="gemma2",
+        **DIMS,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=12,
+        sliding_window=7,
+        attn_logit_softcapping=1.5,
+        final_logit_softcapping=2.0,
+    ),
+    # Local, global, local layers with their two RoPE bases; (1 + w) QK-norm; a final cap.
+    "gemma3": dict(
+        model_type="gemma3_text",
+        **{**DIMS, "num_hidden_layers": 3},
+        num_key_value_heads=1,
+        head_dim=8,
+        query_pre_attn_scalar=12,
+        sliding_window=7,
+        sliding_window_pattern=2,
+        rope_theta=1_000_000.0,
+        rope_local_base_freq=10_000.0,
+        final_logit_softcapping=3.0,
+    ),
+    # Fused qkv_proj and gate_up_proj; half of each head rotated; a window over every layer.
+    "phi3": dict(
+        model_type="phi3",
+        **DIMS,
+        num_key_value_heads=2,
+        partial_rotary_factor=0.5,
+        sliding_window=9,
+    ),
+    # Norms after the sublayers only; QK-norm over the whole projections (grouped kv heads).
+    "olmo2": dict(model_type="olmo2", **DIMS, num_key_value_heads=2),
 }
-TIED = {"gpt2", "qwen2", "gemma", "qwen3"}
+TIED = {"gpt2", "qwen2", "gemma", "qwen3", "gemma2", "gemma3"}
 
 
 def _hf_model(spec: dict):
@@ -113,7 +149,8 @@ def pair(request, tmp_path_factory):
 
 
 def test_import_gives_transformers_logits(pair):
-    assert pair.model.config.family == HF_CONFIGS[pair.name]["model_type"]
+    family = families.for_model_type(HF_CONFIGS[pair.name]["model_type"])
+    assert pair.model.config.family == family.name
     assert pair.model.config.param_dtype == "float32"
     np.testing.assert_allclose(_logits(pair.model, TOKENS), pair.ref, atol=1e-4, rtol=0)
 
@@ -268,7 +305,7 @@ def test_tied_head_that_differs_is_refused(tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"model_type": "phi3"}, "unsupported model_type 'phi3'"),
+        ({"model_type": "falcon"}, "unsupported model_type 'falcon'"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn'"),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling type 'linear'"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
