@@ -28,7 +28,8 @@ SANDWICH_TABLE = tuple(
     ("model.layers.{i}.post_feedforward_layernorm.weight", "blocks.mlp_post_norm.weight"),
 )
 GELU_TANH = ("gelu_pytorch_tanh", "gelu")  # "gelu" is the releases' legacy name for the same
-# Keys of the Gemma 2/3 configs beyond the Llama ones (cache_implementation is generation-only).
+# Keys of the Gemma 2/3 configs beyond the Llama ones (cache_implementation is generation-only;
+# the first Gemma 2 releases repeat sliding_window as sliding_window_size).
 SANDWICH_KEYS = LLAMA_KEYS | {
     "hidden_activation",
     "attention_bias",
@@ -39,6 +40,7 @@ SANDWICH_KEYS = LLAMA_KEYS | {
     "final_logit_softcapping",
     "attn_logit_softcapping",
     "cache_implementation",
+    "sliding_window_size",
 }
 
 
@@ -86,6 +88,7 @@ def sandwich_from_hf(hf: dict[str, Any], default_every: int) -> dict[str, Any]:
     refuse(hf, "use_bidirectional_attention", (False, None))
     refuse(hf, "tie_word_embeddings", (True,))
     fields = llama_from_hf(hf)
+    refuse(hf, "sliding_window_size", (hf.get("sliding_window"), None))
     return {
         **fields,
         "query_pre_attn_scalar": hf.get("query_pre_attn_scalar") or fields["head_dim"],

@@ -56,6 +56,7 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     refuse(hf, "hidden_act", ("silu",))
+    refuse(hf, "attention_bias", (False,))
     # transformers 5 repeats partial_rotary_factor inside rope_parameters; the older layout
     # has it at the top level only.
     rope = dict(hf.get("rope_parameters") or {})
@@ -90,9 +91,12 @@ FAMILY = Family(
     table=TABLE,
     prefix=LLAMA_PREFIX,
     # original_max_position_embeddings only matters to the long-context rope types, which
-    # the rope translation refuses; the dropouts do nothing at inference.
+    # the rope translation refuses; the dropouts do nothing at inference; auto_map names the
+    # release's remote code, which transformers runs only when trusted (its own Phi3 otherwise).
     hf_keys=LLAMA_KEYS
     | {
+        "attention_bias",
+        "auto_map",
         "partial_rotary_factor",
         "sliding_window",
         "original_max_position_embeddings",
