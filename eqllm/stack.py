@@ -36,10 +36,12 @@ REMAT_POLICIES = {
 
 
 def dtype_of(name: str):
+    """The jax dtype of a ModelConfig dtype name ("bfloat16" -> jnp.bfloat16)."""
     return _DTYPES[name]
 
 
 def make_norm(config: ModelConfig, dtype) -> RMSNorm | LayerNorm:
+    """The config's norm over d_model (every norm of the model but the QK-norm)."""
     if config.norm == "rmsnorm":
         return RMSNorm(
             config.d_model, eps=config.norm_eps, plus_one=config.norm_plus_one, dtype=dtype
@@ -130,8 +132,9 @@ def run_blocks(
     if config.scan_layers or config.remat != "none":
         x, _ = jax.lax.scan(step, x, xs)
         return x
-    for i in range(config.n_layers):
-        x, _ = step(x, jax.tree.map(lambda a, i=i: a[i], xs))
+    for i in range(config.n_layers):  # each layer's flag is known here: a Python bool
+        local = None if flags is None else bool(flags[i])
+        x, _ = step(x, (jax.tree.map(lambda a, i=i: a[i], params), local))
     return x
 
 

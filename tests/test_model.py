@@ -238,6 +238,15 @@ def test_a_global_layer_sees_past_the_window():
     np.testing.assert_array_equal(forward(windowed, tokens)[i], forward(windowed, changed)[i])
 
 
+def test_unrolled_layers_with_known_flags_equal_the_scan():
+    """Unrolled, each layer's flag is a Python bool and windowed layers skip key blocks."""
+    cfg = TINY_CONFIGS["gemma2"].replace(max_seq_len=160)
+    model = eqllm.CausalLM(cfg, key=jax.random.key(2))
+    tokens = random_tokens(9, n=160)
+    unrolled = model.with_config(scan_layers=False)
+    np.testing.assert_allclose(forward(model, tokens), forward(unrolled, tokens), atol=1e-5)
+
+
 def test_local_flag_selects_the_window_and_the_rope_base():
     x = jax.random.normal(jax.random.key(0), (SEQ, 32))
     Rope = eqllm.nn.RotaryEmbedding

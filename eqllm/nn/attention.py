@@ -17,6 +17,7 @@ import itertools
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqllm.nn.kv_cache import KVCache
@@ -96,8 +97,10 @@ def in_order_attention(
     the keys up to its last row (and from its window's start), so the scores computed fall from
     seq^2 to about (chunks + 1) / (2 * chunks) of it (62.5% at 4). Same values as
     `dot_product_attention` with the causal mask. With a traced `local` flag the window may be
-    lifted, so only the causal skipping applies.
+    lifted, so only the causal skipping applies; a Python bool decides it while tracing.
     """
+    if isinstance(local, bool | np.bool_):  # known when tracing: apply or drop the window now
+        sliding_window, local = (sliding_window if local else None), None
     seq = q.shape[-3]
     n = max(1, min(chunks, seq // 64))
     bounds = [seq * i // n for i in range(n + 1)]
