@@ -460,10 +460,15 @@ def test_unsupported_config_is_refused_naming_the_field(llama_folder, tmp_path, 
     assert "config.json" in str(info.value)
 
 
-def test_unexportable_config_is_refused(tmp_path):
-    cfg = TINY_CONFIGS["llama"].replace(qk_norm=True)
+@pytest.mark.parametrize(
+    "change", [{"qk_norm": True}, {"attn_softcap": 50.0}, {"post_norms": True}]
+)
+def test_unexportable_config_is_refused(tmp_path, change):
+    cfg = TINY_CONFIGS["llama"].replace(**change)
     model = eqx.filter_eval_shape(eqllm.CausalLM, cfg, key=jax.random.key(0))
-    with pytest.raises(eqllm.ConfigError, match="no Hugging Face equivalent.*qk_norm"):
+    with pytest.raises(
+        eqllm.ConfigError, match=f"no Hugging Face equivalent.*{next(iter(change))}"
+    ):
         eqllm.hub.save_pretrained(model, tmp_path)
 
 
