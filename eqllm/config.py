@@ -1,9 +1,9 @@
 """ModelConfig: the frozen, flat description of one decoder-only Transformer.
 
 Every architectural difference between the zoo's families (GPT-2, Llama 1/2/3, Mistral, Qwen2,
-Gemma) is one of the fields below; the model code reads nothing else. Validation is pydantic's,
-with its errors rewritten into one-line `ConfigError`s that name the field, the value and the
-rule (`ModelConfig.d_model=-1 must be positive`).
+Qwen3, Gemma 1/2/3, Phi-3, OLMo 2) is one of the fields below; the model code reads nothing
+else. Validation is pydantic's, with its errors rewritten into one-line `ConfigError`s that
+name the field, the value and the rule (`ModelConfig.d_model=-1 must be positive`).
 """
 
 from __future__ import annotations
@@ -98,6 +98,17 @@ class ModelConfig:
     `rope_scaling`), biases, `tie_embeddings`, `sliding_window` (None: full causal attention),
     `qk_norm`, `embed_scale` (multiply token embeddings by sqrt(d_model), as Gemma does).
 
+    Switches several recent families share: `pre_norms` / `post_norms` (a norm before each
+    sublayer, and one on each sublayer's output before the residual add: Gemma 2/3 have both,
+    OLMo 2 only the latter), `attn_softcap` / `final_softcap` (cap * tanh(x / cap) on the
+    attention scores and on the final logits, Gemma 2), `global_every` (with a sliding window:
+    every global_every-th layer attends to the whole context, the others to the window; None:
+    every layer uses the window), `rope_local_theta` (the RoPE base of those windowed layers,
+    Gemma 3), `query_pre_attn_scalar` (scores scaled by its inverse square root instead of
+    head_dim's), `qk_norm_per_head` (False: QK-norm over the whole q and k projections, OLMo 2),
+    `rope_fraction` (the leading fraction of each head that is rotated, Phi-3's
+    partial_rotary_factor).
+
     Numerics and compilation: `param_dtype`, `compute_dtype` (activations and matmuls; norms,
     softmax and the loss stay fp32), `scan_layers` (False unrolls the layer loop: faster steps
     on shallow models, compile time growing with depth), `remat` (jax.checkpoint policy for each
@@ -132,7 +143,16 @@ class ModelConfig:
     tie_embeddings: bool = False
     sliding_window: Positive | None = None
     qk_norm: bool = False
+    qk_norm_per_head: bool = True
     embed_scale: bool = False
+    pre_norms: bool = True
+    post_norms: bool = False
+    attn_softcap: PositiveFloat | None = None
+    final_softcap: PositiveFloat | None = None
+    global_every: Positive | None = None
+    rope_local_theta: PositiveFloat | None = None
+    query_pre_attn_scalar: Positive | None = None
+    rope_fraction: Annotated[float, Field(gt=0, le=1)] = 1.0
     param_dtype: DType = "float32"
     compute_dtype: DType = "float32"
     scan_layers: bool = True
@@ -158,8 +178,40 @@ class ModelConfig:
             f"must divide n_heads={self.n_heads}",
         )
         if self.position == "rope":
-            even = self.head_dim % 2 == 0
-            _require(even, "head_dim", self.head_dim, "must be even with rotary positions")
+            even = self.rotary_dim % 2 == 0 and self.rotary_dim > 0
+            if self.rope_fraction == 1:
+                _require(even, "head_dim", self.head_dim, "must be even with rotary positions")
+            _require(
+                even,
+                "rope_fraction",
+                self.rope_fraction,
+                f"must rotate an even, non-zero number of dims (head_dim={self.head_dim})",
+            )
+        _require(
+            self.rope_fraction == 1 or self.position == "rope",
+            "rope_fraction",
+            self.rope_fraction,
+            "needs position='rope'",
+        )
+        _require(
+            self.qk_norm_per_head or self.qk_norm,
+            "qk_norm_per_head",
+            self.qk_norm_per_head,
+            "only matters with qk_norm=True",
+        )
+        _require(
+            self.global_every is None or self.sliding_window is not None,
+            "global_every",
+            self.global_every,
+            "needs a sliding_window for the other layers",
+        )
+        _require(
+            self.rope_local_theta is None
+            or (self.global_every is not None and self.position == "rope"),
+            "rope_local_theta",
+            self.rope_local_theta,
+            "needs position='rope' and global_every (it is the base of the windowed layers)",
+        )
         if self.rope_scaling == "llama3":
             _require(
                 self.position == "rope", "rope_scaling", self.rope_scaling, "needs position='rope'"
@@ -183,6 +235,18 @@ class ModelConfig:
             self.norm_plus_one,
             "is only defined for norm='rmsnorm'",
         )
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head that RoPE rotates (the leading ones; the rest pass through)."""
+        return int(self.head_dim * self.rope_fraction)
+
+    def local_layers(self) -> tuple[bool, ...]:
+        """Per layer: does it attend through the sliding window (True) or to everything?"""
+        if self.sliding_window is None:
+            return (False,) * self.n_layers
+        every = self.global_every
+        return tuple(every is None or (i + 1) % every != 0 for i in range(self.n_layers))
 
     def replace(self, **overrides: Any) -> ModelConfig:
         """A copy with some fields changed (validated); unknown fields name the valid ones.
@@ -218,11 +282,11 @@ class ModelConfig:
         Matmul parameters exclude the embedding table unless it is tied into the LM head (then
         it is counted once, as the head). Attention uses the PaLM convention (appendix B) without
         halving for the causal mask; T is `seq_len` (default: max_seq_len), capped by the
-        sliding window.
+        sliding window in the layers that have it.
         """
-        t = seq_len or self.max_seq_len
-        if self.sliding_window is not None:
-            t = min(t, self.sliding_window)
+        full = seq_len or self.max_seq_len
+        local = self.local_layers()
+        t = sum(min(full, self.sliding_window) if w else full for w in local) / self.n_layers
         d, h, kv, q = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim
         attn = d * q * (h + 2 * kv) + h * q * d
         mlp = (3 if self.mlp in ("swiglu", "geglu") else 2) * d * self.d_ff

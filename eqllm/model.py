@@ -1,8 +1,10 @@
 """CausalLM: token embedding -> stacked blocks run with lax.scan -> final norm -> LM head.
 
 The architecture is GPT-2's (Radford et al., 2019) generalised by `ModelConfig` switches to
-Llama (Touvron et al., 2023), Mistral, Qwen2 and Gemma. The layers are one Block whose arrays
-carry a leading `layers` axis, so compile time does not grow with depth.
+Llama (Touvron et al., 2023), Mistral, Qwen2/3, Gemma 1/2/3, Phi-3 and OLMo 2. The layers are one
+Block whose arrays carry a leading `layers` axis, so compile time does not grow with depth; what
+differs between layers (windowed or global attention, and with it the RoPE base) is a per-layer
+flag scanned alongside the weights.
 """
 
 from __future__ import annotations
@@ -18,85 +20,20 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from eqllm.config import ModelConfig
 from eqllm.errors import EqllmError
 from eqllm.nn import (
-    MLP,
-    Attention,
     Block,
     Embedding,
-    GatedMLP,
     KVCache,
     LayerNorm,
     Linear,
     RMSNorm,
-    RotaryEmbedding,
     param_info,
 )
 from eqllm.nn.linear import is_param_info
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+from eqllm.stack import REMAT_POLICIES as REMAT_POLICIES  # re-exported: the remat names
+from eqllm.stack import dtype_of, layer_flags, make_block, make_norm, run_blocks
 
 # ModelConfig fields that change how the model runs, not what it computes.
 EXECUTION_FIELDS = ("scan_layers", "remat", "compute_dtype")
-
-REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
-def dtype_of(name: str):
-    return _DTYPES[name]
-
-
-def _norm(config: ModelConfig, dtype) -> RMSNorm | LayerNorm:
-    if config.norm == "rmsnorm":
-        return RMSNorm(
-            config.d_model, eps=config.norm_eps, plus_one=config.norm_plus_one, dtype=dtype
-        )
-    return LayerNorm(config.d_model, eps=config.norm_eps, use_bias=config.norm_bias, dtype=dtype)
-
-
-def make_block(config: ModelConfig, key: PRNGKeyArray) -> Block:
-    """One Transformer block as `config` describes it."""
-    dtype = dtype_of(config.param_dtype)
-    k_attn, k_mlp = jax.random.split(key)
-    rope = None
-    if config.position == "rope":
-        rope = RotaryEmbedding(
-            config.head_dim,
-            config.rope_theta,
-            llama3_factor=config.rope_factor if config.rope_scaling == "llama3" else None,
-            low_freq_factor=config.rope_low_freq_factor,
-            high_freq_factor=config.rope_high_freq_factor,
-            original_max_seq_len=config.rope_original_max_seq_len,
-        )
-    attn = Attention(
-        config.d_model,
-        config.n_heads,
-        n_kv_heads=config.n_kv_heads,
-        head_dim=config.head_dim,
-        qkv_bias=config.qkv_bias,
-        out_bias=config.out_bias,
-        qk_norm=config.qk_norm,
-        rope=rope,
-        sliding_window=config.sliding_window,
-        norm_eps=config.norm_eps,
-        key=k_attn,
-        dtype=dtype,
-    )
-    if config.mlp == "gelu":
-        mlp = MLP(config.d_model, config.d_ff, use_bias=config.mlp_bias, key=k_mlp, dtype=dtype)
-    else:
-        activation = "silu" if config.mlp == "swiglu" else "gelu"
-        mlp = GatedMLP(
-            config.d_model,
-            config.d_ff,
-            activation=activation,
-            use_bias=config.mlp_bias,
-            key=k_mlp,
-            dtype=dtype,
-        )
-    return Block(_norm(config, dtype), attn, _norm(config, dtype), mlp)
 
 
 class CausalLM(eqx.Module):
@@ -184,10 +121,13 @@ class CausalLM(eqx.Module):
         return x
 
     def logits(self, hidden: Float[Array, "*rows d_model"]) -> Float[Array, "*rows vocab"]:
-        """LM head on hidden states; the product accumulates and returns in fp32."""
+        """LM head on hidden states (soft-capped where the config says); fp32 throughout."""
         if self.lm_head is None:
-            return self.embed.attend(hidden, preferred_element_type=jnp.float32)
-        return self.lm_head(hidden, preferred_element_type=jnp.float32)
+            logits = self.embed.attend(hidden, preferred_element_type=jnp.float32)
+        else:
+            logits = self.lm_head(hidden, preferred_element_type=jnp.float32)
+        cap = self.config.final_softcap
+        return logits if cap is None else jnp.tanh(logits / cap) * cap
 
     # KV-cached inference -----------------------------------------------------------------------
     # One sequence at a time (vmap for a batch). The cache is one KVCache per layer and the layers
@@ -198,14 +138,18 @@ class CausalLM(eqx.Module):
     def init_cache(self, length: int) -> tuple[KVCache, ...]:
         """An empty KV cache for one sequence of up to `length` positions, one per layer.
 
-        Each layer's cache has `min(length, max_seq_len, sliding_window)` slots: with a sliding
-        window it is a ring that holds just the window. Only the kv heads are cached
-        (grouped-query attention shares them), in the compute dtype.
+        Each layer's cache has `min(length, max_seq_len)` slots, `sliding_window` at most in a
+        layer that attends through a window: a ring that holds just the window. Only the kv heads
+        are cached (grouped-query attention shares them), in the compute dtype.
         """
         cfg = self.config
-        slots = min(length, cfg.max_seq_len, cfg.sliding_window or cfg.max_seq_len)
-        empty = KVCache.empty(slots, cfg.n_kv_heads, cfg.head_dim, dtype_of(cfg.compute_dtype))
-        return (empty,) * cfg.n_layers
+        dtype = dtype_of(cfg.compute_dtype)
+        full = min(length, cfg.max_seq_len)
+        local = KVCache.empty(
+            min(full, cfg.sliding_window or full), cfg.n_kv_heads, cfg.head_dim, dtype
+        )
+        world = KVCache.empty(full, cfg.n_kv_heads, cfg.head_dim, dtype)
+        return tuple(local if w else world for w in cfg.local_layers())
 
     def layers(self) -> tuple[Block, ...]:
         """The stacked blocks sliced apart, one Block per layer, in the compute dtype.
@@ -247,8 +191,10 @@ class CausalLM(eqx.Module):
         layers = model.layers() if layers is None else layers
         x = model.embed_inputs(tokens, positions)
         written = []
-        for block, layer_cache in zip(layers, cache, strict=True):
-            x, layer_cache = block.cached(x, positions, layer_cache)
+        flags = layer_flags(cfg)
+        for i, (block, layer_cache) in enumerate(zip(layers, cache, strict=True)):
+            local = None if flags is None else bool(flags[i])
+            x, layer_cache = block.cached(x, positions, layer_cache, local)
             written.append(layer_cache)
         hidden = model.final_norm(x[-1])  # only the last position's logits are needed
         return model.logits(hidden), tuple(written)
@@ -304,36 +250,7 @@ def _initial_parts(config: ModelConfig, key: PRNGKeyArray) -> dict:
             )
         ),
     }
-    return {**init_weights(parts, config, k_init), "final_norm": _norm(config, dtype)}
-
-
-def run_blocks(
-    blocks: Block,
-    x: Float[Array, "*batch seq d_model"],
-    positions: Int[Array, "*batch seq"] | None,
-    config: ModelConfig,
-) -> Float[Array, "*batch seq d_model"]:
-    """Apply the stacked blocks in order: `lax.scan` or an unrolled Python loop (see below).
-
-    `positions` None means 0..seq-1 (see `Attention.__call__`).
-    """
-    params, static = eqx.partition(blocks, eqx.is_array)
-
-    def step(h, layer_params):
-        block = eqx.combine(layer_params, static)
-        return block(h, positions), None
-
-    if config.remat != "none":
-        step = jax.checkpoint(step, policy=REMAT_POLICIES[config.remat])
-    # Remat needs the loop: unrolled, XLA computes each block's recomputation as early as its
-    # input exists, so the activations live as long as without remat (llama-mini at 2 x 256:
-    # 480 MiB unrolled vs 360 MiB scanned, 493 / 449 MiB without remat).
-    if config.scan_layers or config.remat != "none":
-        x, _ = jax.lax.scan(step, x, params)
-        return x
-    for i in range(config.n_layers):
-        x, _ = step(x, jax.tree.map(lambda a, i=i: a[i], params))
-    return x
+    return {**init_weights(parts, config, k_init), "final_norm": make_norm(config, dtype)}
 
 
 def check_tokens(tokens, config: ModelConfig) -> None:

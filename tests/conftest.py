@@ -25,6 +25,30 @@ TINY_CONFIGS = {
     "gemma": eqllm.zoo.config("gemma-2b", **TINY, n_kv_heads=1),
     "llama3": eqllm.zoo.config("llama3.2-1b", **TINY, n_kv_heads=2, rope_original_max_seq_len=16),
     "qwen3": eqllm.zoo.config("qwen3-0.6b", **TINY, n_kv_heads=2, head_dim=16),
+    # Windows shorter than the test sequences; caps small enough that tanh bends the values.
+    "gemma2": eqllm.zoo.config(
+        "gemma2-2b",
+        **TINY,
+        n_kv_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=12,
+        sliding_window=5,
+        attn_softcap=1.0,
+        final_softcap=2.0,
+    ),
+    "gemma3": eqllm.zoo.config(
+        "gemma3-1b",
+        **{**TINY, "n_layers": 3},
+        n_kv_heads=1,
+        head_dim=8,
+        query_pre_attn_scalar=12,
+        sliding_window=5,
+        global_every=2,
+    ),
+    "phi3": eqllm.zoo.config(
+        "phi3-mini-4k", **TINY, n_kv_heads=2, sliding_window=6, rope_fraction=0.5
+    ),
+    "olmo2": eqllm.zoo.config("olmo2-1b", **TINY, n_kv_heads=2),
 }
 
 

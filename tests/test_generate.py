@@ -31,8 +31,22 @@ from eqllm.generation import (
 # gpt2: learned positions, biases; llama3: rope with Llama 3 scaling, GQA; mistral: a window of
 # 5, shorter than the prompt, so the ring-buffer cache wraps; qwen2: qkv bias, one kv head;
 # gemma: embedding scaling, plus-one norms, tied head; qwen3: QK-norm, heads wider than
-# d_model / n_heads.
-FAMILIES = ["gpt2", "llama3", "mistral", "qwen2", "gemma", "qwen3"]
+# d_model / n_heads; gemma2: windowed and global layers alternating (window 5), soft-capped
+# scores and logits, norms after the sublayers; gemma3: local/global RoPE bases, (1 + w)
+# QK-norm; phi3: partial rotary, a window of 6; olmo2: norms after the sublayers only, QK-norm
+# over the whole projections.
+FAMILIES = [
+    "gpt2",
+    "llama3",
+    "mistral",
+    "qwen2",
+    "gemma",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "olmo2",
+]
 NEW = 24
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32]  # 9 tokens: longer than mistral's window of 5
 LENGTH = 48  # the cached test prefills PROMPT, then decodes one token at a time up to here
@@ -124,9 +138,10 @@ def test_cached_decode_matches_full_forward(models, reference, family):
     full, cached, _ = reference(family)
     np.testing.assert_allclose(cached, full[len(PROMPT) - 1 : -1], atol=1e-4, rtol=1e-5)
     cache = model.init_cache(LENGTH)
-    slots = model.config.sliding_window or LENGTH  # the ring holds just the window
     assert len(cache) == model.config.n_layers
-    assert cache[0].k.shape == (slots, model.config.n_kv_heads, model.config.head_dim)
+    for layer_cache, local in zip(cache, model.config.local_layers(), strict=True):
+        slots = model.config.sliding_window if local else LENGTH  # a ring holds just the window
+        assert layer_cache.k.shape == (slots, model.config.n_kv_heads, model.config.head_dim)
 
 
 def test_left_padding_is_invisible(models, reference):

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import eqllm
+from eqllm import families
 from eqllm.cli import main as cli_main
 from eqllm.data.tokenizer import Tokenizer
 from eqllm.hub import CheckpointError
@@ -67,8 +68,43 @@ HF_CONFIGS = {
         model_type="qwen3", **DIMS, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True
     ),
     "qwen3-untied": dict(model_type="qwen3", **DIMS, num_key_value_heads=2, head_dim=16),
+    # Windows far shorter than LONG; soft-capping small enough to bend the scores and logits;
+    # query_pre_attn_scalar unlike head_dim.
+    "gemma2": dict(
+        model_type="gemma2",
+        **DIMS,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=12,
+        sliding_window=7,
+        attn_logit_softcapping=1.5,
+        final_logit_softcapping=2.0,
+    ),
+    # Local, global, local layers with their two RoPE bases; (1 + w) QK-norm; a final cap.
+    "gemma3": dict(
+        model_type="gemma3_text",
+        **{**DIMS, "num_hidden_layers": 3},
+        num_key_value_heads=1,
+        head_dim=8,
+        query_pre_attn_scalar=12,
+        sliding_window=7,
+        sliding_window_pattern=2,
+        rope_theta=1_000_000.0,
+        rope_local_base_freq=10_000.0,
+        final_logit_softcapping=3.0,
+    ),
+    # Fused qkv_proj and gate_up_proj; half of each head rotated; a window over every layer.
+    "phi3": dict(
+        model_type="phi3",
+        **DIMS,
+        num_key_value_heads=2,
+        partial_rotary_factor=0.5,
+        sliding_window=9,
+    ),
+    # Norms after the sublayers only; QK-norm over the whole projections (grouped kv heads).
+    "olmo2": dict(model_type="olmo2", **DIMS, num_key_value_heads=2),
 }
-TIED = {"gpt2", "qwen2", "gemma", "qwen3"}
+TIED = {"gpt2", "qwen2", "gemma", "qwen3", "gemma2", "gemma3"}
 
 
 def _hf_model(spec: dict):
@@ -113,7 +149,8 @@ def pair(request, tmp_path_factory):
 
 
 def test_import_gives_transformers_logits(pair):
-    assert pair.model.config.family == HF_CONFIGS[pair.name]["model_type"]
+    family = families.for_model_type(HF_CONFIGS[pair.name]["model_type"])
+    assert pair.model.config.family == family.name
     assert pair.model.config.param_dtype == "float32"
     np.testing.assert_allclose(_logits(pair.model, TOKENS), pair.ref, atol=1e-4, rtol=0)
 
@@ -180,6 +217,146 @@ def test_zoo_variant_is_recognised():
         "llama3.2-1b"
     )
     assert eqllm.hub.zoo_match(cfg.replace(d_ff=cfg.d_ff + 2)) is None
+
+
+# The config.json key sets of the published models (weights aside) read as their zoo sizes.
+PUBLISHED_CONFIGS = {
+    "gemma2-9b": dict(
+        architectures=["Gemma2ForCausalLM"],
+        attention_bias=False,
+        attention_dropout=0.0,
+        attn_logit_softcapping=50.0,
+        bos_token_id=2,
+        cache_implementation="hybrid",
+        eos_token_id=1,
+        final_logit_softcapping=30.0,
+        head_dim=256,
+        hidden_act="gelu_pytorch_tanh",
+        hidden_activation="gelu_pytorch_tanh",
+        hidden_size=3584,
+        initializer_range=0.02,
+        intermediate_size=14336,
+        max_position_embeddings=8192,
+        model_type="gemma2",
+        num_attention_heads=16,
+        num_hidden_layers=42,
+        num_key_value_heads=8,
+        pad_token_id=0,
+        query_pre_attn_scalar=256,
+        rms_norm_eps=1e-06,
+        rope_theta=10000.0,
+        sliding_window=4096,
+        sliding_window_size=4096,
+        torch_dtype="bfloat16",
+        transformers_version="4.42.0.dev0",
+        use_cache=True,
+        vocab_size=256000,
+    ),
+    "gemma3-1b": dict(
+        architectures=["Gemma3ForCausalLM"],
+        attention_bias=False,
+        attention_dropout=0.0,
+        attn_logit_softcapping=None,
+        bos_token_id=2,
+        cache_implementation="hybrid",
+        eos_token_id=1,
+        final_logit_softcapping=None,
+        head_dim=256,
+        hidden_activation="gelu_pytorch_tanh",
+        hidden_size=1152,
+        initializer_range=0.02,
+        intermediate_size=6912,
+        max_position_embeddings=32768,
+        model_type="gemma3_text",
+        num_attention_heads=4,
+        num_hidden_layers=26,
+        num_key_value_heads=1,
+        pad_token_id=0,
+        query_pre_attn_scalar=256,
+        rms_norm_eps=1e-06,
+        rope_local_base_freq=10000,
+        rope_scaling=None,
+        rope_theta=1000000,
+        sliding_window=512,
+        sliding_window_pattern=6,
+        torch_dtype="bfloat16",
+        transformers_version="4.50.0.dev0",
+        use_cache=True,
+        vocab_size=262144,
+    ),
+    "phi3-mini-4k": dict(
+        architectures=["Phi3ForCausalLM"],
+        attention_bias=False,
+        attention_dropout=0.0,
+        auto_map={"AutoConfig": "configuration_phi3.Phi3Config"},
+        bos_token_id=1,
+        embd_pdrop=0.0,
+        eos_token_id=32000,
+        hidden_act="silu",
+        hidden_size=3072,
+        initializer_range=0.02,
+        intermediate_size=8192,
+        max_position_embeddings=4096,
+        model_type="phi3",
+        num_attention_heads=32,
+        num_hidden_layers=32,
+        num_key_value_heads=32,
+        original_max_position_embeddings=4096,
+        pad_token_id=32000,
+        resid_pdrop=0.0,
+        rms_norm_eps=1e-05,
+        rope_scaling=None,
+        rope_theta=10000.0,
+        sliding_window=2047,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        use_cache=True,
+        vocab_size=32064,
+    ),
+    "olmo2-1b": dict(
+        architectures=["Olmo2ForCausalLM"],
+        attention_bias=False,
+        attention_dropout=0.0,
+        eos_token_id=100257,
+        hidden_act="silu",
+        hidden_size=2048,
+        initializer_range=0.02,
+        intermediate_size=8192,
+        max_position_embeddings=4096,
+        model_type="olmo2",
+        num_attention_heads=16,
+        num_hidden_layers=16,
+        num_key_value_heads=16,
+        pad_token_id=100277,
+        rms_norm_eps=1e-06,
+        rope_scaling=None,
+        rope_theta=500000,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        use_cache=True,
+        vocab_size=100352,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_CONFIGS))
+def test_published_config_reads_as_its_zoo_size(name):
+    assert eqllm.hub.zoo_match(eqllm.hub.from_hf_config(PUBLISHED_CONFIGS[name])) == name
+
+
+@pytest.mark.parametrize(
+    "name, change, message",
+    [
+        ("gemma2-9b", {"layer_types": ["sliding_attention"] * 42}, "not a repeating pattern"),
+        ("gemma2-9b", {"sliding_window_size": 1024}, "sliding_window_size=1024 is not supp"),
+        ("gemma3-1b", {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "full_attention"),
+        ("gemma3-1b", {"attn_logit_softcapping": 50.0}, "transformers ignores it"),
+        ("phi3-mini-4k", {"rope_scaling": {"type": "longrope"}}, "'longrope'"),
+    ],
+)
+def test_unsupported_new_family_settings_are_refused(name, change, message):
+    with pytest.raises(eqllm.ConfigError, match=message):
+        eqllm.hub.from_hf_config({**PUBLISHED_CONFIGS[name], **change})
 
 
 # Bad input: errors that name the file, tensor or field ----------------------------------------
@@ -268,7 +445,7 @@ def test_tied_head_that_differs_is_refused(tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"model_type": "phi3"}, "unsupported model_type 'phi3'"),
+        ({"model_type": "falcon"}, "unsupported model_type 'falcon'"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn'"),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling type 'linear'"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
@@ -283,10 +460,15 @@ def test_unsupported_config_is_refused_naming_the_field(llama_folder, tmp_path, 
     assert "config.json" in str(info.value)
 
 
-def test_unexportable_config_is_refused(tmp_path):
-    cfg = TINY_CONFIGS["llama"].replace(qk_norm=True)
+@pytest.mark.parametrize(
+    "change", [{"qk_norm": True}, {"attn_softcap": 50.0}, {"post_norms": True}]
+)
+def test_unexportable_config_is_refused(tmp_path, change):
+    cfg = TINY_CONFIGS["llama"].replace(**change)
     model = eqx.filter_eval_shape(eqllm.CausalLM, cfg, key=jax.random.key(0))
-    with pytest.raises(eqllm.ConfigError, match="no Hugging Face equivalent.*qk_norm"):
+    with pytest.raises(
+        eqllm.ConfigError, match=f"no Hugging Face equivalent.*{next(iter(change))}"
+    ):
         eqllm.hub.save_pretrained(model, tmp_path)
 
 

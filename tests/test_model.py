@@ -210,3 +210,92 @@ def test_bad_inputs_raise_clear_errors():
         model(jnp.arange(60) + 38)
     with pytest.raises(eqllm.errors.EqllmError, match="vocab_size=97"):
         model(jnp.full((SEQ,), -1, jnp.int32))
+
+
+# Per-layer patterns, soft-capping, norms after the sublayers ----------------------------------
+
+
+def test_local_and_global_layers_are_one_scanned_stack():
+    """Gemma 2's alternation is data scanned with the weights: one scan, any depth."""
+    cfg = TINY_CONFIGS["gemma2"].replace(n_layers=6)
+    shapes = eqx.filter_eval_shape(eqllm.CausalLM, cfg, key=jax.random.key(0))
+    jaxpr = jax.make_jaxpr(lambda m, t: m(t))(shapes, random_tokens(0))
+    scans = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    assert len(scans) == 1 and scans[0].params["length"] == 6
+    assert cfg.local_layers() == (True, False) * 3
+
+
+def test_a_global_layer_sees_past_the_window():
+    """Beyond the receptive field of windowed layers, only the global layers carry a token."""
+    cfg = TINY_CONFIGS["gemma2"]
+    w = cfg.sliding_window
+    model = eqllm.CausalLM(cfg, key=jax.random.key(1))
+    tokens = random_tokens(4)
+    i, far = SEQ - 1, SEQ - 1 - cfg.n_layers * (w - 1) - 1
+    changed = tokens.at[far].set((tokens[far] + 1) % 97)
+    assert not np.allclose(forward(model, tokens)[i], forward(model, changed)[i])
+    windowed = eqllm.CausalLM(cfg.replace(global_every=None), key=jax.random.key(1))
+    np.testing.assert_array_equal(forward(windowed, tokens)[i], forward(windowed, changed)[i])
+
+
+def test_unrolled_layers_with_known_flags_equal_the_scan():
+    """Unrolled, each layer's flag is a Python bool and windowed layers skip key blocks."""
+    cfg = TINY_CONFIGS["gemma2"].replace(max_seq_len=160)
+    model = eqllm.CausalLM(cfg, key=jax.random.key(2))
+    tokens = random_tokens(9, n=160)
+    unrolled = model.with_config(scan_layers=False)
+    np.testing.assert_allclose(forward(model, tokens), forward(unrolled, tokens), atol=1e-5)
+
+
+def test_local_flag_selects_the_window_and_the_rope_base():
+    x = jax.random.normal(jax.random.key(0), (SEQ, 32))
+    Rope = eqllm.nn.RotaryEmbedding
+
+    def attention(rope, window):  # the same weights each time
+        return eqllm.nn.Attention(
+            32, 4, n_kv_heads=2, rope=rope, sliding_window=window, key=jax.random.key(1)
+        )
+
+    both = attention(Rope(8, 1e6, local_theta=1e4), 4)
+    np.testing.assert_allclose(both(x, None, jnp.bool_(True)), attention(Rope(8, 1e4), 4)(x))
+    np.testing.assert_allclose(both(x, None, jnp.bool_(False)), attention(Rope(8, 1e6), None)(x))
+
+
+def test_soft_capping_bounds_the_logits():
+    cfg = TINY_CONFIGS["gemma2"]
+    model = eqllm.CausalLM(cfg, key=jax.random.key(0))
+    hidden = 100 * jax.random.normal(jax.random.key(1), (SEQ, cfg.d_model))
+    raw = model.embed.attend(hidden)
+    assert float(jnp.abs(raw).max()) > 10 * cfg.final_softcap
+    np.testing.assert_allclose(
+        model.logits(hidden), cfg.final_softcap * jnp.tanh(raw / cfg.final_softcap), rtol=1e-6
+    )
+
+
+def test_norm_placement_switches_the_block_layout():
+    shapes = {
+        name: eqx.filter_eval_shape(eqllm.CausalLM, TINY_CONFIGS[name], key=jax.random.key(0))
+        for name in ("llama", "gemma2", "olmo2")
+    }
+    present = {
+        name: tuple(getattr(m.blocks, f) is not None for f in ("attn_norm", "attn_post_norm"))
+        for name, m in shapes.items()
+    }
+    assert present == {"llama": (True, False), "gemma2": (True, True), "olmo2": (False, True)}
+    olmo = shapes["olmo2"].blocks.attn  # QK-norm over the whole projections
+    assert olmo.q_norm.weight.shape == (2, 4 * 8) and olmo.k_norm.weight.shape == (2, 2 * 8)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"global_every": 2, "sliding_window": None}, "global_every=2 needs a sliding_window"),
+        ({"rope_local_theta": 1e4}, "rope_local_theta=10000.0 needs position='rope' and global"),
+        ({"rope_fraction": 0.2}, "rope_fraction=0.2 must rotate an even"),
+        ({"qk_norm_per_head": False}, "qk_norm_per_head=False only matters with qk_norm=True"),
+        ({"attn_softcap": 0.0}, "attn_softcap=0.0 must be positive"),
+    ],
+)
+def test_new_switches_are_validated(change, message):
+    with pytest.raises(eqllm.ConfigError, match=message):
+        TINY_CONFIGS["llama"].replace(**change)

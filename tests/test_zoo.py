@@ -14,6 +14,10 @@ RESEARCH = [
     "llama-mini",
     "llama-125m",
     "llama-350m",
+    "gemma2-nano",
+    "gemma3-nano",
+    "phi3-nano",
+    "olmo2-nano",
 ]
 PUBLISHED = [
     "gpt2-small",
@@ -36,6 +40,12 @@ PUBLISHED = [
     "qwen3-1.7b",
     "qwen3-4b",
     "qwen3-8b",
+    "gemma2-2b",
+    "gemma2-9b",
+    "gemma3-1b",
+    "phi3-mini-4k",
+    "olmo2-1b",
+    "olmo2-7b",
 ]
 
 
@@ -43,7 +53,10 @@ def test_every_promised_variant_is_in_the_zoo():
     assert set(RESEARCH + PUBLISHED) <= set(eqllm.zoo.names())
 
 
-@pytest.mark.parametrize("name", ["gpt2-nano", "llama-nano"])
+NANOS = ["gpt2-nano", "llama-nano", "gemma2-nano", "gemma3-nano", "phi3-nano", "olmo2-nano"]
+
+
+@pytest.mark.parametrize("name", NANOS)
 def test_nano_is_about_a_million_parameters(name):
     assert 0.5e6 < eqllm.zoo.param_count(name) < 2.5e6
 
@@ -77,6 +90,22 @@ def test_published_sizes_match_their_release():
     assert eqllm.zoo.param_count("llama2-7b") == 6_738_415_616
     assert eqllm.zoo.param_count("llama3-8b") == 8_030_261_248
     assert eqllm.zoo.param_count("qwen3-8b") == 8_190_735_360
+    assert eqllm.zoo.param_count("gemma2-2b") == 2_614_341_888
+    assert eqllm.zoo.param_count("gemma2-9b") == 9_241_705_984
+    assert eqllm.zoo.param_count("gemma3-1b") == 999_885_952
+    assert eqllm.zoo.param_count("phi3-mini-4k") == 3_821_079_552
+
+
+@pytest.mark.parametrize("name", ["gemma2-nano", "gemma3-nano", "phi3-nano"])
+def test_research_sizes_exercise_their_family(name):
+    """Windows shorter than the context, both kinds of layer, the family's own switches on."""
+    cfg = eqllm.zoo.config(name)
+    assert cfg.sliding_window < cfg.max_seq_len
+    assert (cfg.global_every is None) == (name == "phi3-nano")
+    assert name != "gemma2-nano" or (cfg.attn_softcap and cfg.final_softcap)
+    assert name != "phi3-nano" or cfg.rope_fraction < 1
+    if cfg.global_every is not None:
+        assert set(cfg.local_layers()) == {True, False}
 
 
 def test_unknown_name_suggests_close_matches():
@@ -114,5 +143,9 @@ def test_cli_zoo_list_and_show(capsys):
     assert "llama3-8b" in out and "8,030,261,248" in out and "meta-llama/Meta-Llama-3-8B" in out
     assert main(["zoo", "show", "mistral-7b"]) == 0
     assert "sliding_window = 4096" in capsys.readouterr().out
+    assert main(["zoo", "list"]) == 0
+    listed = capsys.readouterr().out
+    for name in ("gemma2-9b", "gemma3-1b", "phi3-mini-4k", "olmo2-7b", "google/gemma-3-1b-pt"):
+        assert name in listed
     assert main(["zoo", "show", "mistrel-7b"]) == 2
     assert "did you mean mistral-7b" in capsys.readouterr().err

@@ -80,6 +80,21 @@ class Family:
         return row.hf.removeprefix(self.prefix)
 
 
+# The switches only some recent families turn on, at their plain settings: a family that does
+# not read one from config.json fixes it here, so export refuses a config that sets it.
+PLAIN = {
+    "pre_norms": True,
+    "post_norms": False,
+    "attn_softcap": None,
+    "final_softcap": None,
+    "global_every": None,
+    "rope_local_theta": None,
+    "query_pre_attn_scalar": None,
+    "rope_fraction": 1.0,
+    "qk_norm_per_head": True,
+}
+
+
 # Keys of any transformers config that do not change what the model computes (bookkeeping,
 # token ids, generation defaults, dropout, which has no effect at inference and none in eqllm).
 HARMLESS_KEYS = frozenset(
@@ -98,6 +113,12 @@ HARMLESS_KEYS = frozenset(
     attention_dropout tie_word_embeddings vocab_size
     """.split()
 )
+
+
+def token_ids(cfg: ModelConfig, defaults: dict[str, int]) -> dict[str, int | None]:
+    """A family's default special token ids, None where outside the config's vocabulary
+    (transformers warns about those, or refuses a padding id outside the embedding)."""
+    return {k: (v if v < cfg.vocab_size else None) for k, v in defaults.items()}
 
 
 def refuse(hf: dict[str, Any], key: str, allowed: tuple[Any, ...]) -> None:

@@ -8,6 +8,7 @@ from eqllm.families.base import (
     LLAMA_KEYS,
     LLAMA_PREFIX,
     LLAMA_TABLE,
+    PLAIN,
     Family,
     llama_from_hf,
     llama_to_hf,
@@ -39,6 +40,7 @@ FAMILY = Family(
     architecture="GemmaForCausalLM",
     model_type="gemma",
     fixed={
+        **PLAIN,
         "norm": "rmsnorm",
         "norm_plus_one": True,
         "mlp": "geglu",

@@ -4,7 +4,7 @@ every projection, LM head tied to the embedding; Hugging Face's Conv1D stores (i
 from typing import Any
 
 from eqllm.config import ModelConfig
-from eqllm.families.base import Family, refuse, rows
+from eqllm.families.base import PLAIN, Family, refuse, rows
 
 _QKV = ("blocks.attn.q_proj.{p}", "blocks.attn.k_proj.{p}", "blocks.attn.v_proj.{p}")
 _END_OF_TEXT = 50256  # GPT-2's <|endoftext|>
@@ -76,6 +76,7 @@ FAMILY = Family(
     architecture="GPT2LMHeadModel",
     model_type="gpt2",
     fixed={
+        **PLAIN,
         "norm": "layernorm",
         "norm_bias": True,
         "mlp": "gelu",

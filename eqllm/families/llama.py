@@ -8,6 +8,7 @@ from eqllm.families.base import (
     LLAMA_KEYS,
     LLAMA_PREFIX,
     LLAMA_TABLE,
+    PLAIN,
     Family,
     llama_from_hf,
     llama_to_hf,
@@ -42,6 +43,7 @@ FAMILY = Family(
     architecture="LlamaForCausalLM",
     model_type="llama",
     fixed={
+        **PLAIN,
         "norm": "rmsnorm",
         "norm_plus_one": False,
         "mlp": "swiglu",

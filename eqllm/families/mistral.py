@@ -7,6 +7,7 @@ from eqllm.families.base import (
     LLAMA_KEYS,
     LLAMA_PREFIX,
     LLAMA_TABLE,
+    PLAIN,
     Family,
     llama_from_hf,
     llama_to_hf,
@@ -33,6 +34,7 @@ FAMILY = Family(
     architecture="MistralForCausalLM",
     model_type="mistral",
     fixed={
+        **PLAIN,
         "norm": "rmsnorm",
         "norm_plus_one": False,
         "mlp": "swiglu",

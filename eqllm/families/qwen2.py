@@ -7,6 +7,7 @@ from eqllm.families.base import (
     LLAMA_KEYS,
     LLAMA_PREFIX,
     LLAMA_TABLE,
+    PLAIN,
     Family,
     full_attention_only,
     llama_from_hf,
@@ -37,6 +38,7 @@ FAMILY = Family(
     architecture="Qwen2ForCausalLM",
     model_type="qwen2",
     fixed={
+        **PLAIN,
         "norm": "rmsnorm",
         "norm_plus_one": False,
         "mlp": "swiglu",

@@ -9,6 +9,7 @@ from eqllm.families.base import (
     LLAMA_KEYS,
     LLAMA_PREFIX,
     LLAMA_TABLE,
+    PLAIN,
     Family,
     full_attention_only,
     llama_from_hf,
@@ -52,6 +53,7 @@ FAMILY = Family(
     architecture="Qwen3ForCausalLM",
     model_type="qwen3",
     fixed={
+        **PLAIN,
         "norm": "rmsnorm",
         "norm_plus_one": False,
         "mlp": "swiglu",

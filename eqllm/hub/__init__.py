@@ -6,9 +6,10 @@
     eqllm.hub.save_adapter(model, "adapter/")                   # peft loads it
     model, tok = eqllm.hub.load_any("llama-nano" | "path" | "org/name")
 
-Families: GPT-2, Llama (1/2/3 with the Llama 3 rope scaling), Mistral, Qwen2, Gemma. The
-tensor names and the config translation come from each family's file (`eqllm/families/`); the
-translation refuses any setting it does not understand rather than build a different model.
+Families: GPT-2, Llama (1/2/3 with the Llama 3 rope scaling), Mistral, Qwen2, Qwen3, Gemma,
+Gemma 2, Gemma 3 (text), Phi-3, OLMo 2. The tensor names and the config translation come from
+each family's file (`eqllm/families/`); the translation refuses any setting it does not
+understand rather than build a different model.
 """
 
 from eqllm.hub.adapters import load_adapter, save_adapter

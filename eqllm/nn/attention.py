@@ -2,19 +2,22 @@
 
 One module covers multi-head (kv_heads == heads), grouped-query and multi-query (kv_heads == 1)
 attention, optional q/k/v and output biases, QK-norm (RMSNorm over each head, Dehghani et al.,
-2023), rotary positions and a sliding window (Mistral; Beltagy et al., 2020).
+2023, or over the whole projection as OLMo 2 does), rotary positions, a sliding window (Mistral;
+Beltagy et al., 2020) and Gemma 2's soft-capping of the scores (cap * tanh(s / cap)).
 
 Masking is by positions: query i attends to key j when pos_k[j] <= pos_q[i], pos_q[i] - pos_k[j]
 < window, and pos_k[j] >= 0. A negative key position marks an empty slot, which is how a KV
-cache or a padded batch is expressed without another code path.
+cache or a padded batch is expressed without another code path. Models that alternate windowed
+("local") and global layers pass a per-layer `local` flag, traced inside the scan over layers:
+the window then applies only where it is True.
 """
 
 import itertools
-import math
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqllm.nn.kv_cache import KVCache
@@ -27,13 +30,20 @@ def attention_mask(
     q_positions: Int[Array, "*batch seq"],
     k_positions: Int[Array, "*batch kv_seq"],
     sliding_window: int | None = None,
+    local: Bool[Array, ""] | bool | None = None,
 ) -> Bool[Array, "*batch seq kv_seq"]:
-    """True where query i may attend to key j (causal, within the window, key slot filled)."""
+    """True where query i may attend to key j (causal, within the window, key slot filled).
+
+    `local` False lifts the window (a global layer); None or True keeps it.
+    """
     q = q_positions[..., :, None]
     k = k_positions[..., None, :]
     allowed = (k <= q) & (k >= 0)
     if sliding_window is not None:
-        allowed = allowed & (q - k < sliding_window)
+        inside = q - k < sliding_window
+        if local is not None:
+            inside = inside | jnp.logical_not(local)
+        allowed = allowed & inside
     return allowed
 
 
@@ -42,9 +52,14 @@ def dot_product_attention(
     k: Float[Array, "*batch kv_seq kv_heads head_dim"],
     v: Float[Array, "*batch kv_seq kv_heads head_dim"],
     mask: Bool[Array, "*#batch seq kv_seq"],
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> Float[Array, "*batch seq heads head_dim"]:
-    """softmax(q k^T / sqrt(d) + mask) v, query heads grouped over the shared kv heads.
+    """softmax(cap(q k^T * scale) + mask) v, query heads grouped over the shared kv heads.
 
+    `scale` defaults to 1 / sqrt(head_dim); `softcap` (None: off) bounds the scores to
+    (-softcap, softcap) by softcap * tanh(s / softcap), before the mask.
     `mask` broadcasts over the leading axes (one (seq, kv_seq) mask serves a whole batch).
     Scores and softmax are in fp32 whatever the input dtype. A query row with no allowed key
     returns zeros (it only occurs for padding).
@@ -54,7 +69,9 @@ def dot_product_attention(
     # (..., seq, kv_heads, groups, head_dim): query heads that share one kv head sit together.
     q = q.reshape(*batch, seq, kv_heads, heads // kv_heads, head_dim)
     scores = jnp.einsum("...tkgd,...skd->...kgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(head_dim)
+    scores = scores * (head_dim**-0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
     mask = mask[..., None, None, :, :]  # broadcast over (kv_heads, groups)
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
@@ -69,24 +86,36 @@ def in_order_attention(
     v: Float[Array, "*batch seq kv_heads head_dim"],
     sliding_window: int | None = None,
     chunks: int = 4,
+    *,
+    local: Bool[Array, ""] | bool | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> Float[Array, "*batch seq heads head_dim"]:
     """Causal attention of positions 0..seq-1, skipping key blocks the mask would zero anyway.
 
     The queries are split into up to `chunks` blocks of at least 64 rows; each attends only to
     the keys up to its last row (and from its window's start), so the scores computed fall from
     seq^2 to about (chunks + 1) / (2 * chunks) of it (62.5% at 4). Same values as
-    `dot_product_attention` with the causal mask.
+    `dot_product_attention` with the causal mask. With a traced `local` flag the window may be
+    lifted, so only the causal skipping applies; a Python bool decides it while tracing.
     """
+    if isinstance(local, bool | np.bool_):  # known when tracing: apply or drop the window now
+        sliding_window, local = (sliding_window if local else None), None
     seq = q.shape[-3]
     n = max(1, min(chunks, seq // 64))
     bounds = [seq * i // n for i in range(n + 1)]
     positions = jnp.arange(seq)
     outs = []
     for start, end in itertools.pairwise(bounds):
-        first = 0 if sliding_window is None else max(0, start - sliding_window + 1)
-        mask = attention_mask(positions[start:end], positions[first:end], sliding_window)
+        windowed = sliding_window is not None and local is None
+        first = max(0, start - sliding_window + 1) if windowed else 0
+        mask = attention_mask(positions[start:end], positions[first:end], sliding_window, local)
         keys, values = k[..., first:end, :, :], v[..., first:end, :, :]
-        outs.append(dot_product_attention(q[..., start:end, :, :], keys, values, mask))
+        outs.append(
+            dot_product_attention(
+                q[..., start:end, :, :], keys, values, mask, scale=scale, softcap=softcap
+            )
+        )
     return outs[0] if n == 1 else jnp.concatenate(outs, axis=-3)
 
 
@@ -101,10 +130,15 @@ class Attention(eqx.Module):
         qkv_bias: biases on the q/k/v projections (GPT-2, Qwen2).
         out_bias: bias on the output projection (GPT-2).
         qk_norm: RMSNorm over each query and key head before the rotation.
+        qk_norm_per_head: False normalises the whole q and k projections instead (OLMo 2).
+        norm_plus_one: the QK-norm scales by (1 + w) (Gemma 3).
         rope: rotary embedding applied to queries and keys (None: no rotation, as with
             learned absolute positions).
-        sliding_window: attend only to the last `sliding_window` positions (None: all).
+        sliding_window: attend only to the last `sliding_window` positions (None: all); a
+            `local=False` call lifts it for that layer.
         norm_eps: epsilon of the QK-norm.
+        scale: multiplies the scores (None: 1 / sqrt(head_dim); Gemma: query_pre_attn_scalar**-0.5).
+        softcap: soft-capping of the scores (None: off).
     """
 
     q_proj: Linear
@@ -118,6 +152,9 @@ class Attention(eqx.Module):
     n_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
     sliding_window: int | None = eqx.field(static=True)
+    scale: float = eqx.field(static=True)
+    softcap: float | None = eqx.field(static=True)
+    qk_norm_per_head: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -129,9 +166,13 @@ class Attention(eqx.Module):
         qkv_bias: bool = False,
         out_bias: bool = False,
         qk_norm: bool = False,
+        qk_norm_per_head: bool = True,
+        norm_plus_one: bool = False,
         rope: RotaryEmbedding | None = None,
         sliding_window: int | None = None,
         norm_eps: float = 1e-6,
+        scale: float | None = None,
+        softcap: float | None = None,
         key: PRNGKeyArray,
         dtype=jnp.float32,
     ):
@@ -162,16 +203,24 @@ class Attention(eqx.Module):
             key=ko,
             dtype=dtype,
         )
-        self.q_norm = RMSNorm(head_dim, eps=norm_eps, dtype=dtype) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, eps=norm_eps, dtype=dtype) if qk_norm else None
+        q_dim, k_dim = (head_dim, head_dim) if qk_norm_per_head else (q_size, kv_size)
+        norm = dict(eps=norm_eps, plus_one=norm_plus_one, dtype=dtype)
+        self.q_norm = RMSNorm(q_dim, **norm) if qk_norm else None
+        self.k_norm = RMSNorm(k_dim, **norm) if qk_norm else None
         self.rope = rope
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
         self.sliding_window = sliding_window
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.softcap = softcap
+        self.qk_norm_per_head = qk_norm_per_head
 
     def project(
-        self, x: Float[Array, "*batch seq d_model"], positions: Int[Array, "*#batch seq"]
+        self,
+        x: Float[Array, "*batch seq d_model"],
+        positions: Int[Array, "*#batch seq"],
+        local: Bool[Array, ""] | bool | None = None,
     ) -> tuple[
         Float[Array, "*batch seq heads head_dim"],
         Float[Array, "*batch seq kv_heads head_dim"],
@@ -179,15 +228,19 @@ class Attention(eqx.Module):
     ]:
         """Queries, keys and values of `x`, normalised and rotated to their positions."""
         rows = x.shape[:-1]
-        q = self.q_proj(x).reshape(*rows, self.n_heads, self.head_dim)
-        k = self.k_proj(x).reshape(*rows, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(*rows, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        whole = self.q_norm is not None and self.k_norm is not None and not self.qk_norm_per_head
+        if whole:  # over the whole projection, before the split into heads
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(*rows, self.n_heads, self.head_dim)
+        k = k.reshape(*rows, self.n_kv_heads, self.head_dim)
+        v = v.reshape(*rows, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None and not whole:
             q = self.q_norm(q)
             k = self.k_norm(k)
         if self.rope is not None:
-            q = self.rope(q, positions)
-            k = self.rope(k, positions)
+            q = self.rope(q, positions, local)
+            k = self.rope(k, positions, local)
         return q, k, v
 
     def output(
@@ -201,34 +254,45 @@ class Attention(eqx.Module):
         self,
         x: Float[Array, "*batch seq d_model"],
         positions: Int[Array, "*batch seq"] | None = None,
+        local: Bool[Array, ""] | bool | None = None,
     ) -> Float[Array, "*batch seq d_model"]:
         """Causal self-attention of `x`; `positions` default to 0..seq-1.
 
         With the default positions the causal structure is known when tracing, and key blocks
-        entirely in the future are skipped (`in_order_attention`).
+        entirely in the future are skipped (`in_order_attention`). `local` is the layer's flag
+        (see the module docstring; None: the window, if any, applies).
         """
+        extra = dict(scale=self.scale, softcap=self.softcap)
         if positions is None:  # one row of positions serves the batch: rotations computed once
-            q, k, v = self.project(x, jnp.arange(x.shape[-2]))
-            return self.output(in_order_attention(q, k, v, self.sliding_window))
-        q, k, v = self.project(x, positions)
-        mask = attention_mask(positions, positions, self.sliding_window)
-        return self.output(dot_product_attention(q, k, v, mask))
+            q, k, v = self.project(x, jnp.arange(x.shape[-2]), local)
+            attended = in_order_attention(q, k, v, self.sliding_window, local=local, **extra)
+            return self.output(attended)
+        q, k, v = self.project(x, positions, local)
+        mask = attention_mask(positions, positions, self.sliding_window, local)
+        return self.output(dot_product_attention(q, k, v, mask, **extra))
 
     @jax.named_scope("eqllm.Attention.cached")
     def cached(
-        self, x: Float[Array, "seq d_model"], positions: Int[Array, " seq"], cache: KVCache
+        self,
+        x: Float[Array, "seq d_model"],
+        positions: Int[Array, " seq"],
+        cache: KVCache,
+        local: Bool[Array, ""] | bool | None = None,
     ) -> tuple[Float[Array, "seq d_model"], KVCache]:
         """Attention of a chunk of new positions to the cached past and to itself.
 
         Returns the output and the cache with the chunk's keys and values written in. The chunk
         may be a whole prompt (prefill) or one token (decode); padding has negative positions.
         """
-        q, k, v = self.project(x, positions)
+        q, k, v = self.project(x, positions, local)
         # Keys: the cache (strictly earlier positions) then the chunk itself. Attending before
         # writing keeps keys a ring buffer would overwrite while the chunk still needs them.
         keys = jnp.concatenate([cache.k, k.astype(cache.k.dtype)])
         values = jnp.concatenate([cache.v, v.astype(cache.v.dtype)])
         key_positions = jnp.concatenate([cache.positions, positions])
-        mask = attention_mask(positions, key_positions, self.sliding_window)
-        attended = dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask)
+        mask = attention_mask(positions, key_positions, self.sliding_window, local)
+        keys, values = keys.astype(q.dtype), values.astype(q.dtype)
+        attended = dot_product_attention(
+            q, keys, values, mask, scale=self.scale, softcap=self.softcap
+        )
         return self.output(attended), cache.write(k, v, positions)

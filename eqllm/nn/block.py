@@ -1,44 +1,65 @@
-"""The pre-norm residual Transformer block (GPT-2 / Llama layout; Xiong et al., 2020)."""
+"""The residual Transformer block: pre-norm (GPT-2 / Llama layout; Xiong et al., 2020), with
+optional norms on each sublayer's output before the residual add (Gemma 2 has both, OLMo 2 only
+those)."""
 
 import equinox as eqx
 import jax
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from eqllm.nn.attention import Attention
 from eqllm.nn.kv_cache import KVCache
 from eqllm.nn.mlp import MLP, GatedMLP
 from eqllm.nn.norm import LayerNorm, RMSNorm
 
+Norm = RMSNorm | LayerNorm
+
+
+def _apply(norm: Norm | None, x):
+    return x if norm is None else norm(x)
+
 
 class Block(eqx.Module):
-    """x + attn(norm1(x)), then x + mlp(norm2(x)), on one sequence or a batch of them.
+    """x + post1(attn(norm1(x))), then x + post2(mlp(norm2(x))), on one sequence or a batch.
 
     Attributes:
-        attn_norm: the norm applied before attention.
+        attn_norm: the norm applied before attention (None: none).
         attn: the self-attention layer.
-        mlp_norm: the norm applied before the feed-forward layer.
+        mlp_norm: the norm applied before the feed-forward layer (None: none).
         mlp: the feed-forward layer.
+        attn_post_norm: the norm applied to attention's output before it is added to the
+            residual stream (None: none).
+        mlp_post_norm: the same for the feed-forward layer's output (None: none).
     """
 
-    attn_norm: RMSNorm | LayerNorm
+    attn_norm: Norm | None
     attn: Attention
-    mlp_norm: RMSNorm | LayerNorm
+    mlp_norm: Norm | None
     mlp: MLP | GatedMLP
+    attn_post_norm: Norm | None = None
+    mlp_post_norm: Norm | None = None
+
+    def _mlp(self, x: Float[Array, "*batch seq d_model"]) -> Float[Array, "*batch seq d_model"]:
+        return x + _apply(self.mlp_post_norm, self.mlp(_apply(self.mlp_norm, x)))
 
     @jax.named_scope("eqllm.Block")
     def __call__(
         self,
         x: Float[Array, "*batch seq d_model"],
         positions: Int[Array, "*batch seq"] | None = None,
+        local: Bool[Array, ""] | bool | None = None,
     ) -> Float[Array, "*batch seq d_model"]:
-        x = x + self.attn(self.attn_norm(x), positions)
-        return x + self.mlp(self.mlp_norm(x))
+        """`local`: this layer's window flag (see `eqllm.nn.attention`)."""
+        attended = self.attn(_apply(self.attn_norm, x), positions, local)
+        return self._mlp(x + _apply(self.attn_post_norm, attended))
 
     @jax.named_scope("eqllm.Block.cached")
     def cached(
-        self, x: Float[Array, "seq d_model"], positions: Int[Array, " seq"], cache: KVCache
+        self,
+        x: Float[Array, "seq d_model"],
+        positions: Int[Array, " seq"],
+        cache: KVCache,
+        local: Bool[Array, ""] | bool | None = None,
     ) -> tuple[Float[Array, "seq d_model"], KVCache]:
         """The block on a chunk of new positions, attending to `cache` (see Attention.cached)."""
-        attended, cache = self.attn.cached(self.attn_norm(x), positions, cache)
-        x = x + attended
-        return x + self.mlp(self.mlp_norm(x)), cache
+        attended, cache = self.attn.cached(_apply(self.attn_norm, x), positions, cache, local)
+        return self._mlp(x + _apply(self.attn_post_norm, attended)), cache

@@ -1,0 +1,86 @@
+"""OLMo 2 (Team OLMo, 2024, "2 OLMo 2 Furious"): the Llama block with its norms moved onto the
+sublayers' outputs (RMSNorm after attention and after the MLP, before each residual add, none
+before them) and QK-norm over the whole q and k projections rather than per head."""
+
+from typing import Any
+
+from eqllm.config import ModelConfig
+from eqllm.families.base import (
+    LLAMA_KEYS,
+    LLAMA_PREFIX,
+    LLAMA_TABLE,
+    PLAIN,
+    Family,
+    llama_from_hf,
+    llama_to_hf,
+    refuse,
+    rows,
+    token_ids,
+)
+
+# OLMo 2's `post_attention_layernorm` normalises the attention output (Llama's normalises the
+# MLP input), and there is no input_layernorm: the model has no pre-norm arrays to match it.
+TABLE = tuple(
+    r for r in LLAMA_TABLE if r.hf != "model.layers.{i}.post_attention_layernorm.weight"
+) + rows(
+    ("model.layers.{i}.post_attention_layernorm.weight", "blocks.attn_post_norm.weight"),
+    ("model.layers.{i}.post_feedforward_layernorm.weight", "blocks.mlp_post_norm.weight"),
+    ("model.layers.{i}.self_attn.q_norm.weight", "blocks.attn.q_norm.weight"),
+    ("model.layers.{i}.self_attn.k_norm.weight", "blocks.attn.k_norm.weight"),
+)
+
+
+_TOKEN_IDS = {"eos_token_id": 50279, "pad_token_id": 1}  # Olmo2Config's
+
+
+def to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        **token_ids(cfg, _TOKEN_IDS),
+        **llama_to_hf(cfg),
+        "hidden_act": "silu",
+        "attention_bias": cfg.qkv_bias,
+    }
+
+
+def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    refuse(hf, "hidden_act", ("silu",))
+    attention_bias = bool(hf.get("attention_bias", False))
+    return {
+        **llama_from_hf(hf),
+        "qkv_bias": attention_bias,
+        "out_bias": attention_bias,
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+    }
+
+
+FAMILY = Family(
+    name="olmo2",
+    released="2024-11",
+    architecture="Olmo2ForCausalLM",
+    model_type="olmo2",
+    fixed={
+        **PLAIN,
+        "norm": "rmsnorm",
+        "norm_plus_one": False,
+        "mlp": "swiglu",
+        "position": "rope",
+        "mlp_bias": False,
+        "sliding_window": None,
+        "qk_norm": True,
+        "qk_norm_per_head": False,
+        "embed_scale": False,
+        "pre_norms": False,
+        "post_norms": True,
+    },
+    table=TABLE,
+    prefix=LLAMA_PREFIX,
+    hf_keys=LLAMA_KEYS | {"attention_bias"},
+    to_hf=to_hf,
+    from_hf=from_hf,
+    # transformers' Olmo2 derives the head size from hidden_size / num_attention_heads, and one
+    # `attention_bias` switch sets the q/k/v and the output biases.
+    check=lambda cfg: {
+        **({} if cfg.head_dim * cfg.n_heads == cfg.d_model else {"head_dim": cfg.head_dim}),
+        **({} if cfg.qkv_bias == cfg.out_bias else {"out_bias": cfg.out_bias}),
+    },
+)
