@@ -94,6 +94,18 @@ PLAIN = {
     "qk_norm_per_head": True,
 }
 
+# The Llama block the Llama-layout families start from: RMSNorm before each sublayer, SwiGLU,
+# rotary positions, no QK-norm, no embedding scale; each family adds what it fixes besides.
+LLAMA_BLOCK = {
+    **PLAIN,
+    "norm": "rmsnorm",
+    "norm_plus_one": False,
+    "mlp": "swiglu",
+    "position": "rope",
+    "qk_norm": False,
+    "embed_scale": False,
+}
+
 
 # Keys of any transformers config that do not change what the model computes (bookkeeping,
 # token ids, generation defaults, dropout, which has no effect at inference and none in eqllm).

@@ -5,10 +5,10 @@ from typing import Any
 
 from eqllm.config import ModelConfig
 from eqllm.families.base import (
+    LLAMA_BLOCK,
     LLAMA_KEYS,
     LLAMA_PREFIX,
     LLAMA_TABLE,
-    PLAIN,
     Family,
     llama_from_hf,
     llama_to_hf,
@@ -43,14 +43,8 @@ FAMILY = Family(
     architecture="LlamaForCausalLM",
     model_type="llama",
     fixed={
-        **PLAIN,
-        "norm": "rmsnorm",
-        "norm_plus_one": False,
-        "mlp": "swiglu",
-        "position": "rope",
+        **LLAMA_BLOCK,
         "sliding_window": None,
-        "qk_norm": False,
-        "embed_scale": False,
     },
     table=LLAMA_TABLE,
     prefix=LLAMA_PREFIX,

@@ -4,10 +4,10 @@ from typing import Any
 
 from eqllm.config import ModelConfig
 from eqllm.families.base import (
+    LLAMA_BLOCK,
     LLAMA_KEYS,
     LLAMA_PREFIX,
     LLAMA_TABLE,
-    PLAIN,
     Family,
     llama_from_hf,
     llama_to_hf,
@@ -34,16 +34,10 @@ FAMILY = Family(
     architecture="MistralForCausalLM",
     model_type="mistral",
     fixed={
-        **PLAIN,
-        "norm": "rmsnorm",
-        "norm_plus_one": False,
-        "mlp": "swiglu",
-        "position": "rope",
+        **LLAMA_BLOCK,
         "qkv_bias": False,
         "out_bias": False,
         "mlp_bias": False,
-        "qk_norm": False,
-        "embed_scale": False,
         "rope_scaling": "none",
     },
     table=LLAMA_TABLE,

@@ -6,10 +6,10 @@ from typing import Any
 
 from eqllm.config import ModelConfig
 from eqllm.families.base import (
+    LLAMA_BLOCK,
     LLAMA_KEYS,
     LLAMA_PREFIX,
     LLAMA_TABLE,
-    PLAIN,
     Family,
     llama_from_hf,
     llama_to_hf,
@@ -59,16 +59,11 @@ FAMILY = Family(
     architecture="Olmo2ForCausalLM",
     model_type="olmo2",
     fixed={
-        **PLAIN,
-        "norm": "rmsnorm",
-        "norm_plus_one": False,
-        "mlp": "swiglu",
-        "position": "rope",
+        **LLAMA_BLOCK,
         "mlp_bias": False,
         "sliding_window": None,
         "qk_norm": True,
         "qk_norm_per_head": False,
-        "embed_scale": False,
         "pre_norms": False,
         "post_norms": True,
     },

@@ -6,9 +6,9 @@ from typing import Any
 
 from eqllm.config import ModelConfig
 from eqllm.families.base import (
+    LLAMA_BLOCK,
     LLAMA_KEYS,
     LLAMA_PREFIX,
-    PLAIN,
     Family,
     llama_from_hf,
     llama_to_hf,
@@ -76,16 +76,10 @@ FAMILY = Family(
     architecture="Phi3ForCausalLM",
     model_type="phi3",
     fixed={
-        **{k: v for k, v in PLAIN.items() if k != "rope_fraction"},
-        "norm": "rmsnorm",
-        "norm_plus_one": False,
-        "mlp": "swiglu",
-        "position": "rope",
+        **{k: v for k, v in LLAMA_BLOCK.items() if k != "rope_fraction"},
         "qkv_bias": False,
         "out_bias": False,
         "mlp_bias": False,
-        "qk_norm": False,
-        "embed_scale": False,
         "rope_scaling": "none",
     },
     table=TABLE,

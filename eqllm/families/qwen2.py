@@ -4,10 +4,10 @@ from typing import Any
 
 from eqllm.config import ModelConfig
 from eqllm.families.base import (
+    LLAMA_BLOCK,
     LLAMA_KEYS,
     LLAMA_PREFIX,
     LLAMA_TABLE,
-    PLAIN,
     Family,
     full_attention_only,
     llama_from_hf,
@@ -38,17 +38,11 @@ FAMILY = Family(
     architecture="Qwen2ForCausalLM",
     model_type="qwen2",
     fixed={
-        **PLAIN,
-        "norm": "rmsnorm",
-        "norm_plus_one": False,
-        "mlp": "swiglu",
-        "position": "rope",
+        **LLAMA_BLOCK,
         "qkv_bias": True,
         "out_bias": False,
         "mlp_bias": False,
         "sliding_window": None,
-        "qk_norm": False,
-        "embed_scale": False,
         "rope_scaling": "none",
     },
     table=LLAMA_TABLE,

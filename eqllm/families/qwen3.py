@@ -6,10 +6,10 @@ from typing import Any
 
 from eqllm.config import ModelConfig
 from eqllm.families.base import (
+    LLAMA_BLOCK,
     LLAMA_KEYS,
     LLAMA_PREFIX,
     LLAMA_TABLE,
-    PLAIN,
     Family,
     full_attention_only,
     llama_from_hf,
@@ -53,15 +53,10 @@ FAMILY = Family(
     architecture="Qwen3ForCausalLM",
     model_type="qwen3",
     fixed={
-        **PLAIN,
-        "norm": "rmsnorm",
-        "norm_plus_one": False,
-        "mlp": "swiglu",
-        "position": "rope",
+        **LLAMA_BLOCK,
         "mlp_bias": False,
         "sliding_window": None,
         "qk_norm": True,
-        "embed_scale": False,
     },
     table=TABLE,
     prefix=LLAMA_PREFIX,
