@@ -95,8 +95,9 @@ def param_count(name_or_config: str | ModelConfig) -> int:
 
 
 def human_count(n: int) -> str:
-    """1234567 -> '1.23M'."""
+    """1234567 -> '1.23M'; 999885952 -> '1B' (rounded to 3 digits before the unit is chosen)."""
+    rounded = float(f"{n:.3g}")
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g}{unit}"
+        if rounded >= size:
+            return f"{rounded / size:.3g}{unit}"
     return str(n)

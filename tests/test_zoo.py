@@ -149,3 +149,10 @@ def test_cli_zoo_list_and_show(capsys):
         assert name in listed
     assert main(["zoo", "show", "mistrel-7b"]) == 2
     assert "did you mean mistral-7b" in capsys.readouterr().err
+
+
+def test_human_count_rounds_before_choosing_the_unit():
+    assert eqllm.zoo.human_count(1_234_567) == "1.23M"
+    assert eqllm.zoo.human_count(999_885_952) == "1B"  # gemma3-1b, not "1e+03M"
+    assert eqllm.zoo.human_count(8_190_735_360) == "8.19B"
+    assert eqllm.zoo.human_count(999) == "999"
