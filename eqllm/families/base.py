@@ -194,6 +194,17 @@ _ROPE_KEYS = {
 }
 
 
+def attention_bias_from_hf(hf: dict[str, Any]) -> dict[str, bool]:
+    """The q/k/v and output biases from config.json's one `attention_bias` switch."""
+    bias = bool(hf.get("attention_bias", False))
+    return {"qkv_bias": bias, "out_bias": bias}
+
+
+def one_attention_bias(cfg: ModelConfig) -> dict[str, Any]:
+    """A `check`: one `attention_bias` switch cannot express q/k/v and output biases that differ."""
+    return {} if cfg.qkv_bias == cfg.out_bias else {"out_bias": cfg.out_bias}
+
+
 def llama_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The config.json fields every Llama-layout family writes."""
     rope_scaling = None

@@ -10,8 +10,10 @@ from eqllm.families.base import (
     LLAMA_PREFIX,
     LLAMA_TABLE,
     Family,
+    attention_bias_from_hf,
     llama_from_hf,
     llama_to_hf,
+    one_attention_bias,
     refuse,
 )
 
@@ -27,11 +29,9 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     refuse(hf, "hidden_act", ("silu",))
-    attention_bias = bool(hf.get("attention_bias", False))
     return {
         **llama_from_hf(hf),
-        "qkv_bias": attention_bias,
-        "out_bias": attention_bias,
+        **attention_bias_from_hf(hf),
         "mlp_bias": bool(hf.get("mlp_bias", False)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }
@@ -51,6 +51,5 @@ FAMILY = Family(
     hf_keys=LLAMA_KEYS | {"attention_bias", "mlp_bias", "pretraining_tp"},
     to_hf=to_hf,
     from_hf=from_hf,
-    # One `attention_bias` switch sets both the q/k/v and the output biases.
-    check=lambda cfg: {} if cfg.qkv_bias == cfg.out_bias else {"out_bias": cfg.out_bias},
+    check=one_attention_bias,
 )

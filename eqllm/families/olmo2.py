@@ -11,8 +11,10 @@ from eqllm.families.base import (
     LLAMA_PREFIX,
     LLAMA_TABLE,
     Family,
+    attention_bias_from_hf,
     llama_from_hf,
     llama_to_hf,
+    one_attention_bias,
     refuse,
     rows,
     token_ids,
@@ -44,11 +46,9 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     refuse(hf, "hidden_act", ("silu",))
-    attention_bias = bool(hf.get("attention_bias", False))
     return {
         **llama_from_hf(hf),
-        "qkv_bias": attention_bias,
-        "out_bias": attention_bias,
+        **attention_bias_from_hf(hf),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }
 
@@ -76,6 +76,6 @@ FAMILY = Family(
     # `attention_bias` switch sets the q/k/v and the output biases.
     check=lambda cfg: {
         **({} if cfg.head_dim * cfg.n_heads == cfg.d_model else {"head_dim": cfg.head_dim}),
-        **({} if cfg.qkv_bias == cfg.out_bias else {"out_bias": cfg.out_bias}),
+        **one_attention_bias(cfg),
     },
 )

@@ -11,9 +11,11 @@ from eqllm.families.base import (
     LLAMA_PREFIX,
     LLAMA_TABLE,
     Family,
+    attention_bias_from_hf,
     full_attention_only,
     llama_from_hf,
     llama_to_hf,
+    one_attention_bias,
     refuse,
     rows,
 )
@@ -38,11 +40,9 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     refuse(hf, "hidden_act", ("silu",))
     refuse(hf, "use_sliding_window", (False, None))
     full_attention_only(hf, "Qwen3")
-    attention_bias = bool(hf.get("attention_bias", False))
     return {
         **llama_from_hf(hf),
-        "qkv_bias": attention_bias,
-        "out_bias": attention_bias,
+        **attention_bias_from_hf(hf),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }
 
@@ -70,6 +70,5 @@ FAMILY = Family(
     },
     to_hf=to_hf,
     from_hf=from_hf,
-    # One `attention_bias` switch sets the q/k/v and the output biases.
-    check=lambda cfg: {} if cfg.qkv_bias == cfg.out_bias else {"out_bias": cfg.out_bias},
+    check=one_attention_bias,
 )
