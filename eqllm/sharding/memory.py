@@ -20,8 +20,8 @@ from eqllm.sharding.rules import AxisSizes, check_divisible, named_params, sizes
 def per_device_bytes(model_shapes, mesh: AxisSizes) -> int:
     """Bytes of `model_shapes` (arrays or ShapeDtypeStructs) held by one device.
 
-    `mesh` may be a Mesh or just its axis sizes ({"data": 1, "fsdp": 8, "tensor": 1}), so a
-    notional cluster can be sized from a laptop.
+    `mesh` may be a Mesh or just its axis sizes ({"data": 1, "fsdp": 8, "tensor": 1}; an axis
+    left out is 1), so a notional cluster can be sized from a laptop.
     """
     check_divisible(model_shapes.config, mesh)
     sizes = sizes_of(mesh)
@@ -87,10 +87,13 @@ def estimate_memory(
     s, b, h, a = seq_len, micro, config.d_model, config.n_heads
     width = np.dtype(jax.numpy.dtype(config.compute_dtype)).itemsize / 2
     per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * width
+    # A pipeline stage holds its own layers' activations, for every microbatch in flight (GPipe
+    # keeps them all until the backward pass): n_layers / stages layers of the whole batch.
+    n_layers = config.n_layers // sizes["pipeline"]
     if config.remat == "none":
-        layers = config.n_layers * per_layer
+        layers = n_layers * per_layer
     else:
-        layers = config.n_layers * 2 * s * b * h * width + per_layer
+        layers = n_layers * 2 * s * b * h * width + per_layer
     logits = 2 * s * b * config.vocab_size * 4 / (t if config.vocab_size % t == 0 else 1)
     return MemoryEstimate(params, params, opt, int(layers + logits))
 
