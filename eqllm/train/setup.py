@@ -339,8 +339,6 @@ def start_run(
         (out / "samples_before.json").write_text(json.dumps(before, indent=2) + "\n")
     mesh, model, shardings = place_on_mesh(recipe, model)
     pipeline = pipeline_of(recipe, mesh)
-    if pipeline is not None:
-        echo(pipeline.describe(model.config))
     optimizer = make_optimizer(recipe.optim, total, model)
     opt_state = init_opt_state(optimizer, model, shardings)
     train_step = TrainStep(

@@ -84,9 +84,10 @@ def test_pipelined_loss_and_gradients_equal_the_plain_ones(mesh_text, microbatch
     assert "collective-permute" in compiled.compiled.as_text()
 
 
-@pytest.mark.parametrize(("mesh_text", "microbatches"), PIPE_MESHES)
-def test_pipelined_training_equals_single_device(reference, pipelined, mesh_text, microbatches):
+@pytest.mark.slow  # the gradients above and the recipe run below cover the default suite
+def test_pipelined_training_equals_single_device(reference, pipelined):
     ref_model, ref_losses = reference
+    mesh_text, microbatches = PIPE_MESHES[0]
     model, _, losses, step = pipelined(mesh_text, microbatches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(ref_model), strict=True):
@@ -114,12 +115,16 @@ def test_local_global_layers_and_remat_in_stages():
     rel_close(got, want)
 
 
-def test_checkpoints_move_between_pipelined_and_plain_meshes(tmp_path, reference, pipelined):
-    model, opt_state, _, _ = pipelined(*PIPE_MESHES[0])
-    ckpt = Checkpointer(tmp_path / "pipelined")
-    ckpt.save(STEPS, model, opt_state, {"note": "pipeline=2"}, wait=True)
+def test_checkpoints_move_between_pipelined_and_plain_meshes(tmp_path):
+    """The stacked layout [layers, ...] is the same on every mesh: only the placement differs."""
     template = eqllm.CausalLM(CFG4, key=jax.random.key(1))
     optimizer = make_optimizer(SPEC, 10, eqx.filter(template, eqx.is_inexact_array))
+    plain_model = eqllm.CausalLM(CFG4, key=jax.random.key(0))
+    mesh_a = make_mesh(MeshConfig.parse(PIPE_MESHES[0][0]))
+    model = shard_model(plain_model, mesh_a)
+    opt_state = init_opt_state(optimizer, model, param_shardings(model, mesh_a))
+    ckpt = Checkpointer(tmp_path / "pipelined")
+    ckpt.save(STEPS, model, opt_state, {"note": "pipeline=2"}, wait=True)
 
     def restore(checkpointer, target):
         t_model, shardings = template, None
@@ -140,11 +145,29 @@ def test_checkpoints_move_between_pipelined_and_plain_meshes(tmp_path, reference
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     ckpt.close()
     # And the other way: saved without a pipeline, restored onto one.
-    ref_model, _ = reference
     plain = Checkpointer(tmp_path / "plain")
-    ref_opt = init_opt_state(optimizer, ref_model)
-    plain.save(STEPS, ref_model, ref_opt, {}, wait=True)
+    plain.save(STEPS, plain_model, init_opt_state(optimizer, plain_model), {}, wait=True)
     restored = restore(plain, "pipeline=4,data=2")
-    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(ref_model), strict=True):
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(plain_model), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     plain.close()
+
+
+def test_a_recipe_runs_on_a_pipeline_mesh_and_prints_the_bubble(tmp_path, monkeypatch):
+    from eqllm.recipe import RecipeError
+    from eqllm.train import loop as loop_mod
+    from tests.reliability.harness import make_corpus, tiny_recipe
+
+    monkeypatch.setenv("EQLLM_CACHE", str(tmp_path / "cache"))
+    recipe = tiny_recipe(tmp_path, make_corpus(tmp_path), steps=2, eval_every=0, microbatches=2)
+    recipe = recipe.replace("mesh.pipeline", 2).replace("mesh.data", 4)
+    too_many = recipe.replace("train.microbatches", 4)  # 2 rows per microbatch, 4 data devices
+    model = eqllm.CausalLM(too_many.model_config(), key=jax.random.key(0))
+    with pytest.raises(RecipeError, match="microbatches=4 = 2 rows per micro-batch do not split"):
+        loop_mod.place_on_mesh(too_many, model)
+    lines = []
+    result = loop_mod.run(recipe, tmp_path / "run", progress=False, echo=lines.append)
+    assert "pipeline: 2 stages x 1 layers, 2 microbatches, bubble fraction 0.333" in "\n".join(
+        lines
+    )
+    assert result.summary["traces"] == 1 and result.summary["steps"] == 2
