@@ -69,3 +69,13 @@ def test_mesh_and_memory_know_the_pipeline_axis():
     whole = per_device_bytes(shapes, {"data": 8})
     # Each stage holds a quarter of the stacked layers; embeddings and head stay whole.
     assert per_device_bytes(shapes, {"pipeline": 4, "data": 2}) == whole - stacked * 3 // 4
+
+
+def test_a_resumed_run_may_move_to_another_mesh_with_force():
+    from eqllm.train.guards import ResumeMismatch, resume_changes
+
+    saved = Recipe.from_dict({"model": {"variant": "llama-nano"}, "train": {"steps": 1}})
+    moved = saved.replace("mesh.pipeline", 2).replace("train.microbatches", 4)
+    with pytest.raises(ResumeMismatch, match="mesh.pipeline: 1 -> 2.*pass --force"):
+        resume_changes(saved, moved, force=False, where="config.toml")
+    assert len(resume_changes(saved, moved, force=True, where="config.toml")) == 2
