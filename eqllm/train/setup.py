@@ -173,6 +173,7 @@ def place_on_mesh(recipe: Recipe, model: CausalLM):
         batch_size=t.batch_size,
         seq_len=recipe.data.seq_len,
         grad_accum=t.grad_accum,
+        microbatches=t.microbatches,
     )
     check_fits(estimate, mesh.devices.flat[0])
     if mesh.size == 1:  # one device: nothing to place (and no new shardings to trace against)
