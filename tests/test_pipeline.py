@@ -12,7 +12,13 @@ import pytest
 import eqllm
 from eqllm.data import DataError
 from eqllm.recipe import OptimSpec, Recipe, RecipeError
-from eqllm.sharding import MeshConfig, MeshError, check_divisible, per_device_bytes
+from eqllm.sharding import (
+    MeshConfig,
+    MeshError,
+    check_divisible,
+    estimate_memory,
+    per_device_bytes,
+)
 from eqllm.train import Pipeline, TrainStep, make_optimizer, mean_loss, schedule
 
 CFG = eqllm.zoo.config("llama-nano", n_layers=4, vocab_size=96, max_seq_len=32)
@@ -69,6 +75,12 @@ def test_mesh_and_memory_know_the_pipeline_axis():
     whole = per_device_bytes(shapes, {"data": 8})
     # Each stage holds a quarter of the stacked layers; embeddings and head stay whole.
     assert per_device_bytes(shapes, {"pipeline": 4, "data": 2}) == whole - stacked * 3 // 4
+    # A stage keeps its layers' activations for all M + S - 1 ticks: more microbatches, less.
+    mesh = {"pipeline": 4, "data": 2}
+    few, many = (
+        estimate_memory(CFG, mesh, batch_size=16, seq_len=32, microbatches=m) for m in (2, 8)
+    )
+    assert few.activations > many.activations and few.params == many.params
 
 
 def test_a_resumed_run_may_move_to_another_mesh_with_force():

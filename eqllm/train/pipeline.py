@@ -10,9 +10,10 @@ Microbatch m enters stage 0 at tick m and leaves the last stage at tick m + stag
 microbatches + stages - 1 ticks run and a stage idles for stages - 1 of them: the bubble
 fraction (stages - 1) / (microbatches + stages - 1). The backward pass is the scan's transpose.
 
-The embeddings, final norm, head and loss run outside the stages on the whole batch, sharded
-like any other step. The loss is the mean over every target of the batch, as without a pipeline:
-microbatches change the schedule, not the result.
+The embeddings, final norm, head and loss run outside the stages on the whole batch; the head's
+rows are spread over the pipeline devices too, so no stage computes every row's logits. The
+loss is the mean over every target of the batch, as without a pipeline: microbatches change the
+schedule, not the result.
 """
 
 from __future__ import annotations
@@ -108,6 +109,11 @@ class Pipeline:
         micro = self._constrain(micro, None)
         out = self._run(model.blocks, micro, cfg)  # (m, rows/m, seq, d_model)
         x = out.swapaxes(0, 1).reshape(rows, seq, width)
+        if self.mesh is not None and rows % (self.stages * self._batch_split()) == 0:
+            # The head and loss need no stages: spread their rows over the pipeline devices too.
+            x = jax.lax.with_sharding_constraint(
+                x, NamedSharding(self.mesh, PartitionSpec(("pipeline", *self._batch_axes())))
+            )
         return model.final_norm(x)
 
     def loss(
@@ -158,9 +164,11 @@ class Pipeline:
     def _batch_split(self) -> int:
         if self.mesh is None:
             return 1
+        return math.prod(self.mesh.shape[a] for a in self._batch_axes())
+
+    def _batch_axes(self) -> tuple[str, ...]:
         axes = RULES["batch"]
-        axes = (axes,) if isinstance(axes, str) else axes
-        return math.prod(self.mesh.shape[a] for a in axes)
+        return (axes,) if isinstance(axes, str) else tuple(axes)
 
     def _constrain(self, x, stage_axis: str | None):
         """Pin (stage, microbatch rows, ...) activations: stages over `pipeline`, rows over the

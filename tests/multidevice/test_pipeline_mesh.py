@@ -82,6 +82,9 @@ def test_pipelined_loss_and_gradients_equal_the_plain_ones(mesh_text, microbatch
     rel_close(compiled(model, batch), want)
     # The stages hand activations to their neighbours: XLA emits collective permutes.
     assert "collective-permute" in compiled.compiled.as_text()
+    # The head's rows are spread over every device, the pipeline's included.
+    hidden = eqx.filter_jit(pipeline.hidden)(model, batch[:, :-1])
+    assert hidden.addressable_shards[0].data.shape[0] == batch.shape[0] // 8
 
 
 @pytest.mark.slow  # the gradients above and the recipe run below cover the default suite
