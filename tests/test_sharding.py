@@ -42,8 +42,10 @@ def test_multidevice_suite_on_8_simulated_devices():
 
 
 def test_mesh_resolution():
-    assert MeshConfig().resolve(8) == (8, 1, 1)
-    assert MeshConfig(data=-1, fsdp=2, tensor=2).resolve(8) == (2, 2, 2)
+    assert MeshConfig().resolve(8) == (1, 8, 1, 1)  # (pipeline, data, fsdp, tensor)
+    assert MeshConfig(data=-1, fsdp=2, tensor=2).resolve(8) == (1, 2, 2, 2)
+    assert MeshConfig.parse("pipeline=2,data=2,fsdp=2").resolve(8) == (2, 2, 2, 1)
+    assert MeshConfig(pipeline=4).resolve(8) == (4, 2, 1, 1)
     with pytest.raises(MeshError, match="positive integer or -1"):
         MeshConfig(data=0)
     with pytest.raises(MeshError, match="at most one axis may be -1"):

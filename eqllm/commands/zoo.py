@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from eqllm import zoo
-from eqllm.sharding import MeshConfig, MeshError, sharding_table
+from eqllm.sharding import MESH_AXES, MeshConfig, MeshError, sharding_table
 
 
 def zoo_list(args: argparse.Namespace) -> int:
@@ -63,7 +63,7 @@ def zoo_show(args: argparse.Namespace) -> int:
         mesh = MeshConfig.parse(args.mesh)
         if -1 in mesh.sizes():
             raise MeshError(f"--mesh {args.mesh}: give every axis a size (no -1) to size it")
-        sizes = dict(zip(("data", "fsdp", "tensor"), mesh.sizes(), strict=True))
+        sizes = dict(zip(MESH_AXES, mesh.sizes(), strict=True))
         print(f"\nsharding on mesh {mesh.describe()}:")
         for line in sharding_table(entry.config, sizes):
             print(f"  {line}")
@@ -78,6 +78,6 @@ def add_parser(commands) -> None:
     show = zoo_commands.add_parser("show", help="the full config of one variant")
     show.add_argument("name")
     show.add_argument(
-        "--mesh", help="also show each parameter's sharding, e.g. data=2,fsdp=2,tensor=2"
+        "--mesh", help="also show each parameter's sharding, e.g. pipeline=2,data=2,fsdp=2"
     )
     show.set_defaults(func=zoo_show)

@@ -170,6 +170,8 @@ class TrainSpec:
 
     batch_size: sequences per optimizer step (global); split into `grad_accum` micro-batches
         that are accumulated inside the compiled step.
+    microbatches: pipeline microbatches each of those is split into (GPipe): with
+        mesh.pipeline > 1 stages, the bubble fraction is (stages - 1) / (microbatches + stages - 1).
     steps / tokens / tokens_per_param: the length of training; give exactly one (0 = unset).
         tokens_per_param counts the model's parameters (20 is the compute-optimal rule of thumb).
         A `--set` of one of them replaces the one the recipe file gives.
@@ -185,6 +187,7 @@ class TrainSpec:
 
     batch_size: Positive = 16
     grad_accum: Positive = 1
+    microbatches: Positive = 1
     steps: Count = 0
     tokens: Count = 0
     tokens_per_param: Annotated[Float, Field(ge=0)] = 0.0

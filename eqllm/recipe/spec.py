@@ -163,6 +163,17 @@ class Recipe:
             raise RecipeError(
                 f"train.grad_accum={t.grad_accum} must divide train.batch_size={t.batch_size}"
             )
+        rows = t.batch_size // t.grad_accum
+        if rows % t.microbatches:
+            raise RecipeError(
+                f"train.microbatches={t.microbatches} must divide train.batch_size / grad_accum "
+                f"= {rows} sequences per micro-batch"
+            )
+        if cfg.n_layers % self.mesh.pipeline:
+            raise RecipeError(
+                f"mesh.pipeline={self.mesh.pipeline} must divide the model's n_layers="
+                f"{cfg.n_layers}: each stage runs an equal, contiguous run of layers"
+            )
         if d.seq_len > cfg.max_seq_len:
             raise RecipeError(
                 f"data.seq_len={d.seq_len} must be at most the model's "

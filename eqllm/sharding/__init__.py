@@ -1,9 +1,10 @@
-"""Data, FSDP and tensor parallelism as shardings over a `jax.sharding.Mesh`.
+"""Data, FSDP, tensor and pipeline parallelism as shardings over a `jax.sharding.Mesh`.
 
-The mesh has three named axes: `data` (batch split, parameters replicated), `fsdp` (batch split
-and parameters/optimizer state split, ZeRO-3 style) and `tensor` (attention heads and MLP hidden
-units split, Megatron style: q/k/v/up/gate are column-parallel, o/down row-parallel, so each
-block half ends in one all-reduce). Every parameter gets its sharding from the logical names of
+The mesh has four named axes: `pipeline` (the stacked layers split into contiguous stages; the
+schedule is `eqllm.train.Pipeline`), `data` (batch split, parameters replicated), `fsdp` (batch
+split and parameters/optimizer state split, ZeRO-3 style) and `tensor` (attention heads and MLP
+hidden units split, Megatron style: q/k/v/up/gate are column-parallel, o/down row-parallel, so
+each block half ends in one all-reduce). Every parameter gets its sharding from the logical names of
 its axes, which its layer carries (`eqllm.nn.param_info`), and one rule table (`RULES`); no
 model code knows about devices. XLA's SPMD partitioner inserts the collectives.
 """

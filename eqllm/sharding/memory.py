@@ -20,8 +20,8 @@ from eqllm.sharding.rules import AxisSizes, check_divisible, named_params, sizes
 def per_device_bytes(model_shapes, mesh: AxisSizes) -> int:
     """Bytes of `model_shapes` (arrays or ShapeDtypeStructs) held by one device.
 
-    `mesh` may be a Mesh or just its axis sizes ({"data": 1, "fsdp": 8, "tensor": 1}), so a
-    notional cluster can be sized from a laptop.
+    `mesh` may be a Mesh or just its axis sizes ({"data": 1, "fsdp": 8, "tensor": 1}; an axis
+    left out is 1), so a notional cluster can be sized from a laptop.
     """
     check_divisible(model_shapes.config, mesh)
     sizes = sizes_of(mesh)
@@ -66,6 +66,7 @@ def estimate_memory(
     batch_size: int,
     seq_len: int,
     grad_accum: int = 1,
+    microbatches: int = 1,
     optimizer_states: int = 2,
 ) -> MemoryEstimate:
     """Per-device memory of a training step, from shapes alone (nothing is allocated).
@@ -74,8 +75,9 @@ def estimate_memory(
     rules. Activations follow Korthikanti et al. (2022), eq. 2 and its tensor-parallel form,
     per layer and micro-batch: s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes at 16 bits, scaled to the
     compute dtype's width, plus the fp32 logits and their gradient; with remat only each layer's
-    input (2*s*b*h at 16 bits) is kept, plus one layer's working set. It is an estimate: XLA may
-    fuse or keep more.
+    input (2*s*b*h at 16 bits) is kept, plus one layer's working set. A pipeline stage counts
+    its own layers, scaled by the bubble's idle ticks (see the comment below). It is an
+    estimate: XLA may fuse or keep more.
     """
     shapes = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0))
     params = per_device_bytes(shapes, mesh)
@@ -87,10 +89,15 @@ def estimate_memory(
     s, b, h, a = seq_len, micro, config.d_model, config.n_heads
     width = np.dtype(jax.numpy.dtype(config.compute_dtype)).itemsize / 2
     per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * width
+    # A pipeline stage keeps its own layers' activations for every tick until the backward pass
+    # (GPipe): n_layers / stages layers of the whole batch, times (M + S - 1) / M because the
+    # stages also compute (and keep) on their idle ticks (eqllm.train.pipeline).
+    stages = sizes["pipeline"]
+    n_layers = config.n_layers / stages * (microbatches + stages - 1) / microbatches
     if config.remat == "none":
-        layers = config.n_layers * per_layer
+        layers = n_layers * per_layer
     else:
-        layers = config.n_layers * 2 * s * b * h * width + per_layer
+        layers = n_layers * 2 * s * b * h * width + per_layer
     logits = 2 * s * b * config.vocab_size * 4 / (t if config.vocab_size % t == 0 else 1)
     return MemoryEstimate(params, params, opt, int(layers + logits))
 

@@ -1,4 +1,5 @@
-"""The device mesh: named axes `data`, `fsdp` and `tensor`, sized from a recipe or a flag."""
+"""The device mesh: named axes `pipeline`, `data`, `fsdp` and `tensor`, sized from a recipe or a
+flag."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from jax.sharding import Mesh
 
 from eqllm.errors import EqllmError
 
-MESH_AXES = ("data", "fsdp", "tensor")
+# `pipeline` first: stages exchange only one activation per microbatch, so they may sit furthest
+# apart (across hosts); `tensor` last, on the closest devices.
+MESH_AXES = ("pipeline", "data", "fsdp", "tensor")
 
 
 class MeshError(EqllmError):
@@ -22,8 +25,9 @@ class MeshError(EqllmError):
 @typing.no_type_check  # validates itself, naming the axis
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Sizes of the `data`, `fsdp` and `tensor` axes; one of them may be -1 (all the rest)."""
+    """Sizes of the `pipeline`, `data`, `fsdp` and `tensor` axes; one may be -1 (all the rest)."""
 
+    pipeline: int = 1
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
@@ -36,13 +40,13 @@ class MeshConfig:
         if sizes.count(-1) > 1:
             raise MeshError(f"mesh {self.describe()}: at most one axis may be -1")
 
-    def sizes(self) -> tuple[int, int, int]:
-        return (self.data, self.fsdp, self.tensor)
+    def sizes(self) -> tuple[int, int, int, int]:
+        return (self.pipeline, self.data, self.fsdp, self.tensor)
 
     def describe(self) -> str:
         return ",".join(f"{n}={s}" for n, s in zip(MESH_AXES, self.sizes(), strict=True))
 
-    def resolve(self, n_devices: int) -> tuple[int, int, int]:
+    def resolve(self, n_devices: int) -> tuple[int, int, int, int]:
         """Concrete axis sizes for `n_devices`, or a MeshError saying why they do not fit."""
         sizes = list(self.sizes())
         known = math.prod(s for s in sizes if s != -1)
@@ -56,19 +60,20 @@ class MeshConfig:
         if math.prod(sizes) != n_devices:
             raise MeshError(
                 f"mesh {self.describe()} needs {math.prod(sizes)} devices but {n_devices} are "
-                "available; make data*fsdp*tensor equal the device count (or set one axis to -1)"
+                "available; make pipeline*data*fsdp*tensor equal the device count (or set one "
+                "axis to -1)"
             )
         return tuple(sizes)
 
     @classmethod
     def parse(cls, text: str) -> MeshConfig:
-        """'data=2,fsdp=2,tensor=2' -> MeshConfig."""
+        """'pipeline=2,data=2,fsdp=2' -> MeshConfig (data defaults to -1 alone, else 1)."""
         values: dict[str, int] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             name, _, value = part.partition("=")
             if name not in MESH_AXES or not value.lstrip("-").isdigit():
                 raise MeshError(
-                    f"bad mesh item {part!r}; write e.g. 'data=2,fsdp=2,tensor=2' with axes "
+                    f"bad mesh item {part!r}; write e.g. 'pipeline=2,data=2,fsdp=2' with axes "
                     f"{list(MESH_AXES)}"
                 )
             values[name] = int(value)
@@ -78,7 +83,7 @@ class MeshConfig:
 
 
 def make_mesh(mesh: MeshConfig, devices: list | None = None) -> Mesh:
-    """A Mesh with axes (data, fsdp, tensor) over `devices` (default: all of them)."""
+    """A Mesh with axes (pipeline, data, fsdp, tensor) over `devices` (default: all of them)."""
     devices = jax.devices() if devices is None else devices
     sizes = mesh.resolve(len(devices))
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)

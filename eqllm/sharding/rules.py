@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
+import equinox as eqx
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eqllm.config import ModelConfig
+from eqllm.model import CausalLM
 from eqllm.nn import param_info
 from eqllm.nn.linear import is_param_info
-from eqllm.sharding.mesh import MeshError
+from eqllm.sharding.mesh import MESH_AXES, MeshError
 
 # Logical axis -> mesh axes it is split over (None or absent: replicated).
 RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -21,16 +24,34 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "heads": "tensor",
     "kv_heads": "tensor",
     "d_ff": "tensor",
+    # The stacked blocks' leading axis: contiguous runs of layers, one per pipeline stage.
+    "layers": "pipeline",
 }
+
+
+def model_param_info(model):
+    """`eqllm.nn.param_info` with the leading axis of every stacked-block array named `layers`.
+
+    The layers know their own axes but not that `CausalLM` stacks them; the model does.
+    """
+    infos = param_info(model)
+    if not isinstance(model, CausalLM):
+        return infos
+
+    def named(info):
+        return dataclasses.replace(info, axes=("layers", *info.axes[1:]))
+
+    stacked = jax.tree.map(named, infos.blocks, is_leaf=is_param_info)
+    return eqx.tree_at(lambda m: m.blocks, infos, stacked)
 
 
 def named_params(model) -> list[tuple[str, Any, tuple[str | None, ...]]]:
     """(path, array, logical axes) for every array of `model` (arrays or ShapeDtypeStructs).
 
     The axes come from the layers themselves (`eqllm.nn.param_info`); the path reads like
-    `blocks.attn.q_proj.weight`.
+    `blocks.attn.q_proj.weight` (whose axes are ("layers", "heads", "d_model")).
     """
-    infos, treedef = jax.tree.flatten(param_info(model), is_leaf=is_param_info)
+    infos, treedef = jax.tree.flatten(model_param_info(model), is_leaf=is_param_info)
     paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(model)[0]]
     arrays = treedef.flatten_up_to(model)
     return [
@@ -48,8 +69,16 @@ AxisSizes = Mesh | dict[str, int]
 
 
 def check_divisible(config: ModelConfig, mesh: AxisSizes) -> None:
-    """Refuse meshes whose tensor axis splits a head, or whose fsdp axis splits d_model unevenly."""
+    """Refuse meshes whose tensor axis splits a head, whose fsdp axis splits d_model unevenly or
+    whose pipeline axis splits the layers into unequal stages."""
     tensor, fsdp = sizes_of(mesh)["tensor"], sizes_of(mesh)["fsdp"]
+    stages = sizes_of(mesh)["pipeline"]
+    if config.n_layers % stages:
+        raise MeshError(
+            f"pipeline={stages} does not divide n_layers={config.n_layers}: each stage runs an "
+            "equal, contiguous run of layers; choose a pipeline size that divides "
+            f"{config.n_layers}"
+        )
     for name, size in (
         ("n_heads", config.n_heads),
         ("n_kv_heads", config.n_kv_heads),
@@ -68,7 +97,8 @@ def check_divisible(config: ModelConfig, mesh: AxisSizes) -> None:
 
 
 def sizes_of(mesh: AxisSizes) -> dict[str, int]:
-    return dict(mesh.shape) if isinstance(mesh, Mesh) else mesh
+    """Every mesh axis's size; axes a dict leaves out are 1."""
+    return {**dict.fromkeys(MESH_AXES, 1), **(dict(mesh.shape) if isinstance(mesh, Mesh) else mesh)}
 
 
 def spec_for(
@@ -98,7 +128,7 @@ def param_shardings(model, mesh: Mesh):
     check_divisible(model.config, mesh)
     return jax.tree.map(
         lambda info, x: NamedSharding(mesh, spec_for(info.axes, x.shape, mesh)),
-        param_info(model),
+        model_param_info(model),
         model,
         is_leaf=is_param_info,
     )

@@ -1,4 +1,5 @@
-"""Training: optimizer and schedule, the compiled train step, checkpoints, MFU and the loop.
+"""Training: optimizer and schedule, the compiled train step, the pipeline schedule,
+checkpoints, MFU and the loop.
 
 `mean_loss` and `token_nll` live in `eqllm.eval.loss` and are re-exported here.
 """
@@ -6,9 +7,11 @@
 from eqllm.eval.loss import mean_loss, token_nll
 
 from .optim import decay_mask, make_optimizer, schedule
+from .pipeline import Pipeline
 from .step import TrainStep, init_opt_state
 
 __all__ = [
+    "Pipeline",
     "TrainStep",
     "decay_mask",
     "init_opt_state",

@@ -44,6 +44,9 @@ FORCE_OK = (
     "train.keep_checkpoints",
     "train.skip_nonfinite",
     "train.remat",
+    # How the step is laid out on the devices: the same values up to summation order.
+    "train.microbatches",
+    "mesh.",
     "eval.",
 )
 

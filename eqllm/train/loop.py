@@ -257,6 +257,8 @@ def _announce(setup: RunSetup, echo, *, resume: bool) -> None:
         f"tokens ({tokens / setup.n_params:.1f} per parameter)"
         + (f", resuming at step {setup.start}" if resume else "")
     )
+    if setup.train_step.pipeline is not None:
+        echo(setup.train_step.pipeline.describe(cfg))
 
 
 def _skip_or_stop(setup: RunSetup, state: RunState, loss: float, bar) -> None:

@@ -44,6 +44,7 @@ from eqllm.train.checkpoint import Checkpointer, RunCheckpoints
 from eqllm.train.metrics import MetricsLog
 from eqllm.train.mfu import cache_root, device_peak_flops
 from eqllm.train.optim import make_optimizer, schedule
+from eqllm.train.pipeline import Pipeline
 from eqllm.train.step import TrainStep, init_opt_state
 
 
@@ -159,12 +160,12 @@ def place_on_mesh(recipe: Recipe, model: CausalLM):
     check_divisible(model.config, mesh)
     t = recipe.train
     split = mesh.shape["data"] * mesh.shape["fsdp"]
-    micro = t.batch_size // t.grad_accum
+    micro = t.batch_size // t.grad_accum // t.microbatches
     if micro % split:
         raise RecipeError(
-            f"train.batch_size={t.batch_size} / grad_accum={t.grad_accum} = {micro} rows per "
-            f"micro-batch do not split over data*fsdp={split} devices; make it a multiple "
-            f"of {split}"
+            f"train.batch_size={t.batch_size} / grad_accum={t.grad_accum} / microbatches="
+            f"{t.microbatches} = {micro} rows per micro-batch do not split over data*fsdp="
+            f"{split} devices; make it a multiple of {split}"
         )
     estimate = estimate_memory(
         model.config,
@@ -172,11 +173,21 @@ def place_on_mesh(recipe: Recipe, model: CausalLM):
         batch_size=t.batch_size,
         seq_len=recipe.data.seq_len,
         grad_accum=t.grad_accum,
+        microbatches=t.microbatches,
     )
     check_fits(estimate, mesh.devices.flat[0])
     if mesh.size == 1:  # one device: nothing to place (and no new shardings to trace against)
         return mesh, model, None
     return mesh, shard_model(model, mesh), param_shardings(model, mesh)
+
+
+def pipeline_of(recipe: Recipe, mesh) -> Pipeline | None:
+    """The GPipe schedule of the recipe's mesh.pipeline stages and train.microbatches (None when
+    both are 1)."""
+    stages, microbatches = mesh.shape["pipeline"], recipe.train.microbatches
+    if stages == 1 and microbatches == 1:
+        return None
+    return Pipeline(stages, microbatches, mesh if mesh.size > 1 else None)
 
 
 def restore_model(ckpt_dir: Path, model: CausalLM, recipe: Recipe, step: int | None = None):
@@ -328,6 +339,7 @@ def start_run(
         before = recipe_samples(model, data, recipe) if recipe.eval.sample_prompts else []
         (out / "samples_before.json").write_text(json.dumps(before, indent=2) + "\n")
     mesh, model, shardings = place_on_mesh(recipe, model)
+    pipeline = pipeline_of(recipe, mesh)
     optimizer = make_optimizer(recipe.optim, total, model)
     opt_state = init_opt_state(optimizer, model, shardings)
     train_step = TrainStep(
@@ -337,6 +349,7 @@ def start_run(
         param_shardings=shardings,
         batch_sharding=batch_sharding(mesh) if shardings is not None else None,
         dropout_seed=recipe.train.seed,
+        pipeline=pipeline,
     )
     checkpoints = RunCheckpoints(out / "checkpoints", keep=recipe.train.keep_checkpoints)
     meta: dict = {"step": 0}

@@ -23,6 +23,7 @@ from eqllm.eval.loss import check_token_range, mean_loss
 from eqllm.lora import trainable, with_dropout_keys
 from eqllm.model import CausalLM
 from eqllm.sharding import shardings_like_params
+from eqllm.train.pipeline import Pipeline
 
 
 def _layer_grad_norms(grads) -> Float[Array, " layers"]:
@@ -59,6 +60,7 @@ class TrainStep:
         param_shardings=None,
         batch_sharding=None,
         dropout_seed: int = 0,
+        pipeline: Pipeline | None = None,
     ):
         if grad_accum < 1:
             raise EqllmError(f"grad_accum={grad_accum} must be >= 1")
@@ -73,6 +75,8 @@ class TrainStep:
         self.n_traces = 0
         # LoRA dropout's masks: a function of this seed and the optimizer's step count.
         self.dropout_seed = dropout_seed
+        # Stages and microbatches of each (accumulation) micro-batch's forward and backward.
+        self.pipeline = pipeline
         # The batch goes first so that "all-except-first" donates exactly model and opt_state.
         self._compiled = eqx.filter_jit(self._step, donate="all-except-first")
 
@@ -96,6 +100,8 @@ class TrainStep:
                 f"batch of {batch.shape[0]} sequences does not split into "
                 f"grad_accum={self.grad_accum} equal micro-batches"
             )
+        if self.pipeline is not None:
+            self.pipeline.check(model.config, batch.shape[0] // self.grad_accum)
         check_token_range(batch, model.config.vocab_size)
         if mask is not None and mask.shape != (batch.shape[0], batch.shape[1] - 1):
             raise DataError(
@@ -134,7 +140,8 @@ class TrainStep:
 
         def loss_of(p, micro):
             tokens, micro_mask = micro
-            return mean_loss(eqx.combine(p, static), tokens, micro_mask)
+            loss = mean_loss if self.pipeline is None else self.pipeline.loss
+            return loss(eqx.combine(p, static), tokens, micro_mask)
 
         grad_fn = jax.value_and_grad(loss_of)
         if self.grad_accum == 1:

@@ -56,4 +56,4 @@ def test_bad_meshes_fail_clearly(model):
     with pytest.raises(MeshError, match="tensor=8 does not divide n_kv_heads=2"):
         shard_model(eqllm.CausalLM(CFG.replace(n_kv_heads=2), key=jax.random.key(0)), mesh)
     with pytest.raises(MeshError, match="bad mesh item"):
-        MeshConfig.parse("data=2,pipeline=4")
+        MeshConfig.parse("data=2,stages=4")

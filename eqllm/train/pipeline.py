@@ -1,0 +1,186 @@
+"""Pipeline parallelism: the stacked layers split into stages, microbatches scheduled GPipe-style.
+
+GPipe (Huang et al., 2019) with the vmap-over-stages pattern of praxis and MaxText: the stacked
+blocks' `layers` axis, sharded over the mesh's `pipeline` axis (`eqllm.sharding.RULES`), is
+reshaped to [stages, layers_per_stage], so each device of a pipeline group holds one contiguous
+stage. Every tick of a `lax.scan` runs all stages at once (`jax.vmap` over the stage axis, which
+XLA partitions over `pipeline`), each on the activation its predecessor produced the tick
+before; shifting the activations one stage along is a collective permute between neighbours.
+Microbatch m enters stage 0 at tick m and leaves the last stage at tick m + stages - 1, so
+microbatches + stages - 1 ticks run and a stage idles for stages - 1 of them: the bubble
+fraction (stages - 1) / (microbatches + stages - 1). The backward pass is the scan's transpose.
+
+The embeddings, final norm, head and loss run outside the stages on the whole batch; the head's
+rows are spread over the pipeline devices too, so no stage computes every row's logits. The
+loss is the mean over every target of the batch, as without a pipeline: microbatches change the
+schedule, not the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import Array, Bool, Float, Int
+
+from eqllm.config import ModelConfig
+from eqllm.data import DataError
+from eqllm.model import CausalLM, cast_floating
+from eqllm.sharding import RULES, MeshError
+from eqllm.stack import REMAT_POLICIES, dtype_of, layer_flags
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """`stages` contiguous runs of layers fed `microbatches` microbatches per batch.
+
+    `mesh` (with a `pipeline` axis of size `stages`) places the stages; None computes the same
+    schedule on one device (the values do not depend on it).
+    """
+
+    stages: int
+    microbatches: int
+    mesh: Mesh | None = None
+
+    def __post_init__(self):
+        for name in ("stages", "microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise MeshError(f"pipeline {name}={value!r} must be a positive integer")
+        if self.mesh is not None and self.mesh.shape["pipeline"] != self.stages:
+            raise MeshError(
+                f"pipeline of {self.stages} stages on a mesh with pipeline="
+                f"{self.mesh.shape['pipeline']}; make mesh.pipeline equal the stages"
+            )
+
+    @property
+    def bubble(self) -> float:
+        """The share of a stage's ticks spent idle: (stages - 1) / (microbatches + stages - 1)."""
+        return (self.stages - 1) / (self.microbatches + self.stages - 1)
+
+    def describe(self, config: ModelConfig) -> str:
+        return (
+            f"pipeline: {self.stages} stages x {config.n_layers // self.stages} layers, "
+            f"{self.microbatches} microbatches, bubble fraction {self.bubble:.3f} "
+            f"= ({self.stages}-1)/({self.microbatches}+{self.stages}-1)"
+        )
+
+    def check(self, config: ModelConfig, rows: int) -> None:
+        """Raise unless the layers split into equal stages and `rows` into microbatches (whose
+        rows split over the mesh's batch axes)."""
+        if config.n_layers % self.stages:
+            raise MeshError(
+                f"pipeline={self.stages} does not divide n_layers={config.n_layers}: each stage "
+                "runs an equal, contiguous run of layers; choose a pipeline size that divides "
+                f"{config.n_layers}"
+            )
+        if rows % self.microbatches:
+            raise DataError(
+                f"a batch of {rows} sequences does not split into train.microbatches="
+                f"{self.microbatches} equal microbatches; choose a divisor of {rows}"
+            )
+        split = self._batch_split()
+        if (rows // self.microbatches) % split:
+            raise DataError(
+                f"train.microbatches={self.microbatches} leaves {rows // self.microbatches} "
+                f"sequences per microbatch, which do not split over the {split} data*fsdp "
+                "devices; use fewer microbatches or a larger batch"
+            )
+
+    def hidden(
+        self, model: CausalLM, tokens: Int[Array, "batch seq"]
+    ) -> Float[Array, "batch seq d_model"]:
+        """The final-norm hidden states, as `CausalLM.hidden(tokens)` computes them."""
+        cfg = model.config
+        self.check(cfg, tokens.shape[0])
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+        model = cast_floating(model, dtype_of(cfg.compute_dtype))  # as CausalLM.hidden does
+        x = model.embed_inputs(tokens, positions)  # (batch, seq, d_model)
+        rows, seq, width = x.shape
+        m = self.microbatches
+        # Microbatch j takes rows j, j + m, j + 2m, ...: the row axis stays split over the
+        # batch's mesh axes with no data movement (contiguous microbatches would move rows).
+        micro = x.reshape(rows // m, m, seq, width).swapaxes(0, 1)  # (m, rows/m, seq, d_model)
+        micro = self._constrain(micro, None)
+        out = self._run(model.blocks, micro, cfg)  # (m, rows/m, seq, d_model)
+        x = out.swapaxes(0, 1).reshape(rows, seq, width)
+        if self.mesh is not None and rows % (self.stages * self._batch_split()) == 0:
+            # The head and loss need no stages: spread their rows over the pipeline devices too.
+            x = jax.lax.with_sharding_constraint(
+                x, NamedSharding(self.mesh, PartitionSpec(("pipeline", *self._batch_axes())))
+            )
+        return model.final_norm(x)
+
+    def loss(
+        self,
+        model: CausalLM,
+        batch: Int[Array, "batch window"],
+        mask: Bool[Array, "batch window-1"] | None = None,
+    ) -> Float[Array, ""]:
+        """Mean next-token cross entropy over the (masked-in) targets (`eqllm.train.mean_loss`)."""
+        logits = model.logits(self.hidden(model, batch[:, :-1]))  # fp32
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:])
+        if mask is None:
+            return nll.mean()
+        return jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.maximum(mask.sum(), 1)
+
+    def _run(self, blocks, micro: Float[Array, "m rows seq d_model"], config: ModelConfig):
+        """The GPipe schedule over the stacked `blocks`; returns each microbatch's output."""
+        s = self.stages
+        params, static = eqx.partition(blocks, eqx.is_array)
+        # [layers, ...] -> [stages, layers_per_stage, ...]: stage i holds layers i*k .. i*k+k-1.
+        staged = jax.tree.map(lambda a: self._stage_split(a.reshape(s, -1, *a.shape[1:])), params)
+        flags = layer_flags(config)
+        flags = None if flags is None else jnp.asarray(flags).reshape(s, -1)
+
+        def layer(h, xs):
+            layer_params, local = xs
+            return eqx.combine(layer_params, static)(h, None, local), None
+
+        if config.remat != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[config.remat])
+
+        def stage(stage_params, stage_flags, h):
+            # A stage always scans its layers (the flags are then data, not Python bools).
+            return jax.lax.scan(layer, h, (stage_params, stage_flags))[0]
+
+        def tick(state, inp):
+            # Stage 0 takes the next microbatch, stage i what stage i-1 produced last tick.
+            shifted = self._constrain(jnp.concatenate([inp[None], state[:-1]]), "pipeline")
+            out = self._constrain(jax.vmap(stage)(staged, flags, shifted), "pipeline")
+            return out, out[-1]
+
+        # After the last microbatch stage 0 runs on zeros whose results are never read.
+        idle = jnp.zeros((s - 1, *micro.shape[1:]), micro.dtype)
+        state = self._constrain(jnp.zeros((s, *micro.shape[1:]), micro.dtype), "pipeline")
+        _, last = jax.lax.scan(tick, state, jnp.concatenate([micro, idle]))
+        return last[s - 1 :]  # microbatch j leaves the last stage at tick j + s - 1
+
+    def _batch_split(self) -> int:
+        if self.mesh is None:
+            return 1
+        return math.prod(self.mesh.shape[a] for a in self._batch_axes())
+
+    def _batch_axes(self) -> tuple[str, ...]:
+        axes = RULES["batch"]
+        return (axes,) if isinstance(axes, str) else tuple(axes)
+
+    def _constrain(self, x, stage_axis: str | None):
+        """Pin (stage, microbatch rows, ...) activations: stages over `pipeline`, rows over the
+        batch axes."""
+        if self.mesh is None:
+            return x
+        spec = PartitionSpec(stage_axis, RULES["batch"])
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def _stage_split(self, a):
+        """Keep a stage's weights on its devices; XLA chooses the rest of the layout."""
+        if self.mesh is None:
+            return a
+        spec = PartitionSpec("pipeline", *([PartitionSpec.UNCONSTRAINED] * (a.ndim - 1)))
+        return jax.lax.with_sharding_constraint(a, NamedSharding(self.mesh, spec))

@@ -1,0 +1,93 @@
+"""Pipeline parallelism on one device: the schedule's values, the bubble, the errors.
+
+The 8-device checks (stages on their own devices, equality with the plain step, checkpoints
+across meshes) are in tests/multidevice/test_pipeline_mesh.py.
+"""
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+
+import eqllm
+from eqllm.data import DataError
+from eqllm.recipe import OptimSpec, Recipe, RecipeError
+from eqllm.sharding import (
+    MeshConfig,
+    MeshError,
+    check_divisible,
+    estimate_memory,
+    per_device_bytes,
+)
+from eqllm.train import Pipeline, TrainStep, make_optimizer, mean_loss, schedule
+
+CFG = eqllm.zoo.config("llama-nano", n_layers=4, vocab_size=96, max_seq_len=32)
+
+
+def test_the_schedule_computes_the_plain_loss_and_gradients():
+    model = eqllm.CausalLM(CFG, key=jax.random.key(0))
+    batch = jax.random.randint(jax.random.key(1), (4, 17), 0, 96)
+    want = eqx.filter_jit(eqx.filter_value_and_grad(mean_loss))(model, batch)
+    # Four stages of one layer, two microbatches of two rows: 5 ticks, 3 of them partly idle.
+    got = eqx.filter_jit(eqx.filter_value_and_grad(Pipeline(4, 2).loss))(model, batch)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * max(np.abs(b).max(), 1e-30))
+
+
+def test_bubble_fraction():
+    assert Pipeline(4, 12).bubble == pytest.approx(3 / 15)
+    assert Pipeline(1, 8).bubble == 0
+    assert "4 stages x 1 layers, 12 microbatches, bubble fraction 0.200" in (
+        Pipeline(4, 12).describe(CFG)
+    )
+
+
+def test_layers_that_do_not_divide_into_stages_fail_clearly():
+    with pytest.raises(MeshError, match="pipeline=3 does not divide n_layers=4"):
+        Pipeline(3, 1).check(CFG, 4)
+    with pytest.raises(MeshError, match="pipeline=3 does not divide n_layers=4"):
+        check_divisible(CFG, {"pipeline": 3})
+    recipe = {"model": {"variant": "llama-nano"}, "train": {"steps": 1}, "mesh": {"pipeline": 3}}
+    with pytest.raises(RecipeError, match="mesh.pipeline=3 must divide the model's n_layers=4"):
+        Recipe.from_dict(recipe)
+
+
+def test_a_batch_that_does_not_divide_into_microbatches_fails_clearly():
+    with pytest.raises(DataError, match="batch of 6 sequences does not split into train.micro"):
+        Pipeline(2, 4).check(CFG, 6)
+    train = {"steps": 1, "batch_size": 12, "grad_accum": 2, "microbatches": 4}
+    with pytest.raises(RecipeError, match="microbatches=4 must divide .* = 6 sequences"):
+        Recipe.from_dict({"model": {"variant": "llama-nano"}, "train": train})
+    model = eqllm.CausalLM(CFG, key=jax.random.key(0))
+    spec = OptimSpec(warmup_steps=0)
+    optimizer = make_optimizer(spec, 2, model)
+    step = TrainStep(optimizer, schedule(spec, 2), pipeline=Pipeline(2, 4))
+    with pytest.raises(DataError, match="batch of 6 sequences does not split"):
+        step(model, optimizer.init(eqx.filter(model, eqx.is_inexact_array)), np.zeros((6, 9), int))
+
+
+def test_mesh_and_memory_know_the_pipeline_axis():
+    assert MeshConfig.parse("pipeline=2,data=2,fsdp=2").describe() == (
+        "pipeline=2,data=2,fsdp=2,tensor=1"
+    )
+    shapes = eqx.filter_eval_shape(eqllm.CausalLM, CFG, key=jax.random.key(0))
+    stacked = sum(x.size * 4 for x in jax.tree.leaves(shapes.blocks))
+    whole = per_device_bytes(shapes, {"data": 8})
+    # Each stage holds a quarter of the stacked layers; embeddings and head stay whole.
+    assert per_device_bytes(shapes, {"pipeline": 4, "data": 2}) == whole - stacked * 3 // 4
+    # A stage keeps its layers' activations for all M + S - 1 ticks: more microbatches, less.
+    mesh = {"pipeline": 4, "data": 2}
+    few, many = (
+        estimate_memory(CFG, mesh, batch_size=16, seq_len=32, microbatches=m) for m in (2, 8)
+    )
+    assert few.activations > many.activations and few.params == many.params
+
+
+def test_a_resumed_run_may_move_to_another_mesh_with_force():
+    from eqllm.train.guards import ResumeMismatch, resume_changes
+
+    saved = Recipe.from_dict({"model": {"variant": "llama-nano"}, "train": {"steps": 1}})
+    moved = saved.replace("mesh.pipeline", 2).replace("train.microbatches", 4)
+    with pytest.raises(ResumeMismatch, match="mesh.pipeline: 1 -> 2.*pass --force"):
+        resume_changes(saved, moved, force=False, where="config.toml")
+    assert len(resume_changes(saved, moved, force=True, where="config.toml")) == 2
