@@ -10,6 +10,8 @@ not applied: the returned model and state are the inputs, and `metrics["finite"]
 
 from __future__ import annotations
 
+import contextlib
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -22,7 +24,8 @@ from eqllm.errors import EqllmError
 from eqllm.eval.loss import check_token_range, mean_loss
 from eqllm.lora import trainable, with_dropout_keys
 from eqllm.model import CausalLM
-from eqllm.sharding import shardings_like_params
+from eqllm.sharding import fsdp_gather, shardings_like_params
+from eqllm.stack import each_layer
 
 
 def _layer_grad_norms(grads) -> Float[Array, " layers"]:
@@ -132,11 +135,24 @@ class TrainStep:
         params, static = eqx.partition(keyed, trainable(keyed))
         shardings = None if self.param_shardings is None else eqx.filter(self.param_shardings, spec)
 
+        fsdp = None
+        if self.param_shardings is not None:
+            fsdp = fsdp_gather(next(s.mesh for s in jax.tree.leaves(self.param_shardings)))
+
         def loss_of(p, micro):
             tokens, micro_mask = micro
-            return mean_loss(eqx.combine(p, static), tokens, micro_mask)
+            m = eqx.combine(p, static)
+            return mean_loss(m if fsdp is None else fsdp.outside_layers(m), tokens, micro_mask)
 
-        grad_fn = jax.value_and_grad(loss_of)
+        def grad_fn(p, micro):
+            # FSDP: each layer's weights are gathered inside the layer loop, and the gradients
+            # are kept split like the parameters (reduce-scattered, not all-reduced).
+            with each_layer(fsdp.layer) if fsdp is not None else contextlib.nullcontext():
+                loss, grads = jax.value_and_grad(loss_of)(p, micro)
+            if shardings is not None:
+                grads = jax.lax.with_sharding_constraint(grads, shardings)
+            return loss, grads
+
         if self.grad_accum == 1:
             loss, grads = grad_fn(params, (batch, mask))
         else:
