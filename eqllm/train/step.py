@@ -119,9 +119,22 @@ class TrainStep:
         """The step lowered ahead of time (`.compile()` it; call the result like the step).
 
         For compile time, memory (`.compile().compiled.memory_analysis()`) and the HLO
-        (`.compile().compiled.as_text()`).
+        (`.compile().compiled.as_text()`). `model` and `opt_state` may hold
+        `jax.ShapeDtypeStruct`s (nothing allocated); the result is then a plain
+        `jax.stages.Lowered` (`.compile().memory_analysis()`).
         """
-        return self._compiled.lower((batch, None), model, opt_state)
+        if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(model)):
+            return self._compiled.lower((batch, None), model, opt_state)
+        # Shapes only (jax.ShapeDtypeStruct leaves, with their shardings): a model too large to
+        # allocate here is still compiled and measured. filter_jit would make them static.
+        abstract, static = eqx.partition(
+            (model, opt_state), lambda x: isinstance(x, jax.ShapeDtypeStruct)
+        )
+
+        def step(batch, arrays):
+            return self._step((batch, None), *eqx.combine(arrays, static))
+
+        return jax.jit(step, donate_argnums=1).lower(batch, abstract)
 
     def _step(self, batch_and_mask, model, opt_state):
         self.n_traces += 1
