@@ -40,7 +40,8 @@ REMAT_POLICIES = {
 
 
 # A function applied to each layer's Block inside the layer loop's body (see `each_layer`).
-LayerHook = Callable[[Block, Array], tuple[Block, Array]]
+# block -> what runs in its place, called as block(x, positions, local)
+LayerHook = Callable[[Block], Callable]
 _LAYER_HOOK: contextvars.ContextVar[LayerHook | None] = contextvars.ContextVar(
     "eqllm_layer_hook", default=None
 )
@@ -48,9 +49,9 @@ _LAYER_HOOK: contextvars.ContextVar[LayerHook | None] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def each_layer(hook: LayerHook) -> Iterator[None]:
-    """While tracing inside this context, `run_blocks` passes each layer's Block and input
-    through `hook(block, x) -> (block, x)` inside the loop body (scanned or unrolled), before
-    the layer runs.
+    """While tracing inside this context, `run_blocks` runs `hook(block)` in place of each
+    layer's Block, inside the loop body (scanned or unrolled); the hook's result is called like
+    the block, `(x, positions, local) -> x`.
 
     This is how FSDP gathers one layer's weights at a time (`eqllm.sharding.gather_per_layer`):
     sharding constraints placed here stay inside the loop, where XLA otherwise gathers every
@@ -161,7 +162,7 @@ def run_blocks(
         layer_params, local = layer
         block = eqx.combine(layer_params, static)
         if hook is not None:
-            block, h = hook(block, h)
+            block = hook(block)
         return block(h, positions, local), None
 
     if config.remat != "none":

@@ -1,13 +1,15 @@
-"""FSDP (ZeRO-3) during the step: one layer's weights gathered at a time, gradients scattered.
+"""FSDP (ZeRO-3) during the step: one layer's weights gathered at a time, gradients kept split.
 
 The stacked blocks' arrays live split over `fsdp` (their `d_model` axis, `RULES`). Left alone,
 XLA's partitioner gathers every layer's weights once, before the layer loop, so they are whole
-on every device for the whole step, and reduces gradients with all-reduces. `FsdpGather.layer`
-holds the hook that `eqllm.stack.each_layer` applies inside the loop body: each array of the
-layer is constrained first to its fsdp-split placement (so the loop reads one split layer) and
-then to the same placement without `fsdp` (the all-gather, inside the body). A sharding
-constraint's transpose is the same constraint, so in the backward pass the layer's gradient
-goes whole -> split: a reduce-scatter inside the backward loop body.
+on every device for the whole step, and all-reduces whole gradients. `FsdpGather.layer` is the
+hook that `eqllm.stack.each_layer` applies inside the loop body: each array of the layer is
+constrained first to its fsdp-split placement (so the loop reads one split layer) and then to
+the same placement without `fsdp` (the all-gather, inside the body). The gradient of that pair
+is asked for split only, so each layer's gradient is reduced over the devices inside the
+backward loop body, straight to its split placement (a reduce-scatter; XLA's CPU backend
+lowers it as an all-reduce of the one layer and a slice). Without remat, `run_blocks` keeps
+everything but the gathered weights for the backward pass, which gathers them again.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from eqllm.sharding.rules import RULES, sizes_of, spec_for
 class FsdpGather:
     """The gathers of one mesh with an fsdp split (see the module docstring).
 
-    `layer(block, x)` is the hook for `eqllm.stack.each_layer`; it also pins the layer's input
-    `x` (batch, seq, d_model) to the batch split, so the split weights do not pull the
-    activations onto a d_model split. `outside_layers(model)` gathers the arrays outside the
-    stack (embedding, final norm, head) once per step, the way FSDP treats its root module.
+    `layer(block)` is the hook for `eqllm.stack.each_layer`; what it returns also pins the
+    layer's input and output (batch, seq, d_model) to the batch split, so that the split
+    weights do not pull the activations, or their gradients, onto a d_model split.
+    `outside_layers(model)` gathers the arrays outside the stack (embedding, final norm, head)
+    once per step, the way FSDP treats its root module.
     """
 
     def __init__(self, mesh: Mesh):
@@ -50,10 +53,18 @@ class FsdpGather:
         """Every floating-point array of `tree` split by the rules, then gathered over fsdp."""
         return jax.tree.map(self._constrain, param_info(tree), tree, is_leaf=is_param_info)
 
-    def layer(self, block, x):
+    def layer(self, block):
+        block = self.gather(block)
+
+        def run(x, positions, local):
+            return self._pin(block(self._pin(x), positions, local))
+
+        return run
+
+    def _pin(self, x):
         if x.ndim == 3 and x.shape[0] % (self.sizes["data"] * self.sizes["fsdp"]) == 0:
             x = jax.lax.with_sharding_constraint(x, self.batch)
-        return self.gather(block), x
+        return x
 
     def outside_layers(self, model):
         blocks = model.blocks

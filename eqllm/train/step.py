@@ -31,8 +31,10 @@ from eqllm.stack import each_layer
 def _layer_grad_norms(grads) -> Float[Array, " layers"]:
     """L2 norm of each layer's gradient: the stacked blocks' leaves reduced over all but axis 0."""
     leaves = [g for g in jax.tree.leaves(grads.blocks) if g is not None]
+    # Summed over the other axes in place: reshaping a split array to (layers, -1) would make
+    # XLA gather every layer's whole gradient (under fsdp) just for this metric.
     squares = [
-        jnp.sum(jnp.square(g.astype(jnp.float32)).reshape(g.shape[0], -1), 1) for g in leaves
+        jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim))) for g in leaves
     ]
     return jnp.sqrt(sum(squares))
 
@@ -115,7 +117,9 @@ class TrainStep:
                     mask = jax.make_array_from_process_local_data(self.batch_sharding, mask)
         return self._compiled((batch, mask), model, opt_state)
 
-    def lower(self, model: CausalLM, opt_state, batch: Int[Array, "batch window"]):
+    def lower(
+        self, model: CausalLM, opt_state, batch: Int[Array, "batch window"] | jax.ShapeDtypeStruct
+    ):
         """The step lowered ahead of time (`.compile()` it; call the result like the step).
 
         For compile time, memory (`.compile().compiled.memory_analysis()`) and the HLO
