@@ -39,8 +39,8 @@ REMAT_POLICIES = {
 }
 
 
-# A function applied to each layer's Block inside the layer loop's body (see `each_layer`).
-# block -> what runs in its place, called as block(x, positions, local)
+# Applied to each layer's Block inside the layer loop's body (see `each_layer`): returns what
+# runs in the block's place, called as block(x, positions, local).
 LayerHook = Callable[[Block], Callable]
 _LAYER_HOOK: contextvars.ContextVar[LayerHook | None] = contextvars.ContextVar(
     "eqllm_layer_hook", default=None
@@ -53,10 +53,11 @@ def each_layer(hook: LayerHook) -> Iterator[None]:
     layer's Block, inside the loop body (scanned or unrolled); the hook's result is called like
     the block, `(x, positions, local) -> x`.
 
-    This is how FSDP gathers one layer's weights at a time (`eqllm.sharding.gather_per_layer`):
+    This is how FSDP gathers one layer's weights at a time (`eqllm.sharding.FsdpGather`):
     sharding constraints placed here stay inside the loop, where XLA otherwise gathers every
-    layer before it. The hook's outputs are not kept for the backward pass (without remat,
-    everything else is): the backward pass recomputes them from the layer's stored arrays.
+    layer before it. Without remat, the backward pass keeps every intermediate of the body but
+    the outputs of sharding constraints and custom-gradient calls (the gathered weights), and
+    recomputes those from the layer's split arrays.
     """
     token = _LAYER_HOOK.set(hook)
     try:

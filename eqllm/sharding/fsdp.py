@@ -15,6 +15,7 @@ everything but the gathered weights for the backward pass, which gathers them ag
 from __future__ import annotations
 
 import functools
+import math
 
 import equinox as eqx
 import jax
@@ -39,6 +40,7 @@ class FsdpGather:
         self.mesh = mesh
         self.sizes = sizes_of(mesh)
         self.batch = NamedSharding(mesh, PartitionSpec(RULES["batch"]))
+        self.batch_split = math.prod(self.sizes[a] for a in RULES["batch"])
 
     def _constrain(self, info, x):
         if not eqx.is_inexact_array(x):
@@ -62,7 +64,7 @@ class FsdpGather:
         return run
 
     def _pin(self, x):
-        if x.ndim == 3 and x.shape[0] % (self.sizes["data"] * self.sizes["fsdp"]) == 0:
+        if x.ndim == 3 and x.shape[0] % self.batch_split == 0:
             x = jax.lax.with_sharding_constraint(x, self.batch)
         return x
 

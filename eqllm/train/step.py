@@ -163,7 +163,7 @@ class TrainStep:
 
         def grad_fn(p, micro):
             # FSDP: each layer's weights are gathered inside the layer loop, and the gradients
-            # are kept split like the parameters (reduce-scattered, not all-reduced).
+            # are reduced straight to the parameters' split placement (eqllm.sharding.fsdp).
             with each_layer(fsdp.layer) if fsdp is not None else contextlib.nullcontext():
                 loss, grads = jax.value_and_grad(loss_of)(p, micro)
             if shardings is not None:
