@@ -8,6 +8,10 @@ is a per-layer flag scanned alongside the weights rather than a second stack or 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -33,6 +37,40 @@ REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_saveable,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+
+# Applied to each layer's Block inside the layer loop's body (see `each_layer`): returns what
+# runs in the block's place, called as block(x, positions, local).
+LayerHook = Callable[[Block], Callable]
+_LAYER_HOOK: contextvars.ContextVar[LayerHook | None] = contextvars.ContextVar(
+    "eqllm_layer_hook", default=None
+)
+
+
+@contextlib.contextmanager
+def each_layer(hook: LayerHook) -> Iterator[None]:
+    """While tracing inside this context, `run_blocks` runs `hook(block)` in place of each
+    layer's Block, inside the loop body (scanned or unrolled); the hook's result is called like
+    the block, `(x, positions, local) -> x`.
+
+    This is how FSDP gathers one layer's weights at a time (`eqllm.sharding.FsdpGather`):
+    sharding constraints placed here stay inside the loop, where XLA otherwise gathers every
+    layer before it. Without remat, the backward pass keeps every intermediate of the body but
+    the outputs of sharding constraints and custom-gradient calls (the gathered weights), and
+    recomputes those from the layer's split arrays.
+    """
+    token = _LAYER_HOOK.set(hook)
+    try:
+        yield
+    finally:
+        _LAYER_HOOK.reset(token)
+
+
+def _save_all_but_gathers(prim, *_, **__) -> bool:
+    """A remat policy that keeps every intermediate except the outputs of sharding constraints
+    and custom-gradient calls (the gathered weights of `each_layer`): the backward pass gathers
+    them again, one layer at a time, rather than keeping every layer's whole weights."""
+    return prim.name not in ("sharding_constraint", "custom_vjp_call", "custom_vjp_call_jaxpr")
 
 
 def dtype_of(name: str):
@@ -119,13 +157,19 @@ def run_blocks(
     flags = layer_flags(config)
     xs = (params, None if flags is None else jnp.asarray(flags))
 
+    hook = _LAYER_HOOK.get()
+
     def step(h, layer):
         layer_params, local = layer
         block = eqx.combine(layer_params, static)
+        if hook is not None:
+            block = hook(block)
         return block(h, positions, local), None
 
     if config.remat != "none":
         step = jax.checkpoint(step, policy=REMAT_POLICIES[config.remat])
+    elif hook is not None:
+        step = jax.checkpoint(step, policy=_save_all_but_gathers)
     # Remat needs the loop: unrolled, XLA computes each block's recomputation as early as its
     # input exists, so the activations live as long as without remat (llama-mini at 2 x 256:
     # 480 MiB unrolled vs 360 MiB scanned, 493 / 449 MiB without remat).

@@ -95,6 +95,56 @@ def test_bench_cli_end_to_end(tmp_path, capsys):
     assert (out / "bench.png").stat().st_size > 0
 
 
+def test_count_collectives_per_layer_and_per_step():
+    """Ops in loop bodies count per layer; per step they are multiplied by the trip counts."""
+    from eqllm.bench.mesh import count_collectives
+
+    hlo = "\n".join(
+        [
+            "%inner (p: f32[4]) -> f32[4] {",
+            "  %ag = f32[8]{0} all-gather(%p), dimensions={0}",
+            "  %t = (f32[], /*index=1*/f32[4]) all-reduce(%a, %b), to_apply=%add",
+            "}",
+            "%outer (p: f32[4]) -> f32[4] {",
+            '  %w = f32[4] while(%p), condition=%c, body=%inner, backend_config={"known_trip_'
+            'count":{"n":"3"}}',
+            "  %rs = f32[2]{0} reduce-scatter(%w), dimensions={0}",
+            "}",
+            "ENTRY %main (p: f32[4]) -> f32[4] {",
+            '  %v = f32[4] while(%p), condition=%c2, body=%outer, backend_config={"known_trip_'
+            'count":{"n":"2"}}',
+            "  %s = f32[4]{0} all-reduce-start(%all-gather.3), to_apply=%add",
+            "  %d = f32[4]{0} all-reduce-done(%s)",
+            "}",
+        ]
+    )
+    per_layer, per_step = count_collectives(hlo)
+    assert (per_layer["all-gather"], per_layer["all-reduce"], per_layer["reduce-scatter"]) == (
+        1,
+        1,
+        1,
+    )
+    assert per_step["all-gather"] == 6 and per_step["reduce-scatter"] == 2
+    assert per_step["all-reduce"] == 6 + 1  # the tuple all-reduce 6 times, the async one once
+
+
+def test_bench_mesh_cli(tmp_path, capsys):
+    """`--mesh` compiles the step from shapes and reports memory; a mesh that does not fit the
+    devices is a one-line error (exit 2)."""
+    out = tmp_path / "mesh"
+    argv = ["bench", "llama-nano", "--batch", "2", "--seq", "16", "--set", TINY_SET]
+    assert cli.main([*argv, "--mesh", "data=1", "--out", str(out), "--quiet"]) == 0
+    assert "| llama-nano | one device |" in capsys.readouterr().out
+    (row,) = json.loads((out / "bench.json").read_text())["mesh"]
+    assert row["argument_bytes"] > 4 * eqllm.zoo.param_count(
+        eqllm.zoo.config("llama-nano", **parse_overrides([TINY_SET]))
+    )
+    assert row["temp_bytes"] > 0 and row["per_step"]["all-reduce"] == 0
+    assert "--mesh data=1" in (out / "bench.md").read_text()
+    assert cli.main([*argv, "--mesh", f"data={jax.device_count() + 1}"]) == 2
+    assert "devices" in capsys.readouterr().err
+
+
 def test_bench_vs_torch_tiny():
     pytest.importorskip("transformers")
     results = run_bench(

@@ -22,6 +22,7 @@ import jax
 
 from eqllm import zoo
 from eqllm.bench.jax_bench import JaxBench, MatmulProbe, bench_config, random_tokens
+from eqllm.bench.mesh import MESH_NOTE, MeshResult, mesh_bench, mesh_markdown
 from eqllm.bench.report import (
     FLOPS_CONVENTION,
     BenchResult,
@@ -36,6 +37,10 @@ from eqllm.train.mfu import device_peak_flops
 __all__ = [
     "BenchResult",
     "FLOPS_CONVENTION",
+    "MESH_NOTE",
+    "MeshResult",
+    "mesh_markdown",
+    "run_mesh_bench",
     "format_table",
     "machine_info",
     "markdown_table",
@@ -208,4 +213,27 @@ def run_bench(
             )
         del benches, jb, tb
         gc.collect()
+    return results
+
+
+def run_mesh_bench(
+    variants: Sequence[str],
+    meshes: Sequence[str],
+    *,
+    batch: int = 16,
+    seq: int = 256,
+    dtype: str = "float32",
+    remat: str = "none",
+    overrides: dict[str, Any] | None = None,
+    log: Callable[[str], None] = print,
+) -> list[MeshResult]:
+    """Compile each variant's training step on each mesh; memory and collectives per device
+    (`eqllm.bench.mesh`). Nothing is run or allocated."""
+    results = []
+    for name in variants:
+        cfg = bench_config(zoo.config(name, **(overrides or {})), seq, dtype, remat)
+        for text in meshes:
+            r = mesh_bench(name, cfg, text, batch=batch, seq=seq)
+            log(f"{name} on {r.mesh}: compiled in {r.compile_s:.1f}s")
+            results.append(r)
     return results

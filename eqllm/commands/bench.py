@@ -7,17 +7,22 @@ Example:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from eqllm.bench import (
     FLOPS_CONVENTION,
+    MESH_NOTE,
     format_table,
     machine_info,
+    mesh_markdown,
     parse_overrides,
     run_bench,
+    run_mesh_bench,
     write_report,
 )
 
@@ -25,9 +30,12 @@ from eqllm.bench import (
 def command_line(args, variants: Sequence[str]) -> str:
     """The `eqllm bench ...` command that regenerates a report, from the parsed arguments."""
     parts = ["eqllm bench", *variants, f"--batch {args.batch} --seq {args.seq}"]
-    parts.append(f"--steps {args.steps} --warmup {args.warmup} --dtype {args.dtype}")
+    if not args.mesh:  # a mesh report compiles the step and times nothing
+        parts.append(f"--steps {args.steps} --warmup {args.warmup}")
+    parts.append(f"--dtype {args.dtype}")
     if args.remat != "none":
         parts.append(f"--remat {args.remat}")
+    parts += [f"--mesh {m}" for m in args.mesh or []]
     if args.vs_torch:
         parts.append("--vs-torch" + (" --no-compile" if args.no_compile else ""))
     parts += [f"--set {s}" for s in args.set or []]
@@ -44,6 +52,8 @@ def bench_command(args: argparse.Namespace) -> int:
         # only takes effect if no JAX backend has started yet, as is the case from the CLI.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     t0 = time.perf_counter()
+    if args.mesh:
+        return mesh_command(args, variants, t0)
     results = run_bench(
         variants,
         batch=args.batch,
@@ -73,6 +83,42 @@ def bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def mesh_command(args: argparse.Namespace, variants: Sequence[str], t0: float) -> int:
+    """`eqllm bench --mesh M [--mesh M2 ...]`: compile on each mesh, report memory/collectives."""
+    results = run_mesh_bench(
+        variants,
+        args.mesh,
+        batch=args.batch,
+        seq=args.seq,
+        dtype=args.dtype,
+        remat=args.remat,
+        overrides=parse_overrides(args.set or []),
+        log=(lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr)),
+    )
+    table = mesh_markdown(results)
+    print(table)
+    print(MESH_NOTE)
+    if args.out:
+        meta = {
+            "command": command_line(args, variants),
+            **machine_info(),
+            "batch x seq": f"{args.batch} x {args.seq}",
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "wall time": f"{time.perf_counter() - t0:.0f}s",
+        }
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        rows = [r.to_dict() for r in results]
+        (out / "bench.json").write_text(json.dumps({"meta": meta, "mesh": rows}, indent=2) + "\n")
+        head = [f"Command: `{meta['command']}`", ""]
+        head += [f"- {k}: {v}" for k, v in meta.items() if k != "command"]
+        (out / "bench.md").write_text(
+            "\n".join(["# eqllm bench --mesh", "", *head, "", table, "", MESH_NOTE, ""])
+        )
+        print(f"wrote {out / 'bench.md'}, {out / 'bench.json'}")
+    return 0
+
+
 def add_parser(commands) -> None:
     """Register `eqllm bench` on the CLI's subparsers."""
     p = commands.add_parser(
@@ -88,6 +134,13 @@ def add_parser(commands) -> None:
     p.add_argument("--remat", choices=["none", "full", "dots", "dots_no_batch"], default="none")
     p.add_argument("--vs-torch", action="store_true", help="also time transformers (eager+compile)")
     p.add_argument("--no-compile", action="store_true", help="with --vs-torch: skip torch.compile")
+    p.add_argument(
+        "--mesh",
+        action="append",
+        metavar="AXIS=N[,...]",
+        help="compile the step on this mesh (repeatable; e.g. data=8, fsdp=8) and report its "
+        "per-device memory and collectives instead of timing it",
+    )
     p.add_argument("--set", action="append", metavar="KEY=VALUE[,...]", help="config overrides")
     p.add_argument("--out", help="folder for bench.md, bench.json, bench.png")
     p.add_argument("--no-plots", action="store_true")

@@ -9,6 +9,7 @@ its axes, which its layer carries (`eqllm.nn.param_info`), and one rule table (`
 model code knows about devices. XLA's SPMD partitioner inserts the collectives.
 """
 
+from eqllm.sharding.fsdp import FsdpGather, fsdp_gather
 from eqllm.sharding.memory import (
     MemoryEstimate,
     check_fits,
@@ -30,6 +31,7 @@ from eqllm.sharding.rules import (
 )
 
 __all__ = [
+    "FsdpGather",
     "MESH_AXES",
     "RULES",
     "MemoryEstimate",
@@ -40,6 +42,7 @@ __all__ = [
     "check_fits",
     "device_memory_bytes",
     "estimate_memory",
+    "fsdp_gather",
     "logical_axes",
     "make_mesh",
     "param_shardings",

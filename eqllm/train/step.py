@@ -10,6 +10,8 @@ not applied: the returned model and state are the inputs, and `metrics["finite"]
 
 from __future__ import annotations
 
+import contextlib
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -22,15 +24,18 @@ from eqllm.errors import EqllmError
 from eqllm.eval.loss import check_token_range, mean_loss
 from eqllm.lora import trainable, with_dropout_keys
 from eqllm.model import CausalLM
-from eqllm.sharding import shardings_like_params
+from eqllm.sharding import fsdp_gather, shardings_like_params
+from eqllm.stack import each_layer
 from eqllm.train.pipeline import Pipeline
 
 
 def _layer_grad_norms(grads) -> Float[Array, " layers"]:
     """L2 norm of each layer's gradient: the stacked blocks' leaves reduced over all but axis 0."""
     leaves = [g for g in jax.tree.leaves(grads.blocks) if g is not None]
+    # Summed over the other axes in place: reshaping a split array to (layers, -1) would make
+    # XLA gather every layer's whole gradient (under fsdp) just for this metric.
     squares = [
-        jnp.sum(jnp.square(g.astype(jnp.float32)).reshape(g.shape[0], -1), 1) for g in leaves
+        jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim))) for g in leaves
     ]
     return jnp.sqrt(sum(squares))
 
@@ -118,13 +123,28 @@ class TrainStep:
                     mask = jax.make_array_from_process_local_data(self.batch_sharding, mask)
         return self._compiled((batch, mask), model, opt_state)
 
-    def lower(self, model: CausalLM, opt_state, batch: Int[Array, "batch window"]):
+    def lower(
+        self, model: CausalLM, opt_state, batch: Int[Array, "batch window"] | jax.ShapeDtypeStruct
+    ):
         """The step lowered ahead of time (`.compile()` it; call the result like the step).
 
         For compile time, memory (`.compile().compiled.memory_analysis()`) and the HLO
-        (`.compile().compiled.as_text()`).
+        (`.compile().compiled.as_text()`). `model` and `opt_state` may hold
+        `jax.ShapeDtypeStruct`s (nothing allocated); the result is then a plain
+        `jax.stages.Lowered` (`.compile().memory_analysis()`).
         """
-        return self._compiled.lower((batch, None), model, opt_state)
+        if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(model)):
+            return self._compiled.lower((batch, None), model, opt_state)
+        # Shapes only (jax.ShapeDtypeStruct leaves, with their shardings): a model too large to
+        # allocate here is still compiled and measured. filter_jit would make them static.
+        abstract, static = eqx.partition(
+            (model, opt_state), lambda x: isinstance(x, jax.ShapeDtypeStruct)
+        )
+
+        def step(batch, arrays):
+            return self._step((batch, None), *eqx.combine(arrays, static))
+
+        return jax.jit(step, donate_argnums=1).lower(batch, abstract)
 
     def _step(self, batch_and_mask, model, opt_state):
         self.n_traces += 1
@@ -138,12 +158,27 @@ class TrainStep:
         params, static = eqx.partition(keyed, trainable(keyed))
         shardings = None if self.param_shardings is None else eqx.filter(self.param_shardings, spec)
 
+        fsdp = None
+        if self.param_shardings is not None and self.pipeline is None:
+            # A pipeline runs its stages' layers itself, outside `run_blocks`' layer hook.
+            fsdp = fsdp_gather(next(s.mesh for s in jax.tree.leaves(self.param_shardings)))
+
         def loss_of(p, micro):
             tokens, micro_mask = micro
-            loss = mean_loss if self.pipeline is None else self.pipeline.loss
-            return loss(eqx.combine(p, static), tokens, micro_mask)
+            m = eqx.combine(p, static)
+            if self.pipeline is not None:
+                return self.pipeline.loss(m, tokens, micro_mask)
+            return mean_loss(m if fsdp is None else fsdp.outside_layers(m), tokens, micro_mask)
 
-        grad_fn = jax.value_and_grad(loss_of)
+        def grad_fn(p, micro):
+            # FSDP: each layer's weights are gathered inside the layer loop, and the gradients
+            # are reduced straight to the parameters' split placement (eqllm.sharding.fsdp).
+            with each_layer(fsdp.layer) if fsdp is not None else contextlib.nullcontext():
+                loss, grads = jax.value_and_grad(loss_of)(p, micro)
+            if shardings is not None:
+                grads = jax.lax.with_sharding_constraint(grads, shardings)
+            return loss, grads
+
         if self.grad_accum == 1:
             loss, grads = grad_fn(params, (batch, mask))
         else:

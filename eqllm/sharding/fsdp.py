@@ -1,0 +1,99 @@
+"""FSDP (ZeRO-3) during the step: one layer's weights gathered at a time, gradients kept split.
+
+The stacked blocks' arrays live split over `fsdp` (their `d_model` axis, `RULES`). Left alone,
+XLA's partitioner gathers every layer's weights once, before the layer loop, so they are whole
+on every device for the whole step, and all-reduces whole gradients. `FsdpGather.layer` is the
+hook that `eqllm.stack.each_layer` applies inside the loop body: each array of the layer is
+constrained first to its fsdp-split placement (so the loop reads one split layer) and then to
+the same placement without `fsdp` (the all-gather, inside the body). The gradient of that pair
+is asked for split only, so each layer's gradient is reduced over the devices inside the
+backward loop body, straight to its split placement (a reduce-scatter; XLA's CPU backend
+lowers it as an all-reduce of the one layer and a slice). Without remat, `run_blocks` keeps
+everything but the gathered weights for the backward pass, which gathers them again.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import equinox as eqx
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from eqllm.nn import param_info
+from eqllm.nn.linear import is_param_info
+from eqllm.sharding.rules import RULES, sizes_of, spec_for
+
+
+class FsdpGather:
+    """The gathers of one mesh with an fsdp split (see the module docstring).
+
+    `layer(block)` is the hook for `eqllm.stack.each_layer`; what it returns also pins the
+    layer's input and output (batch, seq, d_model) to the batch split, so that the split
+    weights do not pull the activations, or their gradients, onto a d_model split.
+    `outside_layers(model)` gathers the arrays outside the stack (embedding, final norm, head)
+    once per step, the way FSDP treats its root module.
+    """
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self.sizes = sizes_of(mesh)
+        self.batch = NamedSharding(mesh, PartitionSpec(RULES["batch"]))
+        self.batch_split = math.prod(self.sizes[a] for a in RULES["batch"])
+
+    def _constrain(self, info, x):
+        if not eqx.is_inexact_array(x):
+            return x  # dropout keys pass through
+        split = spec_for(info.axes, x.shape, self.sizes)
+        whole = spec_for(info.axes, x.shape, {**self.sizes, "fsdp": 1})
+        if split == whole:
+            return x
+        return _gather(x, NamedSharding(self.mesh, split), NamedSharding(self.mesh, whole))
+
+    def gather(self, tree):
+        """Every floating-point array of `tree` split by the rules, then gathered over fsdp."""
+        return jax.tree.map(self._constrain, param_info(tree), tree, is_leaf=is_param_info)
+
+    def layer(self, block):
+        block = self.gather(block)
+
+        def run(x, positions, local):
+            return self._pin(block(self._pin(x), positions, local))
+
+        return run
+
+    def _pin(self, x):
+        if x.ndim == 3 and x.shape[0] % self.batch_split == 0:
+            x = jax.lax.with_sharding_constraint(x, self.batch)
+        return x
+
+    def outside_layers(self, model):
+        blocks = model.blocks
+        rest = self.gather(eqx.tree_at(lambda m: m.blocks, model, replace=None))
+        return eqx.tree_at(lambda m: m.blocks, rest, blocks, is_leaf=lambda x: x is None)
+
+
+def fsdp_gather(mesh: Mesh) -> FsdpGather | None:
+    """The per-layer gathers for `mesh`, or None when it has no fsdp split."""
+    return FsdpGather(mesh) if sizes_of(mesh).get("fsdp", 1) > 1 else None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather(x, split: NamedSharding, whole: NamedSharding):
+    """`x` read split over fsdp, then whole over fsdp: an all-gather."""
+    return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(x, split), whole)
+
+
+def _gather_fwd(x, split, whole):
+    return _gather(x, split, whole), None
+
+
+def _gather_bwd(split, whole, _, grad):
+    # Only the split placement: the gradient is a sum over the devices' batch rows, and asking
+    # for it split lets the partitioner reduce-scatter it. The plain transpose of the gather
+    # (the same two constraints) would all-reduce it to whole first, then slice.
+    return (jax.lax.with_sharding_constraint(grad, split),)
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
