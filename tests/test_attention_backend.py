@@ -170,3 +170,13 @@ def test_attention_is_an_execution_setting():
     assert model.with_config(attention="xla").config.attention == "xla"
     with pytest.raises(ConfigError, match="must be one of 'auto', 'xla', 'cudnn'"):
         TINY_CONFIGS["llama"].replace(attention="flash")
+
+
+def test_the_command_line_says_why_cudnn_cannot_run(capsys):
+    from eqllm.cli import main
+
+    argv = ["bench", "llama-nano", "--set", "attention=cudnn", "--dtype", "bfloat16"]
+    assert main([*argv, "--steps", "1", "--warmup", "0", "--quiet", "--no-plots"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("eqllm: error: ModelConfig.attention='cudnn' cannot run here")
+    assert "\n" not in err
