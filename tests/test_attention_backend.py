@@ -166,8 +166,12 @@ def test_on_a_gpu_auto_picks_cudnn_where_it_can_run_and_says_why_not_once(monkey
 
 
 def test_attention_is_an_execution_setting():
+    from eqllm.recipe import load_recipe
+
     model = eqllm.CausalLM(TINY_CONFIGS["llama"], key=jax.random.key(0))
     assert model.with_config(attention="xla").config.attention == "xla"
+    recipe = load_recipe("quickstart", ["model.overrides.attention=xla"])
+    assert recipe.model_config().attention == "xla"
     with pytest.raises(ConfigError, match="must be one of 'auto', 'xla', 'cudnn'"):
         TINY_CONFIGS["llama"].replace(attention="flash")
 
