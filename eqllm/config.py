@@ -33,6 +33,7 @@ RopeScaling = Literal["none", "llama3"]
 # recipe's train.remat reuses this type.
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
 DType = Literal["float32", "bfloat16", "float16"]
+AttentionKind = Literal["auto", "xla", "cudnn"]
 
 Positive = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -113,7 +114,10 @@ class ModelConfig:
     softmax and the loss stay fp32), `scan_layers` (False unrolls the layer loop: faster steps
     on shallow models, compile time growing with depth), `remat` (jax.checkpoint policy for each
     block; a remat policy always runs the layers with lax.scan, because unrolled XLA schedules
-    the recomputation early and the memory saving disappears), `init_std`.
+    the recomputation early and the memory saving disappears), `init_std`, `attention` (the
+    attention kernel: "xla" computes it in the model, "cudnn" uses cuDNN's fused kernel, "auto"
+    the fused kernel where it can run, on a GPU with bf16/fp16 compute; see
+    `eqllm.attention_backend`).
     """
 
     vocab_size: Positive
@@ -158,6 +162,7 @@ class ModelConfig:
     scan_layers: bool = True
     remat: RematPolicy = "none"
     init_std: PositiveFloat = 0.02
+    attention: AttentionKind = "auto"
 
     def __post_init__(self) -> None:
         # Runs after pydantic's field checks. Derived sizes are filled in once, here.

@@ -33,7 +33,7 @@ from eqllm.stack import REMAT_POLICIES as REMAT_POLICIES  # re-exported: the rem
 from eqllm.stack import dtype_of, layer_flags, make_block, make_norm, run_blocks
 
 # ModelConfig fields that change how the model runs, not what it computes.
-EXECUTION_FIELDS = ("scan_layers", "remat", "compute_dtype")
+EXECUTION_FIELDS = ("scan_layers", "remat", "compute_dtype", "attention")
 
 
 class CausalLM(eqx.Module):
@@ -65,7 +65,7 @@ class CausalLM(eqx.Module):
         self.config = config
 
     def with_config(self, **changes) -> CausalLM:
-        """The same weights under changed execution settings (scan_layers, remat, compute_dtype).
+        """The same weights under changed execution settings (EXECUTION_FIELDS).
 
         Architecture fields cannot change this way: they would change the weights' meaning.
         """

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from eqllm.attention_backend import attention_kernel
 from eqllm.config import ModelConfig
 from eqllm.nn import (
     MLP,
@@ -119,6 +120,7 @@ def make_block(config: ModelConfig, key: PRNGKeyArray) -> Block:
         norm_eps=config.norm_eps,
         scale=None if scalar is None else scalar**-0.5,
         softcap=config.attn_softcap,
+        kernel=attention_kernel(config),
         key=k_attn,
         dtype=dtype,
     )

@@ -22,8 +22,9 @@ from eqllm.train.loop import NonFiniteLoss, run
 
 def run_command(args: argparse.Namespace) -> int:
     """`eqllm run RECIPE_OR_PATH [--out DIR] [--set key=value ...] [--resume]`."""
-    recipe = load_recipe(args.recipe, args.set or [])
+    # First: jax.distributed must start before anything asks jax for its devices.
     join_processes(args.coordinator, args.num_processes, args.process_id)
+    recipe = load_recipe(args.recipe, args.set or [])
     out = args.out
     if out is None and args.resume is False:
         out = Path("runs") / recipe.name
@@ -52,9 +53,14 @@ def join_processes(coordinator: str | None, num_processes: int | None, process_i
             "--coordinator, --num-processes and --process-id go together: give all three "
             "(or none, and let the environment variables say)"
         )
+    if not all(given) and not os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return
+    # CPU processes exchange collectives through gloo (the default from some jax version on;
+    # "none" before, which fails the first cross-process step). GPUs use NCCL whatever it says.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if all(given):
         jax.distributed.initialize(coordinator, num_processes, process_id)
-    elif os.environ.get("JAX_COORDINATOR_ADDRESS"):
+    else:
         jax.distributed.initialize()
 
 

@@ -2,6 +2,7 @@
 
 from eqllm.nn.attention import Attention, attention_mask, dot_product_attention
 from eqllm.nn.block import Block
+from eqllm.nn.fused_attention import fused_attention
 from eqllm.nn.kv_cache import KVCache
 from eqllm.nn.linear import Embedding, Linear, ParamInfo, param_info
 from eqllm.nn.mlp import MLP, GatedMLP
@@ -22,6 +23,7 @@ __all__ = [
     "RotaryEmbedding",
     "attention_mask",
     "dot_product_attention",
+    "fused_attention",
     "param_info",
     "rope_inv_freq",
 ]

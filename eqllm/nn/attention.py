@@ -20,31 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from eqllm.nn.fused_attention import fused_attention
 from eqllm.nn.kv_cache import KVCache
 from eqllm.nn.linear import Linear
+from eqllm.nn.mask import attention_mask
 from eqllm.nn.norm import RMSNorm
 from eqllm.nn.rope import RotaryEmbedding
-
-
-def attention_mask(
-    q_positions: Int[Array, "*batch seq"],
-    k_positions: Int[Array, "*batch kv_seq"],
-    sliding_window: int | None = None,
-    local: Bool[Array, ""] | bool | None = None,
-) -> Bool[Array, "*batch seq kv_seq"]:
-    """True where query i may attend to key j (causal, within the window, key slot filled).
-
-    `local` False lifts the window (a global layer); None or True keeps it.
-    """
-    q = q_positions[..., :, None]
-    k = k_positions[..., None, :]
-    allowed = (k <= q) & (k >= 0)
-    if sliding_window is not None:
-        inside = q - k < sliding_window
-        if local is not None:
-            inside = inside | jnp.logical_not(local)
-        allowed = allowed & inside
-    return allowed
 
 
 def dot_product_attention(
@@ -139,6 +120,10 @@ class Attention(eqx.Module):
         norm_eps: epsilon of the QK-norm.
         scale: multiplies the scores (None: 1 / sqrt(head_dim); Gemma: query_pre_attn_scalar**-0.5).
         softcap: soft-capping of the scores (None: off).
+        kernel: None computes attention here (scores materialised, fp32 softmax); "cudnn"
+            calls `jax.nn.dot_product_attention(implementation="cudnn")`, cuDNN's fused kernel
+            on a GPU with bf16/fp16 inputs ("xla": the same call, XLA's implementation). Cached
+            inference (`cached`) always computes here. Not with `softcap`.
     """
 
     q_proj: Linear
@@ -155,6 +140,7 @@ class Attention(eqx.Module):
     scale: float = eqx.field(static=True)
     softcap: float | None = eqx.field(static=True)
     qk_norm_per_head: bool = eqx.field(static=True)
+    kernel: str | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -173,12 +159,17 @@ class Attention(eqx.Module):
         norm_eps: float = 1e-6,
         scale: float | None = None,
         softcap: float | None = None,
+        kernel: str | None = None,
         key: PRNGKeyArray,
         dtype=jnp.float32,
     ):
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         if n_heads % n_kv_heads:
             raise ValueError(f"n_kv_heads={n_kv_heads} must divide n_heads={n_heads}")
+        if kernel not in (None, "xla", "cudnn"):
+            raise ValueError(f"kernel={kernel!r} must be None, 'xla' or 'cudnn'")
+        if kernel is not None and softcap is not None:
+            raise ValueError(f"kernel={kernel!r} cannot soft-cap the scores (softcap={softcap})")
         if head_dim is None:
             if d_model % n_heads:
                 raise ValueError(f"n_heads={n_heads} must divide d_model={d_model}")
@@ -215,6 +206,7 @@ class Attention(eqx.Module):
         self.scale = head_dim**-0.5 if scale is None else scale
         self.softcap = softcap
         self.qk_norm_per_head = qk_norm_per_head
+        self.kernel = kernel
 
     def project(
         self,
@@ -263,6 +255,23 @@ class Attention(eqx.Module):
         (see the module docstring; None: the window, if any, applies).
         """
         extra = dict(scale=self.scale, softcap=self.softcap)
+        seq = x.shape[-2]
+        # cuDNN takes an explicit mask only as a bias, which its backward pass needs at even
+        # lengths; odd lengths with explicit positions (evaluation padding) stay here.
+        if self.kernel is not None and (positions is None or seq % 2 == 0):
+            fixed = jnp.arange(seq) if positions is None else positions
+            q, k, v = self.project(x, fixed, local)
+            attended = fused_attention(
+                q,
+                k,
+                v,
+                positions,
+                sliding_window=self.sliding_window,
+                local=local,
+                scale=self.scale,
+                implementation=self.kernel,
+            )
+            return self.output(attended)
         if positions is None:  # one row of positions serves the batch: rotations computed once
             q, k, v = self.project(x, jnp.arange(x.shape[-2]), local)
             attended = in_order_attention(q, k, v, self.sliding_window, local=local, **extra)

@@ -32,6 +32,7 @@ from eqllm.model import param_count
 from eqllm.recipe import Recipe
 from eqllm.train.metrics import Throughput
 from eqllm.train.mfu import mfu
+from eqllm.train.processes import barrier
 from eqllm.train.report import finish_run, summarize
 from eqllm.train.setup import (
     RunSetup,
@@ -133,6 +134,7 @@ def run(
     t_start = time.perf_counter()
     out = Path(out_dir) if out_dir is not None else Path("runs") / (recipe.name or "run")
     resume = check_run_folder(out, recipe, resume=resume, force=force, echo=echo)
+    barrier("eqllm: run folder checked")  # by every process, before process 0 writes to it
     out.mkdir(parents=True, exist_ok=True)
     cache = setup_compile_cache(recipe.train.compile_cache)
     setup = start_run(recipe, out, resume=resume, progress=progress, echo=echo, force=force)

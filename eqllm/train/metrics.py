@@ -24,20 +24,32 @@ from eqllm.train.guards import atomic_write_text
 class MetricsLog:
     """Rows to metrics.jsonl and scalars to TensorBoard event files in the run folder."""
 
-    def __init__(self, out_dir: Path, resume_step: int | None, keep_rows: int | None = None):
+    def __init__(
+        self,
+        out_dir: Path,
+        resume_step: int | None,
+        keep_rows: int | None = None,
+        *,
+        write: bool = True,
+    ):
         """resume_step / keep_rows: keep the rows written before the checkpoint resumed from
-        (its first `keep_rows` rows, else those up to `resume_step`); the rest are redone."""
+        (its first `keep_rows` rows, else those up to `resume_step`); the rest are redone.
+        `write` False (a process other than 0 of a multi-process run) only counts the rows."""
         self.path = out_dir / "metrics.jsonl"
         self.rows = 0
+        self.file = self.tb = None
         if resume_step is not None and self.path.is_file():
             rows = read_rows(self.path)
             if keep_rows is not None:
                 kept = rows[:keep_rows]
             else:
                 kept = [r for r in rows if r.get("step", 0) <= resume_step]
-            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+            if write:
+                atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
             self.rows = len(kept)
-        elif self.path.exists():
+        if not write:
+            return
+        if resume_step is None and self.path.exists():
             self.path.unlink()
         self.file = self.path.open("a")
         try:
@@ -48,6 +60,9 @@ class MetricsLog:
             self.tb = None
 
     def log(self, row: dict) -> None:
+        if self.file is None:  # not the writing process
+            self.rows += 1
+            return
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         self.rows += 1
@@ -57,7 +72,8 @@ class MetricsLog:
                     self.tb.add_scalar(key, value, row["step"])
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
         if self.tb is not None:
             self.tb.close()
 
@@ -149,7 +165,7 @@ class Throughput:
 
 def peak_memory() -> tuple[float, str]:
     """(peak bytes, what was measured): device peak where JAX reports it, else host RSS."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         return float(stats["peak_bytes_in_use"]), "device peak bytes in use"
     rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

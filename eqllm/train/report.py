@@ -18,6 +18,7 @@ from eqllm.model import CausalLM
 from eqllm.recipe import Recipe
 from eqllm.train.metrics import Throughput, peak_memory, read_rows
 from eqllm.train.mfu import mfu
+from eqllm.train.processes import writes_run_files
 from eqllm.train.setup import RunSetup
 
 
@@ -92,18 +93,19 @@ def finish_run(
                 }
             )
         samples = result.get("samples", [])
-        if samples:
+        if samples and writes_run_files():
             sep = "\n" + "=" * 72 + "\n"
             (out / "samples.txt").write_text(sep.join(samples) + "\n")
         summary["samples"] = samples
     summary["wall_s"] = time.perf_counter() - t_start
     setup.log.close()
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    write_loss_plot(out)
-    write_report(out, recipe, summary)
     for line in format_summary(summary):
         echo(line)
-    echo(f"report: {out / 'report.md'}")
+    if writes_run_files():  # the other processes of a multi-process run computed the same
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        write_loss_plot(out)
+        write_report(out, recipe, summary)
+        echo(f"report: {out / 'report.md'}")
     return summary
 
 

@@ -45,6 +45,7 @@ from eqllm.train.metrics import MetricsLog
 from eqllm.train.mfu import cache_root, device_peak_flops
 from eqllm.train.optim import make_optimizer, schedule
 from eqllm.train.pipeline import Pipeline
+from eqllm.train.processes import process_zero_first, writes_run_files
 from eqllm.train.step import TrainStep, init_opt_state
 
 
@@ -314,19 +315,24 @@ def start_run(
     `resume` (checked by `check_run_folder`) restores the newest intact checkpoint; `force`
     accepts one written without checksums.
     """
-    data = prepare_data(recipe, progress=progress)
-    data.tokenizer.save(out)
-    if isinstance(data, InstructionData):  # the chat format goes with the tokenizer
+    with process_zero_first("eqllm: data prepared"):  # one process fills the token cache
+        data = prepare_data(recipe, progress=progress)
+    writer = writes_run_files()
+    if writer:
+        data.tokenizer.save(out)
+    if writer and isinstance(data, InstructionData):  # the chat format goes with the tokenizer
         config_file = out / "tokenizer_config.json"
         config = json.loads(config_file.read_text())
         config["chat_template"] = data.template or DEFAULT_TEMPLATE
         config_file.write_text(json.dumps(config, indent=2) + "\n")
     model = build_model(recipe, data.tokenizer.vocab_size)
-    # The exact architecture, so the run's checkpoints load without the recipe's init_from.
-    (out / "model_config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
     n_params = param_count(eqx.filter(model, eqx.is_array))
     total = recipe.total_steps(n_params)
-    guards.atomic_write_text(out / "config.toml", recipe.to_toml())
+    if writer:
+        # The exact architecture, so the run's checkpoints load without the recipe's init_from.
+        config_text = json.dumps(model.config.to_dict(), indent=2) + "\n"
+        (out / "model_config.json").write_text(config_text)
+        guards.atomic_write_text(out / "config.toml", recipe.to_toml())
     seq_len = recipe.data.seq_len
     if data.train.shape[0] <= seq_len:
         raise RecipeError(
@@ -334,7 +340,7 @@ def start_run(
             f"{data.train.shape[0]} (use more data or a shorter seq_len)"
         )
 
-    if recipe.finetune.method != "none" and not resume and recipe.eval.sample_tokens:
+    if writer and recipe.finetune.method != "none" and not resume and recipe.eval.sample_tokens:
         # The same prompts before and after, for the report (adapters start as the identity).
         before = recipe_samples(model, data, recipe) if recipe.eval.sample_prompts else []
         (out / "samples_before.json").write_text(json.dumps(before, indent=2) + "\n")
@@ -358,7 +364,9 @@ def start_run(
             checkpoints.checkpointer, model, opt_state, force=force, echo=echo
         )
         checkpoints.last_saved = int(meta["step"])
-    log = MetricsLog(out, int(meta["step"]) if resume else None, meta.get("metrics_rows"))
+    log = MetricsLog(
+        out, int(meta["step"]) if resume else None, meta.get("metrics_rows"), write=writer
+    )
     peak, peak_source = device_peak_flops()  # measured on CPU: once per run
     return RunSetup(
         out=out,
