@@ -6,11 +6,14 @@ their model-level contracts (scanned == unrolled, cached decode == full forward)
 tests/test_model.py (TINY_CONFIGS).
 """
 
+import json
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
 
 import eqllm
@@ -18,10 +21,13 @@ from eqllm import CausalLM
 from eqllm.config import ConfigError
 from eqllm.nn import load_balancing_loss
 from eqllm.recipe import OptimSpec
-from eqllm.sharding import logical_axes
+from eqllm.sharding import logical_axes, spec_for
 from eqllm.train import TrainStep, init_opt_state, make_optimizer, schedule
+from eqllm.train import loop as loop_mod
+from eqllm.train import report as report_mod
 from eqllm.train.step import training_loss
 from tests.conftest import TINY_CONFIGS
+from tests.reliability.harness import make_corpus, tiny_recipe
 from tests.test_hub import HF_CONFIGS, _hf_model
 
 torch = pytest.importorskip("torch")
@@ -64,6 +70,23 @@ def test_expert_weights_carry_the_expert_axis(dense):
     # Initialised by role like any linear layer: the down projections scaled for depth.
     std = float(jnp.std(dense.blocks.mlp.down.weight))
     assert std == pytest.approx(CFG.init_std / np.sqrt(2 * CFG.n_layers), rel=0.1)
+
+
+def test_experts_split_over_the_fsdp_axis():
+    """The expert axis takes fsdp; d_model, also fsdp, is then left whole (one mesh axis can
+    split only one dimension). Experts that fsdp does not divide stay whole, d_model splits."""
+    axes, shape = (None, "expert", "d_ff", "d_model"), (2, 4, 16, 32)
+    assert spec_for(axes, shape, {"data": 1, "fsdp": 4, "tensor": 2}) == P(None, "fsdp", "tensor")
+    assert spec_for(axes, shape, {"data": 1, "fsdp": 8, "tensor": 1}) == P(None, None, None, "fsdp")
+
+
+def test_grouped_experts_generate_like_dense_ones(dense):
+    """Generation (cached prefill and decode under vmap) runs with moe_impl='ragged' too."""
+    prompt = np.asarray(TOKENS[0, :9])
+    greedy = dict(max_new_tokens=6, key=jax.random.key(0), temperature=0)
+    expected = eqllm.generate(dense, prompt, **greedy)
+    got = eqllm.generate(dense.with_config(moe_impl="ragged"), prompt, **greedy)
+    np.testing.assert_array_equal(got, expected)
 
 
 @pytest.mark.parametrize(
@@ -202,3 +225,32 @@ def test_train_step_logs_aux_loss_and_expert_load(dense):
     np.testing.assert_allclose(load.sum(-1), 1.0, rtol=1e-5)
     assert 0.5 < float(metrics["aux_loss"]) < CFG.n_experts
     assert float(metrics["loss"]) < first
+
+
+def test_the_report_draws_the_expert_load(tmp_path):
+    rows = [
+        {"step": s, "tokens": 64 * s, "loss": 3.0, "expert_load": [[0.5, 0.25, 0.25]] * 2}
+        for s in (1, 2)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert report_mod.write_expert_load_plot(tmp_path) == tmp_path / "expert_load.png"
+    (tmp_path / "dense").mkdir()  # a dense model's rows have no expert load: no plot
+    (tmp_path / "dense" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0}))
+    assert report_mod.write_expert_load_plot(tmp_path / "dense") is None
+
+
+@pytest.mark.slow
+def test_a_run_logs_and_draws_the_expert_load(tmp_path):
+    corpus = make_corpus(tmp_path)
+    recipe = tiny_recipe(tmp_path, corpus, steps=4, eval_every=4, checkpoint_every=4)
+    recipe = recipe.replace("model.variant", "olmoe-nano")
+    recipe = recipe.replace("model.overrides.n_experts", 4)
+    out = loop_mod.run(recipe, tmp_path / "run", progress=False, echo=lambda *a: None).out_dir
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "grad_norm" in r]
+    assert len(train) == 4 and all(r["aux_loss"] > 0 for r in train)
+    load = np.asarray(train[-1]["expert_load"])
+    assert load.shape == (2, 4)
+    np.testing.assert_allclose(load.sum(-1), 1.0, rtol=1e-5)
+    assert (out / "expert_load.png").is_file()
+    assert "![expert load](expert_load.png)" in (out / "report.md").read_text()

@@ -39,11 +39,12 @@ class Block(eqx.Module):
     attn_post_norm: Norm | None = None
     mlp_post_norm: Norm | None = None
 
-    def _mlp(self, x):
+    def _mlp(self, x, moe_impl=None):
         h = _apply(self.mlp_norm, x)
-        out, router_logits = (
-            self.mlp.routed(h) if isinstance(self.mlp, MoE) else (self.mlp(h), None)
-        )
+        if isinstance(self.mlp, MoE):
+            out, router_logits = self.mlp.routed(h, moe_impl)
+        else:
+            out, router_logits = self.mlp(h), None
         return x + _apply(self.mlp_post_norm, out), router_logits
 
     @jax.named_scope("eqllm.Block")
