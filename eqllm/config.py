@@ -1,9 +1,10 @@
 """ModelConfig: the frozen, flat description of one decoder-only Transformer.
 
 Every architectural difference between the zoo's families (GPT-2, Llama 1/2/3, Mistral, Qwen2,
-Qwen3, Gemma 1/2/3, Phi-3, OLMo 2) is one of the fields below; the model code reads nothing
-else. Validation is pydantic's, with its errors rewritten into one-line `ConfigError`s that
-name the field, the value and the rule (`ModelConfig.d_model=-1 must be positive`).
+Qwen3, Gemma 1/2/3, Phi-3, OLMo 2, and the mixtures of experts Mixtral, Qwen2-MoE, OLMoE) is one
+of the fields below; the model code reads nothing else. Validation is pydantic's, with its
+errors rewritten into one-line `ConfigError`s that name the field, the value and the rule
+(`ModelConfig.d_model=-1 must be positive`).
 """
 
 from __future__ import annotations
