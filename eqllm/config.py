@@ -1,9 +1,10 @@
 """ModelConfig: the frozen, flat description of one decoder-only Transformer.
 
 Every architectural difference between the zoo's families (GPT-2, Llama 1/2/3, Mistral, Qwen2,
-Qwen3, Gemma 1/2/3, Phi-3, OLMo 2) is one of the fields below; the model code reads nothing
-else. Validation is pydantic's, with its errors rewritten into one-line `ConfigError`s that
-name the field, the value and the rule (`ModelConfig.d_model=-1 must be positive`).
+Qwen3, Gemma 1/2/3, Phi-3, OLMo 2, and the mixtures of experts Mixtral, Qwen2-MoE, OLMoE) is one
+of the fields below; the model code reads nothing else. Validation is pydantic's, with its
+errors rewritten into one-line `ConfigError`s that name the field, the value and the rule
+(`ModelConfig.d_model=-1 must be positive`).
 """
 
 from __future__ import annotations
@@ -11,17 +12,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import json
 import typing
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 import pydantic
 from pydantic import ConfigDict, Field, ValidationError
-from pydantic.fields import FieldInfo
-from pydantic_core import ErrorDetails
 
-from eqllm.errors import EqllmError
+from eqllm.errors import EqllmError, rule, show
 
 # A family is a name the families registry knows; config.py does not list them.
 Family = str
@@ -34,6 +32,7 @@ RopeScaling = Literal["none", "llama3"]
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
 DType = Literal["float32", "bfloat16", "float16"]
 AttentionKind = Literal["auto", "xla", "cudnn"]
+MoEImpl = Literal["dense", "ragged"]
 
 Positive = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -110,6 +109,13 @@ class ModelConfig:
     `rope_fraction` (the leading fraction of each head that is rotated, Phi-3's
     partial_rotary_factor).
 
+    Mixture of experts (`n_experts` None: a dense MLP in every layer): `n_experts` routed
+    experts of hidden size `moe_d_ff` (None: d_ff) replace every block's MLP, `experts_per_token`
+    of them per token, their top-k router probabilities renormalised when `norm_topk_prob`;
+    `shared_expert_d_ff` adds Qwen-MoE's gated shared expert; `router_aux_loss_coef` weighs
+    the load-balancing loss in training; `moe_impl` picks how the experts are computed ("dense":
+    every expert on every token, fastest on CPU; "ragged": grouped matmul), same values.
+
     Numerics and compilation: `param_dtype`, `compute_dtype` (activations and matmuls; norms,
     softmax and the loss stay fp32), `scan_layers` (False unrolls the layer loop: faster steps
     on shallow models, compile time growing with depth), `remat` (jax.checkpoint policy for each
@@ -157,6 +163,13 @@ class ModelConfig:
     rope_local_theta: PositiveFloat | None = None
     query_pre_attn_scalar: Positive | None = None
     rope_fraction: Annotated[float, Field(gt=0, le=1)] = 1.0
+    n_experts: Positive | None = None
+    experts_per_token: Positive = 2
+    moe_d_ff: Positive | None = None
+    norm_topk_prob: bool = True
+    shared_expert_d_ff: Positive | None = None
+    router_aux_loss_coef: Annotated[float, Field(ge=0)] = 0.0
+    moe_impl: MoEImpl = "dense"
     param_dtype: DType = "float32"
     compute_dtype: DType = "float32"
     scan_layers: bool = True
@@ -241,6 +254,26 @@ class ModelConfig:
             "is only defined for norm='rmsnorm'",
         )
 
+        if self.n_experts is not None:
+            _require(
+                self.experts_per_token <= self.n_experts,
+                "experts_per_token",
+                self.experts_per_token,
+                f"must be <= n_experts={self.n_experts}",
+            )
+            _require(self.mlp == "swiglu", "mlp", self.mlp, "must be 'swiglu' with n_experts")
+        _require(
+            self.shared_expert_d_ff is None or self.n_experts is not None,
+            "shared_expert_d_ff",
+            self.shared_expert_d_ff,
+            "needs n_experts (it is the always-on expert beside the routed ones)",
+        )
+
+    @property
+    def expert_d_ff(self) -> int:
+        """The hidden size of each routed expert."""
+        return self.moe_d_ff or self.d_ff
+
     @property
     def rotary_dim(self) -> int:
         """The dims of each head that RoPE rotates (the leading ones; the rest pass through)."""
@@ -284,7 +317,9 @@ class ModelConfig:
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token: 6 * matmul parameters + 12 * L * H * Q * T for attention.
 
-        Matmul parameters exclude the embedding table unless it is tied into the LM head (then
+        With experts, the matmul parameters are the active ones: the router, the
+        `experts_per_token` experts a token reaches and the shared expert. Matmul parameters
+        exclude the embedding table unless it is tied into the LM head (then
         it is counted once, as the head). Attention uses the PaLM convention (appendix B) without
         halving for the causal mask; T is `seq_len` (default: max_seq_len), capped by the
         sliding window in the layers that have it.
@@ -295,6 +330,9 @@ class ModelConfig:
         d, h, kv, q = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim
         attn = d * q * (h + 2 * kv) + h * q * d
         mlp = (3 if self.mlp in ("swiglu", "geglu") else 2) * d * self.d_ff
+        if self.n_experts is not None:
+            shared = 3 * d * self.shared_expert_d_ff + d if self.shared_expert_d_ff else 0
+            mlp = d * self.n_experts + 3 * d * self.expert_d_ff * self.experts_per_token + shared
         head = d * self.vocab_size
         matmul_params = self.n_layers * (attn + mlp) + head
         return 6.0 * matmul_params + 12.0 * self.n_layers * h * q * t
@@ -320,73 +358,3 @@ def _unknown(key: Any) -> ConfigError:
     close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}? " if close else ""
     return ConfigError(f"unknown ModelConfig field {key!r}; {hint}valid fields: {', '.join(names)}")
-
-
-# Messages from pydantic errors (shared with the recipe) --------------------------------------
-
-_TYPES = {
-    "int_type": "must be int",
-    "int_parsing": "must be int",
-    "int_from_float": "must be int",
-    "float_type": "must be float",
-    "float_parsing": "must be float",
-    "finite_number": "must be a finite number",
-    "bool_type": "must be bool",
-    "bool_parsing": "must be bool",
-    "string_type": "must be str",
-    "string_too_short": "must be a non-empty string",
-    "tuple_type": "must be a list",
-    "list_type": "must be a list",
-    "dict_type": "must be a table",
-    "model_type": "must be a table",
-    "model_attributes_type": "must be a table",
-    "dataclass_type": "must be a table",
-    "missing": "is required",
-}
-
-
-def rule(error: ErrorDetails, info: FieldInfo | None = None) -> str:
-    """The rule a pydantic error says was broken, in words ("must be positive").
-
-    `info`, the field's FieldInfo, turns a broken bound into the field's whole range.
-    """
-    kind = error["type"]
-    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
-        bounds = [
-            (name, getattr(m, name))
-            for m in (info.metadata if info is not None else [])
-            for name in ("gt", "ge", "lt", "le")
-            if getattr(m, name, None) is not None
-        ]
-        return _range(bounds or list(error.get("ctx", {}).items()))
-    if kind == "literal_error":
-        # pydantic writes "'a', 'b' or 'c'"
-        return "must be one of " + ", ".join(error["ctx"]["expected"].rsplit(" or ", 1))
-    if kind == "value_error":
-        return str(error["ctx"]["error"])
-    return _TYPES.get(kind, error["msg"][0].lower() + error["msg"][1:])
-
-
-def _range(bounds: list[tuple[str, Any]]) -> str:
-    lo = next(((n, b) for n, b in bounds if n in ("gt", "ge")), None)
-    hi = next(((n, b) for n, b in bounds if n in ("lt", "le")), None)
-    if lo and hi:
-        left, right = "(" if lo[0] == "gt" else "[", ")" if hi[0] == "lt" else "]"
-        return f"must be in {left}{lo[1]}, {hi[1]}{right}"
-    if lo == ("gt", 0):
-        return "must be positive"
-    name, bound = lo or hi
-    return f"must be {_SYMBOLS[name]} {bound}"
-
-
-_SYMBOLS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
-
-
-def show(value: Any) -> str:
-    """A value as a message shows it: repr for scalars, one-line JSON for lists and tables."""
-    try:
-        text = json.dumps(value, default=repr) if isinstance(value, (list, tuple, dict)) else None
-    except (TypeError, ValueError):  # keys JSON cannot write
-        text = None
-    text = text or repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,7 +1,8 @@
 """CausalLM: token embedding -> stacked blocks run with lax.scan -> final norm -> LM head.
 
 The architecture is GPT-2's (Radford et al., 2019) generalised by `ModelConfig` switches to
-Llama (Touvron et al., 2023), Mistral, Qwen2/3, Gemma 1/2/3, Phi-3 and OLMo 2. The layers are one
+Llama (Touvron et al., 2023), Mistral, Qwen2/3, Gemma 1/2/3, Phi-3, OLMo 2 and the mixtures of
+experts Mixtral, Qwen2-MoE and OLMoE (a sparse MoE in place of each MLP). The layers are one
 Block whose arrays carry a leading `layers` axis, so compile time does not grow with depth; what
 differs between layers (windowed or global attention, and with it the RoPE base) is a per-layer
 flag scanned alongside the weights.
@@ -33,7 +34,7 @@ from eqllm.stack import REMAT_POLICIES as REMAT_POLICIES  # re-exported: the rem
 from eqllm.stack import dtype_of, layer_flags, make_block, make_norm, run_blocks
 
 # ModelConfig fields that change how the model runs, not what it computes.
-EXECUTION_FIELDS = ("scan_layers", "remat", "compute_dtype", "attention")
+EXECUTION_FIELDS = ("scan_layers", "remat", "compute_dtype", "attention", "moe_impl")
 
 
 class CausalLM(eqx.Module):
@@ -91,21 +92,32 @@ class CausalLM(eqx.Module):
                 generation do, on the host), since an out-of-range id would read a wrong row.
             positions: absolute positions (default 0..seq-1); a negative position marks padding.
         """
+        return self.routed(tokens, positions)[0]
+
+    def routed(
+        self, tokens: Int[Array, "*batch seq"], positions: Int[Array, "*batch seq"] | None = None
+    ) -> tuple[Float[Array, "*batch seq vocab"], Float[Array, "layers *batch seq experts"] | None]:
+        """`self(tokens, positions)` and every layer's router logits (None without experts),
+        for the load-balancing loss (`eqllm.nn.load_balancing_loss`)."""
         check_tokens(tokens, self.config)
-        return self.logits(self.hidden(tokens, positions))
+        hidden, router_logits = self._forward(tokens, positions)
+        return self.logits(hidden), router_logits
 
     def hidden(
         self, tokens: Int[Array, "*batch seq"], positions: Int[Array, "*batch seq"] | None = None
     ) -> Float[Array, "*batch seq d_model"]:
         """The final-norm hidden states, in the compute dtype."""
+        return self._forward(tokens, positions)[0]
+
+    def _forward(self, tokens, positions):
         cfg = self.config
         in_order = positions is None  # lets attention skip the masked-out key blocks
         if in_order:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
         model = cast_floating(self, dtype_of(cfg.compute_dtype))  # the one compute-dtype cast
         x = model.embed_inputs(tokens, positions)
-        x = run_blocks(model.blocks, x, None if in_order else positions, cfg)
-        return model.final_norm(x)
+        x, router_logits = run_blocks(model.blocks, x, None if in_order else positions, cfg)
+        return model.final_norm(x), router_logits
 
     def embed_inputs(
         self, tokens: Int[Array, "*batch seq"], positions: Int[Array, "*batch seq"]

@@ -26,6 +26,7 @@ from eqllm.nn import (
     Block,
     GatedMLP,
     LayerNorm,
+    MoE,
     RMSNorm,
     RotaryEmbedding,
 )
@@ -52,7 +53,7 @@ _LAYER_HOOK: contextvars.ContextVar[LayerHook | None] = contextvars.ContextVar(
 def each_layer(hook: LayerHook) -> Iterator[None]:
     """While tracing inside this context, `run_blocks` runs `hook(block)` in place of each
     layer's Block, inside the loop body (scanned or unrolled); the hook's result is called like
-    the block, `(x, positions, local) -> x`.
+    `Block.routed`, `(x, positions, local) -> (x, router_logits)`.
 
     This is how FSDP gathers one layer's weights at a time (`eqllm.sharding.FsdpGather`):
     sharding constraints placed here stay inside the loop, where XLA otherwise gathers every
@@ -124,7 +125,19 @@ def make_block(config: ModelConfig, key: PRNGKeyArray) -> Block:
         key=k_attn,
         dtype=dtype,
     )
-    if config.mlp == "gelu":
+    if config.n_experts is not None:
+        mlp = MoE(
+            config.d_model,
+            config.expert_d_ff,
+            config.n_experts,
+            config.experts_per_token,
+            normalize=config.norm_topk_prob,
+            shared_d_ff=config.shared_expert_d_ff,
+            impl=config.moe_impl,
+            key=k_mlp,
+            dtype=dtype,
+        )
+    elif config.mlp == "gelu":
         mlp = MLP(config.d_model, config.d_ff, use_bias=config.mlp_bias, key=k_mlp, dtype=dtype)
     else:
         activation = "silu" if config.mlp == "swiglu" else "gelu"
@@ -149,11 +162,12 @@ def run_blocks(
     x: Float[Array, "*batch seq d_model"],
     positions: Int[Array, "*batch seq"] | None,
     config: ModelConfig,
-) -> Float[Array, "*batch seq d_model"]:
+) -> tuple[Float[Array, "*batch seq d_model"], Float[Array, "layers *batch seq experts"] | None]:
     """Apply the stacked blocks in order: `lax.scan` or an unrolled Python loop (see below).
 
     `positions` None means 0..seq-1 (see `Attention.__call__`). A model whose layers differ
     (`layer_flags`) scans the flags alongside the weights: one compiled body for every layer.
+    Returns the output and, for a mixture of experts, every layer's router logits (else None).
     """
     params, static = eqx.partition(blocks, eqx.is_array)
     flags = layer_flags(config)
@@ -165,8 +179,8 @@ def run_blocks(
         layer_params, local = layer
         block = eqx.combine(layer_params, static)
         if hook is not None:
-            block = hook(block)
-        return block(h, positions, local), None
+            return hook(block)(h, positions, local)
+        return block.routed(h, positions, local)
 
     if config.remat != "none":
         step = jax.checkpoint(step, policy=REMAT_POLICIES[config.remat])
@@ -176,12 +190,13 @@ def run_blocks(
     # input exists, so the activations live as long as without remat (llama-mini at 2 x 256:
     # 480 MiB unrolled vs 360 MiB scanned, 493 / 449 MiB without remat).
     if config.scan_layers or config.remat != "none":
-        x, _ = jax.lax.scan(step, x, xs)
-        return x
+        return jax.lax.scan(step, x, xs)
+    router_logits = []
     for i in range(config.n_layers):  # each layer's flag is known here: a Python bool
         local = None if flags is None else bool(flags[i])
-        x, _ = step(x, (jax.tree.map(lambda a, i=i: a[i], params), local))
-    return x
+        x, logits = step(x, (jax.tree.map(lambda a, i=i: a[i], params), local))
+        router_logits.append(logits)
+    return x, None if config.n_experts is None else jnp.stack(router_logits)
 
 
 def layer_flags(config: ModelConfig) -> np.ndarray | None:

@@ -94,6 +94,17 @@ def param_count(name_or_config: str | ModelConfig) -> int:
     return _count(shapes)
 
 
+def active_param_count(name_or_config: str | ModelConfig) -> int:
+    """Parameters one token uses: all of them, less the routed experts it does not reach
+    (n_experts - experts_per_token of them per layer, in a mixture of experts)."""
+    cfg = config(name_or_config) if isinstance(name_or_config, str) else name_or_config
+    total = param_count(cfg)
+    if cfg.n_experts is None:
+        return total
+    idle = cfg.n_experts - cfg.experts_per_token
+    return total - cfg.n_layers * idle * 3 * cfg.d_model * cfg.expert_d_ff
+
+
 def human_count(n: int) -> str:
     """1234567 -> '1.23M'; 999885952 -> '1B' (rounded to 3 digits before the unit is chosen)."""
     rounded = float(f"{n:.3g}")

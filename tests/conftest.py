@@ -49,6 +49,18 @@ TINY_CONFIGS = {
         "phi3-mini-4k", **TINY, n_kv_heads=2, sliding_window=6, rope_fraction=0.5
     ),
     "olmo2": eqllm.zoo.config("olmo2-1b", **TINY, n_kv_heads=2),
+    # Mixtures of experts: 4 experts, 2 per token (tests/test_moe.py: the grouped product).
+    "mixtral": eqllm.zoo.config("mixtral-8x7b", **TINY, n_kv_heads=2, n_experts=4),
+    "qwen2_moe": eqllm.zoo.config(
+        "qwen1.5-moe-a2.7b",
+        **TINY,
+        n_kv_heads=2,
+        n_experts=4,
+        experts_per_token=2,
+        moe_d_ff=16,
+        shared_expert_d_ff=24,
+    ),
+    "olmoe": eqllm.zoo.config("olmoe-1b-7b", **TINY, n_experts=4, experts_per_token=2),
 }
 
 

@@ -103,6 +103,27 @@ HF_CONFIGS = {
     ),
     # Norms after the sublayers only; QK-norm over the whole projections (grouped kv heads).
     "olmo2": dict(model_type="olmo2", **DIMS, num_key_value_heads=2),
+    "mixtral": dict(
+        model_type="mixtral",
+        **DIMS,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        sliding_window=None,
+    ),
+    # The shared expert, top-k probabilities not renormalised, q/k/v biases.
+    "qwen2_moe": dict(
+        model_type="qwen2_moe",
+        **DIMS,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        norm_topk_prob=False,
+    ),
+    "olmoe": dict(
+        model_type="olmoe", **DIMS, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2
+    ),
 }
 TIED = {"gpt2", "qwen2", "gemma", "qwen3", "gemma2", "gemma3"}
 

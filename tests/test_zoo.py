@@ -18,6 +18,9 @@ RESEARCH = [
     "gemma3-nano",
     "phi3-nano",
     "olmo2-nano",
+    "mixtral-nano",
+    "qwen2_moe-nano",
+    "olmoe-nano",
 ]
 PUBLISHED = [
     "gpt2-small",
@@ -46,6 +49,9 @@ PUBLISHED = [
     "phi3-mini-4k",
     "olmo2-1b",
     "olmo2-7b",
+    "mixtral-8x7b",
+    "qwen1.5-moe-a2.7b",
+    "olmoe-1b-7b",
 ]
 
 
@@ -53,7 +59,17 @@ def test_every_promised_variant_is_in_the_zoo():
     assert set(RESEARCH + PUBLISHED) <= set(eqllm.zoo.names())
 
 
-NANOS = ["gpt2-nano", "llama-nano", "gemma2-nano", "gemma3-nano", "phi3-nano", "olmo2-nano"]
+NANOS = [
+    "gpt2-nano",
+    "llama-nano",
+    "gemma2-nano",
+    "gemma3-nano",
+    "phi3-nano",
+    "olmo2-nano",
+    "mixtral-nano",
+    "qwen2_moe-nano",
+    "olmoe-nano",
+]
 
 
 @pytest.mark.parametrize("name", NANOS)
@@ -94,6 +110,27 @@ def test_published_sizes_match_their_release():
     assert eqllm.zoo.param_count("gemma2-9b") == 9_241_705_984
     assert eqllm.zoo.param_count("gemma3-1b") == 999_885_952
     assert eqllm.zoo.param_count("phi3-mini-4k") == 3_821_079_552
+    assert eqllm.zoo.param_count("mixtral-8x7b") == 46_702_792_704
+
+
+# Total and active parameters as the model cards give them (billions, rounded as published).
+ACTIVE = {
+    "mixtral-8x7b": (46.7, 12.9),
+    "qwen1.5-moe-a2.7b": (14.3, 2.7),
+    "olmoe-1b-7b": (6.9, 1.3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVE))
+def test_active_parameters_of_mixtures_of_experts(name):
+    total, active = ACTIVE[name]
+    assert round(eqllm.zoo.param_count(name) / 1e9, 1) == total
+    assert round(eqllm.zoo.active_param_count(name) / 1e9, 1) == active
+    cfg = eqllm.zoo.config(name)
+    dense = cfg.replace(
+        n_experts=None, moe_d_ff=None, shared_expert_d_ff=None, d_ff=cfg.expert_d_ff
+    )
+    assert eqllm.zoo.active_param_count(dense) == eqllm.zoo.param_count(dense)
 
 
 @pytest.mark.parametrize("name", ["gemma2-nano", "gemma3-nano", "phi3-nano"])

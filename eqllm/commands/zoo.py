@@ -13,6 +13,7 @@ def zoo_list(args: argparse.Namespace) -> int:
         "name",
         "family",
         "params",
+        "active",
         "exact",
         "layers",
         "d_model",
@@ -31,6 +32,7 @@ def zoo_list(args: argparse.Namespace) -> int:
                 name,
                 cfg.family,
                 zoo.human_count(count),
+                zoo.human_count(zoo.active_param_count(cfg)),
                 f"{count:,}",
                 str(cfg.n_layers),
                 str(cfg.d_model),
@@ -41,7 +43,7 @@ def zoo_list(args: argparse.Namespace) -> int:
             ]
         )
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    right = {2, 3, 4, 5, 6, 7, 8}
+    right = {2, 3, 4, 5, 6, 7, 8, 9}
     for row in [header, *rows]:
         cells = [
             c.rjust(w) if i in right else c.ljust(w)
@@ -54,7 +56,10 @@ def zoo_list(args: argparse.Namespace) -> int:
 def zoo_show(args: argparse.Namespace) -> int:
     entry = zoo.entry(args.name)
     count = zoo.param_count(entry.config)
+    active = zoo.active_param_count(entry.config)
     print(f"{entry.name}: {zoo.human_count(count)} parameters ({count:,})")
+    if active != count:
+        print(f"active per token: {zoo.human_count(active)} ({active:,})")
     if entry.source:
         print(f"mirrors: {entry.source}")
     for key, value in entry.config.to_dict().items():

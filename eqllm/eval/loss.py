@@ -28,7 +28,13 @@ def mean_loss(
     mask: Bool[Array, "batch window-1"] | None = None,
 ) -> Float[Array, ""]:
     """Mean next-token cross entropy over the (masked-in) targets."""
-    nll = token_nll(model, batch)
+    return masked_mean(token_nll(model, batch), mask)
+
+
+def masked_mean(
+    nll: Float[Array, "*targets"], mask: Bool[Array, "*targets"] | None
+) -> Float[Array, ""]:
+    """The mean of per-target losses over the masked-in targets (all of them without a mask)."""
     if mask is None:
         return nll.mean()
     return jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.maximum(mask.sum(), 1)

@@ -20,25 +20,33 @@ class Row:
     """One Hugging Face tensor and the eqllm array(s) it holds.
 
     `hf` is the tensor name, with `{i}` for the layer index (then the row fills the leading
-    `layers` axis of the stacked blocks). Several `eqllm` paths mean a fused tensor, split along
-    its output axis on the way in and concatenated on the way out. `conv1d` marks GPT-2's Conv1D,
-    which stores a weight (in, out): transposed.
+    `layers` axis of the stacked blocks) and `{j}` for the expert index (one tensor per expert,
+    filling the `expert` axis that follows). Several `eqllm` paths mean a fused tensor, split
+    along its axis `axis` (the output axis: 0, or 1 for transformers' fused experts
+    [experts, out, in]) on the way in and concatenated on the way out. `conv1d` marks GPT-2's
+    Conv1D, which stores a weight (in, out): transposed.
     """
 
     hf: str
     eqllm: tuple[str, ...]
     conv1d: bool = False
+    axis: int = 0
 
     @property
     def layered(self) -> bool:
         return "{i}" in self.hf
 
+    @property
+    def per_expert(self) -> bool:
+        return "{j}" in self.hf
 
-def rows(*specs: tuple) -> tuple[Row, ...]:
-    """Rows from `(hf, eqllm_path_or_paths[, conv1d])` tuples."""
+
+def rows(*specs: tuple, axis: int = 0) -> tuple[Row, ...]:
+    """Rows from `(hf, eqllm_path_or_paths[, conv1d])` tuples, fused along `axis`."""
     out = []
     for hf, eqllm, *conv1d in specs:
-        out.append(Row(hf, (eqllm,) if isinstance(eqllm, str) else tuple(eqllm), *conv1d))
+        paths = (eqllm,) if isinstance(eqllm, str) else tuple(eqllm)
+        out.append(Row(hf, paths, *conv1d, axis=axis))
     return tuple(out)
 
 
@@ -59,6 +67,8 @@ class Family:
         to_hf: the family's config.json fields for a config (besides the common ones).
         from_hf: ModelConfig fields from a config.json dict (besides `fixed`).
         check: extra invariants: returns the offending {field: value} (empty when fine).
+        layouts: other key tables a checkpoint of the family may use, accepted on import (the
+            first table whose tensors the checkpoint has is read; export writes `table`).
     """
 
     name: str
@@ -72,6 +82,7 @@ class Family:
     to_hf: Callable[[ModelConfig], dict[str, Any]]
     from_hf: Callable[[dict[str, Any]], dict[str, Any]]
     check: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: {}
+    layouts: tuple[tuple[Row, ...], ...] = ()
 
     @property
     def embed_name(self) -> str:
@@ -79,6 +90,9 @@ class Family:
         row = next(r for r in self.table if r.eqllm == ("embed.weight",))
         return row.hf.removeprefix(self.prefix)
 
+
+# A dense family has no experts: export refuses a config with them.
+DENSE = {"n_experts": None, "moe_d_ff": None, "shared_expert_d_ff": None}
 
 # The switches only some recent families turn on, at their plain settings: a family that does
 # not read one from config.json fixes it here, so export refuses a config that sets it.
@@ -92,6 +106,7 @@ PLAIN = {
     "query_pre_attn_scalar": None,
     "rope_fraction": 1.0,
     "qk_norm_per_head": True,
+    **DENSE,
 }
 
 # The Llama block the Llama-layout families start from: RMSNorm before each sublayer, SwiGLU,
@@ -289,3 +304,57 @@ def full_attention_only(hf: dict[str, Any], family: str) -> None:
             f"config.json layer_types={sorted(layer_types)}: eqllm's {family} has only "
             "'full_attention' layers"
         )
+
+
+# Mixture of experts: the attention rows of the Llama table, and the expert rows of both layouts.
+
+MOE_ATTENTION_TABLE = tuple(r for r in LLAMA_TABLE if ".mlp." not in r.hf)
+MOE_KEYS = frozenset({"num_experts_per_tok", "router_aux_loss_coef", "output_router_logits"})
+
+
+def expert_rows(moe: str, gate: str, up: str, down: str) -> tuple[Row, ...]:
+    """The router and per-expert rows of a sparse MLP named `moe` ("model.layers.{i}.mlp"), as
+    published checkpoints and transformers' save_pretrained store them: one tensor per expert."""
+    return rows(
+        (f"{moe}.gate.weight", "blocks.mlp.router.weight"),
+        (f"{moe}.experts.{{j}}.{gate}.weight", "blocks.mlp.gate.weight"),
+        (f"{moe}.experts.{{j}}.{up}.weight", "blocks.mlp.up.weight"),
+        (f"{moe}.experts.{{j}}.{down}.weight", "blocks.mlp.down.weight"),
+    )
+
+
+# transformers 5's in-memory layout: the experts fused, gate_up_proj [E, 2 d_ff, d_model] (gate
+# rows, then up rows) and down_proj [E, d_model, d_ff].
+FUSED_EXPERT_ROWS = rows(
+    ("model.layers.{i}.mlp.gate.weight", "blocks.mlp.router.weight"),
+    ("model.layers.{i}.mlp.experts.down_proj", "blocks.mlp.down.weight"),
+) + rows(
+    (
+        "model.layers.{i}.mlp.experts.gate_up_proj",
+        ("blocks.mlp.gate.weight", "blocks.mlp.up.weight"),
+    ),
+    axis=1,
+)
+
+
+def moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The routing keys every MoE family's config.json shares."""
+    return {
+        "num_experts_per_tok": cfg.experts_per_token,
+        "router_aux_loss_coef": cfg.router_aux_loss_coef,
+    }
+
+
+def moe_from_hf(hf: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """experts_per_token and router_aux_loss_coef from config.json (`defaults`: the family's
+    transformers defaults, for keys a config.json leaves out)."""
+    hf = {**defaults, **hf}
+    return {
+        "experts_per_token": hf["num_experts_per_tok"],
+        "router_aux_loss_coef": float(hf["router_aux_loss_coef"]),
+    }
+
+
+def has_experts(cfg: ModelConfig) -> dict[str, Any]:
+    """A `check` of the MoE families: a config without experts is not one of theirs."""
+    return {"n_experts": None} if cfg.n_experts is None else {}

@@ -7,6 +7,7 @@ from typing import Any
 
 from eqllm.config import ConfigError, ModelConfig
 from eqllm.families.base import (
+    DENSE,
     LLAMA_KEYS,
     LLAMA_PREFIX,
     LLAMA_TABLE,
@@ -107,6 +108,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 SANDWICH_FIXED = {
+    **DENSE,
     "qk_norm_per_head": True,
     "rope_fraction": 1.0,
     "norm": "rmsnorm",

@@ -42,7 +42,7 @@ from eqllm.hub.folders import (
     weight_files,
     zoo_match,
 )
-from eqllm.hub.tables import BUFFERS, TIED_HEAD, rows_for
+from eqllm.hub.tables import BUFFERS, TIED_HEAD, indices, rows_for, tensor_name
 from eqllm.model import CausalLM, dtype_of
 
 log = logging.getLogger("eqllm.hub")
@@ -113,14 +113,31 @@ def _checkpoint_dtype(reader: TensorReader, family: str) -> DType:
 
 
 def _hf_shape(row: Row, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
-    """The HF tensor's shape for one layer, given the eqllm shapes (per layer) it holds."""
-    shape = (sum(s[0] for s in shapes), *shapes[0][1:])
-    return shape[::-1] if row.conv1d else shape
+    """The shape of one HF tensor of a row, given the eqllm shapes (per tensor) it holds."""
+    shape = list(shapes[0])
+    shape[row.axis] = sum(s[row.axis] for s in shapes)
+    return tuple(shape[::-1] if row.conv1d else shape)
+
+
+def _part(tensor: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
+    return tensor[(slice(None),) * axis + (slice(start, stop),)]
+
+
+def _layout(config: ModelConfig, leaves, reader: TensorReader) -> list[Row]:
+    """The rows of the family's first key table whose tensors the checkpoint holds (the main
+    table when none fits: its missing tensor is then reported)."""
+    family = families.get(config.family)
+    for table in (family.table, *family.layouts):
+        rows = rows_for(config.family, set(leaves), table)
+        names = [tensor_name(r, indices(r, 1, 1)[0]) for r in rows]
+        if all(n in reader or n.removeprefix(family.prefix) in reader for n in names):
+            return rows
+    return rows_for(config.family, set(leaves))
 
 
 def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
     leaves, treedef = skeleton(config)
-    rows = rows_for(config.family, set(leaves))
+    rows = _layout(config, leaves, reader)
     prefix = families.get(config.family).prefix
     used: set[str] = set()
 
@@ -139,17 +156,17 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
     for row in rows:
         targets = [leaves[p] for p in row.eqllm]
         buffers = [aligned_empty(t.shape, t.dtype) for t in targets]
-        layer_shapes = [t.shape[1:] if row.layered else t.shape for t in targets]
-        expected = _hf_shape(row, layer_shapes)
-        for i in range(config.n_layers) if row.layered else [None]:
-            name = find(row.hf.format(i=i))
+        lead = int(row.layered) + int(row.per_expert)  # leading axes indexed by the tensor name
+        expected = _hf_shape(row, [t.shape[lead:] for t in targets])
+        for index in indices(row, config.n_layers, config.n_experts):
+            name = find(tensor_name(row, index))
             info = reader.tensors[name]
             if info.shape != expected:
                 raise CheckpointError(
                     f"{info.file.name}: tensor {name!r} has shape {list(info.shape)}, but "
                     f"config.json describes {list(expected)}"
                 )
-            slots = [b if i is None else b[i] for b in buffers]
+            slots = [b[index] for b in buffers]
             if len(slots) == 1 and not row.conv1d and info.dtype == slots[0].dtype:
                 reader.read(name, out=slots[0])  # straight into the stacked buffer
                 continue
@@ -157,9 +174,10 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
             if row.conv1d and tensor.ndim == 2:
                 tensor = tensor.T  # Conv1D (in, out) -> Linear (out, in)
             start = 0
-            for slot in slots:  # split a fused tensor along its output axis
-                slot[...] = tensor[start : start + slot.shape[0]]
-                start += slot.shape[0]
+            for slot in slots:  # split a fused tensor along its fused axis
+                size = slot.shape[row.axis]
+                slot[...] = _part(tensor, row.axis, start, start + size)
+                start += size
         for path, buffer in zip(row.eqllm, buffers, strict=True):
             arrays[path] = jax.device_put(buffer)  # adopts the aligned buffer on CPU
         del buffers
@@ -217,10 +235,10 @@ def save_pretrained(
     rows = rows_for(config.family, set(leaves))
     host = host_leaves(model)
 
-    def make(row: Row, i: int | None):
+    def make(row: Row, index: tuple[int, ...]):
         def tensor() -> np.ndarray:
-            parts = [host[p] if i is None else host[p][i] for p in row.eqllm]
-            out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+            parts = [host[p][index] for p in row.eqllm]
+            out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=row.axis)
             if row.conv1d and out.ndim == 2:
                 out = out.T
             return np.ascontiguousarray(out, dtype=target)
@@ -229,18 +247,22 @@ def save_pretrained(
 
     planned = []
 
-    def plan(row: Row, i: int | None) -> None:
-        shapes = [leaves[p].shape[1:] if row.layered else leaves[p].shape for p in row.eqllm]
-        name = row.hf.format(i=i)
-        planned.append(PlannedTensor(name, _hf_shape(row, shapes), target, make(row, i)))
+    def plan(row: Row, index: tuple[int, ...]) -> None:
+        lead = int(row.layered) + int(row.per_expert)
+        shapes = [leaves[p].shape[lead:] for p in row.eqllm]
+        name = tensor_name(row, index)
+        planned.append(PlannedTensor(name, _hf_shape(row, shapes), target, make(row, index)))
 
+    every = {row: indices(row, config.n_layers, config.n_experts) for row in rows}
     for i in range(config.n_layers):  # layer-major order, as transformers writes
         for row in rows:
-            if row.layered:
-                plan(row, i)
+            for index in every[row] if row.layered else []:
+                if index[0] == i:
+                    plan(row, index)
     for row in rows:
         if not row.layered:
-            plan(row, None)
+            for index in every[row]:
+                plan(row, index)
     _write_weights(folder, planned, parse_size(max_shard_size))
     (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     if tokenizer is not None:

@@ -4,8 +4,9 @@ from eqllm.nn.attention import Attention, attention_mask, dot_product_attention
 from eqllm.nn.block import Block
 from eqllm.nn.fused_attention import fused_attention
 from eqllm.nn.kv_cache import KVCache
-from eqllm.nn.linear import Embedding, Linear, ParamInfo, param_info
+from eqllm.nn.linear import Embedding, ExpertLinear, Linear, ParamInfo, param_info
 from eqllm.nn.mlp import MLP, GatedMLP
+from eqllm.nn.moe import MoE, expert_load, load_balancing_loss
 from eqllm.nn.norm import LayerNorm, RMSNorm
 from eqllm.nn.rope import RotaryEmbedding, rope_inv_freq
 
@@ -14,16 +15,20 @@ __all__ = [
     "Attention",
     "Block",
     "Embedding",
+    "ExpertLinear",
     "GatedMLP",
     "KVCache",
     "LayerNorm",
     "Linear",
+    "MoE",
     "ParamInfo",
     "RMSNorm",
     "RotaryEmbedding",
     "attention_mask",
     "dot_product_attention",
     "fused_attention",
+    "expert_load",
+    "load_balancing_loss",
     "param_info",
     "rope_inv_freq",
 ]

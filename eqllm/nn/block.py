@@ -9,6 +9,7 @@ from jaxtyping import Array, Bool, Float, Int
 from eqllm.nn.attention import Attention
 from eqllm.nn.kv_cache import KVCache
 from eqllm.nn.mlp import MLP, GatedMLP
+from eqllm.nn.moe import MoE
 from eqllm.nn.norm import LayerNorm, RMSNorm
 
 Norm = RMSNorm | LayerNorm
@@ -25,7 +26,7 @@ class Block(eqx.Module):
         attn_norm: the norm applied before attention (None: none).
         attn: the self-attention layer.
         mlp_norm: the norm applied before the feed-forward layer (None: none).
-        mlp: the feed-forward layer.
+        mlp: the feed-forward layer (a mixture of experts in a sparse model).
         attn_post_norm: the norm applied to attention's output before it is added to the
             residual stream (None: none).
         mlp_post_norm: the same for the feed-forward layer's output (None: none).
@@ -34,12 +35,17 @@ class Block(eqx.Module):
     attn_norm: Norm | None
     attn: Attention
     mlp_norm: Norm | None
-    mlp: MLP | GatedMLP
+    mlp: MLP | GatedMLP | MoE
     attn_post_norm: Norm | None = None
     mlp_post_norm: Norm | None = None
 
-    def _mlp(self, x: Float[Array, "*batch seq d_model"]) -> Float[Array, "*batch seq d_model"]:
-        return x + _apply(self.mlp_post_norm, self.mlp(_apply(self.mlp_norm, x)))
+    def _mlp(self, x, moe_impl=None):
+        h = _apply(self.mlp_norm, x)
+        if isinstance(self.mlp, MoE):
+            out, router_logits = self.mlp.routed(h, moe_impl)
+        else:
+            out, router_logits = self.mlp(h), None
+        return x + _apply(self.mlp_post_norm, out), router_logits
 
     @jax.named_scope("eqllm.Block")
     def __call__(
@@ -49,6 +55,15 @@ class Block(eqx.Module):
         local: Bool[Array, ""] | bool | None = None,
     ) -> Float[Array, "*batch seq d_model"]:
         """`local`: this layer's window flag (see `eqllm.nn.attention`)."""
+        return self.routed(x, positions, local)[0]
+
+    def routed(
+        self,
+        x: Float[Array, "*batch seq d_model"],
+        positions: Int[Array, "*batch seq"] | None = None,
+        local: Bool[Array, ""] | bool | None = None,
+    ) -> tuple[Float[Array, "*batch seq d_model"], Float[Array, "*batch seq experts"] | None]:
+        """The block's output and its router logits (None unless `mlp` is a mixture of experts)."""
         attended = self.attn(_apply(self.attn_norm, x), positions, local)
         return self._mlp(x + _apply(self.attn_post_norm, attended))
 
@@ -60,6 +75,10 @@ class Block(eqx.Module):
         cache: KVCache,
         local: Bool[Array, ""] | bool | None = None,
     ) -> tuple[Float[Array, "seq d_model"], KVCache]:
-        """The block on a chunk of new positions, attending to `cache` (see Attention.cached)."""
+        """The block on a chunk of new positions, attending to `cache` (see Attention.cached).
+
+        Experts are computed densely here: generation runs this under `jax.vmap`, which the
+        grouped ("ragged") product does not support, and a decode step has one token anyway.
+        """
         attended, cache = self.attn.cached(_apply(self.attn_norm, x), positions, cache, local)
-        return self._mlp(x + _apply(self.attn_post_norm, attended)), cache
+        return self._mlp(x + _apply(self.attn_post_norm, attended), "dense")[0], cache

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 # The logical axis names of eqllm's layers; `eqllm.sharding` maps each to mesh axes.
-Axis = Literal["vocab", "d_model", "heads", "kv_heads", "d_ff", "positions"]
+Axis = Literal["vocab", "d_model", "heads", "kv_heads", "d_ff", "positions", "expert"]
 # How a weight starts (see `eqllm.model.init_weights`): "normal" draws N(0, std); "residual"
 # draws N(0, std / sqrt(2 * layers)) for projections that write into the residual stream.
 InitRole = Literal["normal", "residual"]
@@ -119,6 +119,51 @@ class Embedding(eqx.Module):
         return rows_times(x, self.weight.astype(x.dtype), **kwargs)
 
 
+class ExpertLinear(eqx.Module):
+    """`n` independent linear layers stacked on a leading `expert` axis (mixture of experts).
+
+    Arguments:
+        n: number of experts.
+        in_features, out_features: sizes of each expert's input and output.
+        axes: logical names of the output and input axes; the leading axis is "expert".
+        init: initialisation role (see `InitRole`).
+
+    The weight is stored (n, out, in), as transformers 5 stores its fused experts.
+    """
+
+    weight: Float[Array, "n d_out d_in"]
+    axes: tuple[Axis | None, Axis | None, Axis | None] = eqx.field(static=True)
+    init: InitRole = eqx.field(static=True)
+
+    def __init__(
+        self,
+        n: int,
+        in_features: int,
+        out_features: int,
+        *,
+        axes: tuple[Axis | None, Axis | None],
+        init: InitRole = "normal",
+        key: PRNGKeyArray,
+        dtype=jnp.float32,
+    ):
+        shape = (n, out_features, in_features)
+        self.weight = (0.02 * jax.random.normal(key, shape)).astype(dtype)
+        self.axes = ("expert", *axes)
+        self.init = init
+
+    @jax.named_scope("eqllm.ExpertLinear")
+    def __call__(self, x: Float[Array, "n rows d_in"]) -> Float[Array, "n rows d_out"]:
+        """Every expert on its own rows (all experts on all tokens, for the dense product)."""
+        return jnp.einsum("eti,eoi->eto", x, self.weight)
+
+    @jax.named_scope("eqllm.ExpertLinear.grouped")
+    def grouped(
+        self, x: Float[Array, "rows d_in"], group_sizes: Int[Array, " n"]
+    ) -> Float[Array, "rows d_out"]:
+        """Rows sorted by expert, `group_sizes[e]` of them for expert e (`jax.lax.ragged_dot`)."""
+        return jax.lax.ragged_dot(x, jnp.swapaxes(self.weight, 1, 2), group_sizes)
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamInfo:
     """What the model knows about one array: its logical axes, initialisation and decay.
@@ -136,7 +181,7 @@ class ParamInfo:
 
 
 def _is_layer(node) -> bool:
-    return isinstance(node, Linear | Embedding)
+    return isinstance(node, Linear | Embedding | ExpertLinear)
 
 
 def param_info(tree):
@@ -160,6 +205,9 @@ def param_info(tree):
             return eqx.tree_at(
                 lambda m: (m.weight, m.bias), node, (weight, bias), is_leaf=lambda x: x is None
             )
+        if isinstance(node, ExpertLinear):
+            weight = ParamInfo(leading(node.weight, node.axes), node.init, True)
+            return eqx.tree_at(lambda m: m.weight, node, weight)
         if isinstance(node, Embedding):
             weight = ParamInfo(leading(node.weight, node.axes), "normal", False)
             return eqx.tree_at(lambda m: m.weight, node, weight)

@@ -59,7 +59,8 @@ class FsdpGather:
         block = self.gather(block)
 
         def run(x, positions, local):
-            return self._pin(block(self._pin(x), positions, local))
+            out, router_logits = block.routed(self._pin(x), positions, local)
+            return self._pin(out), router_logits
 
         return run
 

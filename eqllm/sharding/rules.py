@@ -26,6 +26,9 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "d_ff": "tensor",
     # The stacked blocks' leading axis: contiguous runs of layers, one per pipeline stage.
     "layers": "pipeline",
+    # Experts spread over the fsdp devices (expert parallelism on the fsdp axis); the expert
+    # weights' d_model axis, also fsdp, is then left whole (see spec_for).
+    "expert": "fsdp",
 }
 
 
@@ -107,17 +110,21 @@ def spec_for(
     """The PartitionSpec of an array with these logical axes under RULES.
 
     A dimension that the mesh axes do not divide evenly (GPT-2's vocabulary of 50257, say) is
-    left replicated rather than padded.
+    left replicated rather than padded. A mesh axis already used by an earlier dimension (fsdp
+    by an expert weight's `expert` axis, say) does not split a later one.
     """
     parts = []
+    used: set[str] = set()
     for axis, size in zip(axes, shape, strict=True):
         mesh_axes = RULES.get(axis) if axis is not None else None
-        if mesh_axes is None:
+        mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes
+        if mesh_axes is None or used & set(mesh_axes):
             parts.append(None)
             continue
-        mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes
         split = math.prod(sizes_of(mesh)[a] for a in mesh_axes)
-        parts.append(mesh_axes if size % split == 0 and split > 1 else None)
+        splits = size % split == 0 and split > 1
+        parts.append(mesh_axes if splits else None)
+        used |= set(mesh_axes) if splits else set()
     while parts and parts[-1] is None:  # P(None, None) and P() are the same placement;
         parts.pop()  # XLA returns the short form, so use it to keep jit's cache keys equal
     return PartitionSpec(*parts)

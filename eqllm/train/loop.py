@@ -314,6 +314,8 @@ def _log_train(setup: RunSetup, state: RunState, meter: Throughput, metrics, bar
             "step_s": meter.recent_step_s(meter.first_step_s or 0.0),
             **({"mfu": util} if util is not None else {}),
             "grad_norm/layer": [float(x) for x in m["grad_norm/layer"]],
+            # A mixture of experts' load-balancing loss and per-layer expert load.
+            **{k: m[k].tolist() for k in ("aux_loss", "expert_load") if k in m},
         }
     )
     postfix = {"loss": f"{loss:.3f}", "tok/s": f"{tokens_per_s:,.0f}"}

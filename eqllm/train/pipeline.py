@@ -73,6 +73,11 @@ class Pipeline:
     def check(self, config: ModelConfig, rows: int) -> None:
         """Raise unless the layers split into equal stages and `rows` into microbatches (whose
         rows split over the mesh's batch axes)."""
+        if config.n_experts:
+            raise MeshError(
+                "a mixture of experts does not run in a pipeline yet (the stages would drop its "
+                "load-balancing loss); set mesh.pipeline=1 and split the experts over fsdp"
+            )
         if config.n_layers % self.stages:
             raise MeshError(
                 f"pipeline={self.stages} does not divide n_layers={config.n_layers}: each stage "

@@ -104,6 +104,7 @@ def finish_run(
     if writes_run_files():  # the other processes of a multi-process run computed the same
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
         write_loss_plot(out)
+        write_expert_load_plot(out)
         write_report(out, recipe, summary)
         echo(f"report: {out / 'report.md'}")
     return summary
@@ -149,6 +150,38 @@ def write_loss_plot(out_dir: Path) -> Path | None:
     return path
 
 
+def write_expert_load_plot(out_dir: Path) -> Path | None:
+    """expert_load.png for a mixture of experts: per layer, each expert's share of the token
+    assignments against tokens seen (1 / n_experts is perfect balance). None without experts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in read_metrics(out_dir) if "expert_load" in r and "tokens" in r]
+    if not rows:
+        return None
+    tokens = [r["tokens"] for r in rows]
+    load = [r["expert_load"] for r in rows]  # [row][layer][expert]
+    n_layers, n_experts = len(load[0]), len(load[0][0])
+    fig, axes = plt.subplots(
+        n_layers, 1, figsize=(7, 1.6 * n_layers + 0.8), dpi=120, sharex=True, squeeze=False
+    )
+    for layer, ax in enumerate(axes[:, 0]):
+        for e in range(n_experts):
+            ax.plot(tokens, [row[layer][e] for row in load], lw=1)
+        ax.axhline(1 / n_experts, color="k", ls=":", lw=0.8)
+        ax.set_ylabel(f"layer {layer}")
+        ax.grid(alpha=0.3)
+    axes[0, 0].set_title(f"{Path(out_dir).name}: share of token assignments per expert")
+    axes[-1, 0].set_xlabel("tokens seen")
+    fig.tight_layout()
+    path = Path(out_dir) / "expert_load.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def _fmt(value, spec: str = ".4f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -185,6 +218,8 @@ def write_report(out_dir: Path, recipe: Recipe, s: dict) -> Path:
     for label, r in s.get("extra", {}).items():
         lines.append(f"| {label} bits/byte | {_fmt(r['bpb'])} |")
     lines += ["", "![loss](loss.png)", ""]
+    if (Path(out_dir) / "expert_load.png").is_file():  # a mixture of experts
+        lines += ["## Expert load", "", "![expert load](expert_load.png)", ""]
     samples = s.get("samples") or []
     before_file = Path(out_dir) / "samples_before.json"
     if samples and before_file.is_file():  # a fine-tuning run: the same prompts before and after

@@ -21,9 +21,10 @@ from jaxtyping import Array, Bool, Float, Int
 
 from eqllm.data import DataError
 from eqllm.errors import EqllmError
-from eqllm.eval.loss import check_token_range, mean_loss
+from eqllm.eval.loss import check_token_range, masked_mean
 from eqllm.lora import trainable, with_dropout_keys
 from eqllm.model import CausalLM
+from eqllm.nn import expert_load, load_balancing_loss
 from eqllm.sharding import fsdp_gather, shardings_like_params
 from eqllm.stack import each_layer
 from eqllm.train.pipeline import Pipeline
@@ -40,6 +41,28 @@ def _layer_grad_norms(grads) -> Float[Array, " layers"]:
     return jnp.sqrt(sum(squares))
 
 
+def training_loss(
+    model: CausalLM,
+    batch: Int[Array, "batch window"],
+    mask: Bool[Array, "batch window-1"] | None = None,
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """What training minimises: the mean next-token cross entropy, plus, for a mixture of
+    experts, `router_aux_loss_coef` times the load-balancing loss over all layers (as
+    transformers adds it). Returns it with its parts: "ce" and, with experts, "aux_loss" and
+    "expert_load" (per layer, the fraction of token assignments each expert received)."""
+    logits, router_logits = model.routed(batch[:, :-1])  # (batch, seq, vocab), fp32
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:])
+    ce = masked_mean(nll, mask)
+    if router_logits is None:
+        return ce, {"ce": ce}
+    # Every token is routed, padding included (the batches hold no padding); the loss mask
+    # marks the targets that are scored, not tokens to leave out of the balance.
+    k = model.config.experts_per_token
+    aux = load_balancing_loss(router_logits, k)
+    parts = {"ce": ce, "aux_loss": aux, "expert_load": expert_load(router_logits, k)[0]}
+    return ce + model.config.router_aux_loss_coef * aux, parts
+
+
 def _step_count(opt_state) -> Int[Array, ""]:
     counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
     return counts[0][1] if counts else jnp.zeros((), jnp.int32)
@@ -52,8 +75,10 @@ class TrainStep:
         n_traces: how many times the step has been traced (1 after any number of steps with
             fixed shapes; more means something is recompiling it).
 
-    Metrics (device scalars unless noted): loss, grad_norm (before clipping), lr,
-    update_norm, param_norm, finite (bool), grad_norm/layer (vector over layers).
+    Metrics (device scalars unless noted): loss (the cross entropy), grad_norm (before
+    clipping), lr, update_norm, param_norm, finite (bool), grad_norm/layer (vector over layers);
+    for a mixture of experts also aux_loss (the load-balancing loss, before its coefficient)
+    and expert_load (layers x experts: the fraction of token assignments each expert got).
     """
 
     def __init__(
@@ -166,21 +191,22 @@ class TrainStep:
         def loss_of(p, micro):
             tokens, micro_mask = micro
             m = eqx.combine(p, static)
-            if self.pipeline is not None:
-                return self.pipeline.loss(m, tokens, micro_mask)
-            return mean_loss(m if fsdp is None else fsdp.outside_layers(m), tokens, micro_mask)
+            if self.pipeline is not None:  # refuses a mixture of experts (Pipeline.check)
+                ce = self.pipeline.loss(m, tokens, micro_mask)
+                return ce, {"ce": ce}
+            return training_loss(m if fsdp is None else fsdp.outside_layers(m), tokens, micro_mask)
 
         def grad_fn(p, micro):
             # FSDP: each layer's weights are gathered inside the layer loop, and the gradients
             # are reduced straight to the parameters' split placement (eqllm.sharding.fsdp).
             with each_layer(fsdp.layer) if fsdp is not None else contextlib.nullcontext():
-                loss, grads = jax.value_and_grad(loss_of)(p, micro)
+                (loss, parts), grads = jax.value_and_grad(loss_of, has_aux=True)(p, micro)
             if shardings is not None:
                 grads = jax.lax.with_sharding_constraint(grads, shardings)
-            return loss, grads
+            return (loss, parts), grads
 
         if self.grad_accum == 1:
-            loss, grads = grad_fn(params, (batch, mask))
+            (loss, parts), grads = grad_fn(params, (batch, mask))
         else:
             # Each micro-batch's loss is its own masked mean; with a mask, micro-batches of
             # different response lengths are weighted equally (as transformers' Trainer does).
@@ -190,13 +216,14 @@ class TrainStep:
 
             def accumulate(carry, mb):
                 loss_sum, grad_sum = carry
-                loss, grads = grad_fn(params, mb)
-                return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+                (loss, parts), grads = grad_fn(params, mb)
+                return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), parts
 
             zeros = jax.tree.map(jnp.zeros_like, params)
-            (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros(()), zeros), micro)
+            (loss, grads), parts = jax.lax.scan(accumulate, (jnp.zeros(()), zeros), micro)
             loss = loss / self.grad_accum
             grads = jax.tree.map(lambda g: g / self.grad_accum, grads)
+            parts = jax.tree.map(lambda x: x.mean(0), parts)  # the micro-batches' mean
 
         grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
@@ -212,13 +239,14 @@ class TrainStep:
                 new_opt_state, shardings_like_params(new_opt_state, params, shardings)
             )
         metrics = {
-            "loss": loss,
+            "loss": parts.pop("ce"),
             "grad_norm": grad_norm,
             "lr": jnp.asarray(self.lr_schedule(count), jnp.float32),
             "update_norm": optax.tree.norm(updates),
             "param_norm": optax.tree.norm(new_params),
             "finite": finite,
             "grad_norm/layer": _layer_grad_norms(grads),
+            **parts,  # a mixture of experts' aux_loss and expert_load
         }
         model = with_dropout_keys(eqx.combine(new_params, static), None)  # as it came in
         return model, new_opt_state, metrics

@@ -1,0 +1,174 @@
+"""Sparse mixture-of-experts feed-forward layer: Mixtral (Jiang et al., 2024), Qwen-MoE with a
+gated shared expert (Qwen Team, 2024), OLMoE (Muennighoff et al., 2024); the load-balancing loss
+of the Switch Transformer (Fedus et al., 2021) as transformers computes it.
+
+Routing is transformers': softmax over all experts in fp32, the top k, renormalised to sum to 1
+where the family does it, cast to the compute dtype. Dropless: every token reaches its k experts
+(no capacity factor), so the outputs equal transformers'. Two ways to compute the experts give
+the same values: "dense" runs every expert on every token and combines with a [tokens, experts]
+matrix that is zero off the top k (k/E of the work is useful, but it is plain batched matmuls);
+"ragged" sorts the token copies by expert and runs `jax.lax.ragged_dot` (grouped matmul: the
+useful work only, on backends with a grouped kernel; XLA on CPU lowers it to a masked dense
+product that costs every expert on every row).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from eqllm.nn.linear import ExpertLinear, Linear
+from eqllm.nn.mlp import GatedMLP, gated
+
+MoEImpl = Literal["dense", "ragged"]
+
+
+class MoE(eqx.Module):
+    """sum over the top-k experts e of w_e * down_e(silu(gate_e(x)) * up_e(x)), plus
+    sigmoid(shared_gate(x)) * shared(x) where there is a shared expert.
+
+    Arguments:
+        d_model: input and output size.
+        d_ff: hidden size of each expert.
+        n_experts: number of routed experts.
+        top_k: experts per token.
+        normalize: renormalise the top-k probabilities to sum to 1 (Mixtral; Qwen-MoE and
+            OLMoE by `norm_topk_prob`).
+        shared_d_ff: hidden size of the always-on shared expert (None: none).
+        impl: "dense" or "ragged" (see the module docstring); the values are the same.
+    """
+
+    router: Linear  # (n_experts, d_model)
+    gate: ExpertLinear  # (n_experts, d_ff, d_model)
+    up: ExpertLinear  # (n_experts, d_ff, d_model)
+    down: ExpertLinear  # (n_experts, d_model, d_ff)
+    shared: GatedMLP | None
+    shared_gate: Linear | None  # (1, d_model)
+    top_k: int = eqx.field(static=True)
+    normalize: bool = eqx.field(static=True)
+    impl: MoEImpl = eqx.field(static=True)
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        n_experts: int,
+        top_k: int,
+        *,
+        normalize: bool = True,
+        shared_d_ff: int | None = None,
+        impl: MoEImpl = "dense",
+        key: PRNGKeyArray,
+        dtype=jnp.float32,
+    ):
+        if not 0 < top_k <= n_experts:
+            raise ValueError(f"MoE top_k={top_k} must be in [1, n_experts={n_experts}]")
+        if impl not in ("dense", "ragged"):
+            raise ValueError(f"MoE impl must be 'dense' or 'ragged', got {impl!r}")
+        kr, kg, ku, kd, ks, kz = jax.random.split(key, 6)
+        self.router = Linear(d_model, n_experts, axes=(None, "d_model"), key=kr, dtype=dtype)
+        self.gate = ExpertLinear(
+            n_experts, d_model, d_ff, axes=("d_ff", "d_model"), key=kg, dtype=dtype
+        )
+        self.up = ExpertLinear(
+            n_experts, d_model, d_ff, axes=("d_ff", "d_model"), key=ku, dtype=dtype
+        )
+        self.down = ExpertLinear(
+            n_experts, d_ff, d_model, axes=("d_model", "d_ff"), init="residual", key=kd, dtype=dtype
+        )
+        self.shared, self.shared_gate = None, None
+        if shared_d_ff is not None:
+            self.shared = GatedMLP(d_model, shared_d_ff, key=ks, dtype=dtype)
+            self.shared_gate = Linear(d_model, 1, axes=(None, "d_model"), key=kz, dtype=dtype)
+        self.top_k, self.normalize, self.impl = top_k, normalize, impl
+
+    @property
+    def n_experts(self) -> int:
+        return self.router.weight.shape[-2]
+
+    def route(
+        self, x: Float[Array, "rows d_model"]
+    ) -> tuple[Float[Array, "rows experts"], Float[Array, "rows k"], Int[Array, "rows k"]]:
+        """Router logits (compute dtype), the top-k weights (compute dtype) and expert ids."""
+        logits = self.router(x)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # fp32, over all experts
+        weights, experts = jax.lax.top_k(probs, self.top_k)
+        if self.normalize:
+            weights = weights / weights.sum(-1, keepdims=True)
+        return logits, weights.astype(x.dtype), experts
+
+    def _dense(self, x, weights, experts):
+        # combine[t, e]: token t's weight for expert e, zero unless e is among its top k.
+        combine = jnp.einsum(
+            "tk,tke->te", weights, jax.nn.one_hot(experts, self.n_experts, dtype=x.dtype)
+        )
+        every = jnp.broadcast_to(x, (self.n_experts, *x.shape))  # (E, T, d_model)
+        y = self.down(gated("silu", self.gate(every), self.up(every)))  # (E, T, d_model)
+        return jnp.einsum("etd,te->td", y, combine)
+
+    def _ragged(self, x, weights, experts):
+        rows, k = experts.shape
+        flat = experts.reshape(-1)  # (T k,): the expert of each token copy
+        order = jnp.argsort(flat, stable=True)  # token copies sorted by expert
+        sizes = jnp.bincount(flat, length=self.n_experts)
+        copies = x[order // k]  # (T k, d_model)
+        h = gated("silu", self.gate.grouped(copies, sizes), self.up.grouped(copies, sizes))
+        y = self.down.grouped(h, sizes)  # (T k, d_model)
+        y = jnp.zeros_like(y).at[order].set(y)  # back to token-major order: (T k, d_model)
+        return jnp.einsum("tkd,tk->td", y.reshape(rows, k, -1), weights)
+
+    @jax.named_scope("eqllm.MoE")
+    def routed(
+        self, x: Float[Array, "*rows d_model"], impl: MoEImpl | None = None
+    ) -> tuple[Float[Array, "*rows d_model"], Float[Array, "*rows experts"]]:
+        """The layer's output and its router logits (for the load-balancing loss).
+
+        `impl` overrides `self.impl`. "ragged" cannot run under `jax.vmap` (JAX's ragged_dot
+        has no batching rule): call the layer on the whole batch instead.
+        """
+        flat = x.reshape(-1, x.shape[-1])  # every leading axis folded into tokens
+        logits, weights, experts = self.route(flat)
+        compute = self._dense if (impl or self.impl) == "dense" else self._ragged
+        out = compute(flat, weights, experts)
+        if self.shared is not None:
+            out = out + jax.nn.sigmoid(self.shared_gate(flat)) * self.shared(flat)
+        return out.reshape(x.shape), logits.reshape(*x.shape[:-1], -1)
+
+    def __call__(self, x: Float[Array, "*rows d_model"]) -> Float[Array, "*rows d_model"]:
+        return self.routed(x)[0]
+
+
+def expert_load(
+    router_logits: Float[Array, "layers *rows experts"],
+    top_k: int,
+    mask: Bool[Array, "*rows"] | None = None,
+) -> tuple[Float[Array, "layers experts"], Float[Array, "layers experts"]]:
+    """Per layer: the fraction of (masked-in) token assignments each expert receives (each row
+    sums to 1) and the mean router probability of each expert."""
+    n_layers, n_experts = router_logits.shape[0], router_logits.shape[-1]
+    logits = router_logits.reshape(n_layers, -1, n_experts).astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    _, experts = jax.lax.top_k(probs, top_k)
+    counts = jax.nn.one_hot(experts, n_experts, dtype=jnp.float32).sum(-2)  # (L, T, E)
+    m = jnp.ones(logits.shape[1]) if mask is None else mask.reshape(-1).astype(jnp.float32)
+    rows = jnp.maximum(m.sum(), 1.0)
+    assigned = jnp.einsum("lte,t->le", counts, m) / (rows * top_k)
+    return assigned, jnp.einsum("lte,t->le", probs, m) / rows
+
+
+def load_balancing_loss(
+    router_logits: Float[Array, "layers *rows experts"],
+    top_k: int,
+    mask: Bool[Array, "*rows"] | None = None,
+) -> Float[Array, ""]:
+    """transformers' `load_balancing_loss_func` over the router logits of all layers together:
+    E * sum_e f_e * P_e, f_e the assignments to expert e per (masked-in) token (summing to k),
+    P_e its mean router probability, both over every layer's tokens. Without the coefficient."""
+    assigned, probs = expert_load(router_logits, top_k, mask)
+    n_experts = router_logits.shape[-1]
+    # Every layer has the same tokens, so the means over all layers are means of the per-layer ones.
+    return n_experts * top_k * jnp.sum(assigned.mean(0) * probs.mean(0))
