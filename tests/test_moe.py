@@ -64,9 +64,9 @@ def test_grouped_experts_equal_dense_ones(dense, execution):
 
 def test_expert_weights_carry_the_expert_axis(dense):
     axes = logical_axes(dense)
-    assert axes["blocks.mlp.gate.weight"] == (None, "expert", "d_ff", "d_model")
-    assert axes["blocks.mlp.down.weight"] == (None, "expert", "d_model", "d_ff")
-    assert axes["blocks.mlp.router.weight"] == (None, None, "d_model")
+    assert axes["blocks.mlp.gate.weight"] == ("layers", "expert", "d_ff", "d_model")
+    assert axes["blocks.mlp.down.weight"] == ("layers", "expert", "d_model", "d_ff")
+    assert axes["blocks.mlp.router.weight"] == ("layers", None, "d_model")
     # Initialised by role like any linear layer: the down projections scaled for depth.
     std = float(jnp.std(dense.blocks.mlp.down.weight))
     assert std == pytest.approx(CFG.init_std / np.sqrt(2 * CFG.n_layers), rel=0.1)
