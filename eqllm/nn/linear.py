@@ -124,7 +124,8 @@ class ExpertLinear(eqx.Module):
 
     Arguments:
         n: number of experts.
-        in_features, out_features: sizes of each expert's input and output.
+        in_features: size of each expert's input.
+        out_features: size of each expert's output.
         axes: logical names of the output and input axes; the leading axis is "expert".
         init: initialisation role (see `InitRole`).
 
