@@ -1,5 +1,6 @@
 """A mixture of experts trained with its experts split over the fsdp devices equals training
-on one device (the `expert` axis maps to fsdp)."""
+on one device (the `expert` axis maps to fsdp), and the dense experts run expert-parallel: the
+compiled step moves tokens, never an expert's weights."""
 
 import equinox as eqx
 import jax
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 
 import eqllm
+from eqllm.bench.mesh import mesh_bench
 from eqllm.recipe import OptimSpec
 from eqllm.sharding import MeshConfig, batch_sharding, make_mesh, param_shardings, shard_model
 from eqllm.train import TrainStep, init_opt_state, make_optimizer, schedule
@@ -53,3 +55,19 @@ def test_expert_sharded_training_equals_single_device(reference, impl):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(ref_model), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_dense_experts_run_expert_parallel_without_gathering_expert_weights():
+    scanned = CFG.replace(scan_layers=True)
+    ep = mesh_bench("moe", scanned, "data=2,fsdp=4", batch=8, seq=32)
+    zero3 = mesh_bench("moe", scanned.replace(moe_impl="ragged"), "data=2,fsdp=4", batch=8, seq=32)
+    e, f, d = CFG.n_experts, CFG.moe_d_ff, CFG.d_model
+    whole = {(e, f, d), (e, d, f)}  # one layer's gate/up or down weight, all experts
+    # The grouped product still gathers the expert weights (ZeRO-3 over experts): the check
+    # sees them there, and nowhere in the expert-parallel step.
+    assert whole & set(zero3.gathered_shapes)
+    assert not whole & set(ep.gathered_shapes)
+    # Tokens move in their place: the layer's tokens gathered over fsdp (d_model wide).
+    assert (4 * 32, d) in set(ep.gathered_shapes)  # 4 sequences of 32 per data group
+    # Fewer bytes move per layer in all (weights' gradients are no longer reduced over fsdp).
+    assert sum(ep.per_layer_bytes.values()) < sum(zero3.per_layer_bytes.values())
