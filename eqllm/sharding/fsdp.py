@@ -12,7 +12,8 @@ lowers it as an all-reduce of the one layer and a slice). Without remat, `run_bl
 everything but the gathered weights for the backward pass, which gathers them again.
 
 Expert parallelism: where the rules split a mixture of experts' weights over fsdp on their
-`expert` axis and the experts are computed densely, those weights are not gathered. Each device
+`expert` axis, the experts are computed densely and the layer's tokens are fewer bytes than its
+expert weights (`FsdpGather.expert_parallel`), those weights are not gathered. Each device
 keeps and runs its own experts: the layer's tokens are all-gathered over fsdp instead (the
 [experts, tokens, d_model] input of the expert product placed split over experts and whole over
 the fsdp group's tokens), and the combined output, a partial sum over each device's experts, is
@@ -70,21 +71,27 @@ class FsdpGather:
         constrain = functools.partial(self._constrain, keep_experts=keep_experts)
         return jax.tree.map(constrain, param_info(tree), tree, is_leaf=is_param_info)
 
-    def experts_split(self, block) -> bool:
-        """Whether `block` is a densely computed mixture of experts whose experts the rules
-        split over fsdp: then it runs expert-parallel (see the module docstring)."""
+    def expert_parallel(self, block, x) -> bool:
+        """Whether `block` runs expert-parallel on the layer input `x` (module docstring): a
+        densely computed mixture of experts whose experts the rules split over fsdp, where
+        moving the tokens costs fewer bytes than gathering the expert weights. Per layer, in
+        the forward and again in the backward pass, expert parallelism all-gathers the fsdp
+        group's tokens and reduce-scatters as many outputs (2 x tokens x d_model), FSDP
+        gathers three expert matrices (3 x experts x expert d_ff x d_model)."""
         moe = block.mlp
-        if not isinstance(moe, MoE) or moe.impl != "dense":
+        if not isinstance(moe, MoE) or moe.impl != "dense" or RULES["expert"] != "fsdp":
             return False
-        return moe.n_experts % self.sizes["fsdp"] == 0 and RULES["expert"] == "fsdp"
+        if moe.n_experts % self.sizes["fsdp"]:
+            return False
+        group_tokens = x.size // x.shape[-1] // self.sizes["data"]
+        return 2 * group_tokens < 3 * moe.n_experts * moe.gate.weight.shape[-2]
 
     def layer(self, block):
-        parallel = self.experts_split(block)
-        block = self.gather(block, keep_experts=parallel)
-
         def run(x, positions, local):
+            parallel = self.expert_parallel(block, x)
+            gathered = self.gather(block, keep_experts=parallel)
             with place_experts(self._place) if parallel else contextlib.nullcontext():
-                out, router_logits = block.routed(self._pin(x), positions, local)
+                out, router_logits = gathered.routed(self._pin(x), positions, local)
             return self._pin(out), router_logits
 
         return run

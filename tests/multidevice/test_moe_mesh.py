@@ -10,7 +10,14 @@ import pytest
 import eqllm
 from eqllm.bench.mesh import mesh_bench
 from eqllm.recipe import OptimSpec
-from eqllm.sharding import MeshConfig, batch_sharding, make_mesh, param_shardings, shard_model
+from eqllm.sharding import (
+    MeshConfig,
+    batch_sharding,
+    fsdp_gather,
+    make_mesh,
+    param_shardings,
+    shard_model,
+)
 from eqllm.train import TrainStep, init_opt_state, make_optimizer, schedule
 from tests.multidevice import CFG as DENSE
 
@@ -71,3 +78,17 @@ def test_dense_experts_run_expert_parallel_without_gathering_expert_weights():
     assert (4 * 32, d) in set(ep.gathered_shapes)  # 4 sequences of 32 per data group
     # Fewer bytes move per layer in all (weights' gradients are no longer reduced over fsdp).
     assert sum(ep.per_layer_bytes.values()) < sum(zero3.per_layer_bytes.values())
+
+
+def test_expert_parallel_where_tokens_are_fewer_bytes_than_expert_weights():
+    gather = fsdp_gather(make_mesh(MeshConfig.parse("data=2,fsdp=4")))
+    model = jax.eval_shape(lambda: eqllm.CausalLM(CFG, key=jax.random.key(0)))
+    block = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), model.blocks)
+    # 2 x tokens per data group against 3 x experts x expert d_ff = 384
+    assert gather.expert_parallel(block, jax.ShapeDtypeStruct((8, 32, 64), "float32"))
+    assert not gather.expert_parallel(block, jax.ShapeDtypeStruct((16, 32, 64), "float32"))
+    ragged = jax.eval_shape(
+        lambda: eqllm.CausalLM(CFG.replace(moe_impl="ragged"), key=jax.random.key(0))
+    )
+    ragged = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), ragged.blocks)
+    assert not gather.expert_parallel(ragged, jax.ShapeDtypeStruct((8, 32, 64), "float32"))
