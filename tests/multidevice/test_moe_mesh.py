@@ -28,8 +28,8 @@ CFG = CFG.replace(router_aux_loss_coef=0.01)
 SPEC = OptimSpec(lr=1e-2, warmup_steps=0, eps=1e-3)  # see test_train_mesh.py
 
 
-def train(mesh=None, impl="dense"):
-    model = eqllm.CausalLM(CFG.replace(moe_impl=impl), key=jax.random.key(0))
+def train(mesh=None, impl="dense", **overrides):
+    model = eqllm.CausalLM(CFG.replace(moe_impl=impl, **overrides), key=jax.random.key(0))
     shardings = None
     if mesh is not None:
         shardings = param_shardings(model, mesh)
@@ -52,11 +52,16 @@ def reference():
     return train()  # dense and grouped experts compute the same values (tests/test_moe.py)
 
 
-@pytest.mark.parametrize("impl", ["dense", "ragged"])
-def test_expert_sharded_training_equals_single_device(reference, impl):
+# dense: expert-parallel (8 x 32 tokens, 2 x 128 < 3 x 4 x 32); ragged: experts gathered
+@pytest.mark.parametrize(
+    "impl, overrides",
+    [("dense", {}), ("ragged", {}), ("dense", {"scan_layers": True, "remat": "full"})],
+    ids=["dense", "ragged", "dense-scanned-remat"],
+)
+def test_expert_sharded_training_equals_single_device(reference, impl, overrides):
     ref_model, ref_losses = reference
     mesh = make_mesh(MeshConfig.parse("data=2,fsdp=4"))
-    model, losses = train(mesh, impl)
+    model, losses = train(mesh, impl, **overrides)
     spec = model.blocks.mlp.gate.weight.sharding.spec
     assert spec[1] == "fsdp"  # each device holds one expert
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
