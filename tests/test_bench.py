@@ -128,6 +128,30 @@ def test_count_collectives_per_layer_and_per_step():
     assert per_step["all-reduce"] == 6 + 1  # the tuple all-reduce 6 times, the async one once
 
 
+def test_collective_bytes_and_gathered_shapes():
+    """Bytes of the collectives' results (an async start's results, not its operands), per
+    layer and per step, and the shapes all-gathers produce."""
+    from eqllm.bench.mesh import collective_bytes, gathered_shapes
+
+    hlo = "\n".join(
+        [
+            "%body (p: f32[4]) -> f32[4] {",
+            "  %ag = bf16[8,2]{1,0} all-gather(%p), dimensions={0}",
+            "}",
+            "ENTRY %main (p: f32[4]) -> f32[4] {",
+            '  %v = f32[4] while(%p), condition=%c, body=%body, backend_config={"known_trip_'
+            'count":{"n":"3"}}',
+            "  %t = (f32[], /*index=1*/f32[4]{0}) all-reduce(%a, %b), to_apply=%add",
+            "  %s = (f32[4]{0}, f32[16]{0}) all-gather-start(%x), dimensions={0}",
+            "}",
+        ]
+    )
+    per_layer, per_step = collective_bytes(hlo)
+    assert per_layer["all-gather"] == 2 * 8 * 2 and per_layer["all-reduce"] == 0
+    assert per_step["all-gather"] == 3 * 32 + 4 * 16 and per_step["all-reduce"] == 4 + 16
+    assert gathered_shapes(hlo) == [(8, 2), (16,)]
+
+
 def test_bench_mesh_cli(tmp_path, capsys):
     """`--mesh` compiles the step from shapes and reports memory; a mesh that does not fit the
     devices is a one-line error (exit 2)."""

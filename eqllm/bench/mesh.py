@@ -8,12 +8,15 @@ can be measured) and read two ways:
   (parameters, optimizer state, batch), outputs, temporaries (activations, gradients, gathered
   weights), and the argument bytes the outputs reuse (donation);
 - collectives, counted by kind in the optimised HLO: inside the layer loop's bodies (each run
-  once per layer) and per step (everything, loop bodies times their trip counts).
+  once per layer) and per step (everything, loop bodies times their trip counts); with the
+  bytes of their results, and the shapes that are all-gathered (so a test can tell which
+  arrays move: expert weights must not, under expert parallelism).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import time
 from typing import Any
@@ -54,6 +57,10 @@ class MeshResult:
     alias_bytes: int
     per_layer: dict[str, int]  # collectives inside the layer loop bodies, per layer
     per_step: dict[str, int]  # all collectives executed in one step
+    # the bytes of those collectives' results, by kind
+    per_layer_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    per_step_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    gathered_shapes: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
@@ -70,6 +77,48 @@ def count_collectives(hlo: str) -> tuple[dict[str, int], dict[str, int]]:
     "Per layer" counts the ops in while-loop bodies (the scanned layers, forward and backward);
     "per step" multiplies every computation's ops by the trip counts of the loops around it.
     """
+    return _collectives(hlo, lambda line, kind: 1)
+
+
+def collective_bytes(hlo: str) -> tuple[dict[str, int], dict[str, int]]:
+    """(per layer, per step) bytes of each collective kind's results (see `count_collectives`);
+    an async `-start` op counts its results, not the operands its tuple repeats."""
+
+    def size(line: str, kind: str) -> int:
+        shapes = _result_shapes(line, kind)
+        return sum(_DTYPE_BYTES.get(t, 4) * math.prod(d) for t, d in shapes)
+
+    return _collectives(hlo, size)
+
+
+def gathered_shapes(hlo: str) -> list[tuple[int, ...]]:
+    """The distinct shapes (per device, after the gather) that the HLO's all-gathers produce."""
+    found = set()
+    for line in hlo.splitlines():
+        if _OP["all-gather"].search(line):
+            found |= {d for _, d in _result_shapes(line, "all-gather")}
+    return sorted(found)
+
+
+_DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "s16": 2, "u16": 2}
+_DTYPE_BYTES |= {"s8": 1, "u8": 1, "pred": 1}
+# "kind(" or "kind-start(" as the op, not "%kind.12" as an operand
+_OP = {kind: re.compile(rf"(?<![\w%.\-]){kind}(-start)?\(") for kind in KINDS}
+
+
+def _result_shapes(line: str, kind: str) -> list[tuple[str, tuple[int, ...]]]:
+    op = _OP[kind].search(line)
+    result = line[line.index("=") + 1 : op.start()]  # "%x = f32[8,4]{1,0} all-gather(...)"
+    shapes = [
+        (t, tuple(int(n) for n in dims.split(",") if n))
+        for t, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", result)
+    ]
+    if op.group(1):  # -start: (operands..., results...)
+        shapes = shapes[len(shapes) // 2 :]
+    return shapes
+
+
+def _collectives(hlo: str, measure) -> tuple[dict[str, int], dict[str, int]]:
     calls: dict[str, tuple[str, int]] = {}  # body -> (computation holding the loop, trips)
     ops: dict[str, dict[str, int]] = {}
     computation = ""
@@ -84,9 +133,8 @@ def count_collectives(hlo: str) -> tuple[dict[str, int], dict[str, int]]:
             trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
             calls[body.group(1)] = (computation, int(trips.group(1)) if trips else 1)
         for kind in KINDS:
-            # "kind(" or "kind-start(" as the op, not "%kind.12" as an operand
-            if re.search(rf"(?<![\w%.\-]){kind}(-start)?\(", line):
-                ops[computation][kind] += 1
+            if _OP[kind].search(line):
+                ops[computation][kind] += measure(line, kind)
 
     def trips(name: str) -> int:
         parent = calls.get(name)
@@ -124,7 +172,9 @@ def mesh_bench(
     compiled = step.lower(model, state, tokens).compile()
     compile_s = time.perf_counter() - t0
     memory = compiled.memory_analysis()
-    per_layer, per_step = count_collectives(compiled.as_text())
+    hlo = compiled.as_text()
+    per_layer, per_step = count_collectives(hlo)
+    per_layer_bytes, per_step_bytes = collective_bytes(hlo)
     return MeshResult(
         variant=variant,
         mesh=",".join(f"{k}={v}" for k, v in mesh.shape.items() if v > 1) or "one device",
@@ -138,6 +188,9 @@ def mesh_bench(
         alias_bytes=int(memory.alias_size_in_bytes),
         per_layer=per_layer,
         per_step=per_step,
+        per_layer_bytes=per_layer_bytes,
+        per_step_bytes=per_step_bytes,
+        gathered_shapes=gathered_shapes(hlo),
     )
 
 

@@ -10,10 +10,18 @@ matrix that is zero off the top k (k/E of the work is useful, but it is plain ba
 "ragged" sorts the token copies by expert and runs `jax.lax.ragged_dot` (grouped matmul: the
 useful work only, on backends with a grouped kernel; XLA on CPU lowers it to a masked dense
 product that costs every expert on every row).
+
+Expert parallelism: while tracing inside `place_experts(fn)`, the dense product passes its
+intermediates through `fn(array, logical_axes)`, so a caller that knows the mesh (the FSDP
+layer hook, `eqllm.sharding.FsdpGather`) can place them: the [experts, tokens, ...] arrays
+split over experts, so that each device runs only its own experts, on every token.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import equinox as eqx
@@ -25,6 +33,31 @@ from eqllm.nn.linear import ExpertLinear, Linear
 from eqllm.nn.mlp import GatedMLP, gated
 
 MoEImpl = Literal["dense", "ragged"]
+
+# (array, logical axes of its dimensions) -> the same values, placed (see `place_experts`).
+ExpertPlacement = Callable[[Array, tuple[str, ...]], Array]
+_PLACEMENT: contextvars.ContextVar[ExpertPlacement | None] = contextvars.ContextVar(
+    "eqllm_expert_placement", default=None
+)
+
+
+@contextlib.contextmanager
+def place_experts(fn: ExpertPlacement) -> Iterator[None]:
+    """While tracing inside this context, the dense expert product calls `fn(array, axes)` on
+    the tokens it gives every expert ("expert", "tokens", "d_model"), the experts' hidden
+    units ("expert", "tokens", "d_ff") and outputs ("expert", "tokens", "d_model"), the combine
+    weights ("tokens", "expert") and the combined output ("tokens", "d_model"), and uses what
+    `fn` returns (the same values: a sharding constraint, say, which also places their
+    gradients)."""
+    token = _PLACEMENT.set(fn)
+    try:
+        yield
+    finally:
+        _PLACEMENT.reset(token)
+
+
+def _unplaced(x, axes):
+    return x
 
 
 class MoE(eqx.Module):
@@ -102,13 +135,17 @@ class MoE(eqx.Module):
         return logits, weights.astype(x.dtype), experts
 
     def _dense(self, x, weights, experts):
+        place = _PLACEMENT.get() or _unplaced
         # combine[t, e]: token t's weight for expert e, zero unless e is among its top k.
         combine = jnp.einsum(
             "tk,tke->te", weights, jax.nn.one_hot(experts, self.n_experts, dtype=x.dtype)
         )
+        combine = place(combine, ("tokens", "expert"))
         every = jnp.broadcast_to(x, (self.n_experts, *x.shape))  # (E, T, d_model)
-        y = self.down(gated("silu", self.gate(every), self.up(every)))  # (E, T, d_model)
-        return jnp.einsum("etd,te->td", y, combine)
+        every = place(every, ("expert", "tokens", "d_model"))
+        h = place(gated("silu", self.gate(every), self.up(every)), ("expert", "tokens", "d_ff"))
+        y = place(self.down(h), ("expert", "tokens", "d_model"))  # (E, T, d_model)
+        return place(jnp.einsum("etd,te->td", y, combine), ("tokens", "d_model"))
 
     def _ragged(self, x, weights, experts):
         rows, k = experts.shape

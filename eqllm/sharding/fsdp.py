@@ -10,10 +10,20 @@ is asked for split only, so each layer's gradient is reduced over the devices in
 backward loop body, straight to its split placement (a reduce-scatter; XLA's CPU backend
 lowers it as an all-reduce of the one layer and a slice). Without remat, `run_blocks` keeps
 everything but the gathered weights for the backward pass, which gathers them again.
+
+Expert parallelism: where the rules split a mixture of experts' weights over fsdp on their
+`expert` axis, the experts are computed densely and the layer's tokens are fewer bytes than its
+expert weights (`FsdpGather.expert_parallel`), those weights are not gathered. Each device
+keeps and runs its own experts: the layer's tokens are all-gathered over fsdp instead (the
+[experts, tokens, d_model] input of the expert product placed split over experts and whole over
+the fsdp group's tokens), and the combined output, a partial sum over each device's experts, is
+reduce-scattered back to the batch split (`eqllm.nn.moe.place_experts`). Tokens move, weights
+stay; each expert's gradient stays on its device (all-reduced over `data` only).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -21,8 +31,9 @@ import equinox as eqx
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from eqllm.nn import param_info
+from eqllm.nn import MoE, param_info
 from eqllm.nn.linear import is_param_info
+from eqllm.nn.moe import place_experts
 from eqllm.sharding.rules import RULES, sizes_of, spec_for
 
 
@@ -42,27 +53,62 @@ class FsdpGather:
         self.batch = NamedSharding(mesh, PartitionSpec(RULES["batch"]))
         self.batch_split = math.prod(self.sizes[a] for a in RULES["batch"])
 
-    def _constrain(self, info, x):
+    def _constrain(self, info, x, keep_experts=False):
         if not eqx.is_inexact_array(x):
             return x  # dropout keys pass through
         split = spec_for(info.axes, x.shape, self.sizes)
         whole = spec_for(info.axes, x.shape, {**self.sizes, "fsdp": 1})
         if split == whole:
             return x
+        if keep_experts and "expert" in info.axes:
+            # Expert parallelism: the device's own experts, read split and never gathered.
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, split))
         return _gather(x, NamedSharding(self.mesh, split), NamedSharding(self.mesh, whole))
 
-    def gather(self, tree):
-        """Every floating-point array of `tree` split by the rules, then gathered over fsdp."""
-        return jax.tree.map(self._constrain, param_info(tree), tree, is_leaf=is_param_info)
+    def gather(self, tree, keep_experts: bool = False):
+        """Every floating-point array of `tree` split by the rules, then gathered over fsdp
+        (but for expert weights, when `keep_experts`)."""
+        constrain = functools.partial(self._constrain, keep_experts=keep_experts)
+        return jax.tree.map(constrain, param_info(tree), tree, is_leaf=is_param_info)
+
+    def expert_parallel(self, block, x) -> bool:
+        """Whether `block` runs expert-parallel on the layer input `x` (module docstring): a
+        densely computed mixture of experts whose experts the rules split over fsdp, where
+        moving the tokens costs fewer bytes than gathering the expert weights. Per layer, in
+        the forward and again in the backward pass, expert parallelism all-gathers the fsdp
+        group's tokens and reduce-scatters as many outputs (2 x tokens x d_model), FSDP
+        gathers three expert matrices (3 x experts x expert d_ff x d_model)."""
+        moe = block.mlp
+        if not isinstance(moe, MoE) or moe.impl != "dense" or RULES["expert"] != "fsdp":
+            return False
+        if moe.n_experts % self.sizes["fsdp"]:
+            return False
+        group_tokens = x.size // x.shape[-1] // self.sizes["data"]
+        return 2 * group_tokens < 3 * moe.n_experts * moe.gate.weight.shape[-2]
 
     def layer(self, block):
-        block = self.gather(block)
-
         def run(x, positions, local):
-            out, router_logits = block.routed(self._pin(x), positions, local)
+            parallel = self.expert_parallel(block, x)
+            gathered = self.gather(block, keep_experts=parallel)
+            with place_experts(self._place) if parallel else contextlib.nullcontext():
+                out, router_logits = gathered.routed(self._pin(x), positions, local)
             return self._pin(out), router_logits
 
         return run
+
+    def _place(self, x, axes):
+        """Expert-parallel placement of the dense expert product's arrays: experts over fsdp,
+        tokens over data (every device sees its fsdp group's tokens); the product's output
+        (no expert axis) back to the batch split."""
+        data = self.sizes["data"]
+        tokens = ("data",) if "expert" in axes else RULES["batch"]
+        rows = x.shape[axes.index("tokens")]
+        if rows % (data if "expert" in axes else self.batch_split):
+            return x
+        # the hidden units stay where the partitioner puts them (split over tensor, say)
+        names = {"expert": "fsdp", "tokens": tokens, "d_ff": PartitionSpec.UNCONSTRAINED}
+        spec = PartitionSpec(*(names.get(a) for a in axes))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
     def _pin(self, x):
         if x.ndim == 3 and x.shape[0] % self.batch_split == 0:

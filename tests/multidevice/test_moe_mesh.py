@@ -1,5 +1,6 @@
 """A mixture of experts trained with its experts split over the fsdp devices equals training
-on one device (the `expert` axis maps to fsdp)."""
+on one device (the `expert` axis maps to fsdp), and the dense experts run expert-parallel: the
+compiled step moves tokens, never an expert's weights."""
 
 import equinox as eqx
 import jax
@@ -7,8 +8,16 @@ import numpy as np
 import pytest
 
 import eqllm
+from eqllm.bench.mesh import mesh_bench
 from eqllm.recipe import OptimSpec
-from eqllm.sharding import MeshConfig, batch_sharding, make_mesh, param_shardings, shard_model
+from eqllm.sharding import (
+    MeshConfig,
+    batch_sharding,
+    fsdp_gather,
+    make_mesh,
+    param_shardings,
+    shard_model,
+)
 from eqllm.train import TrainStep, init_opt_state, make_optimizer, schedule
 from tests.multidevice import CFG as DENSE
 
@@ -19,8 +28,8 @@ CFG = CFG.replace(router_aux_loss_coef=0.01)
 SPEC = OptimSpec(lr=1e-2, warmup_steps=0, eps=1e-3)  # see test_train_mesh.py
 
 
-def train(mesh=None, impl="dense"):
-    model = eqllm.CausalLM(CFG.replace(moe_impl=impl), key=jax.random.key(0))
+def train(mesh=None, impl="dense", **overrides):
+    model = eqllm.CausalLM(CFG.replace(moe_impl=impl, **overrides), key=jax.random.key(0))
     shardings = None
     if mesh is not None:
         shardings = param_shardings(model, mesh)
@@ -43,13 +52,48 @@ def reference():
     return train()  # dense and grouped experts compute the same values (tests/test_moe.py)
 
 
-@pytest.mark.parametrize("impl", ["dense", "ragged"])
-def test_expert_sharded_training_equals_single_device(reference, impl):
+# dense: expert-parallel (8 x 32 tokens, 2 x 128 < 3 x 4 x 32); ragged: experts gathered
+@pytest.mark.parametrize(
+    "impl, overrides",
+    [("dense", {}), ("ragged", {}), ("dense", {"scan_layers": True, "remat": "full"})],
+    ids=["dense", "ragged", "dense-scanned-remat"],
+)
+def test_expert_sharded_training_equals_single_device(reference, impl, overrides):
     ref_model, ref_losses = reference
     mesh = make_mesh(MeshConfig.parse("data=2,fsdp=4"))
-    model, losses = train(mesh, impl)
+    model, losses = train(mesh, impl, **overrides)
     spec = model.blocks.mlp.gate.weight.sharding.spec
     assert spec[1] == "fsdp"  # each device holds one expert
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(ref_model), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_dense_experts_run_expert_parallel_without_gathering_expert_weights():
+    scanned = CFG.replace(scan_layers=True)
+    ep = mesh_bench("moe", scanned, "data=2,fsdp=4", batch=8, seq=32)
+    zero3 = mesh_bench("moe", scanned.replace(moe_impl="ragged"), "data=2,fsdp=4", batch=8, seq=32)
+    e, f, d = CFG.n_experts, CFG.moe_d_ff, CFG.d_model
+    whole = {(e, f, d), (e, d, f)}  # one layer's gate/up or down weight, all experts
+    # The grouped product still gathers the expert weights (ZeRO-3 over experts): the check
+    # sees them there, and nowhere in the expert-parallel step.
+    assert whole & set(zero3.gathered_shapes)
+    assert not whole & set(ep.gathered_shapes)
+    # Tokens move in their place: the layer's tokens gathered over fsdp (d_model wide).
+    assert (4 * 32, d) in set(ep.gathered_shapes)  # 4 sequences of 32 per data group
+    # Fewer bytes move per layer in all (weights' gradients are no longer reduced over fsdp).
+    assert sum(ep.per_layer_bytes.values()) < sum(zero3.per_layer_bytes.values())
+
+
+def test_expert_parallel_where_tokens_are_fewer_bytes_than_expert_weights():
+    gather = fsdp_gather(make_mesh(MeshConfig.parse("data=2,fsdp=4")))
+    model = jax.eval_shape(lambda: eqllm.CausalLM(CFG, key=jax.random.key(0)))
+    block = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), model.blocks)
+    # 2 x tokens per data group against 3 x experts x expert d_ff = 384
+    assert gather.expert_parallel(block, jax.ShapeDtypeStruct((8, 32, 64), "float32"))
+    assert not gather.expert_parallel(block, jax.ShapeDtypeStruct((16, 32, 64), "float32"))
+    ragged = jax.eval_shape(
+        lambda: eqllm.CausalLM(CFG.replace(moe_impl="ragged"), key=jax.random.key(0))
+    )
+    ragged = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), ragged.blocks)
+    assert not gather.expert_parallel(ragged, jax.ShapeDtypeStruct((8, 32, 64), "float32"))
