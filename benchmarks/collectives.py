@@ -39,9 +39,8 @@ def main() -> int:
     cfg = eqllm.zoo.config(
         "llama-nano",
         d_model=128,
-        n_heads=8,
-        n_kv_heads=8,
-        d_ff=512,
+        attention={"n_heads": 8, "n_kv_heads": 8},
+        mlp={"d_ff": 512},
         vocab_size=4096,
         max_seq_len=128,
         scan_layers=True,  # llama-nano unrolls its layers; the counts per layer need the scan

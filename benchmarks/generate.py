@@ -96,7 +96,7 @@ def decode_bytes(model, batch: int, prompt: int, new: int) -> float:
     cfg = model.config
     weights = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
     mean_context = prompt + new / 2
-    per_position = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 4  # k and v, fp32
+    per_position = cfg.n_layers * 2 * cfg.attention.n_kv_heads * cfg.head_dim * 4  # k and v, fp32
     return weights + batch * mean_context * per_position
 
 

@@ -23,7 +23,7 @@ python -c "import jax; print('device:', jax.devices()[0].device_kind, '| jax', j
 
 for attention in auto xla; do
     eqllm bench llama-350m llama3.2-1b --dtype bfloat16 --vs-torch \
-        --batch "$BATCH" --seq "$SEQ" --set "attention=$attention" \
+        --batch "$BATCH" --seq "$SEQ" --set "attention.kernel=$attention" \
         --out "$OUT/$attention" "$@"
 done
 echo "written: $OUT/auto/bench.md and $OUT/xla/bench.md"

@@ -53,7 +53,8 @@ def write_checkpoint(folder: Path, family: str, layers: int) -> int:
     name = {"llama": "llama-125m", "gpt2": "gpt2-small"}[family]
     overrides = {"n_layers": layers}
     if family == "llama":
-        overrides.update(vocab_size=32000, d_model=768, n_heads=12, n_kv_heads=12, d_ff=2048)
+        overrides.update(vocab_size=32000, d_model=768)
+        overrides.update(attention={"n_heads": 12, "n_kv_heads": 12}, mlp={"d_ff": 2048})
     cfg = eqllm.zoo.config(name, **overrides)
     # The tensor names and shapes save_pretrained would write, filled with random numbers.
     shapes = eqllm.hub.folders.skeleton(cfg)[0]

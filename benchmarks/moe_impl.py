@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     batch = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.batch, args.seq + 1))
     batch = jax.numpy.asarray(batch, jax.numpy.int32)
     grad = eqx.filter_jit(eqx.filter_grad(lambda m, b: training_loss(m, b)[0]))
-    models = {impl: model.with_config(moe_impl=impl) for impl in ("dense", "ragged")}
+    models = {impl: model.with_config(moe={"impl": impl}) for impl in ("dense", "ragged")}
     times: dict[str, list[float]] = {impl: [] for impl in models}
     for m in models.values():  # compile
         jax.block_until_ready(grad(m, batch))

@@ -54,18 +54,20 @@ def dense_like(moe: ModelConfig, target: int) -> ModelConfig:
         vocab_size=moe.vocab_size,
         d_model=moe.d_model,
         n_layers=moe.n_layers,
-        n_heads=moe.n_heads,
-        n_kv_heads=moe.n_kv_heads,
-        head_dim=moe.head_dim,
-        rope_theta=moe.rope_theta,
+        attention={
+            "n_heads": moe.attention.n_heads,
+            "n_kv_heads": moe.attention.n_kv_heads,
+            "head_dim": moe.head_dim,
+        },
+        positions={"theta": moe.positions.theta},
         max_seq_len=moe.max_seq_len,
         tie_embeddings=moe.tie_embeddings,
         scan_layers=moe.scan_layers,
-        d_ff=1,
+        mlp={"d_ff": 1},
     )
     per_unit = 3 * base.d_model * base.n_layers
     d_ff = max(1, round((target - zoo.param_count(base)) / per_unit) + 1)
-    return base.replace(d_ff=d_ff)
+    return base.replace(mlp={"d_ff": d_ff})
 
 
 def _memory(bench: JaxBench) -> dict:
@@ -82,10 +84,10 @@ def speed_table(models: dict[str, ModelConfig], args) -> list[dict]:
     runs = {}
     for name, cfg in models.items():
         cfg = bench_config(cfg, args.seq)
-        impls = ("dense", "ragged") if cfg.n_experts else (None,)
+        impls = ("dense", "ragged") if cfg.moe is not None else (None,)
         for impl in impls:
             label = f"{name} ({impl})" if impl else name
-            c = cfg.replace(moe_impl=impl) if impl else cfg
+            c = cfg.replace(moe={"impl": impl}) if impl else cfg
             runs[label] = JaxBench(c, tokens)
             runs[label].compile()
             runs[label].step()  # warm-up
@@ -100,7 +102,7 @@ def speed_table(models: dict[str, ModelConfig], args) -> list[dict]:
         rows.append(
             {
                 "model": label,
-                "d_ff": b.config.d_ff,
+                "d_ff": b.config.mlp.d_ff,
                 "params": b.params,
                 "active": zoo.active_param_count(b.config),
                 "flops_per_token": b.config.flops_per_token(args.seq),
@@ -155,7 +157,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     moe = zoo.config(args.variant)
-    if moe.n_experts is None:
+    if moe.moe is None:
         parser.error(f"--variant {args.variant} is not a mixture of experts")
     models = {
         "moe": moe,

@@ -60,7 +60,11 @@ def compile_study(args) -> dict:
             print(rows[-1], file=sys.stderr)
     for width in args.widths:
         heads = max(width // 64, 1)
-        cfg = base.replace(d_model=width, n_heads=heads, n_kv_heads=heads, d_ff=4 * width)
+        cfg = base.replace(
+            d_model=width,
+            attention={"n_heads": heads, "n_kv_heads": heads},
+            mlp={"d_ff": 4 * width},
+        )
         cfg = bench_config(cfg, args.seq).replace(scan_layers=True)
         lower, comp = compile_seconds(cfg, args.batch, args.seq)
         rows.append(

@@ -1,4 +1,4 @@
-"""Which attention kernel a model runs: `ModelConfig.attention` resolved against the device.
+"""Which attention kernel a model runs: `ModelConfig.attention.kernel` resolved against the device.
 
 "xla" is the model's own attention (`eqllm.nn.attention`). "cudnn" is cuDNN's fused kernel
 through `jax.nn.dot_product_attention` (`eqllm.nn.fused_attention`), which needs an NVIDIA GPU,
@@ -22,16 +22,16 @@ log = logging.getLogger(__name__)
 
 def attention_kernel(config: ModelConfig) -> str | None:
     """The `kernel` of the model's Attention layers: "cudnn", or None for the model's own."""
-    if config.attention == "xla":
+    if config.attention.kernel == "xla":
         return None
     platform, max_head_dim = _device()
     reasons = cudnn_blockers(config, platform, max_head_dim)
     if not reasons:
         return "cudnn"
-    if config.attention == "cudnn":
+    if config.attention.kernel == "cudnn":
         raise ConfigError(
-            f"ModelConfig.attention='cudnn' cannot run here: {'; '.join(reasons)}; "
-            "use attention='auto' (cuDNN where it can run) or attention='xla'"
+            f"ModelConfig.attention.kernel='cudnn' cannot run here: {'; '.join(reasons)}; "
+            "use attention.kernel='auto' (cuDNN where it can run) or attention.kernel='xla'"
         )
     if platform in ("cuda", "gpu", "rocm"):
         _say_once(config.family, tuple(reasons))
@@ -45,8 +45,8 @@ def cudnn_blockers(config: ModelConfig, platform: str, max_head_dim: int) -> lis
         reasons.append(f"no NVIDIA GPU (jax's devices are {platform!r})")
     if config.compute_dtype == "float32":
         reasons.append("compute_dtype='float32' (the fused kernel takes bfloat16 or float16)")
-    if config.attn_softcap is not None:
-        reasons.append(f"attn_softcap={config.attn_softcap} (the fused kernel cannot soft-cap)")
+    if (cap := config.attention.softcap) is not None:
+        reasons.append(f"attention.softcap={cap} (the fused kernel cannot soft-cap)")
     if config.head_dim % 8 or config.head_dim > max_head_dim:
         reasons.append(
             f"head_dim={config.head_dim} (the fused kernel needs a multiple of 8, "
@@ -69,7 +69,7 @@ def _device() -> tuple[str, int]:
 @functools.cache
 def _say_once(family: str, reasons: tuple[str, ...]) -> None:
     log.warning(
-        "attention='auto' uses the model's own (xla) attention for %s: %s",
+        "attention.kernel='auto' uses the model's own (xla) attention for %s: %s",
         family,
         "; ".join(reasons),
     )

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from eqllm.config import ModelConfig
+from eqllm.config import ModelConfig, dotted
 from eqllm.errors import EqllmError
 from eqllm.nn import (
     Block,
@@ -34,7 +34,7 @@ from eqllm.stack import REMAT_POLICIES as REMAT_POLICIES  # re-exported: the rem
 from eqllm.stack import dtype_of, layer_flags, make_block, make_norm, run_blocks
 
 # ModelConfig fields that change how the model runs, not what it computes.
-EXECUTION_FIELDS = ("scan_layers", "remat", "compute_dtype", "attention", "moe_impl")
+EXECUTION_FIELDS = ("scan_layers", "remat", "compute_dtype", "attention.kernel", "moe.impl")
 
 
 class CausalLM(eqx.Module):
@@ -66,10 +66,15 @@ class CausalLM(eqx.Module):
         self.config = config
 
     def with_config(self, **changes) -> CausalLM:
-        """The same weights under changed execution settings (EXECUTION_FIELDS).
+        """The same weights under changed execution settings (EXECUTION_FIELDS, as dotted keys
+        `**{"attention.kernel": "xla"}` or groups `attention={"kernel": "xla"}`).
 
         Architecture fields cannot change this way: they would change the weights' meaning.
+        `moe.impl` of a dense model is ignored (it has no experts to compute).
         """
+        changes = dotted(changes)
+        if self.config.moe is None:
+            changes.pop("moe.impl", None)
         not_allowed = sorted(set(changes) - set(EXECUTION_FIELDS))
         if not_allowed:
             raise ValueError(
@@ -157,10 +162,9 @@ class CausalLM(eqx.Module):
         cfg = self.config
         dtype = dtype_of(cfg.compute_dtype)
         full = min(length, cfg.max_seq_len)
-        local = KVCache.empty(
-            min(full, cfg.sliding_window or full), cfg.n_kv_heads, cfg.head_dim, dtype
-        )
-        world = KVCache.empty(full, cfg.n_kv_heads, cfg.head_dim, dtype)
+        window, kv_heads = cfg.attention.sliding_window, cfg.attention.n_kv_heads
+        local = KVCache.empty(min(full, window or full), kv_heads, cfg.head_dim, dtype)
+        world = KVCache.empty(full, kv_heads, cfg.head_dim, dtype)
         return tuple(local if w else world for w in cfg.local_layers())
 
     def layers(self) -> tuple[Block, ...]:
@@ -246,7 +250,7 @@ def _initial_parts(config: ModelConfig, key: PRNGKeyArray) -> dict:
                 key=k_pos,
                 dtype=dtype,
             )
-            if config.position == "learned"
+            if config.positions.kind == "learned"
             else None
         ),
         "blocks": eqx.filter_vmap(lambda k: make_block(config, k))(block_keys),

@@ -82,70 +82,81 @@ def dtype_of(name: str):
 
 def make_norm(config: ModelConfig, dtype) -> RMSNorm | LayerNorm:
     """The config's norm over d_model (every norm of the model but the QK-norm)."""
-    if config.norm == "rmsnorm":
-        return RMSNorm(
-            config.d_model, eps=config.norm_eps, plus_one=config.norm_plus_one, dtype=dtype
+    norms = config.norms
+    if norms.kind == "rmsnorm":
+        return RMSNorm(config.d_model, eps=norms.eps, plus_one=norms.plus_one, dtype=dtype)
+    return LayerNorm(config.d_model, eps=norms.eps, use_bias=norms.bias, dtype=dtype)
+
+
+def make_rope(config: ModelConfig) -> RotaryEmbedding | None:
+    """The rotary embedding `config.positions` describes (None without RoPE)."""
+    pos = config.positions
+    if pos.kind != "rope":
+        return None
+    scaling = pos.scaling
+    llama3 = {}
+    if scaling is not None:
+        llama3 = dict(
+            llama3_factor=scaling.factor,
+            low_freq_factor=scaling.low_freq_factor,
+            high_freq_factor=scaling.high_freq_factor,
+            original_max_seq_len=scaling.original_max_seq_len,
         )
-    return LayerNorm(config.d_model, eps=config.norm_eps, use_bias=config.norm_bias, dtype=dtype)
+    return RotaryEmbedding(
+        config.head_dim,
+        pos.theta,
+        **llama3,
+        local_theta=pos.local_theta,
+        rotary_dim=None if pos.fraction == 1 else config.rotary_dim,
+    )
 
 
 def make_block(config: ModelConfig, key: PRNGKeyArray) -> Block:
     """One Transformer block as `config` describes it."""
     dtype = dtype_of(config.param_dtype)
     k_attn, k_mlp = jax.random.split(key)
-    rope = None
-    if config.position == "rope":
-        rope = RotaryEmbedding(
-            config.head_dim,
-            config.rope_theta,
-            llama3_factor=config.rope_factor if config.rope_scaling == "llama3" else None,
-            low_freq_factor=config.rope_low_freq_factor,
-            high_freq_factor=config.rope_high_freq_factor,
-            original_max_seq_len=config.rope_original_max_seq_len,
-            local_theta=config.rope_local_theta,
-            rotary_dim=None if config.rope_fraction == 1 else config.rotary_dim,
-        )
-    scalar = config.query_pre_attn_scalar
+    a, norms = config.attention, config.norms
+    scalar = a.query_pre_attn_scalar
     attn = Attention(
         config.d_model,
-        config.n_heads,
-        n_kv_heads=config.n_kv_heads,
-        head_dim=config.head_dim,
-        qkv_bias=config.qkv_bias,
-        out_bias=config.out_bias,
-        qk_norm=config.qk_norm,
-        qk_norm_per_head=config.qk_norm_per_head,
-        norm_plus_one=config.norm_plus_one,
-        rope=rope,
-        sliding_window=config.sliding_window,
-        norm_eps=config.norm_eps,
+        a.n_heads,
+        n_kv_heads=a.n_kv_heads,
+        head_dim=a.head_dim,
+        qkv_bias=a.qkv_bias,
+        out_bias=a.out_bias,
+        qk_norm=a.qk_norm is not None,
+        qk_norm_per_head=a.qk_norm != "whole",
+        norm_plus_one=norms.plus_one,
+        rope=make_rope(config),
+        sliding_window=a.sliding_window,
+        norm_eps=norms.eps,
         scale=None if scalar is None else scalar**-0.5,
-        softcap=config.attn_softcap,
+        softcap=a.softcap,
         kernel=attention_kernel(config),
         key=k_attn,
         dtype=dtype,
     )
-    if config.n_experts is not None:
+    if (moe := config.moe) is not None:
         mlp = MoE(
             config.d_model,
             config.expert_d_ff,
-            config.n_experts,
-            config.experts_per_token,
-            normalize=config.norm_topk_prob,
-            shared_d_ff=config.shared_expert_d_ff,
-            impl=config.moe_impl,
+            moe.n_experts,
+            moe.experts_per_token,
+            normalize=moe.norm_topk_prob,
+            shared_d_ff=moe.shared_d_ff,
+            impl=moe.impl,
             key=k_mlp,
             dtype=dtype,
         )
-    elif config.mlp == "gelu":
-        mlp = MLP(config.d_model, config.d_ff, use_bias=config.mlp_bias, key=k_mlp, dtype=dtype)
+    elif config.mlp.kind == "gelu":
+        mlp = MLP(config.d_model, config.mlp.d_ff, use_bias=config.mlp.bias, key=k_mlp, dtype=dtype)
     else:
-        activation = "silu" if config.mlp == "swiglu" else "gelu"
+        activation = "silu" if config.mlp.kind == "swiglu" else "gelu"
         mlp = GatedMLP(
             config.d_model,
-            config.d_ff,
+            config.mlp.d_ff,
             activation=activation,
-            use_bias=config.mlp_bias,
+            use_bias=config.mlp.bias,
             key=k_mlp,
             dtype=dtype,
         )
@@ -153,8 +164,7 @@ def make_block(config: ModelConfig, key: PRNGKeyArray) -> Block:
     def norm(wanted: bool):
         return make_norm(config, dtype) if wanted else None
 
-    pre, post = config.pre_norms, config.post_norms
-    return Block(norm(pre), attn, norm(pre), mlp, norm(post), norm(post))
+    return Block(norm(norms.pre), attn, norm(norms.pre), mlp, norm(norms.post), norm(norms.post))
 
 
 def run_blocks(
@@ -196,10 +206,10 @@ def run_blocks(
         local = None if flags is None else bool(flags[i])
         x, logits = step(x, (jax.tree.map(lambda a, i=i: a[i], params), local))
         router_logits.append(logits)
-    return x, None if config.n_experts is None else jnp.stack(router_logits)
+    return x, None if config.moe is None else jnp.stack(router_logits)
 
 
 def layer_flags(config: ModelConfig) -> np.ndarray | None:
     """Per layer, whether it is a windowed ("local") one (`ModelConfig.local_layers`); None
     without a local/global pattern, when every layer is alike and needs no flag."""
-    return None if config.global_every is None else np.array(config.local_layers())
+    return None if config.attention.global_every is None else np.array(config.local_layers())

@@ -2,7 +2,9 @@
 
 Each file has a `[defaults]` table shared by the family and one table per sized variant. A
 variant may name the published model it mirrors with `source = "org/name"`; every other key is
-a `ModelConfig` field. Nothing registers itself at import time: the files are the registry.
+a `ModelConfig` field or a dotted path into one of its groups (`attention.n_heads = 8`), merged
+into the defaults setting by setting. Nothing registers itself at import time: the files are the
+registry.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import tomllib
 from jaxtyping import PRNGKeyArray
 
 from eqllm import families
-from eqllm.config import ConfigError, ModelConfig
+from eqllm.config import ConfigError, ModelConfig, merge
 from eqllm.errors import did_you_mean
 from eqllm.model import CausalLM
 from eqllm.model import param_count as _count
@@ -48,7 +50,7 @@ def _entries() -> dict[str, ZooEntry]:
             tables = tomllib.load(f)
         defaults = tables.pop("defaults", {})
         for name, table in tables.items():
-            values: dict[str, Any] = {**defaults, **table}
+            values: dict[str, Any] = merge(defaults, table)
             meta = {k: values.pop(k, "") for k in _META_KEYS}
             if name in entries:
                 raise ConfigError(f"zoo variant {name!r} is defined twice (again in {path.name})")
@@ -78,7 +80,8 @@ def entry(name: str) -> ZooEntry:
 
 
 def config(name: str, **overrides: Any) -> ModelConfig:
-    """The frozen config of variant `name`, with `overrides` applied (unknown fields rejected)."""
+    """The frozen config of variant `name`, with `overrides` applied (unknown fields rejected;
+    see `ModelConfig.replace`: `attention={"n_kv_heads": 1}` or `**{"attention.n_kv_heads": 1}`)."""
     return entry(name).config.replace(**overrides) if overrides else entry(name).config
 
 
@@ -99,9 +102,9 @@ def active_param_count(name_or_config: str | ModelConfig) -> int:
     (n_experts - experts_per_token of them per layer, in a mixture of experts)."""
     cfg = config(name_or_config) if isinstance(name_or_config, str) else name_or_config
     total = param_count(cfg)
-    if cfg.n_experts is None:
+    if cfg.moe is None:
         return total
-    idle = cfg.n_experts - cfg.experts_per_token
+    idle = cfg.moe.n_experts - cfg.moe.experts_per_token
     return total - cfg.n_layers * idle * 3 * cfg.d_model * cfg.expert_d_ff
 
 

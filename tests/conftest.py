@@ -15,52 +15,72 @@ import eqllm  # noqa: E402
 
 pytest_plugins = ["ci_strict"]  # with CI=true a skip fails (tests/ci_strict.py)
 
-TINY = dict(vocab_size=97, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=64)
+TINY = {
+    "vocab_size": 97,
+    "d_model": 32,
+    "n_layers": 2,
+    "attention.n_heads": 4,
+    "mlp.d_ff": 64,
+    "max_seq_len": 64,
+}
 
 TINY_CONFIGS = {
     "gpt2": eqllm.zoo.config("gpt2-nano", **TINY),
-    "llama": eqllm.zoo.config("llama-nano", **TINY, n_kv_heads=2),
-    "mistral": eqllm.zoo.config("mistral-7b", **TINY, n_kv_heads=2, sliding_window=5),
-    "qwen2": eqllm.zoo.config("qwen2.5-0.5b", **TINY, n_kv_heads=1),
-    "gemma": eqllm.zoo.config("gemma-2b", **TINY, n_kv_heads=1),
-    "llama3": eqllm.zoo.config("llama3.2-1b", **TINY, n_kv_heads=2, rope_original_max_seq_len=16),
-    "qwen3": eqllm.zoo.config("qwen3-0.6b", **TINY, n_kv_heads=2, head_dim=16),
+    "llama": eqllm.zoo.config("llama-nano", **TINY, attention={"n_kv_heads": 2}),
+    "mistral": eqllm.zoo.config(
+        "mistral-7b", **TINY, attention={"n_kv_heads": 2, "sliding_window": 5}
+    ),
+    "qwen2": eqllm.zoo.config("qwen2.5-0.5b", **TINY, attention={"n_kv_heads": 1}),
+    "gemma": eqllm.zoo.config("gemma-2b", **TINY, attention={"n_kv_heads": 1}),
+    "llama3": eqllm.zoo.config(
+        "llama3.2-1b",
+        **TINY,
+        attention={"n_kv_heads": 2},
+        positions={"scaling": {"original_max_seq_len": 16}},
+    ),
+    "qwen3": eqllm.zoo.config("qwen3-0.6b", **TINY, attention={"n_kv_heads": 2, "head_dim": 16}),
     # Windows shorter than the test sequences; caps small enough that tanh bends the values.
     "gemma2": eqllm.zoo.config(
         "gemma2-2b",
         **TINY,
-        n_kv_heads=2,
-        head_dim=16,
-        query_pre_attn_scalar=12,
-        sliding_window=5,
-        attn_softcap=1.0,
+        attention={
+            "n_kv_heads": 2,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 12,
+            "sliding_window": 5,
+            "softcap": 1.0,
+        },
         final_softcap=2.0,
     ),
     "gemma3": eqllm.zoo.config(
         "gemma3-1b",
         **{**TINY, "n_layers": 3},
-        n_kv_heads=1,
-        head_dim=8,
-        query_pre_attn_scalar=12,
-        sliding_window=5,
-        global_every=2,
+        attention={
+            "n_kv_heads": 1,
+            "head_dim": 8,
+            "query_pre_attn_scalar": 12,
+            "sliding_window": 5,
+            "global_every": 2,
+        },
     ),
     "phi3": eqllm.zoo.config(
-        "phi3-mini-4k", **TINY, n_kv_heads=2, sliding_window=6, rope_fraction=0.5
+        "phi3-mini-4k",
+        **TINY,
+        attention={"n_kv_heads": 2, "sliding_window": 6},
+        positions={"fraction": 0.5},
     ),
-    "olmo2": eqllm.zoo.config("olmo2-1b", **TINY, n_kv_heads=2),
+    "olmo2": eqllm.zoo.config("olmo2-1b", **TINY, attention={"n_kv_heads": 2}),
     # Mixtures of experts: 4 experts, 2 per token (tests/test_moe.py: the grouped product).
-    "mixtral": eqllm.zoo.config("mixtral-8x7b", **TINY, n_kv_heads=2, n_experts=4),
+    "mixtral": eqllm.zoo.config(
+        "mixtral-8x7b", **TINY, attention={"n_kv_heads": 2}, moe={"n_experts": 4}
+    ),
     "qwen2_moe": eqllm.zoo.config(
         "qwen1.5-moe-a2.7b",
         **TINY,
-        n_kv_heads=2,
-        n_experts=4,
-        experts_per_token=2,
-        moe_d_ff=16,
-        shared_expert_d_ff=24,
+        attention={"n_kv_heads": 2},
+        moe={"n_experts": 4, "experts_per_token": 2, "d_ff": 16, "shared_d_ff": 24},
     ),
-    "olmoe": eqllm.zoo.config("olmoe-1b-7b", **TINY, n_experts=4, experts_per_token=2),
+    "olmoe": eqllm.zoo.config("olmoe-1b-7b", **TINY, moe={"n_experts": 4, "experts_per_token": 2}),
 }
 
 

@@ -142,16 +142,16 @@ def test_gradients_through_the_fused_arguments_equal_the_models():
 def test_on_cpu_auto_is_the_models_own_attention_and_cudnn_an_error():
     cfg = TINY_CONFIGS["llama"].replace(compute_dtype="bfloat16")
     assert eqllm.CausalLM(cfg, key=jax.random.key(0)).blocks.attn.kernel is None
-    assert attention_backend.attention_kernel(cfg.replace(attention="xla")) is None
+    assert attention_backend.attention_kernel(cfg.replace(attention={"kernel": "xla"})) is None
     with pytest.raises(ConfigError, match=r"attention='cudnn' cannot run here: no NVIDIA GPU"):
-        eqllm.CausalLM(cfg.replace(attention="cudnn"), key=jax.random.key(0))
+        eqllm.CausalLM(cfg.replace(attention={"kernel": "cudnn"}), key=jax.random.key(0))
 
 
 def test_on_a_gpu_auto_picks_cudnn_where_it_can_run_and_says_why_not_once(monkeypatch, caplog):
     monkeypatch.setattr(attention_backend, "_device", lambda: ("cuda", 256))
     bf16 = TINY_CONFIGS["llama"].replace(compute_dtype="bfloat16")
     assert attention_backend.attention_kernel(bf16) == "cudnn"
-    assert attention_backend.attention_kernel(bf16.replace(attention="xla")) is None
+    assert attention_backend.attention_kernel(bf16.replace(attention={"kernel": "xla"})) is None
     capped = TINY_CONFIGS["gemma2"].replace(compute_dtype="bfloat16")
     with caplog.at_level(logging.WARNING, logger="eqllm.attention_backend"):
         assert attention_backend.attention_kernel(capped) is None
@@ -159,8 +159,10 @@ def test_on_a_gpu_auto_picks_cudnn_where_it_can_run_and_says_why_not_once(monkey
     said = [r.getMessage() for r in caplog.records if "attn_softcap" in r.getMessage()]
     assert len(said) == 1 and "gemma2" in said[0]
     with pytest.raises(ConfigError, match="compute_dtype='float32'"):
-        attention_backend.attention_kernel(TINY_CONFIGS["llama"].replace(attention="cudnn"))
-    odd = bf16.replace(head_dim=12, attention="cudnn")
+        attention_backend.attention_kernel(
+            TINY_CONFIGS["llama"].replace(attention={"kernel": "cudnn"})
+        )
+    odd = bf16.replace(attention={"head_dim": 12, "kernel": "cudnn"})
     with pytest.raises(ConfigError, match="head_dim=12"):
         attention_backend.attention_kernel(odd)
 
@@ -173,13 +175,13 @@ def test_attention_is_an_execution_setting():
     recipe = load_recipe("quickstart", ["model.overrides.attention=xla"])
     assert recipe.model_config().attention == "xla"
     with pytest.raises(ConfigError, match="must be one of 'auto', 'xla', 'cudnn'"):
-        TINY_CONFIGS["llama"].replace(attention="flash")
+        TINY_CONFIGS["llama"].replace(attention={"kernel": "flash"})
 
 
 def test_the_command_line_says_why_cudnn_cannot_run(capsys):
     from eqllm.cli import main
 
-    argv = ["bench", "llama-nano", "--set", "attention=cudnn", "--dtype", "bfloat16"]
+    argv = ["bench", "llama-nano", "--set", "attention.kernel=cudnn", "--dtype", "bfloat16"]
     assert main([*argv, "--steps", "1", "--warmup", "0", "--quiet", "--no-plots"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("eqllm: error: ModelConfig.attention='cudnn' cannot run here")

@@ -13,7 +13,10 @@ from eqllm import analyze, cli
 from eqllm.bench import BenchResult, parse_overrides, run_bench
 from eqllm.train.mfu import measure_cpu_peak, mfu
 
-TINY_SET = "vocab_size=97,d_model=32,n_layers=2,n_heads=4,n_kv_heads=2,d_ff=64,max_seq_len=64"
+TINY_SET = (
+    "vocab_size=97,d_model=32,n_layers=2,attention.n_heads=4,attention.n_kv_heads=2,"
+    "mlp.d_ff=64,max_seq_len=64"
+)
 
 
 def test_flops_per_token_hand_count():
@@ -68,10 +71,10 @@ def test_cpu_peak_keeps_the_best_figure_seen(tmp_path):
 
 
 def test_parse_overrides():
-    assert parse_overrides(["d_model=32,n_layers=2", "norm_eps=1e-6"]) == {
+    assert parse_overrides(["d_model=32,n_layers=2", "norms.eps=1e-6"]) == {
         "d_model": 32,
         "n_layers": 2,
-        "norm_eps": 1e-6,
+        "norms.eps": 1e-6,
     }
     with pytest.raises(ValueError, match="key=value"):
         parse_overrides(["d_model"])
@@ -179,7 +182,9 @@ def test_bench_vs_torch_tiny():
         warmup=1,
         vs_torch=True,
         torch_compile=False,
-        overrides=parse_overrides(["vocab_size=97,d_model=32,n_layers=2,n_heads=4,d_ff=64"]),
+        overrides=parse_overrides(
+            ["vocab_size=97,d_model=32,n_layers=2,attention.n_heads=4,mlp.d_ff=64"]
+        ),
         log=lambda s: None,
     )
     assert [r.framework for r in results] == ["eqllm (jax)", "transformers eager"]

@@ -8,38 +8,79 @@ from eqllm import ConfigError, ModelConfig
 from eqllm.config import RematPolicy, field_names
 from eqllm.model import REMAT_POLICIES
 
-BASE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=16)
+BASE = {
+    "vocab_size": 64,
+    "d_model": 32,
+    "n_layers": 2,
+    "attention.n_heads": 4,
+    "mlp.d_ff": 64,
+    "max_seq_len": 16,
+}
 
 
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(d_model=30), "ModelConfig.n_heads=4 must divide d_model=30"),
-        (dict(n_kv_heads=3), "ModelConfig.n_kv_heads=3 must divide n_heads=4"),
+        (dict(d_model=30), "ModelConfig.attention.n_heads=4 must divide d_model=30"),
         (
-            dict(norm="batchnorm"),
-            "ModelConfig.norm='batchnorm' must be one of 'rmsnorm', 'layernorm'",
+            {"attention.n_kv_heads": 3},
+            "ModelConfig.attention.n_kv_heads=3 must divide n_heads=4",
+        ),
+        (
+            {"norms.kind": "batchnorm"},
+            "ModelConfig.norms.kind='batchnorm' must be one of 'rmsnorm', 'layernorm'",
         ),
         (dict(n_layers=0), "ModelConfig.n_layers=0 must be positive"),
         (dict(vocab_size=-1), "ModelConfig.vocab_size=-1 must be positive"),
-        (dict(d_model=36, n_heads=4, head_dim=9), "ModelConfig.head_dim=9 must be even"),
-        (dict(d_model=12, n_heads=4), "ModelConfig.head_dim=3 must be even"),
-        (dict(mlp="relu"), "ModelConfig.mlp='relu' must be one of 'gelu', 'swiglu', 'geglu'"),
-        (dict(d_ff=64.0), "ModelConfig.d_ff=64.0 must be int"),
-        (dict(d_ff="64"), "ModelConfig.d_ff='64' must be int"),
+        (
+            {"d_model": 36, "attention.n_heads": 4, "attention.head_dim": 9},
+            "ModelConfig.attention.head_dim=9 must be even",
+        ),
+        (
+            {"d_model": 12, "attention.n_heads": 4},
+            "ModelConfig.attention.head_dim=3 must be even",
+        ),
+        (
+            {"mlp.kind": "relu"},
+            "ModelConfig.mlp.kind='relu' must be one of 'gelu', 'swiglu', 'geglu'",
+        ),
+        ({"mlp.d_ff": 64.0}, "ModelConfig.mlp.d_ff=64.0 must be int"),
+        ({"mlp.d_ff": "64"}, "ModelConfig.mlp.d_ff='64' must be int"),
         (dict(n_layers=True), "ModelConfig.n_layers=True must be int"),
         (dict(tie_embeddings="yes"), "ModelConfig.tie_embeddings='yes' must be bool"),
         (dict(tie_embeddings=1), "ModelConfig.tie_embeddings=1 must be bool"),
-        (dict(sliding_window=0), "ModelConfig.sliding_window=0 must be positive"),
-        (dict(norm_eps=float("nan")), "ModelConfig.norm_eps=nan must be a finite number"),
+        (
+            {"attention.sliding_window": 0},
+            "ModelConfig.attention.sliding_window=0 must be positive",
+        ),
+        ({"norms.eps": float("nan")}, "ModelConfig.norms.eps=nan must be a finite number"),
         (dict(init_std=-0.1), "ModelConfig.init_std=-0.1 must be positive"),
-        (dict(rope_scaling="yarn"), "ModelConfig.rope_scaling='yarn' must be one of"),
-        (dict(rope_scaling="llama3", rope_factor=0.5), "ModelConfig.rope_factor=0.5 must be >= 1"),
-        (dict(norm_bias=True), "ModelConfig.norm_bias=True is only defined for norm='layernorm'"),
+        (
+            {"positions.scaling.kind": "warp"},
+            "ModelConfig.positions.scaling.kind='warp' must be one of",
+        ),
+        (
+            {"positions.scaling": {"kind": "llama3", "factor": 0.5}},
+            "ModelConfig.positions.scaling.factor=0.5 must be >= 1",
+        ),
+        (
+            {"norms.bias": True},
+            "ModelConfig.norms.bias=True is only defined for kind='layernorm'",
+        ),
         (dict(remat="some"), "ModelConfig.remat='some' must be one of 'none', 'full'"),
         (dict(family=""), "ModelConfig.family='' must be a non-empty string"),
         (dict(family=["llama"]), 'ModelConfig.family=["llama"] must be str'),
         (dict(d_modle=32), "unknown ModelConfig field 'd_modle'; did you mean 'd_model'?"),
+        (
+            {"attention.n_head": 4},
+            "unknown ModelConfig.attention field 'n_head'; did you mean 'n_heads'?",
+        ),
+        (dict(attention=4), "ModelConfig.attention=4 must be a table"),
+        ({"attention.qk_norm": True}, "ModelConfig.attention.qk_norm=True must be one of"),
+        (
+            {"moe.n_experts": 2, "moe.experts_per_token": 3},
+            "ModelConfig.moe.experts_per_token=3 must be <= n_experts=2",
+        ),
     ],
 )
 def test_invalid_config_is_refused(overrides, message):
@@ -51,10 +92,23 @@ def test_invalid_config_is_refused(overrides, message):
 
 def test_defaults_and_derived_sizes():
     cfg = ModelConfig(**BASE)
-    assert cfg.n_kv_heads == 4 and cfg.head_dim == 8
-    assert ModelConfig(**BASE, head_dim=16).head_dim == 16
+    assert cfg.attention.n_kv_heads == 4 and cfg.head_dim == 8
+    assert ModelConfig(**BASE, **{"attention.head_dim": 16}).head_dim == 16
     # A float field takes an int and stores a float (so TOML's 10000 equals 10000.0).
-    assert ModelConfig(**BASE, rope_theta=500000).rope_theta == 500000.0
+    assert ModelConfig(**BASE, **{"positions.theta": 500000}).positions.theta == 500000.0
+
+
+def test_a_missing_feature_is_none():
+    """A dense model has no `moe` group; plain RoPE has no `scaling`; groups nest as dicts."""
+    cfg = ModelConfig(**BASE)
+    assert cfg.moe is None and cfg.positions.scaling is None
+    moe = cfg.replace(moe={"n_experts": 4})
+    assert moe.moe.n_experts == 4 and moe.expert_d_ff == 64
+    assert moe.at("moe.n_experts") == 4 and cfg.at("moe.n_experts") is None
+    assert moe.replace(moe=None) == cfg
+    # A dict for a group changes only the fields it names; a dotted key the same.
+    assert cfg.replace(attention={"n_kv_heads": 2}) == cfg.replace(**{"attention.n_kv_heads": 2})
+    assert cfg.replace(attention={"n_kv_heads": 2}).attention.n_heads == 4
 
 
 def test_family_is_any_non_empty_name():
@@ -67,19 +121,24 @@ def test_frozen_hashable_and_compared_by_value():
     a, b = ModelConfig(**BASE), ModelConfig(**BASE)
     assert a == b and hash(a) == hash(b) and len({a, b}) == 1
     assert a != a.replace(n_layers=3)
+    assert a != a.replace(**{"attention.n_kv_heads": 2})
     with pytest.raises(AttributeError):
         a.d_model = 64
+    with pytest.raises(AttributeError):
+        a.attention.n_heads = 8
 
 
 def test_replace_validates_and_rederives_head_dim():
     cfg = ModelConfig(**BASE)
     assert cfg.replace(d_model=64).head_dim == 16  # derived head_dim follows d_model
-    assert cfg.replace(n_heads=2).head_dim == 16
-    assert cfg.replace(n_heads=2).n_kv_heads == 2  # multi-head attention stays multi-head
-    assert ModelConfig(**BASE, n_kv_heads=2).replace(n_heads=8).n_kv_heads == 2
-    explicit = ModelConfig(**BASE, head_dim=16)
+    assert cfg.replace(attention={"n_heads": 2}).head_dim == 16
+    # multi-head attention stays multi-head
+    assert cfg.replace(attention={"n_heads": 2}).attention.n_kv_heads == 2
+    gqa = ModelConfig(**BASE, **{"attention.n_kv_heads": 2})
+    assert gqa.replace(attention={"n_heads": 8}).attention.n_kv_heads == 2
+    explicit = ModelConfig(**BASE, **{"attention.head_dim": 16})
     assert explicit.replace(d_model=64).head_dim == 16  # an explicit one stays
-    assert cfg.replace(d_model=64, head_dim=32).head_dim == 32
+    assert cfg.replace(d_model=64, attention={"head_dim": 32}).head_dim == 32
     with pytest.raises(ConfigError, match="ModelConfig.n_layers=-1 must be positive"):
         cfg.replace(n_layers=-1)
     with pytest.raises(ConfigError) as info:
@@ -87,18 +146,24 @@ def test_replace_validates_and_rederives_head_dim():
     message = str(info.value)
     assert "unknown ModelConfig field 'n_layer'; did you mean 'n_layers'?" in message
     assert "valid fields: vocab_size, d_model, n_layers" in message
+    with pytest.raises(ConfigError, match="unknown ModelConfig.norms field 'epsilon'"):
+        cfg.replace(**{"norms.epsilon": 1e-6})
 
 
 def test_round_trip_through_dict():
-    cfg = ModelConfig(**BASE, n_kv_heads=2, sliding_window=8)
-    assert cfg.to_dict()["head_dim"] == 8
+    cfg = ModelConfig(**BASE, **{"attention.n_kv_heads": 2, "attention.sliding_window": 8})
+    assert cfg.to_dict()["attention"]["head_dim"] == 8
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
     assert list(cfg.to_dict()) == field_names()
     with pytest.raises(ConfigError) as info:
         ModelConfig.from_dict({"d_model": 32})
     assert str(info.value) == (
-        "ModelConfig is missing required field(s) vocab_size, n_layers, n_heads, d_ff, max_seq_len"
+        "ModelConfig is missing required field(s) vocab_size, n_layers, max_seq_len, attention, mlp"
     )
+    with pytest.raises(ConfigError) as info:
+        sizes = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "max_seq_len": 16}
+        ModelConfig.from_dict({**sizes, "mlp": {"d_ff": 64}, "attention": {"n_kv_heads": 2}})
+    assert str(info.value) == "ModelConfig.attention is missing required field(s) n_heads"
     with pytest.raises(ConfigError, match="unknown ModelConfig field 'dmodel'"):
         ModelConfig.from_dict({**BASE, "dmodel": 32})
 

@@ -103,9 +103,8 @@ def test_lora_steps_keep_the_base_bit_identical(jsonl):
         "llama-nano",
         d_model=32,
         n_layers=2,
-        n_heads=2,
-        n_kv_heads=1,
-        d_ff=64,
+        attention={"n_heads": 2, "n_kv_heads": 1},
+        mlp={"d_ff": 64},
         key=jax.random.key(0),
     )
     model = lora.apply(base, rank=2, alpha=4, targets=["q_proj", "v_proj"], key=jax.random.key(1))
@@ -147,9 +146,8 @@ def lora_run(jsonl, tmp_path_factory):
         vocab_size=257,
         d_model=32,
         n_layers=2,
-        n_heads=2,
-        n_kv_heads=1,
-        d_ff=64,
+        attention={"n_heads": 2, "n_kv_heads": 1},
+        mlp={"d_ff": 64},
         max_seq_len=128,
         key=jax.random.key(0),
     )
@@ -205,9 +203,8 @@ def test_lora_dropout_acts_in_training_steps_only(jsonl):
         "llama-nano",
         d_model=32,
         n_layers=2,
-        n_heads=2,
-        n_kv_heads=1,
-        d_ff=64,
+        attention={"n_heads": 2, "n_kv_heads": 1},
+        mlp={"d_ff": 64},
         key=jax.random.key(0),
     )
     plain = lora.apply(base, rank=2, alpha=4, targets=["q_proj"], key=jax.random.key(1))

@@ -140,8 +140,9 @@ def test_cached_decode_matches_full_forward(models, reference, family):
     cache = model.init_cache(LENGTH)
     assert len(cache) == model.config.n_layers
     for layer_cache, local in zip(cache, model.config.local_layers(), strict=True):
-        slots = model.config.sliding_window if local else LENGTH  # a ring holds just the window
-        assert layer_cache.k.shape == (slots, model.config.n_kv_heads, model.config.head_dim)
+        attention = model.config.attention
+        slots = attention.sliding_window if local else LENGTH  # a ring holds just the window
+        assert layer_cache.k.shape == (slots, attention.n_kv_heads, model.config.head_dim)
 
 
 def test_left_padding_is_invisible(models, reference):

@@ -228,8 +228,8 @@ def test_old_and_new_rope_layouts_read_the_same():
     old["rope_scaling"] = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
     cfg = eqllm.hub.from_hf_config(new)
     assert eqllm.hub.from_hf_config(old) == cfg
-    assert cfg.rope_scaling == "llama3" and cfg.rope_theta == 500000.0
-    assert cfg.rope_original_max_seq_len == 16
+    assert cfg.positions.scaling.kind == "llama3" and cfg.positions.theta == 500000.0
+    assert cfg.positions.scaling.original_max_seq_len == 16
 
 
 def test_zoo_variant_is_recognised():
@@ -237,7 +237,7 @@ def test_zoo_variant_is_recognised():
     assert eqllm.hub.zoo_match(eqllm.hub.from_hf_config(eqllm.hub.to_hf_config(cfg))) == (
         "llama3.2-1b"
     )
-    assert eqllm.hub.zoo_match(cfg.replace(d_ff=cfg.d_ff + 2)) is None
+    assert eqllm.hub.zoo_match(cfg.replace(mlp={"d_ff": cfg.mlp.d_ff + 2})) is None
 
 
 # The config.json key sets of the published models (weights aside) read as their zoo sizes.
@@ -482,7 +482,8 @@ def test_unsupported_config_is_refused_naming_the_field(llama_folder, tmp_path, 
 
 
 @pytest.mark.parametrize(
-    "change", [{"qk_norm": True}, {"attn_softcap": 50.0}, {"post_norms": True}]
+    "change",
+    [{"attention.qk_norm": "head"}, {"attention.softcap": 50.0}, {"norms.post": True}],
 )
 def test_unexportable_config_is_refused(tmp_path, change):
     cfg = TINY_CONFIGS["llama"].replace(**change)
@@ -538,7 +539,7 @@ def test_load_any_and_convert_both_ways(llama_folder, tmp_path, capsys):
 
 def test_eqllm_folder_keeps_any_config(tmp_path):
     """Configs with no HF counterpart still save and load as eqllm folders."""
-    cfg = TINY_CONFIGS["gemma"].replace(qk_norm=True)
+    cfg = TINY_CONFIGS["gemma"].replace(attention={"qk_norm": "head"})
     shapes = eqx.filter_eval_shape(eqllm.CausalLM, cfg, key=jax.random.key(1))
     rng = np.random.default_rng(1)
     model = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s.shape), s.dtype), shapes)

@@ -175,7 +175,9 @@ def test_adapter_for_another_base_names_the_shapes(tmp_path):
     eqllm.hub.save_adapter(adapted, tmp_path)
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["target_modules"] == ["q_proj"]
-    small = eqllm.zoo.create("llama-nano", d_model=64, n_heads=2, key=jax.random.key(0))
+    small = eqllm.zoo.create(
+        "llama-nano", d_model=64, attention={"n_heads": 2}, key=jax.random.key(0)
+    )
     with pytest.raises(
         LoraError,
         match=r"q_proj: lora_A \[2, 128\] and lora_B \[128, 2\] do not fit the base weight "

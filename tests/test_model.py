@@ -62,7 +62,7 @@ def test_sliding_window_limits_influence():
     influence at all, while one inside the window does.
     """
     cfg = TINY_CONFIGS["mistral"]
-    w = cfg.sliding_window
+    w = cfg.attention.sliding_window
     model = eqllm.CausalLM(cfg, key=jax.random.key(1))
     tokens = random_tokens(4)
     i = SEQ - 1
@@ -73,7 +73,7 @@ def test_sliding_window_limits_influence():
     near_changed = forward(model, tokens.at[near].set((tokens[near] + 1) % 97))[i]
     np.testing.assert_array_equal(base, far_changed)
     assert not np.allclose(base, near_changed)
-    full = eqllm.CausalLM(cfg.replace(sliding_window=None), key=jax.random.key(1))
+    full = eqllm.CausalLM(cfg.replace(attention={"sliding_window": None}), key=jax.random.key(1))
     assert not np.allclose(base, forward(full, tokens.at[far].set((tokens[far] + 1) % 97))[i])
 
 
@@ -88,15 +88,15 @@ def test_gqa_equals_multi_head_with_repeated_kv_heads():
     """GQA == multi-head attention whose k/v heads are copies of the shared ones."""
     gqa_cfg = TINY_CONFIGS["llama"]  # 4 query heads, 2 kv heads
     gqa = eqllm.CausalLM(gqa_cfg, key=jax.random.key(2))
-    mha_cfg = gqa_cfg.replace(n_kv_heads=gqa_cfg.n_heads)
+    mha_cfg = gqa_cfg.replace(attention={"n_kv_heads": gqa_cfg.attention.n_heads})
     mha = eqllm.CausalLM(mha_cfg, key=jax.random.key(3))
-    group = gqa_cfg.n_heads // gqa_cfg.n_kv_heads
+    group = gqa_cfg.attention.n_heads // gqa_cfg.attention.n_kv_heads
     hd = gqa_cfg.head_dim
 
     def repeat(w):  # (layers, kv_heads * hd, d) -> (layers, heads * hd, d)
         layers, _, d = w.shape
-        w = w.reshape(layers, gqa_cfg.n_kv_heads, 1, hd, d)
-        return jnp.broadcast_to(w, (layers, gqa_cfg.n_kv_heads, group, hd, d)).reshape(
+        w = w.reshape(layers, gqa_cfg.attention.n_kv_heads, 1, hd, d)
+        return jnp.broadcast_to(w, (layers, gqa_cfg.attention.n_kv_heads, group, hd, d)).reshape(
             layers, -1, d
         )
 
@@ -218,13 +218,13 @@ def test_local_and_global_layers_are_one_scanned_stack():
 def test_a_global_layer_sees_past_the_window():
     """Beyond the receptive field of windowed layers, only the global layers carry a token."""
     cfg = TINY_CONFIGS["gemma2"]
-    w = cfg.sliding_window
+    w = cfg.attention.sliding_window
     model = eqllm.CausalLM(cfg, key=jax.random.key(1))
     tokens = random_tokens(4)
     i, far = SEQ - 1, SEQ - 1 - cfg.n_layers * (w - 1) - 1
     changed = tokens.at[far].set((tokens[far] + 1) % 97)
     assert not np.allclose(forward(model, tokens)[i], forward(model, changed)[i])
-    windowed = eqllm.CausalLM(cfg.replace(global_every=None), key=jax.random.key(1))
+    windowed = eqllm.CausalLM(cfg.replace(attention={"global_every": None}), key=jax.random.key(1))
     np.testing.assert_array_equal(forward(windowed, tokens)[i], forward(windowed, changed)[i])
 
 
@@ -279,11 +279,20 @@ def test_norm_placement_switches_the_block_layout():
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"global_every": 2, "sliding_window": None}, "global_every=2 needs a sliding_window"),
-        ({"rope_local_theta": 1e4}, "rope_local_theta=10000.0 needs position='rope' and global"),
-        ({"rope_fraction": 0.2}, "rope_fraction=0.2 must rotate an even"),
-        ({"qk_norm_per_head": False}, "qk_norm_per_head=False only matters with qk_norm=True"),
-        ({"attn_softcap": 0.0}, "attn_softcap=0.0 must be positive"),
+        (
+            {"attention.global_every": 2, "attention.sliding_window": None},
+            "ModelConfig.attention.global_every=2 needs a sliding_window",
+        ),
+        (
+            {"positions.local_theta": 1e4},
+            "ModelConfig.positions.local_theta=10000.0 needs attention.global_every",
+        ),
+        ({"positions.fraction": 0.2}, "ModelConfig.positions.fraction=0.2 must rotate an even"),
+        (
+            {"positions.kind": "learned", "positions.fraction": 0.5},
+            "ModelConfig.positions.fraction=0.5 needs kind='rope'",
+        ),
+        ({"attention.softcap": 0.0}, "ModelConfig.attention.softcap=0.0 must be positive"),
     ],
 )
 def test_new_switches_are_validated(change, message):

@@ -44,12 +44,12 @@ def _loss_and_grads(model, tokens):
 
 @pytest.fixture(scope="module")
 def dense():
-    return CausalLM(CFG.replace(router_aux_loss_coef=0.1), key=jax.random.key(0))
+    return CausalLM(CFG.replace(moe={"aux_loss_coef": 0.1}), key=jax.random.key(0))
 
 
 @pytest.mark.parametrize(
     "execution",
-    [dict(moe_impl="ragged"), dict(moe_impl="ragged", scan_layers=False)],
+    [dict(moe={"impl": "ragged"}), dict(moe={"impl": "ragged"}, scan_layers=False)],
 )
 def test_grouped_experts_equal_dense_ones(dense, execution):
     """Loss and gradients of the grouped ("ragged") experts equal the dense ones, scanned and
@@ -85,16 +85,22 @@ def test_grouped_experts_generate_like_dense_ones(dense):
     prompt = np.asarray(TOKENS[0, :9])
     greedy = dict(max_new_tokens=6, key=jax.random.key(0), temperature=0)
     expected = eqllm.generate(dense, prompt, **greedy)
-    got = eqllm.generate(dense.with_config(moe_impl="ragged"), prompt, **greedy)
+    got = eqllm.generate(dense.with_config(moe={"impl": "ragged"}), prompt, **greedy)
     np.testing.assert_array_equal(got, expected)
 
 
 @pytest.mark.parametrize(
     "fields, message",
     [
-        (dict(n_experts=2, experts_per_token=3), "experts_per_token=3 must be <= n_experts=2"),
-        (dict(shared_expert_d_ff=8), "shared_expert_d_ff=8 needs n_experts"),
-        (dict(n_experts=4, mlp="gelu"), "mlp='gelu' must be 'swiglu' with n_experts"),
+        (
+            dict(moe={"n_experts": 2, "experts_per_token": 3}),
+            "moe.experts_per_token=3 must be <= n_experts=2",
+        ),
+        (dict(moe={"shared_d_ff": 8}), "ModelConfig.moe is missing required field.s. n_experts"),
+        (
+            dict(moe={"n_experts": 4}, mlp={"kind": "gelu"}),
+            "mlp.kind='gelu' must be 'swiglu' with moe",
+        ),
     ],
 )
 def test_bad_expert_settings_are_refused(fields, message):
@@ -103,7 +109,7 @@ def test_bad_expert_settings_are_refused(fields, message):
 
 
 def test_a_dense_family_refuses_experts_on_export(tmp_path):
-    model = CausalLM(TINY_CONFIGS["llama"].replace(n_experts=4), key=jax.random.key(0))
+    model = CausalLM(TINY_CONFIGS["llama"].replace(moe={"n_experts": 4}), key=jax.random.key(0))
     with pytest.raises(ConfigError, match="n_experts"):
         eqllm.hub.save_pretrained(model, tmp_path)
 
@@ -169,7 +175,7 @@ def test_aux_loss_equals_transformers_with_padding(hf_pair):
             output_router_logits=True,
         )
     _, router_logits = model.routed(TOKENS)
-    k = model.config.experts_per_token
+    k = model.config.moe.experts_per_token
     ours = load_balancing_loss(router_logits, k, jnp.asarray(mask, bool))
     np.testing.assert_allclose(float(ours), float(out.aux_loss), atol=1e-5, rtol=0)
     with torch.no_grad():
@@ -221,9 +227,9 @@ def test_train_step_logs_aux_loss_and_expert_load(dense):
         model, opt_state, metrics = step(model, opt_state, batch)
         first = first or float(metrics["loss"])
     load = np.asarray(metrics["expert_load"])
-    assert load.shape == (CFG.n_layers, CFG.n_experts)
+    assert load.shape == (CFG.n_layers, CFG.moe.n_experts)
     np.testing.assert_allclose(load.sum(-1), 1.0, rtol=1e-5)
-    assert 0.5 < float(metrics["aux_loss"]) < CFG.n_experts
+    assert 0.5 < float(metrics["aux_loss"]) < CFG.moe.n_experts
     assert float(metrics["loss"]) < first
 
 
@@ -244,7 +250,7 @@ def test_a_run_logs_and_draws_the_expert_load(tmp_path):
     corpus = make_corpus(tmp_path)
     recipe = tiny_recipe(tmp_path, corpus, steps=4, eval_every=4, checkpoint_every=4)
     recipe = recipe.replace("model.variant", "olmoe-nano")
-    recipe = recipe.replace("model.overrides.n_experts", 4)
+    recipe = recipe.replace("model.overrides.moe.n_experts", 4)
     out = loop_mod.run(recipe, tmp_path / "run", progress=False, echo=lambda *a: None).out_dir
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "grad_norm" in r]

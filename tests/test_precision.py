@@ -23,9 +23,8 @@ CONFIG = eqllm.zoo.config(
     vocab_size=97,
     d_model=64,
     n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    d_ff=128,
+    attention={"n_heads": 4, "n_kv_heads": 2},
+    mlp={"d_ff": 128},
     max_seq_len=128,
     init_std=0.1,
 )

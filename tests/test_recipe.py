@@ -43,11 +43,16 @@ def test_research_recipes_default_to_twenty_tokens_per_parameter():
 def test_set_overrides_nested_fields_with_type_checks():
     recipe = load_recipe(
         "quickstart",
-        ["train.steps=7", "optim.lr=1e-3", "data.source.max_bytes=1000", "model.overrides.d_ff=96"],
+        [
+            "train.steps=7",
+            "optim.lr=1e-3",
+            "data.source.max_bytes=1000",
+            "model.overrides.mlp.d_ff=96",
+        ],
     )
     assert recipe.train.steps == 7 and recipe.optim.lr == 1e-3
     assert recipe.data.source.max_bytes == 1000
-    assert recipe.model_config().d_ff == 96
+    assert recipe.model_config().mlp.d_ff == 96
     # An int where a float is expected is accepted and converted.
     assert load_recipe("quickstart", ["optim.lr=1"]).optim.lr == 1.0
     assert parse_value("[1, 2]") == [1, 2] and parse_value("hello") == "hello"
@@ -106,8 +111,8 @@ def test_set_overrides_nested_fields_with_type_checks():
         ("mesh.dta=2", "unknown key 'mesh.dta' in mesh; did you mean 'mesh.data'?"),
         ("train=3", "train=3 must be a table"),
         (
-            'model.overrides={d_ff=[1, "a"]}',
-            'model.overrides: ModelConfig.d_ff=[1, "a"] must be int',
+            'model.overrides={mlp={d_ff=[1, "a"]}}',
+            'model.overrides: ModelConfig.mlp.d_ff=[1, "a"] must be int',
         ),
         ("zzz=1", "unknown key 'zzz' in the recipe; allowed: model, data, optim, train, eval"),
     ],
@@ -177,8 +182,8 @@ def test_model_overrides_may_not_set_what_train_sets(key, where):
 def test_model_overrides_cannot_hold_none():
     """A recipe must write back to TOML (the run folder's config.toml), which has no null."""
     values = load_recipe("quickstart").to_dict()
-    values["model"]["overrides"]["sliding_window"] = None
-    with pytest.raises(RecipeError, match=r"^model.overrides.sliding_window=None: TOML has no"):
+    values["model"]["overrides"]["final_softcap"] = None
+    with pytest.raises(RecipeError, match=r"^model.overrides.final_softcap=None: TOML has no"):
         Recipe.from_dict(values)
 
 

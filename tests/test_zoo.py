@@ -127,9 +127,7 @@ def test_active_parameters_of_mixtures_of_experts(name):
     assert round(eqllm.zoo.param_count(name) / 1e9, 1) == total
     assert round(eqllm.zoo.active_param_count(name) / 1e9, 1) == active
     cfg = eqllm.zoo.config(name)
-    dense = cfg.replace(
-        n_experts=None, moe_d_ff=None, shared_expert_d_ff=None, d_ff=cfg.expert_d_ff
-    )
+    dense = cfg.replace(moe=None, mlp={"d_ff": cfg.expert_d_ff})
     assert eqllm.zoo.active_param_count(dense) == eqllm.zoo.param_count(dense)
 
 
@@ -137,11 +135,11 @@ def test_active_parameters_of_mixtures_of_experts(name):
 def test_research_sizes_exercise_their_family(name):
     """Windows shorter than the context, both kinds of layer, the family's own switches on."""
     cfg = eqllm.zoo.config(name)
-    assert cfg.sliding_window < cfg.max_seq_len
-    assert (cfg.global_every is None) == (name == "phi3-nano")
-    assert name != "gemma2-nano" or (cfg.attn_softcap and cfg.final_softcap)
-    assert name != "phi3-nano" or cfg.rope_fraction < 1
-    if cfg.global_every is not None:
+    assert cfg.attention.sliding_window < cfg.max_seq_len
+    assert (cfg.attention.global_every is None) == (name == "phi3-nano")
+    assert name != "gemma2-nano" or (cfg.attention.softcap and cfg.final_softcap)
+    assert name != "phi3-nano" or cfg.positions.fraction < 1
+    if cfg.attention.global_every is not None:
         assert set(cfg.local_layers()) == {True, False}
 
 
@@ -159,7 +157,7 @@ def test_override_applies_and_validates():
     cfg = eqllm.zoo.config("llama-nano", n_layers=2)
     assert cfg.n_layers == 2 and eqllm.zoo.config("llama-nano").n_layers == 4
     with pytest.raises(eqllm.ConfigError, match="n_heads"):
-        eqllm.zoo.config("llama-nano", n_heads=5)
+        eqllm.zoo.config("llama-nano", attention={"n_heads": 5})
 
 
 def test_param_count_allocates_nothing():
@@ -179,7 +177,7 @@ def test_cli_zoo_list_and_show(capsys):
     out = capsys.readouterr().out
     assert "llama3-8b" in out and "8,030,261,248" in out and "meta-llama/Meta-Llama-3-8B" in out
     assert main(["zoo", "show", "mistral-7b"]) == 0
-    assert "sliding_window = 4096" in capsys.readouterr().out
+    assert "attention.sliding_window = 4096" in capsys.readouterr().out
     assert main(["zoo", "list"]) == 0
     listed = capsys.readouterr().out
     for name in ("gemma2-9b", "gemma3-1b", "phi3-mini-4k", "olmo2-7b", "google/gemma-3-1b-pt"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from eqllm import zoo
+from eqllm.config import dotted
 from eqllm.sharding import MESH_AXES, MeshConfig, MeshError, sharding_table
 
 
@@ -36,7 +37,7 @@ def zoo_list(args: argparse.Namespace) -> int:
                 f"{count:,}",
                 str(cfg.n_layers),
                 str(cfg.d_model),
-                f"{cfg.n_heads}/{cfg.n_kv_heads}",
+                f"{cfg.attention.n_heads}/{cfg.attention.n_kv_heads}",
                 str(cfg.max_seq_len),
                 str(cfg.vocab_size),
                 entry.source or "-",
@@ -62,7 +63,7 @@ def zoo_show(args: argparse.Namespace) -> int:
         print(f"active per token: {zoo.human_count(active)} ({active:,})")
     if entry.source:
         print(f"mirrors: {entry.source}")
-    for key, value in entry.config.to_dict().items():
+    for key, value in dotted(entry.config.to_dict()).items():
         print(f"  {key} = {value!r}")
     if args.mesh:
         mesh = MeshConfig.parse(args.mesh)

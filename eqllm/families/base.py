@@ -59,14 +59,15 @@ class Family:
         released: year and month of the first release ("2023-02"); orders the zoo.
         architecture: the transformers class a checkpoint names (`LlamaForCausalLM`).
         model_type: the `model_type` of its config.json.
-        fixed: ModelConfig fields the family fixes; a config that differs has no HF counterpart.
+        fixed: ModelConfig settings the family fixes, by dotted path ("attention.qk_norm"); a
+            config that differs has no HF counterpart.
         table: the weight key table (rows whose eqllm arrays a config lacks are skipped).
         prefix: prefix of the base model's tensor names, which bare checkpoints omit.
         hf_keys: config.json keys the translation reads or checks (beyond `HARMLESS_KEYS`);
             any other key is refused.
         to_hf: the family's config.json fields for a config (besides the common ones).
-        from_hf: ModelConfig fields from a config.json dict (besides `fixed`).
-        check: extra invariants: returns the offending {field: value} (empty when fine).
+        from_hf: ModelConfig settings by dotted path from a config.json dict (besides `fixed`).
+        check: extra invariants: returns the offending {path: value} (empty when fine).
         layouts: other key tables a checkpoint of the family may use, accepted on import (the
             first table whose tensors the checkpoint has is read; export writes `table`).
     """
@@ -92,20 +93,20 @@ class Family:
 
 
 # A dense family has no experts: export refuses a config with them.
-DENSE = {"n_experts": None, "moe_d_ff": None, "shared_expert_d_ff": None}
+DENSE = {"moe": None}
 
 # The switches only some recent families turn on, at their plain settings: a family that does
-# not read one from config.json fixes it here, so export refuses a config that sets it.
+# not read one from config.json fixes it here, so export refuses a config that sets it. Keys
+# are dotted paths of ModelConfig (`ModelConfig.at`).
 PLAIN = {
-    "pre_norms": True,
-    "post_norms": False,
-    "attn_softcap": None,
+    "norms.pre": True,
+    "norms.post": False,
+    "attention.softcap": None,
     "final_softcap": None,
-    "global_every": None,
-    "rope_local_theta": None,
-    "query_pre_attn_scalar": None,
-    "rope_fraction": 1.0,
-    "qk_norm_per_head": True,
+    "attention.global_every": None,
+    "positions.local_theta": None,
+    "attention.query_pre_attn_scalar": None,
+    "positions.fraction": 1.0,
     **DENSE,
 }
 
@@ -113,11 +114,11 @@ PLAIN = {
 # rotary positions, no QK-norm, no embedding scale; each family adds what it fixes besides.
 LLAMA_BLOCK = {
     **PLAIN,
-    "norm": "rmsnorm",
-    "norm_plus_one": False,
-    "mlp": "swiglu",
-    "position": "rope",
-    "qk_norm": False,
+    "norms.kind": "rmsnorm",
+    "norms.plus_one": False,
+    "mlp.kind": "swiglu",
+    "positions.kind": "rope",
+    "attention.qk_norm": None,
     "embed_scale": False,
 }
 
@@ -212,36 +213,37 @@ _ROPE_KEYS = {
 def attention_bias_from_hf(hf: dict[str, Any]) -> dict[str, bool]:
     """The q/k/v and output biases from config.json's one `attention_bias` switch."""
     bias = bool(hf.get("attention_bias", False))
-    return {"qkv_bias": bias, "out_bias": bias}
+    return {"attention.qkv_bias": bias, "attention.out_bias": bias}
 
 
 def one_attention_bias(cfg: ModelConfig) -> dict[str, Any]:
     """A `check`: one `attention_bias` switch cannot express q/k/v and output biases that differ."""
-    return {} if cfg.qkv_bias == cfg.out_bias else {"out_bias": cfg.out_bias}
+    attn = cfg.attention
+    return {} if attn.qkv_bias == attn.out_bias else {"attention.out_bias": attn.out_bias}
 
 
 def llama_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The config.json fields every Llama-layout family writes."""
     rope_scaling = None
-    if cfg.rope_scaling == "llama3":
+    if (scaling := cfg.positions.scaling) is not None:
         rope_scaling = {
-            "rope_type": "llama3",
-            "factor": cfg.rope_factor,
-            "low_freq_factor": cfg.rope_low_freq_factor,
-            "high_freq_factor": cfg.rope_high_freq_factor,
-            "original_max_position_embeddings": cfg.rope_original_max_seq_len,
+            "rope_type": scaling.kind,
+            "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_seq_len,
         }
     return {
         "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.d_ff,
+        "intermediate_size": cfg.mlp.d_ff,
         "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
+        "num_attention_heads": cfg.attention.n_heads,
+        "num_key_value_heads": cfg.attention.n_kv_heads,
         "head_dim": cfg.head_dim,
         "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
+        "rms_norm_eps": cfg.norms.eps,
         "attention_dropout": 0.0,
-        "rope_theta": cfg.rope_theta,
+        "rope_theta": cfg.positions.theta,
         "rope_scaling": rope_scaling,
     }
 
@@ -255,12 +257,12 @@ def llama_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "vocab_size": need(hf, "vocab_size"),
         "d_model": d,
         "n_layers": need(hf, "num_hidden_layers"),
-        "n_heads": n_heads,
-        "n_kv_heads": hf.get("num_key_value_heads") or n_heads,
-        "head_dim": hf.get("head_dim") or d // n_heads,
-        "d_ff": need(hf, "intermediate_size"),
+        "attention.n_heads": n_heads,
+        "attention.n_kv_heads": hf.get("num_key_value_heads") or n_heads,
+        "attention.head_dim": hf.get("head_dim") or d // n_heads,
+        "mlp.d_ff": need(hf, "intermediate_size"),
         "max_seq_len": hf.get("max_position_embeddings", 2048),
-        "norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "norms.eps": hf.get("rms_norm_eps", 1e-6),
     }
 
 
@@ -284,15 +286,15 @@ def _rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(
             f"config.json rope settings {unknown} are not understood for rope_type {rope_type!r}"
         )
-    fields: dict[str, Any] = {"rope_theta": float(theta)}
+    fields: dict[str, Any] = {"positions.theta": float(theta)}
     if rope_type == "llama3":
-        fields.update(
-            rope_scaling="llama3",
-            rope_factor=float(rope["factor"]),
-            rope_low_freq_factor=float(rope["low_freq_factor"]),
-            rope_high_freq_factor=float(rope["high_freq_factor"]),
-            rope_original_max_seq_len=int(rope["original_max_position_embeddings"]),
-        )
+        fields["positions.scaling"] = {
+            "kind": "llama3",
+            "factor": float(rope["factor"]),
+            "low_freq_factor": float(rope["low_freq_factor"]),
+            "high_freq_factor": float(rope["high_freq_factor"]),
+            "original_max_seq_len": int(rope["original_max_position_embeddings"]),
+        }
     return fields
 
 
@@ -340,8 +342,8 @@ FUSED_EXPERT_ROWS = rows(
 def moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The routing keys every MoE family's config.json shares."""
     return {
-        "num_experts_per_tok": cfg.experts_per_token,
-        "router_aux_loss_coef": cfg.router_aux_loss_coef,
+        "num_experts_per_tok": cfg.moe.experts_per_token,
+        "router_aux_loss_coef": cfg.moe.aux_loss_coef,
     }
 
 
@@ -350,11 +352,11 @@ def moe_from_hf(hf: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     transformers defaults, for keys a config.json leaves out)."""
     hf = {**defaults, **hf}
     return {
-        "experts_per_token": hf["num_experts_per_tok"],
-        "router_aux_loss_coef": float(hf["router_aux_loss_coef"]),
+        "moe.experts_per_token": hf["num_experts_per_tok"],
+        "moe.aux_loss_coef": float(hf["router_aux_loss_coef"]),
     }
 
 
 def has_experts(cfg: ModelConfig) -> dict[str, Any]:
     """A `check` of the MoE families: a config without experts is not one of theirs."""
-    return {"n_experts": None} if cfg.n_experts is None else {}
+    return {"moe": None} if cfg.moe is None else {}

@@ -73,11 +73,11 @@ def sandwich_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "hidden_act": "gelu_pytorch_tanh",
         "hidden_activation": "gelu_pytorch_tanh",
         "attention_bias": False,
-        "query_pre_attn_scalar": cfg.query_pre_attn_scalar,
-        "sliding_window": cfg.sliding_window,
+        "query_pre_attn_scalar": cfg.attention.query_pre_attn_scalar,
+        "sliding_window": cfg.attention.sliding_window,
         "layer_types": layer_types(cfg),
         "final_logit_softcapping": cfg.final_softcap,
-        "attn_logit_softcapping": cfg.attn_softcap,
+        "attn_logit_softcapping": cfg.attention.softcap,
     }
 
 
@@ -92,9 +92,10 @@ def sandwich_from_hf(hf: dict[str, Any], default_every: int) -> dict[str, Any]:
     refuse(hf, "sliding_window_size", (hf.get("sliding_window"), None))
     return {
         **fields,
-        "query_pre_attn_scalar": hf.get("query_pre_attn_scalar") or fields["head_dim"],
-        "sliding_window": need(hf, "sliding_window"),
-        "global_every": global_every(hf, default_every),
+        "attention.query_pre_attn_scalar": hf.get("query_pre_attn_scalar")
+        or fields["attention.head_dim"],
+        "attention.sliding_window": need(hf, "sliding_window"),
+        "attention.global_every": global_every(hf, default_every),
         "final_softcap": hf.get("final_logit_softcapping"),
     }
 
@@ -104,25 +105,24 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    return {**sandwich_from_hf(hf, 2), "attn_softcap": hf.get("attn_logit_softcapping")}
+    return {**sandwich_from_hf(hf, 2), "attention.softcap": hf.get("attn_logit_softcapping")}
 
 
 SANDWICH_FIXED = {
     **DENSE,
-    "qk_norm_per_head": True,
-    "rope_fraction": 1.0,
-    "norm": "rmsnorm",
-    "norm_plus_one": True,
-    "mlp": "geglu",
-    "position": "rope",
-    "qkv_bias": False,
-    "out_bias": False,
-    "mlp_bias": False,
+    "positions.fraction": 1.0,
+    "norms.kind": "rmsnorm",
+    "norms.plus_one": True,
+    "mlp.kind": "geglu",
+    "positions.kind": "rope",
+    "attention.qkv_bias": False,
+    "attention.out_bias": False,
+    "mlp.bias": False,
     "embed_scale": True,
     "tie_embeddings": True,
-    "rope_scaling": "none",
-    "pre_norms": True,
-    "post_norms": True,
+    "positions.scaling": None,
+    "norms.pre": True,
+    "norms.post": True,
 }
 
 FAMILY = Family(
@@ -130,7 +130,7 @@ FAMILY = Family(
     released="2024-06",
     architecture="Gemma2ForCausalLM",
     model_type="gemma2",
-    fixed={**SANDWICH_FIXED, "qk_norm": False, "rope_local_theta": None},
+    fixed={**SANDWICH_FIXED, "attention.qk_norm": None, "positions.local_theta": None},
     table=SANDWICH_TABLE,
     prefix=LLAMA_PREFIX,
     hf_keys=SANDWICH_KEYS,
@@ -138,8 +138,12 @@ FAMILY = Family(
     from_hf=from_hf,
     # transformers always scales by query_pre_attn_scalar and alternates windowed layers.
     check=lambda cfg: {
-        k: getattr(cfg, k)
-        for k in ("query_pre_attn_scalar", "global_every", "sliding_window")
-        if getattr(cfg, k) is None
+        k: cfg.at(k)
+        for k in (
+            "attention.query_pre_attn_scalar",
+            "attention.global_every",
+            "attention.sliding_window",
+        )
+        if cfg.at(k) is None
     },
 )

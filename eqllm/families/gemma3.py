@@ -27,8 +27,8 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
     # The older layout, which transformers 5 converts into per-layer-type rope_parameters.
     return {
         **out,
-        "rope_local_base_freq": cfg.rope_local_theta,
-        "sliding_window_pattern": cfg.global_every,
+        "rope_local_base_freq": cfg.positions.local_theta,
+        "sliding_window_pattern": cfg.attention.global_every,
     }
 
 
@@ -49,8 +49,8 @@ def _rope(hf: dict[str, Any]) -> dict[str, float]:
                 "eqllm's Gemma 3 reads the default rotary embedding only"
             )
     return {
-        "rope_theta": float(full.get("rope_theta", hf.get("rope_theta", 1_000_000.0))),
-        "rope_local_theta": float(
+        "positions.theta": float(full.get("rope_theta", hf.get("rope_theta", 1_000_000.0))),
+        "positions.local_theta": float(
             local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
         ),
     }
@@ -73,7 +73,7 @@ FAMILY = Family(
     released="2025-03",
     architecture="Gemma3ForCausalLM",
     model_type="gemma3_text",
-    fixed={**SANDWICH_FIXED, "qk_norm": True, "attn_softcap": None},
+    fixed={**SANDWICH_FIXED, "attention.qk_norm": "head", "attention.softcap": None},
     table=TABLE,
     prefix=LLAMA_PREFIX,
     hf_keys=SANDWICH_KEYS
@@ -81,8 +81,13 @@ FAMILY = Family(
     to_hf=to_hf,
     from_hf=from_hf,
     check=lambda cfg: {
-        k: getattr(cfg, k)
-        for k in ("query_pre_attn_scalar", "global_every", "sliding_window", "rope_local_theta")
-        if getattr(cfg, k) is None
+        k: cfg.at(k)
+        for k in (
+            "attention.query_pre_attn_scalar",
+            "attention.global_every",
+            "attention.sliding_window",
+            "positions.local_theta",
+        )
+        if cfg.at(k) is None
     },
 )

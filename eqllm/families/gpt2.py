@@ -37,12 +37,12 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return {
         "n_embd": cfg.d_model,
         "n_layer": cfg.n_layers,
-        "n_head": cfg.n_heads,
-        "n_inner": cfg.d_ff,
+        "n_head": cfg.attention.n_heads,
+        "n_inner": cfg.mlp.d_ff,
         "n_positions": cfg.max_seq_len,
         "n_ctx": cfg.max_seq_len,
         "activation_function": "gelu_new",
-        "layer_norm_epsilon": cfg.norm_eps,
+        "layer_norm_epsilon": cfg.norms.eps,
         "resid_pdrop": 0.0,
         "embd_pdrop": 0.0,
         "attn_pdrop": 0.0,
@@ -63,10 +63,10 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "vocab_size": hf.get("vocab_size", 50257),
         "d_model": d,
         "n_layers": hf.get("n_layer", 12),
-        "n_heads": hf.get("n_head", 12),
-        "d_ff": hf.get("n_inner") or 4 * d,
+        "attention.n_heads": hf.get("n_head", 12),
+        "mlp.d_ff": hf.get("n_inner") or 4 * d,
         "max_seq_len": hf.get("n_positions", 1024),
-        "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
+        "norms.eps": hf.get("layer_norm_epsilon", 1e-5),
     }
 
 
@@ -77,16 +77,16 @@ FAMILY = Family(
     model_type="gpt2",
     fixed={
         **PLAIN,
-        "norm": "layernorm",
-        "norm_bias": True,
-        "mlp": "gelu",
-        "position": "learned",
-        "qkv_bias": True,
-        "out_bias": True,
-        "mlp_bias": True,
+        "norms.kind": "layernorm",
+        "norms.bias": True,
+        "mlp.kind": "gelu",
+        "positions.kind": "learned",
+        "attention.qkv_bias": True,
+        "attention.out_bias": True,
+        "mlp.bias": True,
         "tie_embeddings": True,
-        "sliding_window": None,
-        "qk_norm": False,
+        "attention.sliding_window": None,
+        "attention.qk_norm": None,
         "embed_scale": False,
     },
     table=TABLE,
@@ -102,6 +102,8 @@ FAMILY = Family(
     to_hf=to_hf,
     from_hf=from_hf,
     check=lambda cfg: (
-        {} if cfg.head_dim * cfg.n_heads == cfg.d_model else {"head_dim": cfg.head_dim}
+        {}
+        if cfg.head_dim * cfg.attention.n_heads == cfg.d_model
+        else {"attention.head_dim": cfg.head_dim}
     ),
 )

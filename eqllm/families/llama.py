@@ -22,8 +22,8 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return {
         **llama_to_hf(cfg),
         "hidden_act": "silu",
-        "attention_bias": cfg.qkv_bias,
-        "mlp_bias": cfg.mlp_bias,
+        "attention_bias": cfg.attention.qkv_bias,
+        "mlp_bias": cfg.mlp.bias,
     }
 
 
@@ -32,7 +32,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     return {
         **llama_from_hf(hf),
         **attention_bias_from_hf(hf),
-        "mlp_bias": bool(hf.get("mlp_bias", False)),
+        "mlp.bias": bool(hf.get("mlp_bias", False)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }
 
@@ -44,7 +44,7 @@ FAMILY = Family(
     model_type="llama",
     fixed={
         **LLAMA_BLOCK,
-        "sliding_window": None,
+        "attention.sliding_window": None,
     },
     table=LLAMA_TABLE,
     prefix=LLAMA_PREFIX,

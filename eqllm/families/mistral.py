@@ -16,14 +16,18 @@ from eqllm.families.base import (
 
 
 def to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    return {**llama_to_hf(cfg), "hidden_act": "silu", "sliding_window": cfg.sliding_window}
+    return {
+        **llama_to_hf(cfg),
+        "hidden_act": "silu",
+        "sliding_window": cfg.attention.sliding_window,
+    }
 
 
 def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     refuse(hf, "hidden_act", ("silu",))
     return {
         **llama_from_hf(hf),
-        "sliding_window": hf.get("sliding_window"),
+        "attention.sliding_window": hf.get("sliding_window"),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }
 
@@ -35,10 +39,10 @@ FAMILY = Family(
     model_type="mistral",
     fixed={
         **LLAMA_BLOCK,
-        "qkv_bias": False,
-        "out_bias": False,
-        "mlp_bias": False,
-        "rope_scaling": "none",
+        "attention.qkv_bias": False,
+        "attention.out_bias": False,
+        "mlp.bias": False,
+        "positions.scaling": None,
     },
     table=LLAMA_TABLE,
     prefix=LLAMA_PREFIX,

@@ -34,8 +34,8 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
         **llama_to_hf(cfg),
         **moe_to_hf(cfg),
         "hidden_act": "silu",
-        "sliding_window": cfg.sliding_window,
-        "num_local_experts": cfg.n_experts,
+        "sliding_window": cfg.attention.sliding_window,
+        "num_local_experts": cfg.moe.n_experts,
         "router_jitter_noise": 0.0,
     }
 
@@ -46,8 +46,8 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     return {
         **llama_from_hf(hf),
         **moe_from_hf(hf, _DEFAULTS),
-        "n_experts": hf.get("num_local_experts", 8),
-        "sliding_window": hf.get("sliding_window"),
+        "moe.n_experts": hf.get("num_local_experts", 8),
+        "attention.sliding_window": hf.get("sliding_window"),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }
 
@@ -58,12 +58,14 @@ FAMILY = Family(
     architecture="MixtralForCausalLM",
     model_type="mixtral",
     fixed={
-        **{k: v for k, v in LLAMA_BLOCK.items() if k != "n_experts"},
-        "qkv_bias": False,
-        "out_bias": False,
-        "mlp_bias": False,
-        "rope_scaling": "none",
-        "norm_topk_prob": True,
+        **{k: v for k, v in LLAMA_BLOCK.items() if k != "moe"},
+        "moe.d_ff": None,
+        "moe.shared_d_ff": None,
+        "attention.qkv_bias": False,
+        "attention.out_bias": False,
+        "mlp.bias": False,
+        "positions.scaling": None,
+        "moe.norm_topk_prob": True,
     },
     table=TABLE,
     layouts=(FUSED,),

@@ -40,7 +40,7 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
         **token_ids(cfg, _TOKEN_IDS),
         **llama_to_hf(cfg),
         "hidden_act": "silu",
-        "attention_bias": cfg.qkv_bias,
+        "attention_bias": cfg.attention.qkv_bias,
     }
 
 
@@ -60,12 +60,11 @@ FAMILY = Family(
     model_type="olmo2",
     fixed={
         **LLAMA_BLOCK,
-        "mlp_bias": False,
-        "sliding_window": None,
-        "qk_norm": True,
-        "qk_norm_per_head": False,
-        "pre_norms": False,
-        "post_norms": True,
+        "mlp.bias": False,
+        "attention.sliding_window": None,
+        "attention.qk_norm": "whole",
+        "norms.pre": False,
+        "norms.post": True,
     },
     table=TABLE,
     prefix=LLAMA_PREFIX,
@@ -75,7 +74,11 @@ FAMILY = Family(
     # transformers' Olmo2 derives the head size from hidden_size / num_attention_heads, and one
     # `attention_bias` switch sets the q/k/v and the output biases.
     check=lambda cfg: {
-        **({} if cfg.head_dim * cfg.n_heads == cfg.d_model else {"head_dim": cfg.head_dim}),
+        **(
+            {}
+            if cfg.head_dim * cfg.attention.n_heads == cfg.d_model
+            else {"attention.head_dim": cfg.head_dim}
+        ),
         **one_attention_bias(cfg),
     },
 )

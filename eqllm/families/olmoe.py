@@ -43,10 +43,10 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
         **llama_to_hf(cfg),
         **moe_to_hf(cfg),
         "hidden_act": "silu",
-        "attention_bias": cfg.qkv_bias,
+        "attention_bias": cfg.attention.qkv_bias,
         "clip_qkv": None,
-        "num_experts": cfg.n_experts,
-        "norm_topk_prob": cfg.norm_topk_prob,
+        "num_experts": cfg.moe.n_experts,
+        "norm_topk_prob": cfg.moe.norm_topk_prob,
     }
 
 
@@ -57,8 +57,8 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         **llama_from_hf(hf),
         **moe_from_hf(hf, _DEFAULTS),
         **attention_bias_from_hf(hf),
-        "n_experts": hf.get("num_experts", 64),
-        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+        "moe.n_experts": hf.get("num_experts", 64),
+        "moe.norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }
 
@@ -69,12 +69,13 @@ FAMILY = Family(
     architecture="OlmoeForCausalLM",
     model_type="olmoe",
     fixed={
-        **{k: v for k, v in LLAMA_BLOCK.items() if k != "n_experts"},
-        "mlp_bias": False,
-        "sliding_window": None,
-        "rope_scaling": "none",
-        "qk_norm": True,
-        "qk_norm_per_head": False,
+        **{k: v for k, v in LLAMA_BLOCK.items() if k != "moe"},
+        "moe.d_ff": None,
+        "moe.shared_d_ff": None,
+        "mlp.bias": False,
+        "attention.sliding_window": None,
+        "positions.scaling": None,
+        "attention.qk_norm": "whole",
     },
     table=TABLE,
     layouts=(FUSED,),
@@ -85,7 +86,11 @@ FAMILY = Family(
     # transformers' OLMoE derives the head size from hidden_size / num_attention_heads.
     check=lambda cfg: {
         **has_experts(cfg),
-        **({} if cfg.head_dim * cfg.n_heads == cfg.d_model else {"head_dim": cfg.head_dim}),
+        **(
+            {}
+            if cfg.head_dim * cfg.attention.n_heads == cfg.d_model
+            else {"attention.head_dim": cfg.head_dim}
+        ),
         **one_attention_bias(cfg),
     },
 )

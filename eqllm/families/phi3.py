@@ -46,8 +46,8 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
         **token_ids(cfg, _TOKEN_IDS),
         **llama_to_hf(cfg),
         "hidden_act": "silu",
-        "partial_rotary_factor": cfg.rope_fraction,
-        "sliding_window": cfg.sliding_window,
+        "partial_rotary_factor": cfg.positions.fraction,
+        "sliding_window": cfg.attention.sliding_window,
         "original_max_position_embeddings": cfg.max_seq_len,
         "resid_pdrop": 0.0,
         "embd_pdrop": 0.0,
@@ -64,8 +64,8 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     fields = llama_from_hf({**hf, "rope_parameters": rope})
     return {
         **fields,
-        "rope_fraction": float(fraction),
-        "sliding_window": hf.get("sliding_window"),
+        "positions.fraction": float(fraction),
+        "attention.sliding_window": hf.get("sliding_window"),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }
 
@@ -76,11 +76,11 @@ FAMILY = Family(
     architecture="Phi3ForCausalLM",
     model_type="phi3",
     fixed={
-        **{k: v for k, v in LLAMA_BLOCK.items() if k != "rope_fraction"},
-        "qkv_bias": False,
-        "out_bias": False,
-        "mlp_bias": False,
-        "rope_scaling": "none",
+        **{k: v for k, v in LLAMA_BLOCK.items() if k != "positions.fraction"},
+        "attention.qkv_bias": False,
+        "attention.out_bias": False,
+        "mlp.bias": False,
+        "positions.scaling": None,
     },
     table=TABLE,
     prefix=LLAMA_PREFIX,

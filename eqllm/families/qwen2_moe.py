@@ -42,13 +42,13 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
         **llama_to_hf(cfg),
         **moe_to_hf(cfg),
         "hidden_act": "silu",
-        "qkv_bias": cfg.qkv_bias,
+        "qkv_bias": cfg.attention.qkv_bias,
         "use_sliding_window": False,
         "sliding_window": None,
-        "num_experts": cfg.n_experts,
+        "num_experts": cfg.moe.n_experts,
         "moe_intermediate_size": cfg.expert_d_ff,
-        "shared_expert_intermediate_size": cfg.shared_expert_d_ff,
-        "norm_topk_prob": cfg.norm_topk_prob,
+        "shared_expert_intermediate_size": cfg.moe.shared_d_ff,
+        "norm_topk_prob": cfg.moe.norm_topk_prob,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     }
@@ -67,11 +67,11 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     return {
         **llama_from_hf(hf),
         **moe_from_hf(hf, _DEFAULTS),
-        "n_experts": need(hf, "num_experts"),
-        "moe_d_ff": need(hf, "moe_intermediate_size"),
-        "shared_expert_d_ff": need(hf, "shared_expert_intermediate_size"),
-        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
-        "qkv_bias": bool(hf.get("qkv_bias", True)),
+        "moe.n_experts": need(hf, "num_experts"),
+        "moe.d_ff": need(hf, "moe_intermediate_size"),
+        "moe.shared_d_ff": need(hf, "shared_expert_intermediate_size"),
+        "moe.norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+        "attention.qkv_bias": bool(hf.get("qkv_bias", True)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }
 
@@ -82,15 +82,11 @@ FAMILY = Family(
     architecture="Qwen2MoeForCausalLM",
     model_type="qwen2_moe",
     fixed={
-        **{
-            k: v
-            for k, v in LLAMA_BLOCK.items()
-            if k not in ("n_experts", "moe_d_ff", "shared_expert_d_ff")
-        },
-        "out_bias": False,
-        "mlp_bias": False,
-        "rope_scaling": "none",
-        "sliding_window": None,
+        **{k: v for k, v in LLAMA_BLOCK.items() if k != "moe"},
+        "attention.out_bias": False,
+        "mlp.bias": False,
+        "positions.scaling": None,
+        "attention.sliding_window": None,
     },
     table=TABLE,
     layouts=(FUSED,),
@@ -115,6 +111,6 @@ FAMILY = Family(
     # transformers' Qwen2-MoE always has the shared expert.
     check=lambda cfg: {
         **has_experts(cfg),
-        **({"shared_expert_d_ff": None} if cfg.shared_expert_d_ff is None else {}),
+        **({"moe.shared_d_ff": None} if cfg.at("moe.shared_d_ff") is None else {}),
     },
 )

@@ -30,7 +30,7 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return {
         **llama_to_hf(cfg),
         "hidden_act": "silu",
-        "attention_bias": cfg.qkv_bias,
+        "attention_bias": cfg.attention.qkv_bias,
         "use_sliding_window": False,
         "sliding_window": None,
     }
@@ -54,9 +54,9 @@ FAMILY = Family(
     model_type="qwen3",
     fixed={
         **LLAMA_BLOCK,
-        "mlp_bias": False,
-        "sliding_window": None,
-        "qk_norm": True,
+        "mlp.bias": False,
+        "attention.sliding_window": None,
+        "attention.qk_norm": "head",
     },
     table=TABLE,
     prefix=LLAMA_PREFIX,

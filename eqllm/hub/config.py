@@ -17,7 +17,7 @@ from eqllm.families.base import HARMLESS_KEYS
 def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """The transformers `config.json` contents for `cfg` (raises if HF has no such model)."""
     family = families.get(cfg.family)
-    wrong = {k: getattr(cfg, k) for k, v in family.fixed.items() if getattr(cfg, k) != v}
+    wrong = {k: cfg.at(k) for k, v in family.fixed.items() if cfg.at(k) != v}
     wrong.update(family.check(cfg))
     if wrong:
         raise ConfigError(
@@ -47,4 +47,4 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
             f"config.json has {family.name} setting(s) eqllm does not understand: {unknown}; "
             "refusing rather than building a model that may compute something else"
         )
-    return ModelConfig(**{**family.fixed, **family.from_hf(hf)}, family=family.name)
+    return ModelConfig.from_dict({**family.fixed, **family.from_hf(hf), "family": family.name})

@@ -18,7 +18,7 @@ import numpy as np
 from huggingface_hub import snapshot_download
 
 from eqllm import zoo
-from eqllm.config import ModelConfig
+from eqllm.config import ModelConfig, dotted
 from eqllm.data.tokenizer import Tokenizer
 from eqllm.hub.files import CheckpointError
 from eqllm.model import EXECUTION_FIELDS, CausalLM
@@ -113,7 +113,7 @@ def zoo_match(config: ModelConfig) -> str | None:
     ignore = {*EXECUTION_FIELDS, "param_dtype", "init_std"}
 
     def key(cfg: ModelConfig) -> dict:
-        return {k: v for k, v in cfg.to_dict().items() if k not in ignore}
+        return {k: v for k, v in dotted(cfg.to_dict()).items() if k not in ignore}
 
     wanted = key(config)
     return next((name for name in zoo.names() if key(zoo.config(name)) == wanted), None)

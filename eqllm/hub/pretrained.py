@@ -158,7 +158,7 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
         buffers = [aligned_empty(t.shape, t.dtype) for t in targets]
         lead = int(row.layered) + int(row.per_expert)  # leading axes indexed by the tensor name
         expected = _hf_shape(row, [t.shape[lead:] for t in targets])
-        for index in indices(row, config.n_layers, config.n_experts):
+        for index in indices(row, config.n_layers, config.at("moe.n_experts")):
             name = find(tensor_name(row, index))
             info = reader.tensors[name]
             if info.shape != expected:
@@ -253,7 +253,7 @@ def save_pretrained(
         name = tensor_name(row, index)
         planned.append(PlannedTensor(name, _hf_shape(row, shapes), target, make(row, index)))
 
-    every = {row: indices(row, config.n_layers, config.n_experts) for row in rows}
+    every = {row: indices(row, config.n_layers, config.at("moe.n_experts")) for row in rows}
     for i in range(config.n_layers):  # layer-major order, as transformers writes
         for row in rows:
             for index in every[row] if row.layered else []:

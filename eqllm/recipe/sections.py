@@ -49,8 +49,9 @@ class ModelSpec:
     """Which network to train.
 
     variant: a zoo name (`eqllm zoo list`).
-    overrides: ModelConfig fields to change, e.g. `{ max_seq_len = 128 }` (not `remat` or
-        `compute_dtype`: those are train.remat and train.precision).
+    overrides: ModelConfig settings to change, by name or dotted path, e.g.
+        `{ max_seq_len = 128, attention.n_kv_heads = 2 }` (not `remat` or `compute_dtype`:
+        those are train.remat and train.precision).
     init_from: start from these weights (a Hugging Face folder or hub repo, read with
         `eqllm.hub.from_pretrained`, or an eqllm run folder) instead of a random
         initialisation; "" for none.

@@ -86,7 +86,7 @@ def estimate_memory(
     t = sizes["tensor"]
     batch_split = sizes["data"] * sizes["fsdp"]
     micro = max(1, batch_size // (grad_accum * batch_split))
-    s, b, h, a = seq_len, micro, config.d_model, config.n_heads
+    s, b, h, a = seq_len, micro, config.d_model, config.attention.n_heads
     width = np.dtype(jax.numpy.dtype(config.compute_dtype)).itemsize / 2
     per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * width
     # A pipeline stage keeps its own layers' activations for every tick until the backward pass

@@ -83,9 +83,9 @@ def check_divisible(config: ModelConfig, mesh: AxisSizes) -> None:
             f"{config.n_layers}"
         )
     for name, size in (
-        ("n_heads", config.n_heads),
-        ("n_kv_heads", config.n_kv_heads),
-        ("d_ff", config.d_ff),
+        ("attention.n_heads", config.attention.n_heads),
+        ("attention.n_kv_heads", config.attention.n_kv_heads),
+        ("mlp.d_ff", config.mlp.d_ff),
     ):
         if size % tensor:
             raise MeshError(

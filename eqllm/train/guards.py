@@ -99,13 +99,11 @@ class Change:
 
 
 def _leaves(values: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(values, dict) and values and not prefix.endswith("overrides."):
+    if isinstance(values, dict) and values:  # model.overrides too: one entry per setting
         out = {}
         for key, value in values.items():
             out.update(_leaves(value, f"{prefix}{key}."))
         return out
-    if isinstance(values, dict):  # model.overrides: one entry per override
-        return {f"{prefix}{k}": v for k, v in values.items()} or {prefix.rstrip("."): {}}
     return {prefix.rstrip("."): values}
 
 

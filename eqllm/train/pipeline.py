@@ -73,7 +73,7 @@ class Pipeline:
     def check(self, config: ModelConfig, rows: int) -> None:
         """Raise unless the layers split into equal stages and `rows` into microbatches (whose
         rows split over the mesh's batch axes)."""
-        if config.n_experts:
+        if config.moe is not None:
             raise MeshError(
                 "a mixture of experts does not run in a pipeline yet (the stages would drop its "
                 "load-balancing loss); set mesh.pipeline=1 and split the experts over fsdp"

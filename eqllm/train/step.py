@@ -57,10 +57,10 @@ def training_loss(
         return ce, {"ce": ce}
     # Every token is routed, padding included (the batches hold no padding); the loss mask
     # marks the targets that are scored, not tokens to leave out of the balance.
-    k = model.config.experts_per_token
+    k = model.config.moe.experts_per_token
     aux = load_balancing_loss(router_logits, k)
     parts = {"ce": ce, "aux_loss": aux, "expert_load": expert_load(router_logits, k)[0]}
-    return ce + model.config.router_aux_loss_coef * aux, parts
+    return ce + model.config.moe.aux_loss_coef * aux, parts
 
 
 def _step_count(opt_state) -> Int[Array, ""]:

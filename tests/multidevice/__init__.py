@@ -8,9 +8,8 @@ CFG = eqllm.zoo.config(
     vocab_size=96,
     d_model=64,
     n_layers=2,
-    n_heads=8,
-    n_kv_heads=8,
-    d_ff=128,
+    attention={"n_heads": 8, "n_kv_heads": 8},
+    mlp={"d_ff": 128},
     max_seq_len=32,
 )
 MESHES = ["data=8", "data=2,fsdp=4", "data=2,fsdp=2,tensor=2", "data=1,tensor=8"]

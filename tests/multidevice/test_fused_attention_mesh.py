@@ -24,7 +24,7 @@ def loss(model, tokens):
 
 
 def test_fused_attention_on_a_mesh_equals_the_models_own_on_one_device():
-    config = CFG.replace(sliding_window=12)  # windowed too
+    config = CFG.replace(attention={"sliding_window": 12})  # windowed too
     model = eqllm.CausalLM(config, key=jax.random.key(0))
     attn = copy.copy(model.blocks.attn)
     object.__setattr__(attn, "kernel", "xla")

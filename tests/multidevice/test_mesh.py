@@ -53,7 +53,9 @@ def test_bad_meshes_fail_clearly(model):
     with pytest.raises(MeshError, match="does not divide the 8 devices"):
         make_mesh(MeshConfig(data=-1, fsdp=3))
     mesh = make_mesh(MeshConfig.parse("data=1,tensor=8"))
-    with pytest.raises(MeshError, match="tensor=8 does not divide n_kv_heads=2"):
-        shard_model(eqllm.CausalLM(CFG.replace(n_kv_heads=2), key=jax.random.key(0)), mesh)
+    with pytest.raises(MeshError, match="tensor=8 does not divide attention.n_kv_heads=2"):
+        shard_model(
+            eqllm.CausalLM(CFG.replace(attention={"n_kv_heads": 2}), key=jax.random.key(0)), mesh
+        )
     with pytest.raises(MeshError, match="bad mesh item"):
         MeshConfig.parse("data=2,stages=4")

@@ -23,13 +23,14 @@ from tests.multidevice import CFG as DENSE
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 
-CFG = DENSE.replace(family="qwen2_moe", n_experts=4, moe_d_ff=32, shared_expert_d_ff=64)
-CFG = CFG.replace(router_aux_loss_coef=0.01)
+CFG = DENSE.replace(
+    family="qwen2_moe", moe={"n_experts": 4, "d_ff": 32, "shared_d_ff": 64, "aux_loss_coef": 0.01}
+)
 SPEC = OptimSpec(lr=1e-2, warmup_steps=0, eps=1e-3)  # see test_train_mesh.py
 
 
 def train(mesh=None, impl="dense", **overrides):
-    model = eqllm.CausalLM(CFG.replace(moe_impl=impl, **overrides), key=jax.random.key(0))
+    model = eqllm.CausalLM(CFG.replace(**{"moe.impl": impl}, **overrides), key=jax.random.key(0))
     shardings = None
     if mesh is not None:
         shardings = param_shardings(model, mesh)
@@ -72,8 +73,10 @@ def test_expert_sharded_training_equals_single_device(reference, impl, overrides
 def test_dense_experts_run_expert_parallel_without_gathering_expert_weights():
     scanned = CFG.replace(scan_layers=True)
     ep = mesh_bench("moe", scanned, "data=2,fsdp=4", batch=8, seq=32)
-    zero3 = mesh_bench("moe", scanned.replace(moe_impl="ragged"), "data=2,fsdp=4", batch=8, seq=32)
-    e, f, d = CFG.n_experts, CFG.moe_d_ff, CFG.d_model
+    zero3 = mesh_bench(
+        "moe", scanned.replace(moe={"impl": "ragged"}), "data=2,fsdp=4", batch=8, seq=32
+    )
+    e, f, d = CFG.moe.n_experts, CFG.moe.d_ff, CFG.d_model
     whole = {(e, f, d), (e, d, f)}  # one layer's gate/up or down weight, all experts
     # The grouped product still gathers the expert weights (ZeRO-3 over experts): the check
     # sees them there, and nowhere in the expert-parallel step.
@@ -93,7 +96,7 @@ def test_expert_parallel_where_tokens_are_fewer_bytes_than_expert_weights():
     assert gather.expert_parallel(block, jax.ShapeDtypeStruct((8, 32, 64), "float32"))
     assert not gather.expert_parallel(block, jax.ShapeDtypeStruct((16, 32, 64), "float32"))
     ragged = jax.eval_shape(
-        lambda: eqllm.CausalLM(CFG.replace(moe_impl="ragged"), key=jax.random.key(0))
+        lambda: eqllm.CausalLM(CFG.replace(moe={"impl": "ragged"}), key=jax.random.key(0))
     )
     ragged = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), ragged.blocks)
     assert not gather.expert_parallel(ragged, jax.ShapeDtypeStruct((8, 32, 64), "float32"))

@@ -105,7 +105,12 @@ def test_pipelined_training_equals_single_device(reference, pipelined):
 def test_local_global_layers_and_remat_in_stages():
     """Gemma 2's per-layer window flags travel with their stage; remat recomputes inside it."""
     config = eqllm.zoo.config(
-        "gemma2-nano", n_layers=4, vocab_size=96, max_seq_len=32, remat="full", sliding_window=8
+        "gemma2-nano",
+        n_layers=4,
+        vocab_size=96,
+        max_seq_len=32,
+        remat="full",
+        attention={"sliding_window": 8},
     )
     model = eqllm.CausalLM(config, key=jax.random.key(0))
     batch = batches()[0]

@@ -92,7 +92,10 @@ def test_batch_rows_must_split_over_data_devices():
 
     recipe = Recipe.from_dict(
         {
-            "model": {"variant": "llama-nano", "overrides": {"n_heads": 8, "n_kv_heads": 8}},
+            "model": {
+                "variant": "llama-nano",
+                "overrides": {"attention": {"n_heads": 8, "n_kv_heads": 8}},
+            },
             "train": {"batch_size": 12, "steps": 1},
             "mesh": {"data": 8},
         }

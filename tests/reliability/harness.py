@@ -20,9 +20,8 @@ CHILD = Path(__file__).with_name("child.py")
 TINY_MODEL = {
     "d_model": 32,
     "n_layers": 2,
-    "n_heads": 4,
-    "n_kv_heads": 2,
-    "d_ff": 64,
+    "attention": {"n_heads": 4, "n_kv_heads": 2},
+    "mlp": {"d_ff": 64},
     "max_seq_len": 64,
 }
 

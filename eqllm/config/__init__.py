@@ -1,0 +1,324 @@
+"""ModelConfig: the frozen description of one decoder-only Transformer, in groups.
+
+Sizes sit at the top (`vocab_size`, `d_model`, `n_layers`, `max_seq_len`); each mechanism is one
+frozen, validated group (`eqllm.config.groups`): `attention`, `positions`, `mlp`, `moe` (None
+for a dense model) and `norms`. Every architectural difference between the zoo's families
+(GPT-2, Llama 1/2/3, Mistral, Qwen2, Qwen3, Gemma 1/2/3, Phi-3, OLMo 2, and the mixtures of
+experts Mixtral, Qwen2-MoE and OLMoE) is one of these settings; the model code reads nothing
+else. Validation is pydantic's, with its errors rewritten into one-line `ConfigError`s that name
+the full dotted path, the value and the rule (`ModelConfig.attention.n_kv_heads=3 must divide
+n_heads=8`).
+
+A setting is addressed by its dotted path (`"attention.n_kv_heads"`) in `ModelConfig.at`,
+`replace(**{"attention.n_kv_heads": 2})`, zoo TOML files (`attention.n_heads = 8`), recipes'
+`model.overrides` and `--set model.overrides.attention.n_kv_heads=2`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Field
+
+from eqllm.config.groups import (
+    GROUPS,
+    STRICT,
+    SUBGROUPS,
+    AttentionConfig,
+    ConfigError,
+    MLPConfig,
+    MoEConfig,
+    NormsConfig,
+    PositionsConfig,
+    Positive,
+    PositiveFloat,
+    RopeScalingConfig,
+    config_error,
+    require,
+    unknown_field,
+    validated,
+)
+from eqllm.errors import rule, show
+
+__all__ = [
+    "AttentionConfig",
+    "ConfigError",
+    "DType",
+    "MLPConfig",
+    "ModelConfig",
+    "MoEConfig",
+    "NormsConfig",
+    "PositionsConfig",
+    "RematPolicy",
+    "RopeScalingConfig",
+    "dotted",
+    "expand",
+    "field_names",
+    "merge",
+    "rule",
+    "show",
+    "validated",
+]
+
+# A family is a name the families registry knows; config.py does not list them.
+Family = str
+# The one list of remat policies: eqllm.model maps each non-"none" name to a jax policy and the
+# recipe's train.remat reuses this type.
+RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@typing.no_type_check  # pydantic checks the fields (the test suite's beartype hook need not)
+@validated(STRICT, config_error)
+class ModelConfig:
+    """Hyperparameters of a decoder-only Transformer (frozen, hashable, compared by value).
+
+    Sizes: `vocab_size`, `d_model`, `n_layers`, `max_seq_len` (context length).
+
+    Groups (see `eqllm.config.groups`; a dict is accepted for each and validated there, and
+    so are dotted keys, `ModelConfig(**{"attention.n_heads": 8, ...})`):
+    `attention` (heads, kv heads, head size, biases, QK-norm, soft-cap, windows, scale, kernel),
+    `positions` (RoPE with its base, fraction and scaling, or learned), `mlp` (kind, d_ff,
+    bias), `moe` (None: a dense MLP in every block), `norms` (kind, eps, plus-one, bias,
+    placement).
+
+    Whole-model switches: `family` (a name of the families registry), `tie_embeddings`,
+    `embed_scale` (multiply token embeddings by sqrt(d_model), as Gemma does), `final_softcap`
+    (cap * tanh(x / cap) on the final logits, Gemma 2).
+
+    Numerics and compilation: `param_dtype`, `compute_dtype` (activations and matmuls; norms,
+    softmax and the loss stay fp32), `scan_layers` (False unrolls the layer loop: faster steps
+    on shallow models, compile time growing with depth), `remat` (jax.checkpoint policy for each
+    block; a remat policy always runs the layers with lax.scan, because unrolled XLA schedules
+    the recomputation early and the memory saving disappears), `init_std`.
+    """
+
+    PATH: ClassVar[str] = "ModelConfig"
+
+    vocab_size: Positive
+    d_model: Positive
+    n_layers: Positive
+    max_seq_len: Positive
+    attention: AttentionConfig
+    mlp: MLPConfig
+    positions: PositionsConfig = dataclasses.field(default_factory=PositionsConfig)
+    norms: NormsConfig = dataclasses.field(default_factory=NormsConfig)
+    moe: MoEConfig | None = None
+    family: Annotated[Family, Field(min_length=1)] = "llama"
+    tie_embeddings: bool = False
+    embed_scale: bool = False
+    final_softcap: PositiveFloat | None = None
+    param_dtype: DType = "float32"
+    compute_dtype: DType = "float32"
+    scan_layers: bool = True
+    remat: RematPolicy = "none"
+    init_std: PositiveFloat = 0.02
+
+    @staticmethod
+    def _prepare(values: dict[str, Any]) -> dict[str, Any]:
+        """Expand dotted keys and build the groups given as dicts (their errors name their own
+        paths)."""
+        return {
+            k: GROUPS[k](**v) if k in GROUPS and isinstance(v, dict) else v
+            for k, v in expand(values).items()
+        }
+
+    def __post_init__(self) -> None:
+        # Runs after pydantic's field checks. Derived sizes are filled in once, here.
+        attn, pos = self.attention, self.positions
+        if attn.head_dim is None:
+            require(
+                self.d_model % attn.n_heads == 0,
+                "ModelConfig.attention.n_heads",
+                attn.n_heads,
+                f"must divide d_model={self.d_model} (or set attention.head_dim explicitly)",
+            )
+            attn = dataclasses.replace(attn, head_dim=self.d_model // attn.n_heads)
+            object.__setattr__(self, "attention", attn)
+        if pos.kind == "rope":
+            even = self.rotary_dim % 2 == 0 and self.rotary_dim > 0
+            if pos.fraction == 1:
+                require(
+                    even,
+                    "ModelConfig.attention.head_dim",
+                    attn.head_dim,
+                    "must be even with rotary positions",
+                )
+            require(
+                even,
+                "ModelConfig.positions.fraction",
+                pos.fraction,
+                f"must rotate an even, non-zero number of dims (head_dim={attn.head_dim})",
+            )
+        require(
+            pos.local_theta is None or attn.global_every is not None,
+            "ModelConfig.positions.local_theta",
+            pos.local_theta,
+            "needs attention.global_every (it is the base of the windowed layers)",
+        )
+        if self.moe is not None:
+            require(
+                self.mlp.kind == "swiglu",
+                "ModelConfig.mlp.kind",
+                self.mlp.kind,
+                "must be 'swiglu' with moe (the experts are SwiGLU MLPs)",
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """The size of one attention head (`attention.head_dim`, filled in at construction)."""
+        return self.attention.head_dim
+
+    @property
+    def expert_d_ff(self) -> int:
+        """The hidden size of each routed expert."""
+        return (self.moe.d_ff if self.moe is not None else None) or self.mlp.d_ff
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head that RoPE rotates (the leading ones; the rest pass through)."""
+        return int(self.attention.head_dim * self.positions.fraction)
+
+    def local_layers(self) -> tuple[bool, ...]:
+        """Per layer: does it attend through the sliding window (True) or to everything?"""
+        if self.attention.sliding_window is None:
+            return (False,) * self.n_layers
+        every = self.attention.global_every
+        return tuple(every is None or (i + 1) % every != 0 for i in range(self.n_layers))
+
+    def at(self, path: str) -> Any:
+        """The value at a dotted path ("attention.n_kv_heads"); None below a group that is
+        None ("moe.n_experts" of a dense model)."""
+        value: Any = self
+        for part in path.split("."):
+            if value is None:
+                return None
+            if not dataclasses.is_dataclass(value) or part not in value.__pydantic_fields__:
+                raise unknown_field(type(value), part)
+            value = getattr(value, part)
+        return value
+
+    def replace(self, **overrides: Any) -> ModelConfig:
+        """A copy with some settings changed (validated); unknown names list the valid ones.
+
+        Keys are field names or dotted paths (`**{"attention.n_kv_heads": 2}`); a dict value
+        for a group changes only the fields it names (`attention={"n_kv_heads": 2}`), None
+        removes an optional group (`moe=None`). A RoPE scaling of another kind replaces the
+        old one whole.
+
+        Sizes that equal their default count as derived and follow the fields they derive from
+        unless `overrides` sets them too: attention.head_dim == d_model // n_heads follows
+        d_model and attention.n_heads, attention.n_kv_heads == n_heads (multi-head attention)
+        follows attention.n_heads.
+        """
+        changes = expand(overrides)
+        check_names(changes)
+        values = self.to_dict()
+        attn = values["attention"]
+        new_attn = changes.get("attention") if isinstance(changes.get("attention"), dict) else {}
+        if attn["head_dim"] == self.d_model // attn["n_heads"] and (
+            "d_model" in changes or "n_heads" in new_attn
+        ):
+            attn["head_dim"] = None
+        if attn["n_kv_heads"] == attn["n_heads"] and "n_heads" in new_attn:
+            attn["n_kv_heads"] = None
+        return ModelConfig.from_dict(merge(values, changes))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Nested dicts, a group's fields under its name (None for a missing group)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        """A config from nested dicts and/or dotted keys (as `to_dict` writes and TOML reads)."""
+        values = expand(values)
+        check_names(values)
+        fields = cls.__pydantic_fields__
+        missing = [n for n, f in fields.items() if f.is_required() and n not in values]
+        if missing:
+            raise ConfigError(f"ModelConfig is missing required field(s) {', '.join(missing)}")
+        return cls(**values)
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token: 6 * matmul parameters + 12 * L * H * Q * T for attention.
+
+        With experts, the matmul parameters are the active ones: the router, the
+        `experts_per_token` experts a token reaches and the shared expert. Matmul parameters
+        exclude the embedding table unless it is tied into the LM head (then
+        it is counted once, as the head). Attention uses the PaLM convention (appendix B) without
+        halving for the causal mask; T is `seq_len` (default: max_seq_len), capped by the
+        sliding window in the layers that have it.
+        """
+        full = seq_len or self.max_seq_len
+        window = self.attention.sliding_window
+        t = sum(min(full, window) if w else full for w in self.local_layers()) / self.n_layers
+        a = self.attention
+        d, h, kv, q = self.d_model, a.n_heads, a.n_kv_heads, a.head_dim
+        attn = d * q * (h + 2 * kv) + h * q * d
+        mlp = (3 if self.mlp.kind in ("swiglu", "geglu") else 2) * d * self.mlp.d_ff
+        if (moe := self.moe) is not None:
+            shared = 3 * d * moe.shared_d_ff + d if moe.shared_d_ff else 0
+            mlp = d * moe.n_experts + 3 * d * self.expert_d_ff * moe.experts_per_token + shared
+        head = d * self.vocab_size
+        matmul_params = self.n_layers * (attn + mlp) + head
+        return 6.0 * matmul_params + 12.0 * self.n_layers * h * q * t
+
+
+def field_names() -> list[str]:
+    """ModelConfig's top-level fields (groups by their names), in order."""
+    return list(ModelConfig.__pydantic_fields__)
+
+
+def expand(values: dict[str, Any]) -> dict[str, Any]:
+    """Dotted keys ({"attention.n_heads": 8}) turned into nested dicts, merged with the rest."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        head, dot, rest = str(key).partition(".")
+        if dot:
+            value = expand({rest: value})
+        elif isinstance(value, dict):
+            value = expand(value)
+        if isinstance(out.get(head), dict) and isinstance(value, dict):
+            out[head] = merge(out[head], value)
+        else:
+            out[head] = value
+    return out
+
+
+def dotted(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts flattened to dotted keys ({"attention": {"n_heads": 8}} -> {"attention.n_heads":
+    8}); the inverse of `expand`."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(dotted(value, f"{path}."))
+        else:
+            out[path] = value
+    return out
+
+
+def merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `changes` applied: a dict merges into a dict (field by field), except a RoPE
+    scaling of another kind, which replaces the old one; anything else replaces."""
+    out = dict(base)
+    for key, value in changes.items():
+        old = out.get(key)
+        if isinstance(old, dict) and isinstance(value, dict):
+            other_kind = key == "scaling" and value.get("kind", old.get("kind")) != old.get("kind")
+            out[key] = value if other_kind else merge(old, value)
+        else:
+            out[key] = value
+    return out
+
+
+def check_names(values: dict[str, Any], cls: type = ModelConfig, group: str = "") -> None:
+    """Raise for a name that is not a field of `cls` (or of a group below it)."""
+    for key, value in values.items():
+        if key not in cls.__pydantic_fields__:
+            raise unknown_field(cls, key)
+        sub = GROUPS.get(key) if cls is ModelConfig else SUBGROUPS.get((group, key))
+        if sub is not None and isinstance(value, dict):
+            check_names(value, sub, key)

@@ -1,0 +1,299 @@
+"""The groups of ModelConfig: one frozen, validated dataclass per mechanism.
+
+A family either has a mechanism (the group, with its settings) or leaves it None (`moe`, a RoPE
+`scaling`), so a feature's settings live in one place instead of defaults spread over flat
+fields. Each group validates its own fields at construction; its errors name the full dotted
+path (`ModelConfig.attention.n_kv_heads=3 must divide n_heads=8`). Checks that need fields of
+several groups live in `ModelConfig.__post_init__`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import typing
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal
+
+import pydantic
+from pydantic import ConfigDict, Field, ValidationError
+
+from eqllm.errors import EqllmError, rule, show
+
+NormKind = Literal["rmsnorm", "layernorm"]
+MLPKind = Literal["gelu", "swiglu", "geglu"]
+PositionKind = Literal["learned", "rope"]
+RopeScalingKind = Literal["llama3"]
+QKNorm = Literal["head", "whole"]
+AttentionKernel = Literal["auto", "xla", "cudnn"]
+MoEImpl = Literal["dense", "ragged"]
+
+Positive = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+# strict: no "3" -> 3 or 64.0 -> 64; an int is still accepted where a float is expected.
+STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class ConfigError(EqllmError):
+    """An invalid configuration value; the message names the field, the value and the rule."""
+
+
+def validated(config: ConfigDict, error: Callable[[ValidationError, type], Exception]):
+    """Class decorator: a frozen pydantic dataclass (hashable, compared by value, cheap to build).
+
+    A ValidationError of its constructor becomes `error(validation_error, cls)`, one line of
+    eqllm's error type. Validation of a nested value (`TypeAdapter`) does not pass through the
+    constructor and raises the ValidationError itself.
+    """
+
+    def wrap(cls: type) -> type:
+        cls = pydantic.dataclasses.dataclass(frozen=True, config=config)(cls)
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            prepare = getattr(cls, "_prepare", None)
+            if prepare is not None:
+                kwargs = prepare(kwargs)
+            try:
+                init(self, *args, **kwargs)
+            except ValidationError as e:
+                raise error(e, cls) from None
+
+        cls.__init__ = __init__
+        return cls
+
+    return wrap
+
+
+def config_error(error: ValidationError, cls: type) -> ConfigError:
+    """One ConfigError line for the first problem pydantic found in a config or a group."""
+    path = getattr(cls, "PATH", cls.__name__)
+    first = error.errors(include_url=False)[0]
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, EqllmError):  # raised by __post_init__ with its own message
+        return ConfigError(str(cause))
+    name = str(first["loc"][0]) if first["loc"] else ""
+    if first["type"] == "missing":
+        missing = [str(e["loc"][0]) for e in error.errors() if e["type"] == "missing"]
+        return ConfigError(f"{path} is missing required field(s) {', '.join(missing)}")
+    if first["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+        return unknown_field(cls, name)
+    if first["type"] in ("dataclass_type", "dataclass_exact_type"):
+        return ConfigError(f"{path}.{name}={show(first['input'])} must be a table")
+    info = cls.__pydantic_fields__.get(name)
+    return ConfigError(f"{path}.{name}={show(first['input'])} {rule(first, info)}")
+
+
+def unknown_field(cls: type, key: Any) -> ConfigError:
+    """'unknown ModelConfig.attention field ...; did you mean ...? valid fields: ...'."""
+    names = list(cls.__pydantic_fields__)
+    close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    path = getattr(cls, "PATH", cls.__name__)
+    return ConfigError(f"unknown {path} field {key!r}; {hint}valid fields: {', '.join(names)}")
+
+
+def require(ok: bool, path: str, value: Any, broken: str) -> None:
+    """Raise `ConfigError("<path>=<value> <broken>")` unless `ok`."""
+    if not ok:
+        raise ConfigError(f"{path}={show(value)} {broken}")
+
+
+_group = validated(STRICT, config_error)
+
+
+@typing.no_type_check  # pydantic checks the fields (the test suite's beartype hook need not)
+@_group
+class AttentionConfig:
+    """Self-attention: heads and their sizes, biases, QK-norm, soft-cap, windows, scale, kernel.
+
+    `n_kv_heads` (== n_heads: multi-head; 1: multi-query; otherwise grouped-query; None at
+    construction means n_heads), `head_dim` (None means d_model // n_heads, filled in by
+    ModelConfig). `qk_norm`: an RMSNorm on queries and keys, over each head ("head": Qwen3,
+    Gemma 3) or over the whole projections ("whole": OLMo 2); None: none. `softcap`:
+    cap * tanh(scores / cap) (Gemma 2). `sliding_window` (None: full causal attention) with
+    `global_every` (every global_every-th layer attends to the whole context; None: every layer
+    uses the window). `query_pre_attn_scalar`: scores scaled by its inverse square root instead
+    of head_dim's. `kernel`: "xla" computes attention in the model, "cudnn" uses cuDNN's fused
+    kernel, "auto" the fused kernel where it can run (see `eqllm.attention_backend`).
+    """
+
+    PATH: ClassVar[str] = "ModelConfig.attention"
+
+    n_heads: Positive
+    n_kv_heads: Positive | None = None
+    head_dim: Positive | None = None
+    qkv_bias: bool = False
+    out_bias: bool = False
+    qk_norm: QKNorm | None = None
+    softcap: PositiveFloat | None = None
+    sliding_window: Positive | None = None
+    global_every: Positive | None = None
+    query_pre_attn_scalar: Positive | None = None
+    kernel: AttentionKernel = "auto"
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        require(
+            self.n_heads % self.n_kv_heads == 0,
+            f"{self.PATH}.n_kv_heads",
+            self.n_kv_heads,
+            f"must divide n_heads={self.n_heads}",
+        )
+        require(
+            self.global_every is None or self.sliding_window is not None,
+            f"{self.PATH}.global_every",
+            self.global_every,
+            "needs a sliding_window for the other layers",
+        )
+
+
+@typing.no_type_check
+@_group
+class RopeScalingConfig:
+    """How RoPE's frequencies are stretched beyond the trained context.
+
+    "llama3" (Llama 3.1 report, section 3.3): wavelengths longer than
+    original_max_seq_len / low_freq_factor are divided by `factor`, those shorter than
+    original_max_seq_len / high_freq_factor are kept, and the band between is interpolated.
+    """
+
+    PATH: ClassVar[str] = "ModelConfig.positions.scaling"
+
+    kind: RopeScalingKind
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: Positive = 8192
+
+    def __post_init__(self) -> None:
+        require(self.factor >= 1, f"{self.PATH}.factor", self.factor, "must be >= 1")
+        require(
+            self.high_freq_factor > self.low_freq_factor,
+            f"{self.PATH}.high_freq_factor",
+            self.high_freq_factor,
+            f"must exceed low_freq_factor={self.low_freq_factor}",
+        )
+
+
+@typing.no_type_check
+@_group
+class PositionsConfig:
+    """Where position information comes from: rotary embeddings or a learned table.
+
+    `kind` "rope" (Su et al., 2021) with base `theta`, `local_theta` for the windowed layers
+    (Gemma 3; None: theta everywhere), `fraction` (the leading fraction of each head that is
+    rotated, Phi-3's partial_rotary_factor) and `scaling` (None: plain RoPE); "learned": a
+    trained table of max_seq_len positions (GPT-2), which uses none of the RoPE settings.
+    """
+
+    PATH: ClassVar[str] = "ModelConfig.positions"
+
+    kind: PositionKind = "rope"
+    theta: PositiveFloat = 10000.0
+    local_theta: PositiveFloat | None = None
+    fraction: Annotated[float, Field(gt=0, le=1)] = 1.0
+    scaling: RopeScalingConfig | None = None
+
+    @staticmethod
+    def _prepare(values: dict[str, Any]) -> dict[str, Any]:
+        if isinstance(values.get("scaling"), dict):
+            values = {**values, "scaling": RopeScalingConfig(**values["scaling"])}
+        return values
+
+    def __post_init__(self) -> None:
+        if self.kind == "rope":
+            return
+        for name, plain in (("local_theta", None), ("fraction", 1.0), ("scaling", None)):
+            value = getattr(self, name)
+            require(value == plain, f"{self.PATH}.{name}", value, "needs kind='rope'")
+
+
+@typing.no_type_check
+@_group
+class MLPConfig:
+    """The feed-forward layer: `kind` (gelu: GPT-2's; swiglu / geglu: gated), `d_ff` hidden
+    units, `bias` on its projections."""
+
+    PATH: ClassVar[str] = "ModelConfig.mlp"
+
+    d_ff: Positive
+    kind: MLPKind = "swiglu"
+    bias: bool = False
+
+
+@typing.no_type_check
+@_group
+class MoEConfig:
+    """A sparse mixture of experts in place of every block's MLP.
+
+    `n_experts` routed SwiGLU experts of hidden size `d_ff` (None: mlp.d_ff), `experts_per_token`
+    of them per token, their top-k router probabilities renormalised when `norm_topk_prob`;
+    `shared_d_ff` adds Qwen-MoE's gated shared expert; `aux_loss_coef` weighs the load-balancing
+    loss in training; `impl` picks how the experts are computed ("dense": every expert on every
+    token, fastest on CPU; "ragged": grouped matmul), same values.
+    """
+
+    PATH: ClassVar[str] = "ModelConfig.moe"
+
+    n_experts: Positive
+    experts_per_token: Positive = 2
+    d_ff: Positive | None = None
+    norm_topk_prob: bool = True
+    shared_d_ff: Positive | None = None
+    aux_loss_coef: Annotated[float, Field(ge=0)] = 0.0
+    impl: MoEImpl = "dense"
+
+    def __post_init__(self) -> None:
+        require(
+            self.experts_per_token <= self.n_experts,
+            f"{self.PATH}.experts_per_token",
+            self.experts_per_token,
+            f"must be <= n_experts={self.n_experts}",
+        )
+
+
+@typing.no_type_check
+@_group
+class NormsConfig:
+    """The norms: `kind`, `eps`, `plus_one` (Gemma's (1 + w) RMSNorm scale), `bias` (LayerNorm
+    only), `pre` (a norm before each sublayer) and `post` (one on each sublayer's output before
+    the residual add: Gemma 2/3 have both, OLMo 2 only the latter)."""
+
+    PATH: ClassVar[str] = "ModelConfig.norms"
+
+    kind: NormKind = "rmsnorm"
+    eps: PositiveFloat = 1e-5
+    plus_one: bool = False
+    bias: bool = False
+    pre: bool = True
+    post: bool = False
+
+    def __post_init__(self) -> None:
+        require(
+            not (self.bias and self.kind == "rmsnorm"),
+            f"{self.PATH}.bias",
+            self.bias,
+            "is only defined for kind='layernorm'",
+        )
+        require(
+            not (self.plus_one and self.kind == "layernorm"),
+            f"{self.PATH}.plus_one",
+            self.plus_one,
+            "is only defined for kind='rmsnorm'",
+        )
+
+
+# The groups ModelConfig holds, by field name.
+GROUPS: dict[str, type] = {
+    "attention": AttentionConfig,
+    "positions": PositionsConfig,
+    "mlp": MLPConfig,
+    "moe": MoEConfig,
+    "norms": NormsConfig,
+}
+# Groups nested inside a group, by (group, field).
+SUBGROUPS: dict[tuple[str, str], type] = {("positions", "scaling"): RopeScalingConfig}
