@@ -31,6 +31,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from .chat import read_chat_template, write_chat_template
 from .errors import DataError, DataNotFound
+from .sentencepiece import load_sentencepiece
 
 EOT = "<|endoftext|>"
 TokenizerKind = Literal["bytes", "bpe", "pretrained"]
@@ -145,22 +146,32 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Tokenizer:
-        """Load a ``tokenizer.json`` file, or a folder holding one.
+        """Load a ``tokenizer.json`` file, or a folder holding one or only a SentencePiece
+        ``tokenizer.model`` (`eqllm.data.sentencepiece`).
 
         The end-of-text token is ``eos_token`` from a ``tokenizer_config.json`` beside it if there
-        is one, else the first of ``<|endoftext|>``, ``</s>``, ``<eos>`` in the vocabulary.
+        is one, else the SentencePiece model's, else the first of ``<|endoftext|>``, ``</s>``,
+        ``<eos>`` in the vocabulary. The folder's chat template comes along
+        (`eqllm.data.chat`); so do tokenizer_config.json's ``added_tokens_decoder`` entries a
+        SentencePiece model lacks.
         """
         path = Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
-        if not file.is_file():
+        spm = path / "tokenizer.model" if path.is_dir() else None
+        if not file.is_file() and not (spm and spm.is_file()):
             raise DataNotFound(
                 f"No tokenizer file at {str(file)!r}; expected a tokenizer.json file or a folder "
-                "containing one (as written by Tokenizer.save or a Hugging Face model repo)."
+                "containing one (as written by Tokenizer.save or a Hugging Face model repo), or "
+                "a SentencePiece tokenizer.model."
             )
         config_file = file.parent / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         config["chat_template"] = read_chat_template(file.parent)
-        return cls._from_hf(tokenizers.Tokenizer.from_file(str(file)), config, str(file))
+        if file.is_file():
+            return cls._from_hf(tokenizers.Tokenizer.from_file(str(file)), config, str(file))
+        hf, specials = load_sentencepiece(spm)
+        _add_config_tokens(hf, config, str(config_file))
+        return cls._from_hf(hf, {**specials, **config}, str(spm))
 
     @classmethod
     def from_pretrained(cls, repo_id: str, *, revision: str | None = None) -> Tokenizer:
@@ -301,3 +312,30 @@ class Tokenizer:
     def to_str(self) -> str:
         """The tokenizer.json text (a canonical description, used in cache keys)."""
         return self.hf.to_str()
+
+
+def _add_config_tokens(hf: tokenizers.Tokenizer, config: dict, where: str) -> None:
+    """The `added_tokens_decoder` of tokenizer_config.json that `hf` lacks, at their ids."""
+    decoder = config.get("added_tokens_decoder") or {}
+    for index, token in sorted(decoder.items(), key=lambda kv: int(kv[0])):
+        content, index = token["content"], int(index)
+        if hf.token_to_id(content) == index:
+            continue
+        if index != hf.get_vocab_size(with_added_tokens=True):
+            raise DataError(
+                f"{where}: added token {content!r} has id {index}, but the tokenizer's next id is "
+                f"{hf.get_vocab_size(with_added_tokens=True)}; the added_tokens_decoder does not "
+                "fit this tokenizer.model"
+            )
+        hf.add_tokens(
+            [
+                tokenizers.AddedToken(
+                    content,
+                    special=bool(token.get("special", False)),
+                    normalized=bool(token.get("normalized", not token.get("special", False))),
+                    lstrip=bool(token.get("lstrip", False)),
+                    rstrip=bool(token.get("rstrip", False)),
+                    single_word=bool(token.get("single_word", False)),
+                )
+            ]
+        )

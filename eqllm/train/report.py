@@ -116,6 +116,8 @@ def format_summary(s: dict) -> list[str]:
     """The lines `eqllm run` prints at the end: evaluation, throughput, compile and wall time."""
     lines = format_eval(s)
     util = f", MFU {s['mfu']:.1%}" if s.get("mfu") is not None else ""
+    if s.get("hfu") is not None and s["hfu"] != s["mfu"]:
+        util += f" (HFU {s['hfu']:.1%} with remat)"
     lines.append(
         f"throughput: {_fmt(s['step_tokens_per_s'], ',.0f')} tokens/s per train step{util} "
         f"(loader {_fmt(s['loader_tokens_per_s'], ',.0f')} tokens/s); compile "
