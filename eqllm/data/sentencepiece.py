@@ -51,14 +51,30 @@ def load_sentencepiece(file: str | Path) -> tuple[tokenizers.Tokenizer, dict[str
             "BPE models (model_type 2: Llama, Mistral, Gemma), or give the folder's tokenizer.json"
         )
     pieces = list(proto.pieces)
-    vocab = {p.piece: i for i, p in enumerate(pieces)}
-    unk = pieces[spec.unk_id].piece if 0 <= spec.unk_id < len(pieces) else None
+    unk = spec.unk_id if 0 <= spec.unk_id < len(pieces) else None
+    hf = spm_bpe([(p.piece, p.type) for p in pieces], unk_id=unk, byte_fallback=spec.byte_fallback)
+    roles = {
+        "bos_token": spec.bos_id,
+        "eos_token": spec.eos_id,
+        "unk_token": spec.unk_id,
+        "pad_token": spec.pad_id,
+    }
+    specials = {k: pieces[i].piece for k, i in roles.items() if 0 <= i < len(pieces)}
+    return hf, specials
+
+
+def spm_bpe(
+    pieces: list[tuple[str, int]], *, unk_id: int | None, byte_fallback: bool
+) -> tokenizers.Tokenizer:
+    """The tokenizer of SentencePiece BPE pieces `(piece, type)` in id order (types as in
+    sentencepiece_model.proto: 2 unknown, 3 control, 4 user-defined, 6 byte)."""
+    vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
     model = models.BPE(
         vocab=vocab,
         merges=_merges(vocab),
-        unk_token=unk,
+        unk_token=pieces[unk_id][0] if unk_id is not None else None,
         fuse_unk=True,
-        byte_fallback=spec.byte_fallback,
+        byte_fallback=byte_fallback,
         dropout=None,
     )
     hf = tokenizers.Tokenizer(model)
@@ -74,17 +90,11 @@ def load_sentencepiece(file: str | Path) -> tuple[tokenizers.Tokenizer, dict[str
             decoders.Strip(content=" ", left=1),
         ]
     )
-    added = [
-        AddedToken(p.piece, normalized=False, special=p.type in (_CONTROL, _UNKNOWN))
-        for p in pieces
-        if p.type in (_UNKNOWN, _CONTROL, _USER_DEFINED)
-    ]
-    hf.add_tokens(added)
-    roles = {
-        "bos_token": spec.bos_id,
-        "eos_token": spec.eos_id,
-        "unk_token": spec.unk_id,
-        "pad_token": spec.pad_id,
-    }
-    specials = {k: pieces[i].piece for k, i in roles.items() if 0 <= i < len(pieces)}
-    return hf, specials
+    hf.add_tokens(
+        [
+            AddedToken(piece, normalized=False, special=kind in (_CONTROL, _UNKNOWN))
+            for piece, kind in pieces
+            if kind in (_UNKNOWN, _CONTROL, _USER_DEFINED)
+        ]
+    )
+    return hf
