@@ -125,20 +125,43 @@ def compile_template(template: str) -> jinja2.Template:
         raise DataError(f"chat template line {e.lineno}: {e.message}") from None
 
 
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
 def render(
     template: str,
     messages: Messages,
     *,
     special_tokens: dict[str, str] | None = None,
     add_generation_prompt: bool = False,
+    continue_final_message: bool = False,
     **variables: Any,
 ) -> str:
-    """`messages` as text: `template` rendered with the special tokens as variables."""
-    return compile_template(template).render(
+    """`messages` as text: `template` rendered with the special tokens as variables.
+
+    `continue_final_message` ends the text inside the last message (as transformers does: the
+    message is tagged, rendered and cut at the tag), for a continuation to be scored.
+    """
+    if continue_final_message:
+        messages = [dict(m) for m in messages]
+        messages[-1]["content"] = messages[-1]["content"] + _CONTINUE_TAG
+    text = compile_template(template).render(
         messages=messages,
+        tools=None,
+        documents=None,
         add_generation_prompt=add_generation_prompt,
         **{**(special_tokens or {}), **variables},
     )
+    if continue_final_message:
+        if _CONTINUE_TAG.strip() not in text:
+            raise DataError(
+                "continue_final_message: the chat template drops part of the final message, "
+                "so the text cannot end inside it"
+            )
+        at = text.rindex(_CONTINUE_TAG.strip())
+        keep_spacing = text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG
+        text = text[:at] if keep_spacing else text[:at].rstrip()
+    return text
 
 
 def apply_chat_template(
@@ -146,6 +169,7 @@ def apply_chat_template(
     messages: Messages,
     *,
     add_generation_prompt: bool = False,
+    continue_final_message: bool = False,
     template: str | None = None,
     tokenize: bool = True,
 ) -> list[int] | str:
@@ -156,6 +180,7 @@ def apply_chat_template(
         messages,
         special_tokens=tokenizer.special_tokens,
         add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
     )
     return tokenizer.encode_with_specials(text) if tokenize else text
 
