@@ -68,7 +68,8 @@ def _ours(model, tokens):
 
 
 TOKENS = np.random.default_rng(0).integers(0, 250, 200)
-TOLERANCE = {"f32": 1e-4, "f16": 2e-2, "bf16": 1e-1, "q8_0": 1e-1}  # of the largest logit
+# Of the largest logit; measured on this model: 4.8e-7, 7.7e-4, 6.1e-3, 2.1e-2 (docs/hub.md).
+TOLERANCE = {"f32": 1e-5, "f16": 5e-3, "bf16": 2e-2, "q8_0": 5e-2}
 
 
 # transformers' GGUF loader reads Qwen3's head_dim as its default, 128.

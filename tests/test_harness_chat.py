@@ -97,6 +97,7 @@ def test_chat_formatted_requests_equal_hf(results, task):
         assert [a["resps"] for a in ours] == [b["resps"] for b in ref]
 
 
+@pytest.mark.slow  # a third harness run (~1 min on two cores)
 def test_eval_command_applies_the_chat_template(folder, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     out = tmp_path / "r.json"
