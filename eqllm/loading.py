@@ -24,6 +24,7 @@ from eqllm.errors import EqllmError
 from eqllm.hub import (
     load_any,
     save_adapter,
+    save_gguf,
     save_model,
     save_pretrained,
     with_param_dtype,
@@ -96,8 +97,12 @@ def convert(
     max_shard_size: int | str = "5GB",
     local_files_only: bool = False,
     merge: bool = False,
+    gguf_type: str = "f16",
 ) -> str:
     """Convert the model (and tokenizer) at `src` into the folder `dst`; returns a summary.
+
+    A `dst` ending in ``.gguf`` is written as one GGUF file (llama.cpp's format) with weights of
+    `gguf_type` ('f32', 'f16', 'bf16', 'q8_0'), any LoRA adapters folded in.
 
     `to` is 'hf' or 'eqllm'; by default the other format than the source's (an HF folder or
     repo id becomes an eqllm model folder, an eqllm folder becomes an HF folder).
@@ -105,6 +110,13 @@ def convert(
     (with the tokenizer), or with `merge` as a Hugging Face folder with the adapters folded in.
     """
     run = run_folder_of(src)
+    if str(dst).endswith(".gguf"):
+        model, tokenizer = load(src, dtype=dtype, local_files_only=local_files_only)
+        save_gguf(lora.merge(model), dst, tokenizer=tokenizer, type=gguf_type)
+        return (
+            f"wrote GGUF {dst}: {model.config.family}, {param_count(model):,} parameters, "
+            f"{gguf_type} weights" + (", with tokenizer" if tokenizer is not None else "")
+        )
     folder = run[0] if run else resolve(src, local_files_only=local_files_only)
     source_format = "eqllm" if run or is_model_folder(folder) else "hf"
     to = to or ("hf" if source_format == "eqllm" else "eqllm")

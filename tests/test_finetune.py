@@ -46,7 +46,7 @@ def test_mask_covers_exactly_the_responses_and_eos(jsonl):
         trained = tok.decode(ids[mask])
         answers = [m["content"] for m in messages if m["role"] == "assistant"]
         assert trained == tok.eot_token.join(answers) + tok.eot_token  # each turn ends with EOS
-        assert ids[-1] == tok.eot_id and mask[-1] and (ids == tok.eot_id).sum() == len(answers)
+        assert ids[mask][-1] == tok.eot_id and (ids == tok.eot_id).sum() == len(answers)
     assert "<|user|>\nAdd two numbers.\n\n2 and 3\n<|assistant|>\n" in chat.render(
         read_examples(jsonl)[0]
     )

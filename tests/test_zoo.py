@@ -103,6 +103,7 @@ def test_param_count_equals_transformers(name):
 def test_published_sizes_match_their_release():
     """Spot checks against the counts the model cards publish."""
     assert eqllm.zoo.param_count("gpt2-small") == 124_439_808
+    assert eqllm.zoo.param_count("smollm2-135m") == 134_515_008
     assert eqllm.zoo.param_count("llama2-7b") == 6_738_415_616
     assert eqllm.zoo.param_count("llama3-8b") == 8_030_261_248
     assert eqllm.zoo.param_count("qwen3-8b") == 8_190_735_360

@@ -1,4 +1,5 @@
-"""`eqllm convert SRC DST`: Hugging Face folder/repo <-> eqllm model folder (or a run folder)."""
+"""`eqllm convert SRC DST`: Hugging Face folder/repo <-> eqllm model folder (or a run folder);
+`eqllm convert SRC out.gguf --type q8_0`: a GGUF file for llama.cpp and ollama."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def convert_command(args: argparse.Namespace) -> int:
             max_shard_size=args.max_shard_size,
             local_files_only=args.local_files_only,
             merge=args.merge,
+            gguf_type=args.type,
         )
     )
     return 0
@@ -33,11 +35,19 @@ def add_parser(commands) -> None:
             "Convert a model and its tokenizer. SRC is a Hugging Face folder or hub repo id, "
             "or an eqllm model folder; DST gets the other format unless --to says otherwise "
             "(--to hf from an HF source re-exports it). A LoRA run gives its adapter in PEFT's "
-            "format, or with --merge a Hugging Face folder with the adapter folded in."
+            "format, or with --merge a Hugging Face folder with the adapter folded in. A DST "
+            "ending in .gguf is a GGUF file (llama.cpp, ollama) of --type weights, with the "
+            "tokenizer and chat template in its metadata and any adapter folded in."
         ),
     )
     parser.add_argument("src", help="HF folder or hub repo id ('org/name'), or an eqllm folder")
-    parser.add_argument("dst", help="output folder")
+    parser.add_argument("dst", help="output folder, or a .gguf file")
+    parser.add_argument(
+        "--type",
+        choices=["f32", "f16", "bf16", "q8_0"],
+        default="f16",
+        help="GGUF weight type (default f16; vectors stay f32)",
+    )
     parser.add_argument("--to", choices=["hf", "eqllm"], help="output format (default: the other)")
     parser.add_argument("--dtype", choices=get_args(DType), help="cast the weights")
     parser.add_argument(

@@ -95,6 +95,8 @@ def _eval_tasks(args: argparse.Namespace) -> int:
         num_fewshot=args.num_fewshot,
         limit=args.limit,
         include_path=args.include_path,
+        apply_chat_template=args.apply_chat_template,
+        fewshot_as_multiturn=args.fewshot_as_multiturn,
     )
     table = harness.results_table(results)
     print(table)
@@ -171,4 +173,15 @@ def add_parser(commands) -> None:
         help="results JSON (default: RUN/harness-STEP.json, or ./harness-results.json)",
     )
     harness.add_argument("--tokenizer", default=None, help="tokenizer for a model without one")
+    harness.add_argument(
+        "--apply-chat-template",
+        action="store_true",
+        help="format requests with the model's chat template (instruct models)",
+    )
+    harness.add_argument(
+        "--fewshot-as-multiturn",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="few-shot examples as chat turns or not (default: lm_eval's, turns with a template)",
+    )
     parser.set_defaults(func=eval_command)

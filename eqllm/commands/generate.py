@@ -3,8 +3,8 @@
 The decode loop runs compiled in chunks of `--chunk` tokens (see `eqllm.generation.stream`);
 the text printed between chunks is the decoded continuation. A model without a tokenizer reads
 and writes token ids. `--chat` formats each prompt as a user turn with the model's chat template
-(its tokenizer_config.json's, else eqllm's default, see `eqllm.data.instruct`); interactively,
-the conversation is kept (`/clear` starts a new one).
+(chat_template.jinja, else tokenizer_config.json's, else eqllm's default: `eqllm.data.chat`);
+interactively, the conversation is kept (`/clear` starts a new one).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import numpy as np
 
 from eqllm import loading
 from eqllm.data import Tokenizer
-from eqllm.data.instruct import ChatFormat, chat_template_of
+from eqllm.data.chat import read_chat_template
+from eqllm.data.instruct import ChatFormat
 from eqllm.errors import EqllmError
 from eqllm.generation import GenerationError, sampling, stream
 from eqllm.model import CausalLM
@@ -124,7 +125,7 @@ class Chat:
             raise GenerationError("--chat needs a tokenizer: give --tokenizer or a model with one")
         run = loading.run_folder_of(spec)
         folder = run[0] if run else (Path(spec) if Path(spec).is_dir() else None)
-        self.format = ChatFormat(tokenizer, chat_template_of(folder) if folder else None)
+        self.format = ChatFormat(tokenizer, read_chat_template(folder))
         self.messages: list[dict[str, str]] = []
 
     def prompt(self, text: str) -> list[int]:

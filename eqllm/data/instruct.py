@@ -2,8 +2,9 @@
 
 An example is either Alpaca form (`instruction`, optional `input`, `output`) or chat form
 (`messages`: a list of `{"role": "system"|"user"|"assistant", "content": ...}`). It is formatted
-with the tokenizer's chat template (the Jinja `chat_template` of its tokenizer_config.json, as
-transformers renders it) when there is one, else with `DEFAULT_TEMPLATE`:
+with the tokenizer's chat template (chat_template.jinja, else tokenizer_config.json's
+`chat_template`, rendered as transformers renders it: `eqllm.data.chat`) when there is one, else
+with `eqllm.data.chat.DEFAULT_TEMPLATE`:
 
     <|system|>
     {system message}
@@ -12,10 +13,11 @@ transformers renders it) when there is one, else with `DEFAULT_TEMPLATE`:
     <|assistant|>
     {assistant message}<eos>
 
-The loss is masked to the assistant turns (their tokens and the end-of-sequence token appended
-after the last one, so that a fine-tuned model learns to stop). Each example becomes one row of
-`seq_len + 1` tokens, truncated or padded on the right with the end-of-sequence id; padding is
-masked out, and since attention is causal it never changes the real tokens' logits.
+The loss is masked to the assistant turns (their tokens, and the end-of-sequence token after the
+last one, inserted if the template does not write it, so that a fine-tuned model learns to
+stop). Each example becomes one row of `seq_len + 1` tokens, truncated or padded on the right
+with the end-of-sequence id; padding is masked out, and since attention is causal it never
+changes the real tokens' logits.
 """
 
 from __future__ import annotations
@@ -25,20 +27,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import jinja2
 import numpy as np
-import tokenizers
 
+from eqllm.data.chat import render, template_or_default
 from eqllm.data.errors import DataError, DataNotFound
 from eqllm.data.tokenizer import Tokenizer
 
 Messages = list[dict[str, str]]
-
-DEFAULT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}"
-    "{% if m.role == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 ROLES = ("system", "user", "assistant")
 
 
@@ -104,61 +99,36 @@ def to_messages(record, where: str) -> Messages:
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
 
 
-def chat_template_of(folder: str | os.PathLike) -> str | None:
-    """The `chat_template` of the tokenizer_config.json in `folder`, if any."""
-    file = Path(folder) / "tokenizer_config.json"
-    if not file.is_file():
-        return None
-    template = json.loads(file.read_text()).get("chat_template")
-    if isinstance(template, list):  # named templates: transformers uses "default"
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    return template
-
-
 @dataclass
 class ChatFormat:
     """Renders messages as text with a Jinja chat template, and tokenizes them with the loss
-    mask. `template` None uses `DEFAULT_TEMPLATE`."""
+    mask. `template` None uses the tokenizer's own, else the default (said once)."""
 
     tokenizer: Tokenizer
     template: str | None = None
 
     def __post_init__(self):
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        self._template = env.from_string(self.template or DEFAULT_TEMPLATE)
-        self._special = None
-        if self.tokenizer.kind != "bytes":
-            # Special tokens a template writes (<|im_end|>) are meant as their ids, unlike in
-            # documents: a copy of the tokenizer that recognises them.
-            self._special = tokenizers.Tokenizer.from_str(self.tokenizer.to_str())
-            self._special.encode_special_tokens = False
+        self.template = template_or_default(self.template or self.tokenizer.chat_template)
 
     def render(self, messages: Messages, *, add_generation_prompt: bool = False) -> str:
-        return self._template.render(
-            messages=messages,
+        return render(
+            self.template,
+            messages,
+            special_tokens=self.tokenizer.special_tokens,
             add_generation_prompt=add_generation_prompt,
-            eos_token=self.tokenizer.eot_token,
-            bos_token="",
         )
 
     def encode_text(self, text: str) -> list[int]:
-        """Ids of rendered text; the end-of-sequence string becomes its id (for any tokenizer)."""
-        ids: list[int] = []
-        for i, part in enumerate(text.split(self.tokenizer.eot_token)):
-            if i:
-                ids.append(self.tokenizer.eot_id)
-            if part and self._special is None:
-                ids += self.tokenizer.encode(part)
-            elif part:
-                ids += self._special.encode(part, add_special_tokens=False).ids
-        return ids
+        """Ids of rendered text, special-token strings as their ids (as transformers does)."""
+        return self.tokenizer.encode_with_specials(text)
 
     def encode(self, messages: Messages) -> tuple[np.ndarray, np.ndarray]:
         """(token ids, bool mask of the tokens the loss is taken on) for one conversation.
 
         The text is cut at the start and end of each assistant turn (found by rendering the
         conversation up to it) and each piece tokenized on its own, so the mask is exact.
-        The end-of-sequence id is appended (in the mask) unless the text already ends with it.
+        The end-of-sequence id is inserted after the last answer (in the mask) unless the
+        template writes it there; the rest of the text follows, tokenized as transformers does.
         """
         full = self.render(messages)
         cuts: list[tuple[int, int]] = []
@@ -182,12 +152,16 @@ class ChatFormat:
                 ids += tokens
                 mask += [train] * len(tokens)
             pos = end
-        tail = self.encode_text(full[pos:]) if full[pos:].strip() else []
+        eot = self.tokenizer.eot_id
+        # The last answer ends with the end-of-sequence token; a template that does not write it
+        # gets it appended after the last answer (trained, so the model learns to stop).
+        trained = [t for t, m in zip(ids, mask, strict=True) if m]
+        if not trained or trained[-1] != eot:
+            ids.append(eot)
+            mask.append(True)
+        tail = self.encode_text(full[pos:]) if full[pos:] else []  # as transformers tokenizes
         ids += tail
         mask += [False] * len(tail)
-        if not ids or ids[-1] != self.tokenizer.eot_id:
-            ids.append(self.tokenizer.eot_id)
-            mask.append(True)
         return np.asarray(ids, np.int64), np.asarray(mask, bool)
 
 
@@ -203,7 +177,7 @@ class InstructionData:
     val_mask: np.ndarray
     tokenizer: Tokenizer
     truncated: int  # examples cut to seq_len + 1 tokens
-    template: str | None = None  # the chat template (None: DEFAULT_TEMPLATE)
+    template: str | None = None  # the chat template the rows were formatted with
 
     @property
     def meta(self) -> dict:
@@ -292,4 +266,4 @@ def prepare_instructions(
     val_rows, val_mask, val_cut = pad_rows(encoded[:n_val], seq_len, tokenizer.eot_id)
     if not mask.any():
         raise DataError(f"{path}: no response token fits in seq_len={seq_len}; raise data.seq_len")
-    return InstructionData(rows, mask, val_rows, val_mask, tokenizer, cut + val_cut, template)
+    return InstructionData(rows, mask, val_rows, val_mask, tokenizer, cut + val_cut, chat.template)

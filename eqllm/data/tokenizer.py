@@ -11,7 +11,9 @@ Kinds:
 
 `encode` treats special-token strings in the text as plain text (a document that mentions
 ``<|endoftext|>`` does not get a document boundary) and adds no BOS/EOS: the data pipeline places
-the end-of-text token itself.
+the end-of-text token itself. `encode_with_specials` recognises them (for text a chat template
+wrote). A loaded tokenizer carries its folder's chat template and special tokens
+(`eqllm.data.chat`).
 """
 
 from __future__ import annotations
@@ -27,11 +29,22 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from .chat import read_chat_template, write_chat_template
 from .errors import DataError, DataNotFound
+from .sentencepiece import load_sentencepiece
 
 EOT = "<|endoftext|>"
 TokenizerKind = Literal["bytes", "bpe", "pretrained"]
 _EOT_FALLBACKS = (EOT, "</s>", "<eos>")
+SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 @lru_cache(maxsize=1)
@@ -56,7 +69,15 @@ class Tokenizer:
     `Tokenizer.from_pretrained(repo_id)` or `Tokenizer.from_spec(spec)`.
     """
 
-    def __init__(self, hf: tokenizers.Tokenizer, eot_token: str, kind: TokenizerKind):
+    def __init__(
+        self,
+        hf: tokenizers.Tokenizer,
+        eot_token: str,
+        kind: TokenizerKind,
+        *,
+        chat_template: str | None = None,
+        special_tokens: dict[str, str] | None = None,
+    ):
         eot_id = hf.token_to_id(eot_token)
         if eot_id is None:
             raise DataError(
@@ -70,6 +91,10 @@ class Tokenizer:
         self.eot_token = eot_token
         self.eot_id: int = eot_id
         self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
+        self.chat_template = chat_template
+        # The strings a chat template sees as bos_token, eos_token, ... (tokenizer_config.json).
+        self.special_tokens: dict[str, str] = {"eos_token": eot_token, **(special_tokens or {})}
+        self._with_specials: tokenizers.Tokenizer | None = None
 
     def __repr__(self) -> str:
         return f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
@@ -121,21 +146,32 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Tokenizer:
-        """Load a ``tokenizer.json`` file, or a folder holding one.
+        """Load a ``tokenizer.json`` file, or a folder holding one or only a SentencePiece
+        ``tokenizer.model`` (`eqllm.data.sentencepiece`).
 
         The end-of-text token is ``eos_token`` from a ``tokenizer_config.json`` beside it if there
-        is one, else the first of ``<|endoftext|>``, ``</s>``, ``<eos>`` in the vocabulary.
+        is one, else the SentencePiece model's, else the first of ``<|endoftext|>``, ``</s>``,
+        ``<eos>`` in the vocabulary. The folder's chat template comes along
+        (`eqllm.data.chat`); so do tokenizer_config.json's ``added_tokens_decoder`` entries a
+        SentencePiece model lacks.
         """
         path = Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
-        if not file.is_file():
+        spm = path / "tokenizer.model" if path.is_dir() else None
+        if not file.is_file() and not (spm and spm.is_file()):
             raise DataNotFound(
                 f"No tokenizer file at {str(file)!r}; expected a tokenizer.json file or a folder "
-                "containing one (as written by Tokenizer.save or a Hugging Face model repo)."
+                "containing one (as written by Tokenizer.save or a Hugging Face model repo), or "
+                "a SentencePiece tokenizer.model."
             )
         config_file = file.parent / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        return cls._from_hf(tokenizers.Tokenizer.from_file(str(file)), config, str(file))
+        config["chat_template"] = read_chat_template(file.parent)
+        if file.is_file():
+            return cls._from_hf(tokenizers.Tokenizer.from_file(str(file)), config, str(file))
+        hf, specials = load_sentencepiece(spm)
+        _add_config_tokens(hf, config, str(config_file))
+        return cls._from_hf(hf, {**specials, **config}, str(spm))
 
     @classmethod
     def from_pretrained(cls, repo_id: str, *, revision: str | None = None) -> Tokenizer:
@@ -156,6 +192,11 @@ class Tokenizer:
             config = json.loads(Path(config_file).read_text())
         except EntryNotFoundError:
             config = {}
+        try:
+            template_file = hf_hub_download(repo_id, "chat_template.jinja", revision=revision)
+            config["chat_template"] = Path(template_file).read_text(encoding="utf-8")
+        except EntryNotFoundError:
+            pass
         return cls._from_hf(tokenizers.Tokenizer.from_file(file), config, repo_id)
 
     @classmethod
@@ -198,7 +239,17 @@ class Tokenizer:
         kind = config.get("eqllm_kind", "pretrained")
         if kind not in ("bytes", "bpe", "pretrained"):
             kind = "pretrained"
-        return cls(hf, eos, kind)
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates (tokenizer_config.json): the default
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        specials = {}
+        for key in SPECIAL_TOKEN_KEYS:
+            value = config.get(key)
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                specials[key] = value
+        specials["eos_token"] = eos
+        return cls(hf, eos, kind, chat_template=template, special_tokens=specials)
 
     # Use --------------------------------------------------------------------------------------
 
@@ -207,6 +258,29 @@ class Tokenizer:
         if self.kind == "bytes":
             return list(text.encode("utf-8"))
         return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_with_specials(self, text: str) -> list[int]:
+        """Token ids of `text` in which special-token strings (`<|im_end|>`, the end-of-text
+        token) are those tokens, as transformers tokenizes a rendered chat template."""
+        if self.kind == "bytes":  # only the end-of-text token is special
+            ids: list[int] = []
+            for i, part in enumerate(text.split(self.eot_token)):
+                ids += ([self.eot_id] if i else []) + list(part.encode("utf-8"))
+            return ids
+        if self._with_specials is None:
+            self._with_specials = tokenizers.Tokenizer.from_str(self.hf.to_str())
+            self._with_specials.encode_special_tokens = False
+        return self._with_specials.encode(text, add_special_tokens=False).ids
+
+    def with_chat_template(self, template: str | None) -> Tokenizer:
+        """The same tokenizer with another chat template (None: the default)."""
+        return Tokenizer(
+            self.hf,
+            self.eot_token,
+            self.kind,
+            chat_template=template,
+            special_tokens=self.special_tokens,
+        )
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Token ids of each text, as int64 arrays; parallel inside `tokenizers` (Rust threads)."""
@@ -221,7 +295,8 @@ class Tokenizer:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write ``tokenizer.json`` and ``tokenizer_config.json`` into the folder `path`.
+        """Write ``tokenizer.json``, ``tokenizer_config.json`` (special tokens) and the chat
+        template as ``chat_template.jinja`` into the folder `path`.
 
         Returns the path of ``tokenizer.json``. `Tokenizer.load(path)` reads it back.
         """
@@ -229,10 +304,38 @@ class Tokenizer:
         folder.mkdir(parents=True, exist_ok=True)
         file = folder / "tokenizer.json"
         self.hf.save(str(file))
-        config = {"eos_token": self.eot_token, "eqllm_kind": self.kind}
+        config = {**self.special_tokens, "eos_token": self.eot_token, "eqllm_kind": self.kind}
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_chat_template(self.chat_template, folder)
         return file
 
     def to_str(self) -> str:
         """The tokenizer.json text (a canonical description, used in cache keys)."""
         return self.hf.to_str()
+
+
+def _add_config_tokens(hf: tokenizers.Tokenizer, config: dict, where: str) -> None:
+    """The `added_tokens_decoder` of tokenizer_config.json that `hf` lacks, at their ids."""
+    decoder = config.get("added_tokens_decoder") or {}
+    for index, token in sorted(decoder.items(), key=lambda kv: int(kv[0])):
+        content, index = token["content"], int(index)
+        if hf.token_to_id(content) == index:
+            continue
+        if index != hf.get_vocab_size(with_added_tokens=True):
+            raise DataError(
+                f"{where}: added token {content!r} has id {index}, but the tokenizer's next id is "
+                f"{hf.get_vocab_size(with_added_tokens=True)}; the added_tokens_decoder does not "
+                "fit this tokenizer.model"
+            )
+        hf.add_tokens(
+            [
+                tokenizers.AddedToken(
+                    content,
+                    special=bool(token.get("special", False)),
+                    normalized=bool(token.get("normalized", not token.get("special", False))),
+                    lstrip=bool(token.get("lstrip", False)),
+                    rstrip=bool(token.get("rstrip", False)),
+                    single_word=bool(token.get("single_word", False)),
+                )
+            ]
+        )

@@ -63,8 +63,8 @@ class Family:
             config that differs has no HF counterpart.
         table: the weight key table (rows whose eqllm arrays a config lacks are skipped).
         prefix: prefix of the base model's tensor names, which bare checkpoints omit.
-        hf_keys: config.json keys the translation reads or checks (beyond `HARMLESS_KEYS`);
-            any other key is refused.
+        hf_keys: config.json keys the translation reads or checks (beyond `COMMON_KEYS` and
+            what `is_metadata` accepts); any other key is refused.
         to_hf: the family's config.json fields for a config (besides the common ones).
         from_hf: ModelConfig settings by dotted path from a config.json dict (besides `fixed`).
         check: extra invariants: returns the offending {path: value} (empty when fine).
@@ -123,24 +123,54 @@ LLAMA_BLOCK = {
 }
 
 
-# Keys of any transformers config that do not change what the model computes (bookkeeping,
-# token ids, generation defaults, dropout, which has no effect at inference and none in eqllm).
-HARMLESS_KEYS = frozenset(
+# What a config.json may carry besides the architecture, none of which changes what the model
+# computes. `is_metadata` accepts by rule: names transformers keeps private (a leading "_":
+# _name_or_path, _attn_implementation_autoset), special token ids (`*_token_id`), the
+# bookkeeping fields transformers' PretrainedConfig defines for every model (as transformers 4
+# and 5 write them) and the generation defaults of its GenerationConfig. tests/test_hf_configs.py
+# checks both lists against the installed transformers; eqllm does not import it to load.
+CONFIG_BOOKKEEPING = frozenset(
     """
-    architectures model_type transformers_version _name_or_path torch_dtype dtype
-    bos_token_id eos_token_id pad_token_id sep_token_id decoder_start_token_id use_cache
-    initializer_range return_dict output_hidden_states output_attentions torchscript id2label
-    label2id num_labels problem_type tokenizer_class prefix task_specific_params finetuning_task
-    is_decoder is_encoder_decoder chunk_size_feed_forward pruned_heads tf_legacy_loss
-    use_bfloat16 _attn_implementation_autoset max_length min_length do_sample early_stopping
-    num_beams num_beam_groups diversity_penalty temperature top_k top_p typical_p
-    repetition_penalty length_penalty no_repeat_ngram_size encoder_no_repeat_ngram_size
-    bad_words_ids num_return_sequences output_scores return_dict_in_generate
-    forced_bos_token_id forced_eos_token_id remove_invalid_values
-    exponential_decay_length_penalty suppress_tokens begin_suppress_tokens
-    attention_dropout tie_word_embeddings vocab_size
+    architectures model_type transformers_version torch_dtype dtype name_or_path
+    output_hidden_states output_attentions return_dict use_return_dict torchscript
+    chunk_size_feed_forward is_encoder_decoder is_decoder add_cross_attention
+    cross_attention_hidden_size tie_encoder_decoder id2label label2id num_labels problem_type
+    finetuning_task tokenizer_class prefix task_specific_params use_bfloat16 tf_legacy_loss
+    attn_implementation experts_implementation
     """.split()
 )
+GENERATION_KEYS = frozenset(
+    """
+    assistant_confidence_threshold assistant_early_exit assistant_ensemble_weight
+    assistant_lookbehind bad_words_ids begin_suppress_tokens cache_config cache_implementation
+    compile_config constraints continuous_batching_config disable_compile diversity_penalty
+    do_sample dola_layers early_stopping encoder_no_repeat_ngram_size
+    encoder_repetition_penalty epsilon_cutoff eta_cutoff exponential_decay_length_penalty
+    force_words_ids guidance_scale is_assistant
+    length_penalty low_memory max_cache_len max_length max_matching_ngram_size max_new_tokens
+    max_time min_length min_new_tokens min_p no_repeat_ngram_size num_assistant_tokens
+    num_assistant_tokens_schedule num_beam_groups num_beams num_return_sequences output_logits
+    output_scores penalty_alpha prefill_chunk_size prompt_lookup_num_tokens
+    remove_invalid_values renormalize_logits repetition_penalty return_dict_in_generate
+    sequence_bias speculation_type stop_strings suppress_tokens target_lookbehind temperature
+    token_healing top_h top_k top_p typical_p use_cache use_mtp watermarking_config
+    """.split()
+)
+# Read by the hub for every family: the vocabulary and the tied head; and two that only training
+# from scratch would use: the initialisation scale and attention dropout (eqllm has none).
+COMMON_KEYS = frozenset(
+    {"vocab_size", "tie_word_embeddings", "initializer_range", "attention_dropout"}
+)
+
+
+def is_metadata(key: str) -> bool:
+    """Whether a config.json key is bookkeeping that leaves the computation unchanged."""
+    return (
+        key.startswith("_")
+        or key.endswith(("_token_id", "_token_ids"))
+        or key in CONFIG_BOOKKEEPING
+        or key in GENERATION_KEYS
+    )
 
 
 def token_ids(cfg: ModelConfig, defaults: dict[str, int]) -> dict[str, int | None]:

@@ -57,6 +57,8 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
         refuse(hf, key, (False, None))
     refuse(hf, "add_cross_attention", (False, None))
+    # OpenAI GPT's extra special embeddings, carried in the gpt2-medium/large/xl configs: none.
+    refuse(hf, "n_special", (0,))
     refuse(hf, "tie_word_embeddings", (True,))
     d = hf.get("n_embd", 768)
     return {
@@ -96,7 +98,8 @@ FAMILY = Family(
         n_embd n_layer n_head n_inner n_positions n_ctx activation_function layer_norm_epsilon
         resid_pdrop embd_pdrop attn_pdrop scale_attn_weights scale_attn_by_inverse_layer_idx
         reorder_and_upcast_attn add_cross_attention summary_type summary_use_proj
-        summary_activation summary_proj_to_labels summary_first_dropout
+        summary_activation summary_proj_to_labels summary_first_dropout n_special
+        predict_special_tokens
         """.split()
     ),
     to_hf=to_hf,

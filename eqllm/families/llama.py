@@ -29,6 +29,7 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     refuse(hf, "hidden_act", ("silu",))
+    refuse(hf, "rope_interleaved", (False,))  # GPT-J style rotary pairs: not the Llama layout
     return {
         **llama_from_hf(hf),
         **attention_bias_from_hf(hf),
@@ -48,7 +49,9 @@ FAMILY = Family(
     },
     table=LLAMA_TABLE,
     prefix=LLAMA_PREFIX,
-    hf_keys=LLAMA_KEYS | {"attention_bias", "mlp_bias", "pretraining_tp"},
+    # is_llama_config: nanotron's marker in exported configs (SmolLM2); transformers ignores it.
+    hf_keys=LLAMA_KEYS
+    | {"attention_bias", "mlp_bias", "pretraining_tp", "is_llama_config", "rope_interleaved"},
     to_hf=to_hf,
     from_hf=from_hf,
     check=one_attention_bias,

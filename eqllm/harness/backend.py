@@ -10,10 +10,13 @@ and cuts the text at the first stop sequence. The work itself is `eqllm.harness.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 
 import jax
+import jinja2
 import tokenizers
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
@@ -25,7 +28,8 @@ from lm_eval.models.utils import (
 )
 from tqdm import tqdm
 
-from eqllm.data import Tokenizer
+from eqllm.data import Tokenizer, chat
+from eqllm.data.chat import template_or_default
 from eqllm.errors import EqllmError
 from eqllm.harness import scoring
 from eqllm.harness.errors import HarnessError
@@ -255,15 +259,39 @@ class EqllmLM(TemplateLM):
             settings["temperature"] = 0.0
         return settings
 
+    # Chat templates (lm_eval's --apply_chat_template, --fewshot_as_multiturn) ------------------
+
+    @property
+    def tokenizer_name(self) -> str:
+        return "eqllm-" + hashlib.sha256(self.eqllm_tokenizer.to_str().encode()).hexdigest()[:16]
+
     def chat_template(self, chat_template: bool | str = False) -> str | None:
-        if chat_template:
+        """The model's chat template (its folder's, else eqllm's default, said once) when asked
+        for one; a string other than True names a template and is refused (eqllm keeps one)."""
+        if not chat_template:
+            return None
+        if isinstance(chat_template, str):
             raise HarnessError(
-                "apply_chat_template is not supported by the eqllm backend; run without it"
+                f"apply_chat_template={chat_template!r}: the eqllm backend uses the model's one "
+                "template; pass --apply_chat_template without a name"
             )
-        return None
+        return template_or_default(self.eqllm_tokenizer.chat_template)
 
     def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
-        raise HarnessError("apply_chat_template is not supported by the eqllm backend")
+        """The conversation as text, as the hf backend renders it: a generation prompt, or (to
+        score a continuation) the text ending inside the last message; a template that refuses
+        the system role is retried without it."""
+        render = functools.partial(
+            chat.apply_chat_template,
+            self.eqllm_tokenizer,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+            tokenize=False,
+        )
+        try:
+            return render(chat_history)
+        except jinja2.exceptions.TemplateError:
+            return render([m for m in chat_history if m["role"] != "system"])
 
     def get_model_info(self) -> dict:
         cfg = self.model.config

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -30,12 +31,22 @@ def evaluate(
     limit: int | float | None = None,
     include_path: str | os.PathLike | None = None,
     log_samples: bool = False,
+    apply_chat_template: bool = False,
+    fewshot_as_multiturn: bool | None = None,
 ) -> dict:
     """lm_eval's `simple_evaluate` results for `tasks` (names or a comma-separated string).
 
     `include_path` adds a folder of task YAMLs; an unknown task name is a HarnessError that
     names the closest known ones. Few-shot examples and sampling use lm_eval's default seeds.
+    `apply_chat_template` formats each request with the model's chat template (as instruct
+    models' cards report their scores), `fewshot_as_multiturn` the few-shot examples as turns
+    (None: lm_eval's default, turns when a template is applied).
     """
+    if fewshot_as_multiturn and not apply_chat_template:
+        raise HarnessError("fewshot_as_multiturn needs apply_chat_template (--apply-chat-template)")
+    multiturn = {"fewshot_as_multiturn": fewshot_as_multiturn}
+    if fewshot_as_multiturn is None:
+        multiturn = {}
     if include_path is not None and not Path(include_path).is_dir():
         raise HarnessError(f"include_path={str(include_path)!r} is not a folder of task YAMLs")
     manager = TaskManager(include_path=None if include_path is None else os.fspath(include_path))
@@ -49,14 +60,21 @@ def evaluate(
             f"unknown task(s) {missing} (closest: {close}); list them with `lm_eval ls tasks`, "
             "or add a folder of task YAMLs with --include-path"
         )
-    return evaluator.simple_evaluate(
+    results = evaluator.simple_evaluate(
         model=lm,
         tasks=names,
         num_fewshot=num_fewshot,
         limit=limit,
         task_manager=manager,
         log_samples=log_samples,
+        apply_chat_template=apply_chat_template,
+        **multiturn,
     )  # lm_eval's default seeds, so a run equals one from its own command line
+    if apply_chat_template:  # recorded as lm_eval's command line records it
+        template = lm.chat_template(True)
+        results["chat_template"] = template
+        results["chat_template_sha"] = hashlib.sha256(template.encode()).hexdigest()
+    return results
 
 
 def results_table(results: dict) -> str:

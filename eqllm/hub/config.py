@@ -11,7 +11,7 @@ from typing import Any
 
 from eqllm import families
 from eqllm.config import ConfigError, ModelConfig
-from eqllm.families.base import HARMLESS_KEYS
+from eqllm.families.base import COMMON_KEYS, is_metadata
 
 
 def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -37,11 +37,13 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
 def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     """A ModelConfig from a transformers `config.json` dict; unsupported settings are errors.
 
-    A key that the family does not read and that is not known to leave the computation
-    unchanged is refused, naming the key.
+    A key that the family does not read and that is not metadata (`families.base.is_metadata`:
+    token ids, private names, transformers' bookkeeping and generation defaults) is refused,
+    naming the key.
     """
     family = families.for_model_type(hf.get("model_type"))
-    unknown = sorted(set(hf) - HARMLESS_KEYS - family.hf_keys)
+    known = COMMON_KEYS | family.hf_keys
+    unknown = sorted(k for k in hf if k not in known and not is_metadata(k))
     if unknown:
         raise ConfigError(
             f"config.json has {family.name} setting(s) eqllm does not understand: {unknown}; "

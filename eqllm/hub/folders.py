@@ -30,7 +30,9 @@ _HUB_FILES = [
     "*.safetensors",
     INDEX,
     "tokenizer.json",
+    "tokenizer.model",
     "tokenizer_config.json",
+    "chat_template.jinja",
     "special_tokens_map.json",
     "generation_config.json",
 ]
@@ -146,5 +148,7 @@ def save_tokenizer(tokenizer: Tokenizer, folder: Path) -> None:
 
 
 def load_tokenizer(folder: Path) -> Tokenizer | None:
-    """The tokenizer saved in `folder` (tokenizer.json + tokenizer_config.json), if any."""
-    return Tokenizer.load(folder) if (folder / "tokenizer.json").is_file() else None
+    """The tokenizer saved in `folder` (tokenizer.json or a SentencePiece tokenizer.model, with
+    tokenizer_config.json and the chat template), if any."""
+    has = (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file()
+    return Tokenizer.load(folder) if has else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import jax
@@ -15,6 +16,7 @@ from eqllm.config import DType, ModelConfig
 from eqllm.data.tokenizer import Tokenizer
 from eqllm.hub.files import CheckpointError, PlannedTensor, TensorReader, write_file
 from eqllm.hub.folders import host_leaves, load_tokenizer, resolve, save_tokenizer, skeleton
+from eqllm.hub.gguf import gguf_to_folder, is_gguf
 from eqllm.hub.pretrained import from_pretrained
 from eqllm.model import CausalLM, dtype_of
 
@@ -107,6 +109,10 @@ def load_any(
         if dtype is not None:
             config = config.replace(param_dtype=dtype, compute_dtype=dtype)
         return CausalLM(config, key=jax.random.key(0) if key is None else key), None
+    if is_gguf(text):
+        with tempfile.TemporaryDirectory() as tmp:
+            tokenizer = gguf_to_folder(text, tmp)
+            return from_pretrained(tmp, dtype=dtype or "float32"), tokenizer
     try:
         folder = resolve(text, local_files_only=local_files_only)
     except CheckpointError as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 from pathlib import Path
 
 import jax
@@ -42,6 +43,7 @@ from eqllm.hub.folders import (
     weight_files,
     zoo_match,
 )
+from eqllm.hub.gguf import folder_to_gguf, gguf_to_folder, is_gguf
 from eqllm.hub.tables import BUFFERS, TIED_HEAD, indices, rows_for, tensor_name
 from eqllm.model import CausalLM, dtype_of
 
@@ -79,7 +81,14 @@ def from_pretrained(
 
     Raises CheckpointError naming the file and tensor for a missing, misshapen or unexpected
     tensor; ConfigError naming the field for an unsupported config.json.
+
+    A GGUF file (llama.cpp's format) is read too: every tensor dequantized to float32
+    (`eqllm.hub.gguf`), then cast to `dtype` if given.
     """
+    if is_gguf(path_or_repo_id):
+        with tempfile.TemporaryDirectory() as tmp:
+            gguf_to_folder(path_or_repo_id, tmp)
+            return from_pretrained(tmp, dtype=dtype or "float32", adapter=adapter)
     folder = resolve(path_or_repo_id, revision=revision, local_files_only=local_files_only)
     hf = read_hf_config(folder)
     try:
@@ -288,3 +297,17 @@ def _write_weights(folder: Path, planned: list[PlannedTensor], max_shard_size: i
             "weight_map": {t.name: n for n, g in zip(names, groups, strict=True) for t in g},
         }
         (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def save_gguf(
+    model: CausalLM,
+    path: str | os.PathLike,
+    *,
+    tokenizer: Tokenizer | None = None,
+    type: str = "f16",
+) -> Path:
+    """Write `model` (and `tokenizer`, with its chat template) as a GGUF file whose 2-D weights
+    are `type` ('f32', 'f16', 'bf16' or 'q8_0'); llama.cpp and ollama run it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pretrained(model, tmp, dtype="float32")
+        return folder_to_gguf(Path(tmp), Path(path), model.config, tokenizer, type)

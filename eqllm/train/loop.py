@@ -22,13 +22,13 @@ from pathlib import Path
 
 import equinox as eqx
 import jax
-from tqdm.auto import tqdm
 
 from eqllm import lora
 from eqllm.errors import EqllmError
 from eqllm.eval.evaluate import eval_batch_size
 from eqllm.eval.metrics import evaluate_tokens, loss_report
 from eqllm.model import param_count
+from eqllm.progress import progress_bar
 from eqllm.recipe import Recipe
 from eqllm.train.metrics import Throughput
 from eqllm.train.mfu import mfu
@@ -174,14 +174,13 @@ def _train(
     recipe = setup.recipe
     model, opt_state = setup.take_state()
     total, saver = setup.total, setup.checkpoints
-    bar = tqdm(
+    bar = progress_bar(  # off a terminal: a line every log_every steps, no redrawn bar
         total=total,
         initial=state.step,
         desc="train",
         unit="step",
+        every=recipe.train.log_every,
         disable=not progress,
-        file=sys.stderr,
-        dynamic_ncols=True,
     )
     try:
         with _Signals() as signals:

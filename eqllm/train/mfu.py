@@ -1,13 +1,19 @@
 """Model FLOPs utilisation: achieved training FLOP/s over the hardware's peak.
 
-FLOPs per token come from `ModelConfig.flops_per_token` (6 N + attention, PaLM convention, no
-recomputation counted). The peak is the published dense bf16 figure for known GPUs and TPUs (the
-reference even when a run computes in fp32), and on CPU the best fp32 matmul FLOP/s measured on
-this machine (measured on each call; the best so far is kept in the cache folder).
+FLOPs per token are those the training step performs (`step_flops`): for each matmul parameter,
+2 in the forward pass, 2 for the input gradient and 2 for the weight gradient only where the
+weight is trained (a LoRA base and a frozen tied head get none: 4 N + 6 N_adapters), plus the
+attention scores and weighted sums (12 L H Q T, PaLM appendix B, not halved for the causal mask).
+MFU counts these; recomputation under remat is reported apart, as hardware FLOPs utilisation
+(HFU: the same plus the recomputed forward). The peak is the published dense bf16 figure for
+known GPUs and TPUs (the reference even when a run computes in fp32), and on CPU the best fp32
+matmul FLOP/s measured on this machine (measured on each call; the best so far is kept in the
+cache folder).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -17,6 +23,9 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+
+from eqllm import lora
+from eqllm.model import CausalLM
 
 # Dense bf16 peak FLOP/s per device (not the "with sparsity" figures).
 PEAK_FLOPS = {
@@ -99,3 +108,48 @@ def mfu(tokens_per_second: float, flops_per_token: float, peak: float | None, n_
     if not peak:
         return None
     return tokens_per_second * flops_per_token / (n_devices * peak)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFlops:
+    """FLOPs per token of one training step: `model` (MFU's numerator) and `hardware` (HFU's:
+    `model` plus the forward computation remat repeats in the backward pass)."""
+
+    model: float
+    hardware: float
+
+
+def _attention_flops(cfg, seq_len: int) -> float:
+    """12 L H Q T: scores and weighted sums, forward (4) and backward (8), T capped by the
+    sliding window in the layers that have one."""
+    local = cfg.local_layers()
+    t = sum(min(seq_len, cfg.sliding_window) if w else seq_len for w in local) / cfg.n_layers
+    return 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * t
+
+
+def step_flops(model: CausalLM, seq_len: int) -> StepFlops:
+    """The FLOPs per token a training step of `model` performs (see the module docstring).
+
+    Matmul parameters are the config's (active experts only; the embedding table only when tied
+    into the head). With LoRA adapters the base weights are frozen: no weight gradients, and
+    the adapters' own matmuls are added. Under `remat` the recomputed forward counts towards
+    `hardware`: the whole block for "full", the attention products for "dots_no_batch" (only
+    non-batched dots are saved), nothing for "dots".
+    """
+    cfg = model.config
+    attention = _attention_flops(cfg, seq_len)
+    base = (cfg.flops_per_token(seq_len) - attention) / 6.0  # matmul parameters per token
+    found = lora.adapters(model)
+    adapter = float(sum(a.lora_a.weight.size + a.lora_b.weight.size for a in found.values()))
+    if found:
+        model_flops = 4.0 * base + 6.0 * adapter + attention
+    else:
+        model_flops = 6.0 * base + attention
+    head = cfg.d_model * cfg.vocab_size  # outside the remat'd blocks
+    recompute = {
+        "none": 0.0,
+        "dots": 0.0,
+        "dots_no_batch": attention / 3.0,
+        "full": 2.0 * (base - head + adapter) + attention / 3.0,
+    }[cfg.remat]
+    return StepFlops(model=model_flops, hardware=model_flops + recompute)

@@ -56,6 +56,8 @@ def summarize(setup: RunSetup, meter: Throughput, *, step: int, traces: int, cac
         "peak_flops": peak,
         "peak_flops_source": setup.peak_source,
         "flops_per_token": flops_per_token,
+        "hfu": mfu(step_tokens_per_s, setup.hardware_flops_per_token, peak, setup.n_devices),
+        "hardware_flops_per_token": setup.hardware_flops_per_token,
         "compile_s": compile_s,
         "compile_cache": str(cache) if cache else "off",
         "traces": traces,
@@ -114,6 +116,8 @@ def format_summary(s: dict) -> list[str]:
     """The lines `eqllm run` prints at the end: evaluation, throughput, compile and wall time."""
     lines = format_eval(s)
     util = f", MFU {s['mfu']:.1%}" if s.get("mfu") is not None else ""
+    if s.get("hfu") is not None and s["hfu"] != s["mfu"]:
+        util += f" (HFU {s['hfu']:.1%} with remat)"
     lines.append(
         f"throughput: {_fmt(s['step_tokens_per_s'], ',.0f')} tokens/s per train step{util} "
         f"(loader {_fmt(s['loader_tokens_per_s'], ',.0f')} tokens/s); compile "
@@ -210,6 +214,8 @@ def write_report(out_dir: Path, recipe: Recipe, s: dict) -> Path:
         f"| loader throughput | {_fmt(s['loader_tokens_per_s'], ',.0f')} tokens/s |",
         f"| MFU | {_fmt(s.get('mfu'), '.2%')} (peak {_fmt(s.get('peak_flops'), '.3g')} FLOP/s: "
         f"{s['peak_flops_source']}; {s['flops_per_token']:.3g} FLOPs/token) |",
+        f"| HFU (with remat's recomputation) | {_fmt(s.get('hfu'), '.2%')} "
+        f"({_fmt(s.get('hardware_flops_per_token'), '.3g')} FLOPs/token) |",
         f"| compile time | {_fmt(s['compile_s'], '.2f')} s (cache: {s['compile_cache']}) |",
         f"| peak memory | {mem:,.0f} MiB ({s['peak_memory_kind']}) |",
         f"| device | {s['device']} |",

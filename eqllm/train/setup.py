@@ -20,12 +20,8 @@ import numpy as np
 from eqllm import lora
 from eqllm.config import ModelConfig
 from eqllm.data import TokenData, Tokenizer, batch_at, prepare
-from eqllm.data.instruct import (
-    DEFAULT_TEMPLATE,
-    InstructionData,
-    chat_template_of,
-    prepare_instructions,
-)
+from eqllm.data.chat import read_chat_template
+from eqllm.data.instruct import InstructionData, prepare_instructions
 from eqllm.eval.evaluate import recipe_samples
 from eqllm.hub import from_pretrained, load_tokenizer, resolve
 from eqllm.model import CausalLM, param_count
@@ -42,7 +38,7 @@ from eqllm.sharding import (
 from eqllm.train import guards
 from eqllm.train.checkpoint import Checkpointer, RunCheckpoints
 from eqllm.train.metrics import MetricsLog
-from eqllm.train.mfu import cache_root, device_peak_flops
+from eqllm.train.mfu import cache_root, device_peak_flops, step_flops
 from eqllm.train.optim import make_optimizer, schedule
 from eqllm.train.pipeline import Pipeline
 from eqllm.train.processes import process_zero_first, writes_run_files
@@ -99,7 +95,7 @@ def base_tokenizer(recipe: Recipe) -> tuple[Tokenizer, str | None]:
     tokenizer = load_tokenizer(folder)
     if tokenizer is None:
         tokenizer = Tokenizer.from_spec(recipe.data.tokenizer)
-    return tokenizer, chat_template_of(folder)
+    return tokenizer, read_chat_template(folder) or tokenizer.chat_template
 
 
 def build_model(recipe: Recipe, tokenizer_vocab: int) -> CausalLM:
@@ -254,7 +250,8 @@ class RunSetup:
     total: int  # steps in the whole run
     start: int  # the first step this process runs (the checkpoint's step when resumed)
     skipped: int  # non-finite steps skipped before `start` (train.skip_nonfinite)
-    flops_per_token: float  # for MFU (see eqllm.train.mfu)
+    flops_per_token: float  # the step's FLOPs per token, for MFU (see eqllm.train.mfu)
+    hardware_flops_per_token: float  # the same plus remat's recomputation, for HFU
     peak_flops: float | None  # the device's peak FLOP/s, None when unknown
     peak_source: str  # where `peak_flops` comes from
 
@@ -318,13 +315,11 @@ def start_run(
     with process_zero_first("eqllm: data prepared"):  # one process fills the token cache
         data = prepare_data(recipe, progress=progress)
     writer = writes_run_files()
-    if writer:
-        data.tokenizer.save(out)
-    if writer and isinstance(data, InstructionData):  # the chat format goes with the tokenizer
-        config_file = out / "tokenizer_config.json"
-        config = json.loads(config_file.read_text())
-        config["chat_template"] = data.template or DEFAULT_TEMPLATE
-        config_file.write_text(json.dumps(config, indent=2) + "\n")
+    if writer:  # with the chat template the rows were formatted with, as transformers saves it
+        tokenizer = data.tokenizer
+        if isinstance(data, InstructionData):
+            tokenizer = tokenizer.with_chat_template(data.template)
+        tokenizer.save(out)
     model = build_model(recipe, data.tokenizer.vocab_size)
     n_params = param_count(eqx.filter(model, eqx.is_array))
     total = recipe.total_steps(n_params)
@@ -368,6 +363,7 @@ def start_run(
         out, int(meta["step"]) if resume else None, meta.get("metrics_rows"), write=writer
     )
     peak, peak_source = device_peak_flops()  # measured on CPU: once per run
+    flops = step_flops(model, seq_len)
     return RunSetup(
         out=out,
         recipe=recipe,
@@ -383,7 +379,8 @@ def start_run(
         total=total,
         start=int(meta["step"]),
         skipped=int(meta.get("nonfinite_skipped", 0)),
-        flops_per_token=model.config.flops_per_token(seq_len),
+        flops_per_token=flops.model,
+        hardware_flops_per_token=flops.hardware,
         peak_flops=peak,
         peak_source=peak_source,
     )

@@ -1,0 +1,102 @@
+"""Real config.json files, as published, read as the zoo's sizes; metadata keys by rule.
+
+tests/data/hf_configs/ holds the config.json of the published model each zoo size mirrors
+(SOURCES.json names the repository). Each must load to its zoo entry with the parameter count
+transformers gives the same config.
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import eqllm
+from eqllm.families.base import CONFIG_BOOKKEEPING, GENERATION_KEYS, is_metadata
+
+DATA = Path(__file__).parent / "data" / "hf_configs"
+SOURCES = json.loads((DATA / "SOURCES.json").read_text())
+
+
+def _published(name: str) -> dict:
+    return json.loads((DATA / f"{name}.json").read_text())
+
+
+def test_every_published_zoo_size_has_its_config_json():
+    published = {n for n in eqllm.zoo.names() if eqllm.zoo.entry(n).source}
+    assert published == set(SOURCES)
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_published_config_json_reads_as_its_zoo_size(name):
+    cfg = eqllm.hub.from_hf_config(_published(name))
+    assert eqllm.hub.zoo_match(cfg) == name
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_published_config_json_has_transformers_parameter_count(name):
+    hf = _published(name)
+    config = transformers.AutoConfig.for_model(**hf)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    expected = sum(p.numel() for p in model.parameters())
+    assert eqllm.zoo.param_count(eqllm.hub.from_hf_config(hf)) == expected
+    assert eqllm.zoo.param_count(name) == expected
+
+
+def test_bookkeeping_covers_transformers_pretrained_config():
+    """Every field transformers' PretrainedConfig defines for all models is metadata."""
+    fields = {f.name for f in dataclasses.fields(transformers.PretrainedConfig)}
+    written = set(transformers.PretrainedConfig().to_dict())
+    assert (fields | written) - {"model_type"} <= CONFIG_BOOKKEEPING | {"_name_or_path"}
+    assert all(is_metadata(k) for k in fields | written)
+
+
+def test_generation_keys_are_transformers_generation_config():
+    defaults = set(transformers.GenerationConfig._get_default_generation_params())
+    written = set(transformers.GenerationConfig().to_dict())
+    token_ids = {k for k in defaults | written if k.endswith("_token_id")}
+    ours = (defaults | written) - token_ids - {"_from_model_config", "transformers_version"}
+    ours -= {"output_attentions", "output_hidden_states"}  # bookkeeping too
+    assert ours == GENERATION_KEYS
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("unk_token_id", 0),
+        ("_model_name_or_path", "org/model"),
+        ("_attn_implementation_autoset", True),
+        ("temperature", 0.7),
+        ("max_new_tokens", 256),
+        ("torchscript", False),
+        ("problem_type", None),
+        ("image_token_ids", [5, 6]),
+    ],
+)
+def test_metadata_keys_are_accepted(key, value):
+    hf = {**_published("smollm2-135m"), key: value}
+    assert eqllm.hub.zoo_match(eqllm.hub.from_hf_config(hf)) == "smollm2-135m"
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("partial_rotary_factor", 0.5),
+        ("attn_logit_softcapping", 30.0),
+        ("layer_norm_type", "rms"),
+        ("quantization_config", {"bits": 4}),
+    ],
+)
+def test_architecture_keys_are_refused(key, value):
+    hf = {**_published("smollm2-135m"), key: value}
+    with pytest.raises(eqllm.ConfigError, match=f"does not understand: \\['{key}'\\]"):
+        eqllm.hub.from_hf_config(hf)
+
+
+def test_interleaved_rope_is_refused():
+    hf = {**_published("smollm2-135m"), "rope_interleaved": True}
+    with pytest.raises(eqllm.ConfigError, match="rope_interleaved=True"):
+        eqllm.hub.from_hf_config(hf)
