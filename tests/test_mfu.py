@@ -13,7 +13,12 @@ D, L, H, KV, Q, FF, V, T, R = 32, 2, 4, 2, 8, 64, 128, 16, 4
 @pytest.fixture(scope="module")
 def model():
     cfg = eqllm.zoo.config(
-        "llama-nano", d_model=D, n_layers=L, n_heads=H, n_kv_heads=KV, d_ff=FF, vocab_size=V
+        "llama-nano",
+        d_model=D,
+        n_layers=L,
+        vocab_size=V,
+        attention={"n_heads": H, "n_kv_heads": KV},
+        mlp={"d_ff": FF},
     )
     return eqllm.CausalLM(cfg, key=jax.random.key(0))
 

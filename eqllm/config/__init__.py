@@ -251,9 +251,6 @@ class ModelConfig:
         halving for the causal mask; T is `seq_len` (default: max_seq_len), capped by the
         sliding window in the layers that have it.
         """
-        full = seq_len or self.max_seq_len
-        window = self.attention.sliding_window
-        t = sum(min(full, window) if w else full for w in self.local_layers()) / self.n_layers
         a = self.attention
         d, h, kv, q = self.d_model, a.n_heads, a.n_kv_heads, a.head_dim
         attn = d * q * (h + 2 * kv) + h * q * d
@@ -263,7 +260,15 @@ class ModelConfig:
             mlp = d * moe.n_experts + 3 * d * self.expert_d_ff * moe.experts_per_token + shared
         head = d * self.vocab_size
         matmul_params = self.n_layers * (attn + mlp) + head
-        return 6.0 * matmul_params + 12.0 * self.n_layers * h * q * t
+        return 6.0 * matmul_params + self.attention_flops_per_token(seq_len)
+
+    def attention_flops_per_token(self, seq_len: int | None = None) -> float:
+        """12 * L * H * Q * T: attention scores and weighted sums, forward (4) and backward (8),
+        T being `seq_len` (default: max_seq_len) capped by the sliding window where it applies."""
+        full = seq_len or self.max_seq_len
+        window = self.attention.sliding_window
+        t = sum(min(full, window) if w else full for w in self.local_layers()) / self.n_layers
+        return 12.0 * self.n_layers * self.attention.n_heads * self.head_dim * t
 
 
 def field_names() -> list[str]:

@@ -101,14 +101,14 @@ def check_exportable(cfg, type: str) -> None:
     """Raise unless a model of config `cfg` can be written as a GGUF file of `type`."""
     if type not in TYPES:
         raise ConfigError(f"GGUF --type {type!r} is not supported; use one of {list(TYPES)}")
-    if cfg.family not in ARCHITECTURES or (cfg.family == "mistral" and cfg.sliding_window):
+    if cfg.family not in ARCHITECTURES or (cfg.family == "mistral" and cfg.attention.sliding_window):
         raise ConfigError(
             f"a {cfg.family} model has no GGUF architecture eqllm writes (families "
             f"{sorted(ARCHITECTURES)}; mistral without a sliding window)"
         )
-    if cfg.rope_scaling != "none":
+    if (scaling := cfg.positions.scaling) is not None:
         raise ConfigError(
-            f"rope_scaling={cfg.rope_scaling!r}: eqllm writes GGUF files with plain rotary "
+            f"positions.scaling.kind={scaling.kind!r}: eqllm writes GGUF files with plain rotary "
             "positions only (llama.cpp keeps the scaled frequencies as a tensor)"
         )
 
@@ -133,7 +133,7 @@ def folder_to_gguf(folder: Path, path: Path, cfg, tokenizer: Tokenizer | None, t
     writer.add_context_length(cfg.max_seq_len)
     writer.add_embedding_length(cfg.d_model)
     writer.add_block_count(cfg.n_layers)
-    writer.add_feed_forward_length(cfg.d_ff)
+    writer.add_feed_forward_length(cfg.mlp.d_ff)
     writer.add_head_count(hf["num_attention_heads"])
     writer.add_head_count_kv(hf["num_key_value_heads"])
     writer.add_key_length(hf["head_dim"])

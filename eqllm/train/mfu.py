@@ -119,14 +119,6 @@ class StepFlops:
     hardware: float
 
 
-def _attention_flops(cfg, seq_len: int) -> float:
-    """12 L H Q T: scores and weighted sums, forward (4) and backward (8), T capped by the
-    sliding window in the layers that have one."""
-    local = cfg.local_layers()
-    t = sum(min(seq_len, cfg.sliding_window) if w else seq_len for w in local) / cfg.n_layers
-    return 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * t
-
-
 def step_flops(model: CausalLM, seq_len: int) -> StepFlops:
     """The FLOPs per token a training step of `model` performs (see the module docstring).
 
@@ -137,7 +129,7 @@ def step_flops(model: CausalLM, seq_len: int) -> StepFlops:
     non-batched dots are saved), nothing for "dots".
     """
     cfg = model.config
-    attention = _attention_flops(cfg, seq_len)
+    attention = cfg.attention_flops_per_token(seq_len)
     base = (cfg.flops_per_token(seq_len) - attention) / 6.0  # matmul parameters per token
     found = lora.adapters(model)
     adapter = float(sum(a.lora_a.weight.size + a.lora_b.weight.size for a in found.values()))
