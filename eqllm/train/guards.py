@@ -207,6 +207,8 @@ def verify_fingerprints(tree: dict[str, Any], expected: dict[str, int]) -> list[
 def _describe(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     first = text[0] if text else ""
+    # TensorStore appends a repr of its whole spec to a read error: the sentence before is enough.
+    first = first.split(" See full TensorStore details")[0]
     return f"{type(e).__name__}: {first[:300]}"
 
 
