@@ -114,12 +114,9 @@ def join_processes(
     # JAX's preemption service catches SIGTERM in C++ and only records it; eqllm's loop
     # handles SIGTERM itself (every process stops after the same step, with a checkpoint).
     jax.config.update("jax_enable_preemption_service", False)
-    timeouts = {
-        # JAX's own heartbeat aborts a process whose peers are gone; eqllm's watchdog (which
-        # names the lost process) fires first.
-        "heartbeat_timeout_seconds": int(lost_after) + 30,
-        "shutdown_timeout_seconds": int(lost_after) + 30,
-    }
+    # JAX's own heartbeat aborts a process whose peers are gone; eqllm's watchdog (which names
+    # the lost process) fires first.
+    timeouts = {"heartbeat_timeout_seconds": int(lost_after) + 30}
     if all(given):
         jax.distributed.initialize(coordinator, num_processes, process_id, **timeouts)
     else:

@@ -29,7 +29,7 @@ from .harness import REPO, make_corpus, tiny_recipe
 pytestmark = pytest.mark.slow
 
 STEPS = 16
-BOUND = 300  # seconds any one run may take here before it counts as hung
+BOUND = 600  # seconds any one run may take before it counts as hung (generous: shared CI CPUs)
 
 
 def free_port() -> int:
@@ -123,7 +123,9 @@ def losses(out: Path) -> dict[int, float]:
 
 
 def checkpoints(out: Path) -> list[str]:
-    return sorted((p.name for p in (out / "checkpoints").iterdir()), key=lambda n: (len(n), n))
+    """The committed checkpoints' steps, in order."""
+    steps = (int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    return [str(s) for s in sorted(steps)]
 
 
 def assert_same_losses(got: dict[int, float], expected: dict[int, float]) -> None:
@@ -251,7 +253,7 @@ def test_a_damaged_checkpoint_on_a_two_process_resume_is_moved_aside_once(runs, 
     root = runs[0]
     newest = checkpoints(root / "stopped")[-1]
     out, expected, results = resume(runs, tmp_path, 2, 4, damage=tamper_newest)
-    warnings = [line for _, o, e in results for line in (o + e).splitlines() if "WARNING" in line]
+    warnings = [line for _, o, e in results for line in (o + e).splitlines() if "damaged" in line]
     assert len(warnings) == 1
     assert f"checkpoint {out / 'checkpoints' / newest} is damaged" in warnings[0]
     assert not warnings[0].startswith("[process")  # said by process 0
