@@ -7,7 +7,8 @@
   still decodes.
 - `restore_intact(checkpointer, model, opt_state)`: the newest checkpoint that restores and
   verifies; damaged newer ones are reported and moved aside to `<step>.damaged` (never deleted),
-  so the resumed run's own saves cannot overwrite or collect them.
+  so the resumed run's own saves cannot overwrite or collect them; with several processes,
+  process 0 alone moves them, the others wait for it.
 - `save_error(...)`: the message for a checkpoint that could not be written (disk full,
   read-only folder), naming the folder, the cause, the checkpoint still intact, and the fix.
 
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 
 from eqllm.errors import EqllmError
 from eqllm.recipe import Recipe
+from eqllm.train.processes import barrier, gather, writes_run_files
 
 # Fields whose change does not change what is computed: names, cache locations.
 ALWAYS_OK = ("name", "description", "data.cache_dir", "train.compile_cache")
@@ -205,6 +207,8 @@ def verify_fingerprints(tree: dict[str, Any], expected: dict[str, int]) -> list[
 def _describe(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     first = text[0] if text else ""
+    # TensorStore appends a repr of its whole spec to a read error: the sentence before is enough.
+    first = first.split(" See full TensorStore details")[0]
     return f"{type(e).__name__}: {first[:300]}"
 
 
@@ -257,17 +261,57 @@ def restore_intact(
     `<step>.damaged`; any other failure propagates, moving nothing. Raises `DamagedCheckpoint`
     (moving nothing) when none is intact. A checkpoint without checksums is refused
     (`UnverifiedCheckpoint`) unless `force`.
+
+    With several processes every one tries each checkpoint and they compare outcomes: a
+    checkpoint is damaged when it is damaged for any of them, and process 0 alone reports and
+    moves it aside while the others wait for it (so no two processes rename the same folder).
     """
     steps = sorted(checkpointer.steps(), reverse=True)
     damaged: list[tuple[int, str]] = []
     for step in steps:
+        result, failure = None, None
         try:
             result = checkpointer.restore(model, opt_state, step, verify=not force)
         except Exception as e:
-            if not is_damage(e):
-                raise
-            damaged.append((step, _describe(e)))
+            failure = e
+        outcomes = gather(_outcome(failure))  # every process's, by index (one collective)
+        if failure is not None and not is_damage(failure):
+            raise failure
+        if _FAILED in outcomes:
+            raise RunFolderError(
+                f"--resume: process {outcomes.index(_FAILED)} could not restore checkpoint "
+                f"{checkpointer.directory / str(step)} (see its log); nothing was moved"
+            )
+        if _DAMAGED in outcomes:
+            why = _describe(failure) if failure is not None else None
+            if why is None:  # damaged as another process read it
+                why = f"unreadable by process {outcomes.index(_DAMAGED)} (see its log)"
+            damaged.append((step, why))
             continue
+        if damaged:
+            _move_damaged(checkpointer, damaged, step, echo)
+        return result
+    listing = "; ".join(f"step {s}: {why}" for s, why in damaged) or "none found"
+    raise DamagedCheckpoint(
+        f"--resume: no checkpoint in {checkpointer.directory} restores intact ({listing}). "
+        "Nothing was moved or deleted. Restore the folder from a backup, or start a new run "
+        "with another --out."
+    )
+
+
+_INTACT, _DAMAGED, _FAILED = 0, 1, 2
+
+
+def _outcome(failure: BaseException | None) -> int:
+    if failure is None:
+        return _INTACT
+    return _DAMAGED if is_damage(failure) else _FAILED
+
+
+def _move_damaged(checkpointer, damaged: list[tuple[int, str]], step: int, echo) -> None:
+    """Process 0 moves the damaged checkpoints aside and says so; every process then sees the
+    folder as it left it."""
+    if writes_run_files():
         for bad_step, why in damaged:
             folder = checkpointer.directory / str(bad_step)
             kept = move_aside(folder)
@@ -276,15 +320,8 @@ def restore_intact(
                 f"{kept} (nothing deleted: inspect or remove it yourself). Resuming from the "
                 f"previous intact checkpoint, step {step}: the steps after it are redone."
             )
-        if damaged:
-            checkpointer.manager.reload()
-        return result
-    listing = "; ".join(f"step {s}: {why}" for s, why in damaged) or "none found"
-    raise DamagedCheckpoint(
-        f"--resume: no checkpoint in {checkpointer.directory} restores intact ({listing}). "
-        "Nothing was moved or deleted. Restore the folder from a backup, or start a new run "
-        "with another --out."
-    )
+    barrier("eqllm: damaged checkpoints moved aside")
+    checkpointer.manager.reload()
 
 
 # Save errors ------------------------------------------------------------------------------

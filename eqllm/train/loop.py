@@ -2,9 +2,10 @@
 
 A run is a function of its recipe: the batch of step s is `batch_at(train, step=s, seed=seed)`,
 so resuming from a checkpoint (model, optimizer state, step) continues exactly as an
-uninterrupted run would. SIGINT/SIGTERM set a flag checked after every step: the loop saves a
-checkpoint, waits for it, and returns. A non-finite loss is never applied (see `TrainStep`); the
-loop stops at it and leaves the last good checkpoint as it was.
+uninterrupted run would. SIGINT/SIGTERM set a flag checked after every step (by all processes of
+a multi-process run together, so that a signal to any one stops all after the same step): the
+loop saves a checkpoint, waits for it, and returns. A non-finite loss is never applied (see
+`TrainStep`); the loop stops at it and leaves the last good checkpoint as it was.
 
 Set-up lives in `eqllm.train.setup`, measurements in `eqllm.train.metrics`, the end of a run
 (final evaluation, summary, report) in `eqllm.train.report`.
@@ -32,7 +33,7 @@ from eqllm.progress import progress_bar
 from eqllm.recipe import Recipe
 from eqllm.train.metrics import Throughput
 from eqllm.train.mfu import mfu
-from eqllm.train.processes import barrier
+from eqllm.train.processes import agree_on_stop, barrier
 from eqllm.train.report import finish_run, summarize
 from eqllm.train.setup import (
     RunSetup,
@@ -83,6 +84,7 @@ class RunState:
     step: int
     skipped: int = 0  # non-finite steps skipped so far (train.skip_nonfinite)
     interrupted: str | None = None
+    interrupted_by: int | None = None  # the process that received the signal
 
 
 class _Signals:
@@ -145,8 +147,11 @@ def run(
 
     if state.interrupted:
         setup.log.close()
+        by = state.interrupted_by
         echo(
-            f"{state.interrupted}: saved checkpoint at step {state.step} in "
+            f"{state.interrupted}"
+            + (f" (received by process {by})" if by is not None and jax.process_count() > 1 else "")
+            + f": saved checkpoint at step {state.step} in "
             f"{setup.checkpoints.directory}; "
             f"continue with `eqllm run {recipe.name or out / 'config.toml'} --out {out} --resume`"
         )
@@ -209,9 +214,10 @@ def _train(
                 if _due(recipe.train.checkpoint_every, state.step, total):
                     meta = setup.checkpoint_meta(state.step, state.skipped)
                     saver.save(state.step, model, opt_state, meta)
-                if signals.received or (stop_after is not None and state.step >= stop_after):
+                received, by = agree_on_stop(signals.received)  # the same on every process
+                if received or (stop_after is not None and state.step >= stop_after):
                     if state.step < total:
-                        state.interrupted = signals.received or "stop_after"
+                        state.interrupted, state.interrupted_by = received or "stop_after", by
                         break
             bar.close()
             if saver.last_saved != state.step:
