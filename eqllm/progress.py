@@ -49,9 +49,10 @@ class LineProgress:
     def set_postfix(self, postfix: dict[str, Any] | None = None, refresh: bool = True) -> None:
         self.postfix = dict(postfix or {})
 
-    def write(self, text: str) -> None:
-        if not self.disable:
-            print(text, file=self.file, flush=True)
+    def write(self, text: str, file: Any = None) -> None:
+        """Print one line (to `file`, default the bar's stream) even when the bar itself is
+        disabled, as `tqdm.write` does: run messages are not progress."""
+        print(text, file=file or self.file, flush=True)
 
     def close(self) -> None:
         if self.n != self._shown:
