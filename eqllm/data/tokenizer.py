@@ -36,6 +36,8 @@ from .sentencepiece import load_sentencepiece
 EOT = "<|endoftext|>"
 TokenizerKind = Literal["bytes", "bpe", "pretrained"]
 _EOT_FALLBACKS = (EOT, "</s>", "<eos>")
+# A hub repo's tokenizer files (`Tokenizer.from_pretrained`).
+_HUB_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "chat_template.jinja")
 SPECIAL_TOKEN_KEYS = (
     "bos_token",
     "eos_token",
@@ -175,29 +177,25 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, repo_id: str, *, revision: str | None = None) -> Tokenizer:
-        """Download ``tokenizer.json`` (and ``tokenizer_config.json``) from a hub repo."""
-        from huggingface_hub import hf_hub_download
-        from huggingface_hub.utils import EntryNotFoundError
+        """Download a hub repo's tokenizer files (``tokenizer.json`` or a SentencePiece
+        ``tokenizer.model``, ``tokenizer_config.json``, ``chat_template.jinja``) and `load` them."""
+        from huggingface_hub import snapshot_download
 
+        files = list(_HUB_FILES)
         try:
-            file = hf_hub_download(repo_id, "tokenizer.json", revision=revision)
+            folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=files))
         except Exception as e:
             raise DataNotFound(
-                f"Could not get tokenizer.json from the Hugging Face hub repo {repo_id!r} "
+                f"Could not get the tokenizer of the Hugging Face hub repo {repo_id!r} "
                 f"({type(e).__name__}: {e}). Check the repo id and the network (or the offline "
                 "cache), or pass a local tokenizer.json path, 'bytes' or 'bpe'."
             ) from e
-        try:
-            config_file = hf_hub_download(repo_id, "tokenizer_config.json", revision=revision)
-            config = json.loads(Path(config_file).read_text())
-        except EntryNotFoundError:
-            config = {}
-        try:
-            template_file = hf_hub_download(repo_id, "chat_template.jinja", revision=revision)
-            config["chat_template"] = Path(template_file).read_text(encoding="utf-8")
-        except EntryNotFoundError:
-            pass
-        return cls._from_hf(tokenizers.Tokenizer.from_file(file), config, repo_id)
+        if not any((folder / f).is_file() for f in files[:2]):
+            raise DataNotFound(
+                f"the Hugging Face hub repo {repo_id!r} has neither tokenizer.json nor "
+                "tokenizer.model; give a local tokenizer.json path, 'bytes' or 'bpe'"
+            )
+        return cls.load(folder)
 
     @classmethod
     def from_spec(cls, spec: str | os.PathLike) -> Tokenizer:
