@@ -87,7 +87,10 @@ class CausalLM(eqx.Module):
 
     @jax.named_scope("eqllm.CausalLM")
     def __call__(
-        self, tokens: Int[Array, "*batch seq"], positions: Int[Array, "*batch seq"] | None = None
+        self,
+        tokens: Int[Array, "*batch seq"],
+        positions: Int[Array, "*batch seq"] | None = None,
+        segment_ids: Int[Array, "*batch seq"] | None = None,
     ) -> Float[Array, "*batch seq vocab"]:
         """Next-token logits (fp32) for every position of a sequence or a batch of them.
 
@@ -96,32 +99,43 @@ class CausalLM(eqx.Module):
                 checked here; inside `jax.jit` the caller checks them (the train step and
                 generation do, on the host), since an out-of-range id would read a wrong row.
             positions: absolute positions (default 0..seq-1); a negative position marks padding.
+            segment_ids: packed documents (default: one): a token attends only to earlier
+                tokens with the same id, so each document's logits are those it has alone
+                (with its own positions, e.g. restarting at 0: `eqllm.data.document_positions`).
         """
-        return self.routed(tokens, positions)[0]
+        return self.routed(tokens, positions, segment_ids)[0]
 
     def routed(
-        self, tokens: Int[Array, "*batch seq"], positions: Int[Array, "*batch seq"] | None = None
+        self,
+        tokens: Int[Array, "*batch seq"],
+        positions: Int[Array, "*batch seq"] | None = None,
+        segment_ids: Int[Array, "*batch seq"] | None = None,
     ) -> tuple[Float[Array, "*batch seq vocab"], Float[Array, "layers *batch seq experts"] | None]:
-        """`self(tokens, positions)` and every layer's router logits (None without experts),
-        for the load-balancing loss (`eqllm.nn.load_balancing_loss`)."""
+        """`self(tokens, positions, segment_ids)` and every layer's router logits (None without
+        experts), for the load-balancing loss (`eqllm.nn.load_balancing_loss`)."""
         check_tokens(tokens, self.config)
-        hidden, router_logits = self._forward(tokens, positions)
+        hidden, router_logits = self._forward(tokens, positions, segment_ids)
         return self.logits(hidden), router_logits
 
     def hidden(
-        self, tokens: Int[Array, "*batch seq"], positions: Int[Array, "*batch seq"] | None = None
+        self,
+        tokens: Int[Array, "*batch seq"],
+        positions: Int[Array, "*batch seq"] | None = None,
+        segment_ids: Int[Array, "*batch seq"] | None = None,
     ) -> Float[Array, "*batch seq d_model"]:
         """The final-norm hidden states, in the compute dtype."""
-        return self._forward(tokens, positions)[0]
+        return self._forward(tokens, positions, segment_ids)[0]
 
-    def _forward(self, tokens, positions):
+    def _forward(self, tokens, positions, segment_ids=None):
         cfg = self.config
         in_order = positions is None  # lets attention skip the masked-out key blocks
         if in_order:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
         model = cast_floating(self, dtype_of(cfg.compute_dtype))  # the one compute-dtype cast
         x = model.embed_inputs(tokens, positions)
-        x, router_logits = run_blocks(model.blocks, x, None if in_order else positions, cfg)
+        x, router_logits = run_blocks(
+            model.blocks, x, None if in_order else positions, cfg, segment_ids
+        )
         return model.final_norm(x), router_logits
 
     def embed_inputs(

@@ -42,7 +42,7 @@ REMAT_POLICIES = {
 
 
 # Applied to each layer's Block inside the layer loop's body (see `each_layer`): returns what
-# runs in the block's place, called as block(x, positions, local).
+# runs in the block's place, called as block(x, positions, local, segment_ids).
 LayerHook = Callable[[Block], Callable]
 _LAYER_HOOK: contextvars.ContextVar[LayerHook | None] = contextvars.ContextVar(
     "eqllm_layer_hook", default=None
@@ -53,7 +53,7 @@ _LAYER_HOOK: contextvars.ContextVar[LayerHook | None] = contextvars.ContextVar(
 def each_layer(hook: LayerHook) -> Iterator[None]:
     """While tracing inside this context, `run_blocks` runs `hook(block)` in place of each
     layer's Block, inside the loop body (scanned or unrolled); the hook's result is called like
-    `Block.routed`, `(x, positions, local) -> (x, router_logits)`.
+    `Block.routed`, `(x, positions, local, segment_ids) -> (x, router_logits)`.
 
     This is how FSDP gathers one layer's weights at a time (`eqllm.sharding.FsdpGather`):
     sharding constraints placed here stay inside the loop, where XLA otherwise gathers every
@@ -172,10 +172,12 @@ def run_blocks(
     x: Float[Array, "*batch seq d_model"],
     positions: Int[Array, "*batch seq"] | None,
     config: ModelConfig,
+    segment_ids: Int[Array, "*batch seq"] | None = None,
 ) -> tuple[Float[Array, "*batch seq d_model"], Float[Array, "layers *batch seq experts"] | None]:
     """Apply the stacked blocks in order: `lax.scan` or an unrolled Python loop (see below).
 
-    `positions` None means 0..seq-1 (see `Attention.__call__`). A model whose layers differ
+    `positions` None means 0..seq-1 (see `Attention.__call__`); `segment_ids` (None: one
+    segment) keep every layer's attention inside each packed document. A model whose layers differ
     (`layer_flags`) scans the flags alongside the weights: one compiled body for every layer.
     Returns the output and, for a mixture of experts, every layer's router logits (else None).
     """
@@ -189,8 +191,8 @@ def run_blocks(
         layer_params, local = layer
         block = eqx.combine(layer_params, static)
         if hook is not None:
-            return hook(block)(h, positions, local)
-        return block.routed(h, positions, local)
+            return hook(block)(h, positions, local, segment_ids)
+        return block.routed(h, positions, local, segment_ids)
 
     if config.remat != "none":
         step = jax.checkpoint(step, policy=REMAT_POLICIES[config.remat])

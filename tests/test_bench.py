@@ -98,6 +98,17 @@ def test_bench_cli_end_to_end(tmp_path, capsys):
     assert (out / "bench.png").stat().st_size > 0
 
 
+def test_bench_times_the_document_masked_step(tmp_path, capsys):
+    """--document-length: the step on packed documents with segment ids, in the report's command."""
+    out = tmp_path / "bench"
+    argv = ["bench", "llama-nano", "--batch", "2", "--seq", "16", "--steps", "1", "--warmup", "0"]
+    argv += ["--set", TINY_SET, "--document-length", "4", "--out", str(out), "--quiet"]
+    assert cli.main(argv) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["meta"]["command"].endswith("--document-length 4 --out " + str(out))
+    assert report["results"][0]["tokens_per_s"] > 0
+
+
 def test_count_collectives_per_layer_and_per_step():
     """Ops in loop bodies count per layer; per step they are multiplied by the trip counts."""
     from eqllm.bench.mesh import count_collectives

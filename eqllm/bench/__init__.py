@@ -109,6 +109,7 @@ def run_bench(
     overrides: dict[str, Any] | None = None,
     optim: OptimSpec | None = None,
     log: Callable[[str], None] = print,
+    document_length: int | None = None,
 ) -> list[BenchResult]:
     """Benchmark each variant's training step; see the module docstring.
 
@@ -120,6 +121,8 @@ def run_bench(
         remat: the eqllm step's remat policy.
         vs_torch: also time transformers eager (and `torch_compile`: torch.compile).
         overrides: ModelConfig fields applied to every variant (e.g. a tiny width for tests).
+        document_length: eqllm's step on packed documents of this many tokens with document
+            masking (segment ids); None: no masking.
     """
     if steps < 1 or warmup < 0:
         raise EqllmError(f"steps={steps} must be >= 1 and warmup={warmup} >= 0")
@@ -138,7 +141,7 @@ def run_bench(
         flops = cfg.flops_per_token(seq)
         benches, compile_s = [], {}
 
-        jb = JaxBench(cfg, tokens, optim=optim)
+        jb = JaxBench(cfg, tokens, optim=optim, document_length=document_length)
         compile_s[jb.framework] = jb.compile()
         for _ in range(warmup):
             jb.step()

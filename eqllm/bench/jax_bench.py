@@ -43,6 +43,8 @@ class JaxBench:
         tokens: the (batch, seq + 1) batch, shared with the other frameworks.
         optim: AdamW hyperparameters (the torch side uses the same).
         total_steps: length of the schedule (only shapes the learning rate).
+        document_length: packed documents of this many tokens, masked from each other
+            (segment ids; `eqllm.data.segments`); None: one document per row, no mask.
     """
 
     framework = "eqllm (jax)"
@@ -55,6 +57,7 @@ class JaxBench:
         optim: OptimSpec | None = None,
         total_steps: int = 1000,
         seed: int = 0,
+        document_length: int | None = None,
     ):
         optim = optim or OptimSpec()
         self.config = config
@@ -65,6 +68,10 @@ class JaxBench:
         self.train_step = TrainStep(optimizer, schedule(optim, total_steps))
         self.opt_state = init_opt_state(optimizer, self.model)
         self.batch = jnp.asarray(tokens)
+        self.segment_ids = None
+        if document_length is not None:
+            ids = np.arange(tokens.shape[1], dtype=np.int32) // document_length
+            self.segment_ids = jnp.asarray(np.broadcast_to(ids, tokens.shape))
         self.compiled = None
         self.lower_s = self.compile_s = None
         self.memory_bytes: int | None = None
@@ -74,7 +81,9 @@ class JaxBench:
     def compile(self) -> float:
         """Trace, lower and compile the step; returns the seconds it took (both phases)."""
         t0 = time.perf_counter()
-        lowered = self.train_step.lower(self.model, self.opt_state, self.batch)
+        lowered = self.train_step.lower(
+            self.model, self.opt_state, self.batch, segment_ids=self.segment_ids
+        )
         t1 = time.perf_counter()
         self.compiled = lowered.compile()
         t2 = time.perf_counter()
@@ -107,7 +116,7 @@ class JaxBench:
             self.compile()
         t0 = time.perf_counter()
         self.model, self.opt_state, metrics = self.compiled(
-            (self.batch, None), self.model, self.opt_state
+            (self.batch, None, self.segment_ids), self.model, self.opt_state
         )
         metrics["loss"].block_until_ready()
         jax.block_until_ready(self.model)

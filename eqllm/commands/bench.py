@@ -39,6 +39,8 @@ def command_line(args, variants: Sequence[str]) -> str:
     if args.vs_torch:
         parts.append("--vs-torch" + (" --no-compile" if args.no_compile else ""))
     parts += [f"--set {s}" for s in args.set or []]
+    if getattr(args, "document_length", 0):
+        parts.append(f"--document-length {args.document_length}")
     if args.out:
         parts.append(f"--out {args.out}")
     return " ".join(parts)
@@ -65,6 +67,7 @@ def bench_command(args: argparse.Namespace) -> int:
         vs_torch=args.vs_torch,
         torch_compile=not args.no_compile,
         overrides=parse_overrides(args.set or []),
+        document_length=args.document_length or None,
         log=(lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr)),
     )
     meta = {
@@ -142,6 +145,12 @@ def add_parser(commands) -> None:
         "per-device memory and collectives instead of timing it",
     )
     p.add_argument("--set", action="append", metavar="KEY=VALUE[,...]", help="config overrides")
+    p.add_argument(
+        "--document-length",
+        type=int,
+        default=0,
+        help="pack documents of this many tokens, masked from each other (0: no masking)",
+    )
     p.add_argument("--out", help="folder for bench.md, bench.json, bench.png")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no per-step progress on stderr")

@@ -8,12 +8,18 @@
 
 from .batches import batch_at, eval_batches
 from .errors import DataError, DataNotFound
+from .mixture import MixtureData, prepare_mixture, share_tolerance
+from .packing import PACK_METHODS, Packed, pack_examples
+from .segments import document_positions, document_segments
 from .sources import DataSource
 from .tokenizer import EOT, Tokenizer
 from .tokens import TokenData, default_cache_dir, prepare, split_documents, token_dtype
 
 __all__ = [
     "EOT",
+    "MixtureData",
+    "PACK_METHODS",
+    "Packed",
     "DataError",
     "DataNotFound",
     "DataSource",
@@ -21,8 +27,13 @@ __all__ = [
     "Tokenizer",
     "batch_at",
     "default_cache_dir",
+    "document_positions",
+    "document_segments",
     "eval_batches",
+    "pack_examples",
     "prepare",
+    "prepare_mixture",
+    "share_tolerance",
     "split_documents",
     "token_dtype",
 ]

@@ -31,6 +31,7 @@ import numpy as np
 
 from eqllm.data.chat import render, template_or_default
 from eqllm.data.errors import DataError, DataNotFound
+from eqllm.data.packing import pack_examples
 from eqllm.data.tokenizer import Tokenizer
 
 Messages = list[dict[str, str]]
@@ -178,6 +179,9 @@ class InstructionData:
     tokenizer: Tokenizer
     truncated: int  # examples cut to seq_len + 1 tokens
     template: str | None = None  # the chat template the rows were formatted with
+    # Packed training rows: the example of each token ([n, seq_len + 1]); None: padded rows.
+    segment_ids: np.ndarray | None = None
+    filled_tokens: int = 0  # token slots of the training rows that hold an example's token
 
     @property
     def meta(self) -> dict:
@@ -188,7 +192,13 @@ class InstructionData:
             "train_examples": len(self.rows),
             "val_examples": len(self.val_rows),
             "truncated_examples": self.truncated,
+            "padding_fraction": round(self.padding_fraction, 4),
         }
+
+    @property
+    def padding_fraction(self) -> float:
+        """The share of the training rows' token slots that hold no example's token."""
+        return 1.0 - self.filled_tokens / max(self.rows.size, 1)
 
     def bytes_per_token(self, split: str) -> float:
         """UTF-8 bytes per token of a split's text (for bits per byte)."""
@@ -208,9 +218,10 @@ class InstructionData:
     def val(self) -> np.ndarray:
         return _flat(self.val_rows, self.val_mask)
 
-    def batch_at(self, step: int, *, seed: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    def batch_at(self, step: int, *, seed: int, batch_size: int) -> tuple[np.ndarray, ...]:
         """(tokens, mask) of step `step`: rows of a seeded permutation per epoch, so a pure
-        function of (seed, step) as the token batches are."""
+        function of (seed, step) as the token batches are. Packed rows add their segment ids:
+        (tokens, mask, segment_ids)."""
         n = len(self.rows)
         index = np.arange(step * batch_size, (step + 1) * batch_size)
         epochs, within = np.divmod(index, n)
@@ -218,6 +229,8 @@ class InstructionData:
         for epoch in np.unique(epochs):
             order = np.random.default_rng([seed, int(epoch)]).permutation(n)
             picks[epochs == epoch] = order[within[epochs == epoch]]
+        if self.segment_ids is not None:
+            return self.rows[picks], self.mask[picks], self.segment_ids[picks]
         return self.rows[picks], self.mask[picks]
 
 
@@ -253,8 +266,13 @@ def prepare_instructions(
     template: str | None = None,
     val_fraction: float = 0.0,
     seed: int = 0,
+    pack: str = "none",
 ) -> InstructionData:
-    """Read, format, tokenize and pad the examples of `path` (see the module docstring)."""
+    """Read, format, tokenize and pad the examples of `path` (see the module docstring).
+
+    `pack` "first-fit" or "best-fit" packs the training examples into full rows with segment
+    ids (`eqllm.data.packing`); "none" pads one example per row. Validation rows stay padded.
+    """
     chat = ChatFormat(tokenizer, template)
     examples = read_examples(path)
     order = np.random.default_rng(seed).permutation(len(examples))
@@ -262,8 +280,17 @@ def prepare_instructions(
     if n_val >= len(examples):
         raise DataError(f"{path}: {len(examples)} examples leave none to train on")
     encoded = [chat.encode(examples[i]) for i in order]
-    rows, mask, cut = pad_rows(encoded[n_val:], seq_len, tokenizer.eot_id)
+    train = encoded[n_val:]
+    segments = None
+    if pack == "none":
+        rows, mask, cut = pad_rows(train, seq_len, tokenizer.eot_id)
+    else:
+        packed = pack_examples(train, seq_len, tokenizer.eot_id, pack)
+        rows, mask, cut, segments = packed.rows, packed.mask, packed.truncated, packed.segment_ids
     val_rows, val_mask, val_cut = pad_rows(encoded[:n_val], seq_len, tokenizer.eot_id)
     if not mask.any():
         raise DataError(f"{path}: no response token fits in seq_len={seq_len}; raise data.seq_len")
-    return InstructionData(rows, mask, val_rows, val_mask, tokenizer, cut + val_cut, chat.template)
+    filled = sum(min(len(ids), seq_len + 1) for ids, _ in train)
+    return InstructionData(
+        rows, mask, val_rows, val_mask, tokenizer, cut + val_cut, chat.template, segments, filled
+    )

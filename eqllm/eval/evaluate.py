@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from eqllm.data import TokenData, Tokenizer, prepare
+from eqllm.data import MixtureData, TokenData, Tokenizer, prepare
 from eqllm.data.instruct import InstructionData
 from eqllm.eval.metrics import evaluate_tokens, loss_report, unigram_loss
 from eqllm.generation import generate_batch
@@ -40,6 +40,9 @@ def evaluate_run(
         result["val"] = {**loss_report(loss, bpt), "tokens": n}
         uni = unigram_loss(data.train, data.val, data.tokenizer.vocab_size)
         result["unigram"] = loss_report(uni, bpt)
+    if isinstance(data, MixtureData):  # each source of a mixture on its own validation split
+        for label, loss, n, bpt in source_losses(model, data, recipe):
+            result.setdefault("sources", {})[label] = {**loss_report(loss, bpt), "tokens": n}
     for i, spec in enumerate(recipe.eval.extra_sources):
         label = spec.label or spec.path or spec.name or f"extra{i}"
         extra = prepare(
@@ -114,6 +117,25 @@ def sample_texts(
     return texts
 
 
+def source_losses(model: CausalLM, data: MixtureData, recipe: Recipe) -> list[tuple]:
+    """(label, mean validation loss, tokens scored, bytes per token) of each mixture source
+    whose validation split holds more than one window."""
+    seq_len, bs = recipe.data.seq_len, eval_batch_size(recipe)
+    out = []
+    for label, source in zip(data.labels, data.sources, strict=True):
+        if source.val.shape[0] <= seq_len:
+            continue
+        loss, n = evaluate_tokens(
+            model,
+            source.val,
+            batch_size=bs,
+            seq_len=seq_len,
+            max_batches=recipe.eval.batches or None,
+        )
+        out.append((label, loss, n, source.bytes_per_token("val")))
+    return out
+
+
 def format_eval(result: dict) -> list[str]:
     lines = []
     if "val" in result:
@@ -121,6 +143,10 @@ def format_eval(result: dict) -> list[str]:
         lines.append(
             f"validation: loss {v['loss']:.4f}  perplexity {v['perplexity']:.2f}  "
             f"bits/byte {v['bpb']:.4f}  (unigram baseline {u['bpb']:.4f} bits/byte)"
+        )
+    for label, r in result.get("sources", {}).items():
+        lines.append(
+            f"validation of source {label}: loss {r['loss']:.4f}  bits/byte {r['bpb']:.4f}"
         )
     for label, r in result.get("extra", {}).items():
         lines.append(

@@ -101,7 +101,8 @@ def check_exportable(cfg, type: str) -> None:
     """Raise unless a model of config `cfg` can be written as a GGUF file of `type`."""
     if type not in TYPES:
         raise ConfigError(f"GGUF --type {type!r} is not supported; use one of {list(TYPES)}")
-    if cfg.family not in ARCHITECTURES or (cfg.family == "mistral" and cfg.attention.sliding_window):
+    windowed = cfg.attention.sliding_window is not None
+    if cfg.family not in ARCHITECTURES or (cfg.family == "mistral" and windowed):
         raise ConfigError(
             f"a {cfg.family} model has no GGUF architecture eqllm writes (families "
             f"{sorted(ARCHITECTURES)}; mistral without a sliding window)"

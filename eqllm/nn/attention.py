@@ -10,6 +10,10 @@ Masking is by positions: query i attends to key j when pos_k[j] <= pos_q[i], pos
 cache or a padded batch is expressed without another code path. Models that alternate windowed
 ("local") and global layers pass a per-layer `local` flag, traced inside the scan over layers:
 the window then applies only where it is True.
+
+Segment ids (`segment_ids`, one int per token) mark packed documents: a query attends only to
+keys of its own segment, so each document inside a packed row computes what it computes alone.
+They compose with the window and the local flag (the masks are intersected).
 """
 
 import itertools
@@ -71,6 +75,7 @@ def in_order_attention(
     local: Bool[Array, ""] | bool | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    segment_ids: Int[Array, "*#batch seq"] | None = None,
 ) -> Float[Array, "*batch seq heads head_dim"]:
     """Causal attention of positions 0..seq-1, skipping key blocks the mask would zero anyway.
 
@@ -79,6 +84,7 @@ def in_order_attention(
     seq^2 to about (chunks + 1) / (2 * chunks) of it (62.5% at 4). Same values as
     `dot_product_attention` with the causal mask. With a traced `local` flag the window may be
     lifted, so only the causal skipping applies; a Python bool decides it while tracing.
+    `segment_ids` (None: one segment) further keep each query to keys of its own segment.
     """
     if isinstance(local, bool | np.bool_):  # known when tracing: apply or drop the window now
         sliding_window, local = (sliding_window if local else None), None
@@ -91,6 +97,9 @@ def in_order_attention(
         windowed = sliding_window is not None and local is None
         first = max(0, start - sliding_window + 1) if windowed else 0
         mask = attention_mask(positions[start:end], positions[first:end], sliding_window, local)
+        if segment_ids is not None:
+            same = segment_ids[..., start:end, None] == segment_ids[..., None, first:end]
+            mask = mask & same
         keys, values = k[..., first:end, :, :], v[..., first:end, :, :]
         outs.append(
             dot_product_attention(
@@ -247,12 +256,14 @@ class Attention(eqx.Module):
         x: Float[Array, "*batch seq d_model"],
         positions: Int[Array, "*batch seq"] | None = None,
         local: Bool[Array, ""] | bool | None = None,
+        segment_ids: Int[Array, "*batch seq"] | None = None,
     ) -> Float[Array, "*batch seq d_model"]:
         """Causal self-attention of `x`; `positions` default to 0..seq-1.
 
         With the default positions the causal structure is known when tracing, and key blocks
         entirely in the future are skipped (`in_order_attention`). `local` is the layer's flag
-        (see the module docstring; None: the window, if any, applies).
+        (see the module docstring; None: the window, if any, applies). `segment_ids` (None: one
+        segment) keep attention inside each packed document.
         """
         extra = dict(scale=self.scale, softcap=self.softcap)
         seq = x.shape[-2]
@@ -270,14 +281,19 @@ class Attention(eqx.Module):
                 local=local,
                 scale=self.scale,
                 implementation=self.kernel,
+                segment_ids=segment_ids,
             )
             return self.output(attended)
         if positions is None:  # one row of positions serves the batch: rotations computed once
             q, k, v = self.project(x, jnp.arange(x.shape[-2]), local)
-            attended = in_order_attention(q, k, v, self.sliding_window, local=local, **extra)
+            attended = in_order_attention(
+                q, k, v, self.sliding_window, local=local, segment_ids=segment_ids, **extra
+            )
             return self.output(attended)
         q, k, v = self.project(x, positions, local)
-        mask = attention_mask(positions, positions, self.sliding_window, local)
+        mask = attention_mask(
+            positions, positions, self.sliding_window, local, segment_ids, segment_ids
+        )
         return self.output(dot_product_attention(q, k, v, mask, **extra))
 
     @jax.named_scope("eqllm.Attention.cached")

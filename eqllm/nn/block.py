@@ -53,18 +53,21 @@ class Block(eqx.Module):
         x: Float[Array, "*batch seq d_model"],
         positions: Int[Array, "*batch seq"] | None = None,
         local: Bool[Array, ""] | bool | None = None,
+        segment_ids: Int[Array, "*batch seq"] | None = None,
     ) -> Float[Array, "*batch seq d_model"]:
-        """`local`: this layer's window flag (see `eqllm.nn.attention`)."""
-        return self.routed(x, positions, local)[0]
+        """`local`: this layer's window flag; `segment_ids`: packed documents (see
+        `eqllm.nn.attention`)."""
+        return self.routed(x, positions, local, segment_ids)[0]
 
     def routed(
         self,
         x: Float[Array, "*batch seq d_model"],
         positions: Int[Array, "*batch seq"] | None = None,
         local: Bool[Array, ""] | bool | None = None,
+        segment_ids: Int[Array, "*batch seq"] | None = None,
     ) -> tuple[Float[Array, "*batch seq d_model"], Float[Array, "*batch seq experts"] | None]:
         """The block's output and its router logits (None unless `mlp` is a mixture of experts)."""
-        attended = self.attn(_apply(self.attn_norm, x), positions, local)
+        attended = self.attn(_apply(self.attn_norm, x), positions, local, segment_ids)
         return self._mlp(x + _apply(self.attn_post_norm, attended))
 
     @jax.named_scope("eqllm.Block.cached")

@@ -2,9 +2,14 @@
 fused (flash) kernel on NVIDIA GPUs (Dao et al., 2022).
 
 `fused_arguments` is the one place where eqllm's masking (causal by positions, sliding window,
-empty key slots, per-layer local flag; see `eqllm.nn.attention`) is translated into that
-function's arguments. The GPU path and the CPU test that checks it call the same builder, so the
-only thing a GPU run changes is the `implementation` switch.
+empty key slots, per-layer local flag, packed segments; see `eqllm.nn.attention`) is translated
+into that function's arguments. The GPU path and the CPU test that checks it call the same
+builder, so the only thing a GPU run changes is the `implementation` switch.
+
+`jax.nn.dot_product_attention` has no segment-id argument (its `query_seq_lengths` and
+`key_value_seq_lengths` describe right padding, one run of tokens per row), so packed segments
+become a boolean mask (batch, 1, seq, seq) beside `is_causal` and `local_window_size`: cuDNN
+applies the mask as a bias and still skips the blocks above the diagonal.
 """
 
 import jax
@@ -24,6 +29,7 @@ def fused_arguments(
     sliding_window: int | None,
     local: Bool[Array, ""] | bool | None,
     scale: float,
+    segment_ids: Int[Array, "*batch seq"] | None = None,
 ) -> dict:
     """Keyword arguments (all but `implementation`) for `jax.nn.dot_product_attention`.
 
@@ -33,6 +39,7 @@ def fused_arguments(
     None (`fused_attention` branches on a traced flag). Explicit positions (padding, offsets)
     become a boolean mask of shape (batch, 1, seq, seq), which a traced `local` may shape.
     Grouped kv heads are passed as they are: the function groups query heads itself.
+    `segment_ids` (None: one segment) add a mask keeping each query to its own segment's keys.
     """
     *lead, seq, heads, head_dim = q.shape
     args = dict(
@@ -48,8 +55,11 @@ def fused_arguments(
         if sliding_window is not None and local is not False:
             # eqllm keeps keys with q - k < window: window - 1 keys to the left of the query.
             args["local_window_size"] = (sliding_window - 1, 0)
+        if segment_ids is not None:
+            same = segment_ids[..., :, None] == segment_ids[..., None, :]
+            args["mask"] = jnp.broadcast_to(same, (*lead, seq, seq)).reshape(-1, 1, seq, seq)
     else:
-        mask = attention_mask(positions, positions, sliding_window, local)
+        mask = attention_mask(positions, positions, sliding_window, local, segment_ids, segment_ids)
         mask = jnp.broadcast_to(mask, (*lead, seq, seq))
         args["mask"] = mask.reshape(-1, 1, seq, seq)
     return args
@@ -65,6 +75,7 @@ def fused_attention(
     local: Bool[Array, ""] | bool | None = None,
     scale: float,
     implementation: str = "cudnn",
+    segment_ids: Int[Array, "*batch seq"] | None = None,
 ) -> Float[Array, "*batch seq heads head_dim"]:
     """Causal self-attention by `jax.nn.dot_product_attention(implementation=...)`.
 
@@ -72,12 +83,20 @@ def fused_attention(
     (without soft-capping, which the fused kernel cannot do). A traced `local` flag with default
     positions picks the windowed or the global call with `lax.cond`, so each keeps its
     block-skipping causal form. Query rows at negative (padding) positions return zeros, as
-    eqllm's own attention does.
+    eqllm's own attention does. `segment_ids` (None: one segment) keep attention inside each
+    packed document.
     """
 
     def attend(flag):
         args = fused_arguments(
-            q, k, v, positions, sliding_window=sliding_window, local=flag, scale=scale
+            q,
+            k,
+            v,
+            positions,
+            sliding_window=sliding_window,
+            local=flag,
+            scale=scale,
+            segment_ids=segment_ids,
         )
         return jax.nn.dot_product_attention(**args, implementation=implementation)
 

@@ -1,4 +1,4 @@
-"""The attention mask by positions, shared by eqllm's own attention and the fused path."""
+"""The attention mask by positions and segments, shared by eqllm's attention and the fused path."""
 
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
@@ -9,8 +9,11 @@ def attention_mask(
     k_positions: Int[Array, "*batch kv_seq"],
     sliding_window: int | None = None,
     local: Bool[Array, ""] | bool | None = None,
+    q_segments: Int[Array, "*batch seq"] | None = None,
+    k_segments: Int[Array, "*batch kv_seq"] | None = None,
 ) -> Bool[Array, "*batch seq kv_seq"]:
-    """True where query i may attend to key j (causal, within the window, key slot filled).
+    """True where query i may attend to key j (causal, within the window, key slot filled,
+    and, given segment ids, in the same segment: packed documents never attend across).
 
     `local` False lifts the window (a global layer); None or True keeps it.
     """
@@ -22,4 +25,6 @@ def attention_mask(
         if local is not None:
             inside = inside | jnp.logical_not(local)
         allowed = allowed & inside
+    if q_segments is not None and k_segments is not None:
+        allowed = allowed & (q_segments[..., :, None] == k_segments[..., None, :])
     return allowed

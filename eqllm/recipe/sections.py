@@ -22,6 +22,7 @@ Schedule = Literal["cosine", "linear", "constant", "wsd"]
 Precision = Literal["float32", "bfloat16"]
 SourceKind = Literal["stdlib", "files", "jsonl", "hf"]
 FinetuneMethod = Literal["none", "lora", "full"]
+PackMethod = Literal["none", "first-fit", "best-fit"]
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]
@@ -65,7 +66,8 @@ class ModelSpec:
 @typing.no_type_check  # pydantic checks the fields
 @section
 class SourceSpec:
-    """A text source (the fields of `eqllm.data.DataSource`); `label` names it in reports."""
+    """A text source (the fields of `eqllm.data.DataSource`); `label` names it in reports;
+    `weight` is its share of the training rows in a mixture (`data.sources`)."""
 
     kind: SourceKind = "stdlib"
     path: Str = ""
@@ -77,6 +79,7 @@ class SourceSpec:
     streaming: Bool = False
     max_bytes: Count = 0
     label: Str = ""
+    weight: Float = 1.0
 
     def to_source(self) -> DataSource:
         """The `eqllm.data.DataSource` this spec describes (empty strings / 0 mean unset)."""
@@ -106,6 +109,13 @@ class DataSpec:
     val_fraction: share of documents held out for validation (split by document).
     split_seed: seed of that split.
     cache_dir: where token files are cached; "" for $EQLLM_CACHE/tokens or ~/.cache/eqllm/tokens.
+    document_mask: attention stays inside each document of a training window (segments open
+        at every end-of-text token); the tokens a step sees are unchanged.
+    reset_positions: positions restart at 0 at each document (with document_mask, or with
+        packed finetune.data).
+    sources: a weighted mixture in place of `source`: each source tokenized into its own
+        cache, its `weight` its share of the training rows (`eqllm.data.MixtureData`), its
+        validation loss logged apart as val/<label>/loss.
     """
 
     source: SourceSpec = Field(default_factory=SourceSpec)
@@ -115,6 +125,9 @@ class DataSpec:
     val_fraction: Fraction = 0.01
     split_seed: Count = 0
     cache_dir: Str = ""
+    document_mask: Bool = False
+    reset_positions: Bool = False
+    sources: tuple[SourceSpec, ...] = ()
 
 
 @typing.no_type_check  # pydantic checks the fields
@@ -130,6 +143,9 @@ class FinetuneSpec:
         it instead of data.source, with the loss on the responses only. A relative path is
         looked up in the working directory, then among the recipes shipped with eqllm. "" keeps
         data.source (plain text).
+    pack: "none" pads each example to its own row; "first-fit" / "best-fit" pack examples
+        into full rows with segment ids (attention stays inside each example; losses and masks
+        per example unchanged; `eqllm.data.pack_examples`).
     """
 
     method: FinetuneMethod = "none"
@@ -138,6 +154,7 @@ class FinetuneSpec:
     dropout: Fraction = 0.0
     targets: tuple[Str, ...] = ("q_proj", "v_proj")
     data: Str = ""
+    pack: PackMethod = "none"
 
 
 @typing.no_type_check  # pydantic checks the fields

@@ -184,9 +184,27 @@ class Recipe:
                 f"data.bpe_vocab_size={d.bpe_vocab_size} must be 0 (the variant's vocab_size) "
                 "or at least 257"
             )
+        if d.reset_positions and not (d.document_mask or self.finetune.pack != "none"):
+            raise RecipeError(
+                "data.reset_positions=true restarts positions at each document, but no documents "
+                "are marked: set data.document_mask=true (or finetune.pack for finetune.data)"
+            )
         _check_finetune(self)
         _check_tokenizer(d.tokenizer)
         _check_source(d.source, "data.source")
+        labels = set()
+        for i, spec in enumerate(d.sources):
+            key = f"data.sources[{i}]" + (f" ({spec.label!r})" if spec.label else "")
+            if not spec.weight > 0:
+                raise RecipeError(
+                    f"{key}.weight={spec.weight} must be > 0: it is the source's share of the "
+                    "training rows; remove the source or give it a positive weight"
+                )
+            _check_source(spec, key)
+            label = source_label(spec, i)
+            if label in labels:
+                raise RecipeError(f"{key}: label {label!r} is used twice; give each a label")
+            labels.add(label)
         for i, extra in enumerate(self.eval.extra_sources):
             _check_source(extra, f"eval.extra_sources[{i}]")
 
@@ -236,6 +254,11 @@ def _check_tokenizer(spec: str) -> None:
             f"data.tokenizer={spec!r} is not 'bytes', 'bpe', an existing tokenizer.json path or "
             "folder, or a hub repo id (org/name)"
         )
+
+
+def source_label(spec: SourceSpec, index: int) -> str:
+    """The name of a source in metrics and reports: its label, else its path or hub name."""
+    return spec.label or spec.path or spec.name or f"source{index}"
 
 
 def _check_source(spec: SourceSpec, key: str) -> None:

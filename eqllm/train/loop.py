@@ -25,8 +25,9 @@ import equinox as eqx
 import jax
 
 from eqllm import lora
+from eqllm.data import MixtureData
 from eqllm.errors import EqllmError
-from eqllm.eval.evaluate import eval_batch_size
+from eqllm.eval.evaluate import eval_batch_size, source_losses
 from eqllm.eval.metrics import evaluate_tokens, loss_report
 from eqllm.model import param_count
 from eqllm.progress import progress_bar
@@ -343,11 +344,16 @@ def _evaluate(setup: RunSetup, state: RunState, model, bar) -> None:
         max_batches=setup.recipe.eval.batches or None,
     )
     rep = loss_report(vloss, data.bytes_per_token("val"))
+    per_source = {}
+    if isinstance(data, MixtureData):  # each source's own validation loss
+        for label, loss, _, bpt in source_losses(model, data, setup.recipe):
+            per_source |= {f"val/{label}/{k}": v for k, v in loss_report(loss, bpt).items()}
     setup.log.log(
         {
             "step": state.step,
             "tokens": state.step * setup.tokens_per_step,
             **{f"val/{k}": v for k, v in rep.items()},
+            **per_source,
         }
     )
     bar.write(

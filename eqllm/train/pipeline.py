@@ -98,20 +98,32 @@ class Pipeline:
             )
 
     def hidden(
-        self, model: CausalLM, tokens: Int[Array, "batch seq"]
+        self,
+        model: CausalLM,
+        tokens: Int[Array, "batch seq"],
+        positions: Int[Array, "batch seq"] | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
     ) -> Float[Array, "batch seq d_model"]:
-        """The final-norm hidden states, as `CausalLM.hidden(tokens)` computes them."""
+        """The final-norm hidden states, as `CausalLM.hidden(tokens, positions, segment_ids)`
+        computes them; positions and segment ids travel through the stages with their rows."""
         cfg = model.config
         self.check(cfg, tokens.shape[0])
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+        in_order = positions is None
+        if in_order:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
         model = cast_floating(model, dtype_of(cfg.compute_dtype))  # as CausalLM.hidden does
         x = model.embed_inputs(tokens, positions)  # (batch, seq, d_model)
         rows, seq, width = x.shape
         m = self.microbatches
-        # Microbatch j takes rows j, j + m, j + 2m, ...: the row axis stays split over the
-        # batch's mesh axes with no data movement (contiguous microbatches would move rows).
-        micro = x.reshape(rows // m, m, seq, width).swapaxes(0, 1)  # (m, rows/m, seq, d_model)
-        micro = self._constrain(micro, None)
+
+        def split(a):
+            # Microbatch j takes rows j, j + m, j + 2m, ...: the row axis stays split over the
+            # batch's mesh axes with no data movement (contiguous microbatches would move rows).
+            if a is None:
+                return None
+            return self._constrain(a.reshape(rows // m, m, *a.shape[1:]).swapaxes(0, 1), None)
+
+        micro = (split(x), split(None if in_order else positions), split(segment_ids))
         out = self._run(model.blocks, micro, cfg)  # (m, rows/m, seq, d_model)
         x = out.swapaxes(0, 1).reshape(rows, seq, width)
         if self.mesh is not None and rows % (self.stages * self._batch_split()) == 0:
@@ -126,16 +138,23 @@ class Pipeline:
         model: CausalLM,
         batch: Int[Array, "batch window"],
         mask: Bool[Array, "batch window-1"] | None = None,
+        positions: Int[Array, "batch window-1"] | None = None,
+        segment_ids: Int[Array, "batch window-1"] | None = None,
     ) -> Float[Array, ""]:
-        """Mean next-token cross entropy over the (masked-in) targets (`eqllm.train.mean_loss`)."""
-        logits = model.logits(self.hidden(model, batch[:, :-1]))  # fp32
+        """Mean next-token cross entropy over the (masked-in) targets (`eqllm.train.mean_loss`);
+        `positions` and `segment_ids` as `hidden` takes them (of the inputs `batch[:, :-1]`)."""
+        hidden = self.hidden(model, batch[:, :-1], positions, segment_ids)
+        logits = model.logits(hidden)  # fp32
         nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:])
         if mask is None:
             return nll.mean()
         return jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.maximum(mask.sum(), 1)
 
-    def _run(self, blocks, micro: Float[Array, "m rows seq d_model"], config: ModelConfig):
-        """The GPipe schedule over the stacked `blocks`; returns each microbatch's output."""
+    def _run(self, blocks, micro: tuple, config: ModelConfig):
+        """The GPipe schedule over the stacked `blocks`; returns each microbatch's output.
+
+        `micro` is (activations (m, rows/m, seq, d_model), positions, segment ids), the last
+        two (m, rows/m, seq) or None; positions and segment ids move with their activations."""
         s = self.stages
         params, static = eqx.partition(blocks, eqx.is_array)
         # [layers, ...] -> [stages, layers_per_stage, ...]: stage i holds layers i*k .. i*k+k-1.
@@ -143,9 +162,11 @@ class Pipeline:
         flags = layer_flags(config)
         flags = None if flags is None else jnp.asarray(flags).reshape(s, -1)
 
-        def layer(h, xs):
+        def layer(carry, xs):
+            h, positions, segments = carry
             layer_params, local = xs
-            return eqx.combine(layer_params, static)(h, None, local), None
+            block = eqx.combine(layer_params, static)
+            return (block(h, positions, local, segments), positions, segments), None
 
         if config.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[config.remat])
@@ -156,14 +177,22 @@ class Pipeline:
 
         def tick(state, inp):
             # Stage 0 takes the next microbatch, stage i what stage i-1 produced last tick.
-            shifted = self._constrain(jnp.concatenate([inp[None], state[:-1]]), "pipeline")
-            out = self._constrain(jax.vmap(stage)(staged, flags, shifted), "pipeline")
-            return out, out[-1]
+            shifted = jax.tree.map(
+                lambda i, st: self._constrain(jnp.concatenate([i[None], st[:-1]]), "pipeline"),
+                inp,
+                state,
+            )
+            out = jax.vmap(stage)(staged, flags, shifted)
+            out = jax.tree.map(lambda a: self._constrain(a, "pipeline"), out)
+            return out, out[0][-1]
 
         # After the last microbatch stage 0 runs on zeros whose results are never read.
-        idle = jnp.zeros((s - 1, *micro.shape[1:]), micro.dtype)
-        state = self._constrain(jnp.zeros((s, *micro.shape[1:]), micro.dtype), "pipeline")
-        _, last = jax.lax.scan(tick, state, jnp.concatenate([micro, idle]))
+        idle = jax.tree.map(lambda a: jnp.zeros((s - 1, *a.shape[1:]), a.dtype), micro)
+        state = jax.tree.map(
+            lambda a: self._constrain(jnp.zeros((s, *a.shape[1:]), a.dtype), "pipeline"), micro
+        )
+        inputs = jax.tree.map(lambda a, i: jnp.concatenate([a, i]), micro, idle)
+        _, last = jax.lax.scan(tick, state, inputs)
         return last[s - 1 :]  # microbatch j leaves the last stage at tick j + s - 1
 
     def _batch_split(self) -> int:

@@ -43,6 +43,10 @@ def summarize(setup: RunSetup, meter: Throughput, *, step: int, traces: int, cac
         loader = None
     step_tokens_per_s = setup.tokens_per_step / step_s if step_s else 0.0
     mem, mem_kind = peak_memory()
+    # Instruction rows: the share of token slots that are padding, and the tokens/s of the
+    # examples themselves (what packing improves; `finetune.pack`).
+    padding = setup.data.meta.get("padding_fraction")
+    example_tokens_per_s = None if padding is None else step_tokens_per_s * (1 - padding)
     return {
         "variant": setup.recipe.model.variant,
         "params": setup.n_params,
@@ -65,6 +69,8 @@ def summarize(setup: RunSetup, meter: Throughput, *, step: int, traces: int, cac
         "peak_memory_kind": mem_kind,
         "device": jax.devices()[0].device_kind,
         "final_train_loss": train_rows[-1]["loss"] if train_rows else None,
+        "padding_fraction": padding,
+        "example_tokens_per_s": example_tokens_per_s,
     }
 
 
@@ -123,6 +129,11 @@ def format_summary(s: dict) -> list[str]:
         f"(loader {_fmt(s['loader_tokens_per_s'], ',.0f')} tokens/s); compile "
         f"{_fmt(s['compile_s'], '.1f')} s; wall {s['wall_s']:.0f} s"
     )
+    if s.get("padding_fraction") is not None:
+        lines.append(
+            f"padding: {s['padding_fraction']:.1%} of the rows' tokens; example tokens "
+            f"{_fmt(s['example_tokens_per_s'], ',.0f')}/s"
+        )
     return lines
 
 
@@ -221,6 +232,13 @@ def write_report(out_dir: Path, recipe: Recipe, s: dict) -> Path:
         f"| device | {s['device']} |",
         f"| wall time | {s['wall_s']:.1f} s |",
     ]
+    if s.get("padding_fraction") is not None:
+        lines.append(f"| padding | {s['padding_fraction']:.1%} of the rows' tokens |")
+        lines.append(f"| example tokens | {_fmt(s['example_tokens_per_s'], ',.0f')} tokens/s |")
+    for label, r in s.get("sources", {}).items():  # a mixture's sources, each on its own
+        lines.append(
+            f"| validation loss of {label} | {_fmt(r['loss'])} (bits/byte {_fmt(r['bpb'])}) |"
+        )
     for label, r in s.get("extra", {}).items():
         lines.append(f"| {label} bits/byte | {_fmt(r['bpb'])} |")
     lines += ["", "![loss](loss.png)", ""]

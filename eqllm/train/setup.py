@@ -19,7 +19,7 @@ import numpy as np
 
 from eqllm import lora
 from eqllm.config import ModelConfig
-from eqllm.data import TokenData, Tokenizer, batch_at, prepare
+from eqllm.data import MixtureData, TokenData, Tokenizer, prepare
 from eqllm.data.chat import read_chat_template
 from eqllm.data.instruct import InstructionData, prepare_instructions
 from eqllm.eval.evaluate import recipe_samples
@@ -37,6 +37,7 @@ from eqllm.sharding import (
 )
 from eqllm.train import guards
 from eqllm.train.checkpoint import Checkpointer, RunCheckpoints
+from eqllm.train.data_setup import document_masking, prepare_sources, token_batch
 from eqllm.train.metrics import MetricsLog
 from eqllm.train.mfu import cache_root, device_peak_flops, step_flops
 from eqllm.train.optim import make_optimizer, schedule
@@ -57,7 +58,9 @@ def setup_compile_cache(setting: str) -> Path | None:
     return path
 
 
-def prepare_data(recipe: Recipe, *, progress: bool = True) -> TokenData | InstructionData:
+def prepare_data(
+    recipe: Recipe, *, progress: bool = True
+) -> TokenData | MixtureData | InstructionData:
     """The run's tokens: data.source's text, or finetune.data's instruction examples
     (tokenized with the base model's tokenizer and chat template)."""
     d = recipe.data
@@ -70,7 +73,10 @@ def prepare_data(recipe: Recipe, *, progress: bool = True) -> TokenData | Instru
             template=template,
             val_fraction=d.val_fraction,
             seed=d.split_seed,
+            pack=recipe.finetune.pack,
         )
+    if d.sources:
+        return prepare_sources(recipe, progress=progress)
     return prepare(
         d.source.to_source(),
         d.tokenizer,
@@ -238,7 +244,7 @@ class RunSetup:
 
     out: Path
     recipe: Recipe
-    data: TokenData | InstructionData
+    data: TokenData | MixtureData | InstructionData
     config: ModelConfig
     model: CausalLM | None  # None once `take_state` handed it to the loop
     opt_state: object
@@ -275,15 +281,7 @@ class RunSetup:
             return self.data.batch_at(
                 step, seed=self.recipe.train.seed, batch_size=self.recipe.train.batch_size
             )
-        return batch_at(
-            self.data.train,
-            step=step,
-            seed=self.recipe.train.seed,
-            batch_size=self.recipe.train.batch_size,
-            seq_len=self.recipe.data.seq_len,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
-        )
+        return token_batch(self.data, self.recipe, step)
 
     def checkpoint_meta(self, step: int, skipped: int) -> dict:
         """What a checkpoint at `step` records besides the arrays: where the run stands."""
@@ -351,6 +349,7 @@ def start_run(
         batch_sharding=batch_sharding(mesh) if shardings is not None else None,
         dropout_seed=recipe.train.seed,
         pipeline=pipeline,
+        **document_masking(recipe, data),
     )
     checkpoints = RunCheckpoints(out / "checkpoints", keep=recipe.train.keep_checkpoints)
     meta: dict = {"step": 0}

@@ -20,6 +20,7 @@ import optax
 from jaxtyping import Array, Bool, Float, Int
 
 from eqllm.data import DataError
+from eqllm.data.segments import document_positions, document_segments
 from eqllm.errors import EqllmError
 from eqllm.eval.loss import check_token_range, masked_mean
 from eqllm.lora import trainable, with_dropout_keys
@@ -45,12 +46,16 @@ def training_loss(
     model: CausalLM,
     batch: Int[Array, "batch window"],
     mask: Bool[Array, "batch window-1"] | None = None,
+    positions: Int[Array, "batch window-1"] | None = None,
+    segment_ids: Int[Array, "batch window-1"] | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """What training minimises: the mean next-token cross entropy, plus, for a mixture of
     experts, `router_aux_loss_coef` times the load-balancing loss over all layers (as
     transformers adds it). Returns it with its parts: "ce" and, with experts, "aux_loss" and
-    "expert_load" (per layer, the fraction of token assignments each expert received)."""
-    logits, router_logits = model.routed(batch[:, :-1])  # (batch, seq, vocab), fp32
+    "expert_load" (per layer, the fraction of token assignments each expert received).
+    `positions` and `segment_ids` (of the inputs `batch[:, :-1]`) go to the model as they are."""
+    # (batch, seq, vocab), fp32
+    logits, router_logits = model.routed(batch[:, :-1], positions, segment_ids)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:])
     ce = masked_mean(nll, mask)
     if router_logits is None:
@@ -91,6 +96,8 @@ class TrainStep:
         batch_sharding=None,
         dropout_seed: int = 0,
         pipeline: Pipeline | None = None,
+        document_token: int | None = None,
+        reset_positions: bool = False,
     ):
         if grad_accum < 1:
             raise EqllmError(f"grad_accum={grad_accum} must be >= 1")
@@ -107,6 +114,10 @@ class TrainStep:
         self.dropout_seed = dropout_seed
         # Stages and microbatches of each (accumulation) micro-batch's forward and backward.
         self.pipeline = pipeline
+        # Document masking of token windows: segments from this end-of-text id (None: off,
+        # unless a batch brings its own segment ids), positions restarting per document.
+        self.document_token = document_token
+        self.reset_positions = reset_positions
         # The batch goes first so that "all-except-first" donates exactly model and opt_state.
         self._compiled = eqx.filter_jit(self._step, donate="all-except-first")
 
@@ -116,15 +127,24 @@ class TrainStep:
         opt_state,
         batch: Int[Array, "batch window"]
         | Int[np.ndarray, "batch window"]
-        | tuple[Int[np.ndarray, "batch window"], Bool[np.ndarray, "batch window-1"]],
+        | tuple[Int[np.ndarray, "batch window"], Bool[np.ndarray, "batch window-1"]]
+        | tuple[
+            Int[np.ndarray, "batch window"],
+            Bool[np.ndarray, "batch window-1"],
+            Int[np.ndarray, "batch window"],
+        ],
         mask: Bool[np.ndarray, "batch window-1"] | Bool[Array, "batch window-1"] | None = None,
+        segment_ids: Int[np.ndarray, "batch window"] | Int[Array, "batch window"] | None = None,
     ):
         """One step. A numpy `batch` (this process's rows) is checked on the host, with no device
         round trip, then placed by `batch_sharding`; a device array is checked on its device.
         `batch` may also be a (tokens, mask) pair, `mask` marking the targets `batch[:, 1:]` the
-        loss is taken on (instruction data: the responses); no mask trains on every target."""
+        loss is taken on (instruction data: the responses); no mask trains on every target.
+        A (tokens, mask, segment_ids) triple, or `segment_ids`, packs documents into rows:
+        one id per token, attention kept inside each (`eqllm.data.pack_examples`)."""
         if isinstance(batch, tuple):
-            batch, mask = batch
+            batch, mask, *rest = batch
+            segment_ids = rest[0] if rest else segment_ids
         if batch.shape[0] % self.grad_accum:
             raise DataError(
                 f"batch of {batch.shape[0]} sequences does not split into "
@@ -138,18 +158,29 @@ class TrainStep:
                 f"loss mask of shape {mask.shape} does not fit the batch {batch.shape}: it must "
                 "be (batch, window - 1), one entry per target"
             )
+        if segment_ids is not None and segment_ids.shape != batch.shape:
+            raise DataError(
+                f"segment ids of shape {segment_ids.shape} do not fit the batch {batch.shape}: "
+                "give one id per token"
+            )
         if isinstance(batch, np.ndarray):
             if self.batch_sharding is None:
-                batch = jnp.asarray(batch)
-                mask = None if mask is None else jnp.asarray(mask)
+                place = jnp.asarray
             else:
-                batch = jax.make_array_from_process_local_data(self.batch_sharding, batch)
-                if mask is not None:
-                    mask = jax.make_array_from_process_local_data(self.batch_sharding, mask)
-        return self._compiled((batch, mask), model, opt_state)
+                place = lambda a: jax.make_array_from_process_local_data(  # noqa: E731
+                    self.batch_sharding, a
+                )
+            batch = place(batch)
+            mask = None if mask is None else place(mask)
+            segment_ids = None if segment_ids is None else place(segment_ids)
+        return self._compiled((batch, mask, segment_ids), model, opt_state)
 
     def lower(
-        self, model: CausalLM, opt_state, batch: Int[Array, "batch window"] | jax.ShapeDtypeStruct
+        self,
+        model: CausalLM,
+        opt_state,
+        batch: Int[Array, "batch window"] | jax.ShapeDtypeStruct,
+        segment_ids: Int[Array, "batch window"] | None = None,
     ):
         """The step lowered ahead of time (`.compile()` it; call the result like the step).
 
@@ -159,7 +190,7 @@ class TrainStep:
         `jax.stages.Lowered` (`.compile().memory_analysis()`).
         """
         if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(model)):
-            return self._compiled.lower((batch, None), model, opt_state)
+            return self._compiled.lower((batch, None, segment_ids), model, opt_state)
         # Shapes only (jax.ShapeDtypeStruct leaves, with their shardings): a model too large to
         # allocate here is still compiled and measured. filter_jit would make them static.
         abstract, static = eqx.partition(
@@ -167,13 +198,15 @@ class TrainStep:
         )
 
         def step(batch, arrays):
-            return self._step((batch, None), *eqx.combine(arrays, static))
+            return self._step((batch, None, None), *eqx.combine(arrays, static))
 
         return jax.jit(step, donate_argnums=1).lower(batch, abstract)
 
     def _step(self, batch_and_mask, model, opt_state):
         self.n_traces += 1
-        batch, mask = batch_and_mask
+        batch, mask, segment_ids = batch_and_mask
+        if segment_ids is None and self.document_token is not None:
+            segment_ids = document_segments(batch, self.document_token)
         # With LoRA adapters only they are differentiated and updated: the base weights stay in
         # `static` (traced inputs, no gradient, no optimizer state).
         spec = trainable(model)
@@ -189,12 +222,17 @@ class TrainStep:
             fsdp = fsdp_gather(next(s.mesh for s in jax.tree.leaves(self.param_shardings)))
 
         def loss_of(p, micro):
-            tokens, micro_mask = micro
+            tokens, micro_mask, segments = micro
+            positions = None
+            if segments is not None:
+                segments = segments[:, :-1]  # those of the inputs
+                positions = document_positions(segments) if self.reset_positions else None
             m = eqx.combine(p, static)
             if self.pipeline is not None:  # refuses a mixture of experts (Pipeline.check)
-                ce = self.pipeline.loss(m, tokens, micro_mask)
+                ce = self.pipeline.loss(m, tokens, micro_mask, positions, segments)
                 return ce, {"ce": ce}
-            return training_loss(m if fsdp is None else fsdp.outside_layers(m), tokens, micro_mask)
+            m = m if fsdp is None else fsdp.outside_layers(m)
+            return training_loss(m, tokens, micro_mask, positions, segments)
 
         def grad_fn(p, micro):
             # FSDP: each layer's weights are gathered inside the layer loop, and the gradients
@@ -206,12 +244,12 @@ class TrainStep:
             return (loss, parts), grads
 
         if self.grad_accum == 1:
-            (loss, parts), grads = grad_fn(params, (batch, mask))
+            (loss, parts), grads = grad_fn(params, (batch, mask, segment_ids))
         else:
             # Each micro-batch's loss is its own masked mean; with a mask, micro-batches of
             # different response lengths are weighted equally (as transformers' Trainer does).
             micro = jax.tree.map(
-                lambda x: x.reshape(self.grad_accum, -1, x.shape[-1]), (batch, mask)
+                lambda x: x.reshape(self.grad_accum, -1, x.shape[-1]), (batch, mask, segment_ids)
             )
 
             def accumulate(carry, mb):

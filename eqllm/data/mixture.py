@@ -1,0 +1,154 @@
+"""Weighted mixtures of corpora: each source tokenized once into its own cache, every batch a pure
+function of (seed, step).
+
+Row r of step s's global batch comes from the source that the point
+``u = frac(seed * sqrt(2) + (s * batch_size + r + 1) * (sqrt(5) - 1) / 2)`` falls into when [0, 1)
+is cut into intervals as long as the normalised weights (a Weyl sequence, the golden-ratio
+low-discrepancy sequence). Its points spread evenly over [0, 1), so over any run of n rows each
+source's realised share is within about log(n) / n of its weight (`share_tolerance`), with no
+random drift and nothing to save for an exact resume. The window of each row is then drawn from
+its source as `batch_at` draws one, from ``default_rng([seed, step, source])``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from .batches import _check_length, _check_shard
+from .errors import DataError
+from .sources import DataSource
+from .tokenizer import Tokenizer
+from .tokens import Split, TokenData, prepare
+
+_GOLDEN = (math.sqrt(5) - 1) / 2
+
+
+def share_tolerance(rows: int) -> float:
+    """A bound on |realised share - weight| for any source over `rows` consecutive rows
+    (the Weyl sequence's discrepancy, at most (1 + ln rows) / rows up to a small constant; the
+    test checks it)."""
+    return 3 * (1 + math.log(max(rows, 1))) / max(rows, 1)
+
+
+def row_sources(weights: np.ndarray, *, seed: int, step: int, batch_size: int) -> np.ndarray:
+    """The source index of every row of step `step`'s global batch."""
+    bounds = np.cumsum(weights / weights.sum())
+    index = step * batch_size + np.arange(batch_size, dtype=np.float64) + 1
+    u = np.mod(seed * math.sqrt(2) + index * _GOLDEN, 1.0)
+    return np.minimum(np.searchsorted(bounds, u, side="right"), len(weights) - 1)
+
+
+@dataclasses.dataclass
+class MixtureData:
+    """Several prepared corpora with one tokenizer, sampled by weight (see module docstring).
+
+    Attributes:
+        sources: each source's `TokenData` (its own cache folder).
+        labels: each source's name in metrics and reports.
+        weights: each source's weight (positive; normalised when sampling).
+    """
+
+    sources: list[TokenData]
+    labels: list[str]
+    weights: np.ndarray
+
+    def __post_init__(self):
+        if not self.sources:
+            raise DataError("a mixture needs at least one source in data.sources")
+        ids = {(d.tokenizer.to_str(), d.tokenizer.eot_id) for d in self.sources}
+        if len(ids) != 1:
+            raise DataError("the sources of a mixture must share one tokenizer")
+        self.weights = np.asarray(self.weights, np.float64)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.sources[0].tokenizer
+
+    @property
+    def meta(self) -> dict:
+        """Token, byte and document counts summed over the sources, and each source's."""
+        keys = [f"{s}_{c}" for s in ("train", "val") for c in ("tokens", "bytes", "docs")]
+        total = {k: sum(int(d.meta[k]) for d in self.sources) for k in keys}
+        total["sources"] = {
+            label: {"weight": float(w), "path": str(d.path), **{k: d.meta[k] for k in keys}}
+            for label, w, d in zip(self.labels, self.weights, self.sources, strict=True)
+        }
+        return total
+
+    @property
+    def train(self) -> np.ndarray:
+        """Every source's training tokens laid end to end (read into memory: for statistics
+        such as the unigram baseline on small corpora)."""
+        return np.concatenate([np.asarray(d.train) for d in self.sources])
+
+    @property
+    def val(self) -> np.ndarray:
+        """Every source's validation tokens laid end to end."""
+        return np.concatenate([np.asarray(d.val) for d in self.sources])
+
+    def bytes_per_token(self, split: Split = "train") -> float:
+        meta = self.meta
+        if meta[f"{split}_tokens"] == 0:
+            raise DataError(f"the {split} split of the mixture is empty; it has no bytes/token")
+        return meta[f"{split}_bytes"] / meta[f"{split}_tokens"]
+
+    def batch_at(
+        self,
+        *,
+        step: int,
+        seed: int,
+        batch_size: int,
+        seq_len: int,
+        process_index: int = 0,
+        process_count: int = 1,
+    ) -> np.ndarray:
+        """This process's rows of step `step`'s global batch, as `eqllm.data.batch_at`."""
+        rows = _check_shard(batch_size, process_index, process_count)
+        if step < 0 or seed < 0:
+            raise DataError(f"step={step} and seed={seed} must be non-negative ints.")
+        which = row_sources(self.weights, seed=seed, step=step, batch_size=batch_size)
+        out = np.empty((batch_size, seq_len + 1), np.int32)
+        for i, data in enumerate(self.sources):
+            picked = np.flatnonzero(which == i)
+            if not len(picked):
+                continue
+            _check_length(data.train, seq_len, f"training ({self.labels[i]})")
+            rng = np.random.default_rng([seed, step, i])
+            starts = rng.integers(0, data.train.shape[0] - seq_len, size=len(picked))
+            out[picked] = data.train[starts[:, None] + np.arange(seq_len + 1)]
+        return out[rows]
+
+
+def prepare_mixture(
+    sources: list[tuple[str, DataSource, float]],
+    tokenizer: str | Tokenizer,
+    *,
+    seq_len: int,
+    **prepare_args,
+) -> MixtureData:
+    """Tokenize each (label, source, weight) into its own cache (`eqllm.data.prepare`, with
+    `prepare_args`) and return the mixture. A "bpe" tokenizer is trained on the first source
+    and used for the others. Errors name the source: `data.sources[i] ('label')`."""
+    prepared: list[TokenData] = []
+    for i, (label, source, weight) in enumerate(sources):
+        where = f"data.sources[{i}] ({label!r})"
+        if not weight > 0:
+            raise DataError(f"{where}: weight={weight} must be > 0 (its share of the rows)")
+        tok = prepared[0].tokenizer if prepared else tokenizer
+        try:
+            if next(iter(source.documents()), None) is None:
+                raise DataError(f"{source.describe()} yields no documents; fix or remove it")
+            data = prepare(source, tok, **prepare_args)
+        except DataError as e:
+            raise DataError(f"{where}: {e}") from None
+        if data.train.shape[0] < seq_len + 1:
+            raise DataError(
+                f"{where}: {data.train.shape[0]} training tokens, fewer than data.seq_len + 1 = "
+                f"{seq_len + 1}; give the source more text or leave it out"
+            )
+        prepared.append(data)
+    labels = [label for label, _, _ in sources]
+    return MixtureData(prepared, labels, np.array([w for _, _, w in sources], np.float64))
