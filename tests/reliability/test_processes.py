@@ -253,7 +253,8 @@ def test_a_damaged_checkpoint_on_a_two_process_resume_is_moved_aside_once(runs, 
     root = runs[0]
     newest = checkpoints(root / "stopped")[-1]
     out, expected, results = resume(runs, tmp_path, 2, 4, damage=tamper_newest)
-    warnings = [line for _, o, e in results for line in (o + e).splitlines() if "damaged" in line]
+    lines = [line for _, o, e in results for line in (o + e).splitlines()]
+    warnings = [line for line in lines if "is damaged" in line]
     assert len(warnings) == 1
     assert f"checkpoint {out / 'checkpoints' / newest} is damaged" in warnings[0]
     assert not warnings[0].startswith("[process")  # said by process 0
