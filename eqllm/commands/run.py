@@ -55,9 +55,14 @@ def run_command(args: argparse.Namespace) -> int:
         status = 2
     except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint, the others left waiting
         status = 130
-    except Exception:
+    except Exception as e:
         traceback.print_exc()
         status = 1
+        if isinstance(e, getattr(jax.errors, "JaxRuntimeError", RuntimeError)):
+            # A collective failed, as it does at once when a peer's connection closes: most
+            # likely a process was lost. The watchdog names it (and ends this process) once its
+            # heartbeat has been silent for --lost-after seconds.
+            watchdog.wait(args.lost_after + watchdog.grace)
     watchdog.close(failed=failed)
     if not failed:
         return status

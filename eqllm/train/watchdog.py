@@ -79,6 +79,11 @@ class Watchdog:
             self._thread.start()
         return self
 
+    def wait(self, seconds: float) -> None:
+        """Give the watchdog `seconds` to find a lost process (it then ends this one)."""
+        if self._thread.is_alive():
+            self._thread.join(seconds)
+
     def close(self, *, failed: bool = False) -> None:
         """Stop watching and mark this process done (or failed: the others then stop too)."""
         if self.count == 1 or not self._thread.is_alive():

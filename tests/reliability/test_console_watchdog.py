@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from eqllm.commands import run as run_command
+from eqllm.errors import EqllmError
 from eqllm.train import console, watchdog
 from eqllm.train.processes import agree_on_stop, gather
 
@@ -143,3 +145,28 @@ def test_no_checkpoint_yet_is_said(tmp_path, capsys, lines):
     dog, exits = make_dog(tmp_path, lost_after=0.1)
     dog._fire(FakeClient(), 1, "gone")
     assert exits == [1] and "no checkpoint was completed yet" in capsys.readouterr().err
+
+
+SLURM = {
+    "SLURM_JOB_ID": "17",
+    "SLURM_STEP_NODELIST": "node[1-2]",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+}
+
+
+@pytest.mark.parametrize("tasks, found", [("2", "SlurmCluster"), ("1", None)])
+def test_srun_of_several_tasks_is_detected_without_flags(monkeypatch, tasks, found):
+    for key, value in {**SLURM, "SLURM_NTASKS": tasks}.items():
+        monkeypatch.setenv(key, value)
+    assert run_command.cluster_detected() == found
+
+
+def test_no_cluster_here_and_bad_flags_are_refused(monkeypatch):
+    for key in ("SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST"):
+        monkeypatch.delenv(key, raising=False)
+    assert run_command.cluster_detected() is None
+    with pytest.raises(EqllmError, match="go together"):
+        run_command.join_processes("localhost:1", None, None)
+    with pytest.raises(EqllmError, match="--lost-after=0"):
+        run_command.join_processes(None, None, None, lost_after=0.0)
