@@ -33,6 +33,9 @@ RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
 DType = Literal["float32", "bfloat16", "float16"]
 AttentionKind = Literal["auto", "xla", "cudnn"]
 MoEImpl = Literal["dense", "ragged"]
+# How initialisation, learning rates and a few forward multipliers follow width and depth
+# (eqllm.parametrization): standard, muP (Tensor Programs V) or CompleteP (Dey et al. 2025).
+Parametrization = Literal["sp", "mup", "completep"]
 
 Positive = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -93,6 +96,11 @@ class ModelConfig:
     units of the MLP), `max_seq_len` (context length), `head_dim` (None at construction means
     d_model // n_heads; filled in, so never None afterwards).
 
+    Parametrization (`eqllm.parametrization`, docs/scaling-laws.md): `parametrization` "sp",
+    "mup" or "completep"; `base_d_model` and `base_n_layers` (None: this model's own) are the
+    width and depth at which muP / CompleteP equal SP exactly; `output_mult` multiplies the
+    muP readout.
+
     Architecture switches: `family` (a name of the families registry), `norm` (+ `norm_eps`,
     `norm_plus_one` for Gemma's (1 + w) scale), `mlp`, `position` (+ `rope_theta` and the Llama 3
     `rope_scaling`), biases, `tie_embeddings`, `sliding_window` (None: full causal attention),
@@ -134,6 +142,10 @@ class ModelConfig:
     max_seq_len: Positive
     n_kv_heads: Positive | None = None
     head_dim: Positive | None = None
+    parametrization: Parametrization = "sp"
+    base_d_model: Positive | None = None
+    base_n_layers: Positive | None = None
+    output_mult: PositiveFloat = 1.0
     family: Annotated[Family, Field(min_length=1)] = "llama"
     norm: NormKind = "rmsnorm"
     norm_eps: PositiveFloat = 1e-5
@@ -262,6 +274,13 @@ class ModelConfig:
                 f"must be <= n_experts={self.n_experts}",
             )
             _require(self.mlp == "swiglu", "mlp", self.mlp, "must be 'swiglu' with n_experts")
+        _require(
+            self.parametrization == "sp" or self.n_experts is None,
+            "parametrization",
+            self.parametrization,
+            "is only defined for dense models here (a router's width scaling is not); use 'sp' "
+            "with n_experts",
+        )
         _require(
             self.shared_expert_d_ff is None or self.n_experts is not None,
             "shared_expert_d_ff",

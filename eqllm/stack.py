@@ -30,6 +30,7 @@ from eqllm.nn import (
     RMSNorm,
     RotaryEmbedding,
 )
+from eqllm.parametrization import scales
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -106,6 +107,10 @@ def make_block(config: ModelConfig, key: PRNGKeyArray) -> Block:
             rotary_dim=None if config.rope_fraction == 1 else config.rotary_dim,
         )
     scalar = config.query_pre_attn_scalar
+    s = scales(config)
+    scale = None if scalar is None else scalar**-0.5
+    if s.attention != 1.0:  # muP: scores ~ 1 / head_dim when head_dim grows with width
+        scale = (config.head_dim**-0.5 if scale is None else scale) * s.attention
     attn = Attention(
         config.d_model,
         config.n_heads,
@@ -119,7 +124,7 @@ def make_block(config: ModelConfig, key: PRNGKeyArray) -> Block:
         rope=rope,
         sliding_window=config.sliding_window,
         norm_eps=config.norm_eps,
-        scale=None if scalar is None else scalar**-0.5,
+        scale=scale,
         softcap=config.attn_softcap,
         kernel=attention_kernel(config),
         key=k_attn,
@@ -154,7 +159,7 @@ def make_block(config: ModelConfig, key: PRNGKeyArray) -> Block:
         return make_norm(config, dtype) if wanted else None
 
     pre, post = config.pre_norms, config.post_norms
-    return Block(norm(pre), attn, norm(pre), mlp, norm(post), norm(post))
+    return Block(norm(pre), attn, norm(pre), mlp, norm(post), norm(post), s.branch)
 
 
 def run_blocks(
