@@ -13,8 +13,8 @@ import pytest
 
 import eqllm
 from eqllm.config import ConfigError
+from eqllm.errors import EqllmError
 from eqllm.nn import param_info
-from eqllm.nn.linear import is_param_info
 from eqllm.parametrization import Multipliers, role_multipliers, scales
 from eqllm.recipe import OptimSpec
 from eqllm.train.optim import make_optimizer, parameter_groups, schedule
@@ -137,3 +137,46 @@ def test_wider_mup_model_changes_what_it_should():
 def test_parametrization_is_refused_for_experts():
     with pytest.raises(ConfigError, match="parametrization"):
         eqllm.zoo.config("mixtral-nano", parametrization="mup")
+
+
+def test_export_folds_the_multipliers(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = BASE.replace(
+        d_model=64,
+        d_ff=128,
+        n_layers=4,
+        tie_embeddings=False,
+        parametrization="completep",
+        base_d_model=32,
+        base_n_layers=2,
+        output_mult=2.0,
+    )
+    s = scales(cfg)
+    assert (s.readout, s.branch, s.attention) != (1.0, 1.0, 1.0)
+    model = eqllm.CausalLM(cfg, key=jax.random.key(3))
+    eqllm.hub.save_pretrained(model, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    tokens = np.random.default_rng(0).integers(0, 97, 24)
+    with torch.no_grad():
+        theirs = hf(torch.tensor(tokens[None])).logits[0].numpy()
+    ours = np.asarray(model(jnp.asarray(tokens)))
+    np.testing.assert_allclose(theirs, ours, atol=1e-5, rtol=0)
+    # And SP's logits differ: the multipliers matter.
+    assert not np.allclose(
+        np.asarray(
+            eqllm.CausalLM(cfg.replace(parametrization="sp"), key=jax.random.key(3))(
+                jnp.asarray(tokens)
+            )
+        ),
+        ours,
+        atol=1e-3,
+    )
+
+
+def test_export_refuses_a_tied_head_with_an_output_multiplier(tmp_path):
+    cfg = BASE.replace(
+        d_model=64, d_ff=128, tie_embeddings=True, parametrization="mup", base_d_model=32
+    )
+    with pytest.raises(EqllmError, match="untie"):
+        eqllm.hub.save_pretrained(eqllm.CausalLM(cfg, key=jax.random.key(0)), tmp_path)

@@ -127,6 +127,7 @@ def result_row(recipe: Recipe, point: Point, folder: Path, *, diverged: bool, se
         "lr": recipe.optim.lr,
         "d_model": cfg.d_model,
         "n_layers": cfg.n_layers,
+        "parametrization": cfg.parametrization,
         "params": params,
         "non_embedding_params": non_embedding,
         "steps": steps,

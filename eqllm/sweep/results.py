@@ -87,28 +87,26 @@ def plot_results(rows: list[dict], out: Path) -> list[Path]:
 
     finite = [r for r in rows if r["loss"] is not None]
     top = max((r["loss"] for r in finite), default=1.0)
-    by_width = defaultdict(list)
-    for r in rows:
-        by_width[r["d_model"]].append(r)
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    colors = plt.cm.viridis([i / max(1, len(by_width) - 1) * 0.9 for i in range(len(by_width))])
-    for color, (width, group) in zip(colors, sorted(by_width.items()), strict=True):
-        ok = sorted((r for r in group if r["loss"] is not None), key=lambda r: r["lr"])
-        ax.plot(
-            [math.log2(r["lr"]) for r in ok],
-            [r["loss"] for r in ok],
-            "o-",
-            color=color,
-            label=f"d_model {width}",
+    kinds = sorted({r.get("parametrization", "sp") for r in rows})
+    fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.2), squeeze=False)
+    for kind, ax in zip(kinds, axes[0], strict=True):
+        by_width = defaultdict(list)
+        for r in rows:
+            if r.get("parametrization", "sp") == kind:
+                by_width[r["d_model"]].append(r)
+        colors = plt.cm.viridis([i / max(1, len(by_width) - 1) * 0.9 for i in range(len(by_width))])
+        for color, (width, group) in zip(colors, sorted(by_width.items()), strict=True):
+            ok = sorted((r for r in group if r["loss"] is not None), key=lambda r: r["lr"])
+            x = [math.log2(r["lr"]) for r in ok]
+            ax.plot(x, [r["loss"] for r in ok], "o-", color=color, label=f"d_model {width}")
+            bad = [math.log2(r["lr"]) for r in group if r["loss"] is None]
+            ax.scatter(bad, [top] * len(bad), marker="x", color=color)
+        ax.set(
+            xlabel="log2 learning rate",
+            ylabel="final validation loss",
+            title=f"{kind}: loss against learning rate per width (x: diverged)",
         )
-        bad = [math.log2(r["lr"]) for r in group if r["loss"] is None]
-        ax.scatter(bad, [top] * len(bad), marker="x", color=color)
-    ax.set(
-        xlabel="log2 learning rate",
-        ylabel="final validation loss",
-        title="loss against learning rate per width (x: diverged)",
-    )
-    ax.legend(fontsize=8)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     lr_path = out / "lr_transfer.png"
     fig.savefig(lr_path, dpi=110)
