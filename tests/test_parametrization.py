@@ -127,7 +127,10 @@ def test_base_size_equals_sp_bit_for_bit(changes):
 def test_wider_mup_model_changes_what_it_should():
     cfg = BASE.replace(d_model=64, d_ff=128, parametrization="mup", base_d_model=32)
     model = eqllm.CausalLM(cfg, key=jax.random.key(0))
-    sp = eqx.tree_at(lambda m: m.config, model, cfg.replace(parametrization="sp"))
+    skeleton = eqx.filter_eval_shape(
+        eqllm.CausalLM, cfg.replace(parametrization="sp"), key=jax.random.key(0)
+    )
+    sp = jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(model))
     tokens = jnp.arange(10) % 97
     # Same weights: the readout multiplier halves the logits (no attention in one token).
     one = tokens[:1]
@@ -180,3 +183,21 @@ def test_export_refuses_a_tied_head_with_an_output_multiplier(tmp_path):
     )
     with pytest.raises(EqllmError, match="untie"):
         eqllm.hub.save_pretrained(eqllm.CausalLM(cfg, key=jax.random.key(0)), tmp_path)
+
+
+def test_a_recipe_names_its_parametrization():
+    from eqllm.recipe import Recipe
+
+    recipe = Recipe.from_dict(
+        {
+            "model": {
+                "variant": "llama-nano",
+                "parametrization": "mup",
+                "overrides": {"d_model": 256, "base_d_model": 128},
+            },
+            "train": {"steps": 1},
+        }
+    )
+    cfg = recipe.model_config()
+    assert (cfg.parametrization, cfg.base_d_model) == ("mup", 128)
+    assert scales(cfg).width == 2.0

@@ -2,7 +2,7 @@
 
 ```toml
 recipe = "quickstart"              # a shipped recipe name or a path (relative to this file)
-diverge_factor = 1.0               # a point diverges when its loss exceeds this x its first loss
+diverge_factor = 1.1               # a point diverges when its loss exceeds this x its first loss
 [set]                              # overrides every point gets
 "train.steps" = 200
 [grid]                             # every combination, the first key varying slowest
@@ -31,6 +31,10 @@ from eqllm.recipe import Recipe, load_recipe, recipe_path
 from eqllm.recipe.spec import RUN_LENGTH, clear_run_length, set_path
 
 KEYS = ("recipe", "set", "grid", "points", "diverge_factor")
+# A point diverges when a training loss exceeds this x its first step's loss. Not 1.0: at the
+# start of a warmup the loss wanders around its initial value by batch noise (a demo sweep of
+# the quickstart recipe stopped every point at step 2 with 1.0).
+DIVERGE_FACTOR = 1.1
 
 
 class SweepError(EqllmError):
@@ -57,7 +61,7 @@ class Sweep:
     recipe: str  # the base recipe: a shipped name or a path
     fixed: dict[str, Any]
     points: tuple[Point, ...]
-    diverge_factor: float = 1.0
+    diverge_factor: float = 1.1
 
     @property
     def name(self) -> str:
@@ -130,7 +134,7 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
     settings = combos + [flatten(p) for p in listed]
     if not settings:
         raise SweepError(f"{path.name}: no points; give a [grid] table or [[points]] tables")
-    factor = values.get("diverge_factor", 1.0)
+    factor = values.get("diverge_factor", DIVERGE_FACTOR)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
         raise SweepError(f"{path.name}: diverge_factor={factor!r} must be a number >= 1")
     if not math.isfinite(factor):
