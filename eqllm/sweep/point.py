@@ -46,10 +46,12 @@ class Divergence:
         self.state = read_json(self.path) or {"initial_loss": None, "seconds": 0.0}
         self.factor = factor
         self.diverged = False
+        self.step = 0  # the last step watched
         self.started = time.perf_counter()
         self.saved = self.started
 
     def __call__(self, step: int, loss: float) -> bool:
+        self.step = step
         if self.state["initial_loss"] is None:
             self.state["initial_loss"] = loss if math.isfinite(loss) else None
             self.save()
@@ -98,7 +100,9 @@ def run_point(sweep: Sweep, point: Point, out: Path, *, progress: bool = False, 
     watch.save()
     if result is not None and result.interrupted in ("SIGINT", "SIGTERM"):
         return None, result.interrupted
-    row = result_row(recipe, point, folder, diverged=watch.diverged, seconds=watch.seconds())
+    row = result_row(
+        recipe, point, folder, diverged=watch.diverged, seconds=watch.seconds(), step=watch.step
+    )
     write_json(folder / "result.json", row)
     status = "diverged" if row["diverged"] else f"loss {row['loss']:.4f}"
     echo(f"point {point.name}: {status} ({row['seconds']:.0f} s)")
@@ -109,8 +113,11 @@ def _quiet(message: str) -> None:
     pass
 
 
-def result_row(recipe: Recipe, point: Point, folder: Path, *, diverged: bool, seconds: float):
-    """The point's line of results.jsonl (from its run folder's metrics and summary)."""
+def result_row(
+    recipe: Recipe, point: Point, folder: Path, *, diverged: bool, seconds: float, step: int = 0
+):
+    """The point's line of results.jsonl (from its run folder's metrics and summary; `step`:
+    the last step this process watched, where a diverged point stopped)."""
     cfg = _config(recipe, folder)
     rows = read_rows(folder / "metrics.jsonl")
     val = [r["val/loss"] for r in rows if "val/loss" in r and math.isfinite(r["val/loss"])]
@@ -118,7 +125,7 @@ def result_row(recipe: Recipe, point: Point, folder: Path, *, diverged: bool, se
     loss = summary.get("val", {}).get("loss") if not diverged else None
     if loss is not None and not math.isfinite(loss):
         loss, diverged = None, True
-    steps = max((r["step"] for r in rows if "step" in r), default=0)
+    steps = max([step, *(r["step"] for r in rows if "step" in r)])
     tokens = steps * recipe.tokens_per_step()
     params, non_embedding = count_params(cfg)
     return {
