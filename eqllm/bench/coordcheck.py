@@ -75,9 +75,10 @@ def sized_config(
     return cfg.replace(**changes)
 
 
-def activations(model: CausalLM, tokens) -> dict[str, jax.Array]:
-    """Mean |x| of the embedding output, each layer's attention and MLP output (before the
-    residual add and any branch multiplier), the final residual stream and the logits.
+def activations(model: CausalLM, tokens) -> tuple[dict[str, jax.Array], jax.Array]:
+    """(mean |x| by name, logits): mean |x| of the embedding output, the first and the last
+    layer's attention and MLP outputs (before the residual add and any branch multiplier), the
+    final residual stream and the logits.
 
     Walks the layers as `Block.routed` does; the logits equal `model(tokens)`'s."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
