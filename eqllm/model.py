@@ -30,6 +30,7 @@ from eqllm.nn import (
     param_info,
 )
 from eqllm.nn.linear import is_param_info
+from eqllm.parametrization import role_multipliers, scales
 from eqllm.stack import REMAT_POLICIES as REMAT_POLICIES  # re-exported: the remat names
 from eqllm.stack import dtype_of, layer_flags, make_block, make_norm, run_blocks
 
@@ -157,6 +158,9 @@ class CausalLM(eqx.Module):
             logits = self.embed.attend(hidden, preferred_element_type=jnp.float32)
         else:
             logits = self.lm_head(hidden, preferred_element_type=jnp.float32)
+        readout = scales(self.config).readout  # muP's output_mult / width ratio; SP: 1
+        if readout != 1.0:
+            logits = logits * readout
         cap = self.config.final_softcap
         return logits if cap is None else jnp.tanh(logits / cap) * cap
 
@@ -330,8 +334,13 @@ def init_weights(tree, config: ModelConfig, key: PRNGKeyArray):
       of the 2L residual branches adds variance, this keeps the stream's variance O(1) in depth;
     - biases 0; every other array (norm scales: 1, or 0 in Gemma's (1 + w) form) keeps the
       value its layer gave it, which starts the layer as the identity.
+
+    Under muP / CompleteP (`eqllm.parametrization`) hidden matrices' std is divided by
+    sqrt(width ratio), and CompleteP's residual role uses base_n_layers instead of n_layers.
     """
-    std = {"normal": config.init_std, "residual": config.init_std / math.sqrt(2 * config.n_layers)}
+    s = scales(config)
+    layers = s.residual_init_layers
+    std = {"normal": config.init_std, "residual": config.init_std / math.sqrt(2 * layers)}
     infos, treedef = jax.tree.flatten(param_info(tree), is_leaf=is_param_info)
     arrays = treedef.flatten_up_to(tree)
     keys = jax.random.split(key, len(arrays))
@@ -341,7 +350,8 @@ def init_weights(tree, config: ModelConfig, key: PRNGKeyArray):
             return jnp.zeros_like(x)
         if info.init is None:
             return x
-        return (std[info.init] * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
+        sigma = std[info.init] * role_multipliers(s, info.role).init
+        return (sigma * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
 
     return jax.tree.unflatten(treedef, list(map(draw, keys, arrays, infos)))
 

@@ -30,6 +30,7 @@ from eqllm.nn import (
     RMSNorm,
     RotaryEmbedding,
 )
+from eqllm.parametrization import scales
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -117,6 +118,10 @@ def make_block(config: ModelConfig, key: PRNGKeyArray) -> Block:
     k_attn, k_mlp = jax.random.split(key)
     a, norms = config.attention, config.norms
     scalar = a.query_pre_attn_scalar
+    s = scales(config)
+    scale = None if scalar is None else scalar**-0.5
+    if s.attention != 1.0:  # muP: scores ~ 1 / head_dim when head_dim grows with width
+        scale = (config.head_dim**-0.5 if scale is None else scale) * s.attention
     attn = Attention(
         config.d_model,
         a.n_heads,
@@ -130,7 +135,7 @@ def make_block(config: ModelConfig, key: PRNGKeyArray) -> Block:
         rope=make_rope(config),
         sliding_window=a.sliding_window,
         norm_eps=norms.eps,
-        scale=None if scalar is None else scalar**-0.5,
+        scale=scale,
         softcap=a.softcap,
         kernel=attention_kernel(config),
         key=k_attn,
@@ -164,7 +169,8 @@ def make_block(config: ModelConfig, key: PRNGKeyArray) -> Block:
     def norm(wanted: bool):
         return make_norm(config, dtype) if wanted else None
 
-    return Block(norm(norms.pre), attn, norm(norms.pre), mlp, norm(norms.post), norm(norms.post))
+    pre, post = norms.pre, norms.post
+    return Block(norm(pre), attn, norm(pre), mlp, norm(post), norm(post), s.branch)
 
 
 def run_blocks(

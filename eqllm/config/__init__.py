@@ -68,6 +68,9 @@ Family = str
 # recipe's train.remat reuses this type.
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
 DType = Literal["float32", "bfloat16", "float16"]
+# How initialisation, learning rates and a few forward multipliers follow width and depth
+# (eqllm.parametrization): standard, muP (Tensor Programs V) or CompleteP (Dey et al. 2025).
+Parametrization = Literal["sp", "mup", "completep"]
 
 
 @typing.no_type_check  # pydantic checks the fields (the test suite's beartype hook need not)
@@ -93,6 +96,11 @@ class ModelConfig:
     on shallow models, compile time growing with depth), `remat` (jax.checkpoint policy for each
     block; a remat policy always runs the layers with lax.scan, because unrolled XLA schedules
     the recomputation early and the memory saving disappears), `init_std`.
+
+    Parametrization (`eqllm.parametrization`, docs/scaling-laws.md): `parametrization` "sp",
+    "mup" or "completep"; `base_d_model` and `base_n_layers` (None: this model's own) are the
+    width and depth at which muP / CompleteP equal SP exactly; `output_mult` multiplies the
+    muP readout.
     """
 
     PATH: ClassVar[str] = "ModelConfig"
@@ -115,6 +123,10 @@ class ModelConfig:
     scan_layers: bool = True
     remat: RematPolicy = "none"
     init_std: PositiveFloat = 0.02
+    parametrization: Parametrization = "sp"
+    base_d_model: Positive | None = None
+    base_n_layers: Positive | None = None
+    output_mult: PositiveFloat = 1.0
 
     @staticmethod
     def _prepare(values: dict[str, Any]) -> dict[str, Any]:
@@ -157,6 +169,13 @@ class ModelConfig:
             "ModelConfig.positions.local_theta",
             pos.local_theta,
             "needs attention.global_every (it is the base of the windowed layers)",
+        )
+        require(
+            self.parametrization == "sp" or self.moe is None,
+            "ModelConfig.parametrization",
+            self.parametrization,
+            "is only defined for dense models here (a router's width scaling is not); use 'sp' "
+            "with moe",
         )
         if self.moe is not None:
             require(

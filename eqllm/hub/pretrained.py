@@ -33,6 +33,7 @@ from eqllm.hub.files import (
     shard,
     write_file,
 )
+from eqllm.hub.fold import fold_multipliers
 from eqllm.hub.folders import (
     INDEX,
     host_leaves,
@@ -230,9 +231,11 @@ def save_pretrained(
     Writes config.json and model.safetensors, or shards model-0000k-of-0000n.safetensors with
     model.safetensors.index.json when the weights exceed `max_shard_size` (bytes or '5GB').
     Older weight files of the folder are removed. `tokenizer` (an eqllm Tokenizer) is saved
-    beside them. `dtype` casts the weights (default: the model's parameter dtype).
+    beside them. `dtype` casts the weights (default: the model's parameter dtype). A muP or
+    CompleteP model's multipliers are folded into the weights (`eqllm.hub.fold`).
     Returns the folder.
     """
+    model = fold_multipliers(model)  # muP / CompleteP: the same logits from SP weights
     config = model.config
     dtype = dtype or config.param_dtype
     hf_config = to_hf_config(config)  # raises for configs transformers cannot express

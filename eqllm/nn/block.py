@@ -19,6 +19,10 @@ def _apply(norm: Norm | None, x):
     return x if norm is None else norm(x)
 
 
+def _scaled(x, scale: float):
+    return x if scale == 1.0 else x * scale
+
+
 class Block(eqx.Module):
     """x + post1(attn(norm1(x))), then x + post2(mlp(norm2(x))), on one sequence or a batch.
 
@@ -30,6 +34,8 @@ class Block(eqx.Module):
         attn_post_norm: the norm applied to attention's output before it is added to the
             residual stream (None: none).
         mlp_post_norm: the same for the feed-forward layer's output (None: none).
+        branch_scale: multiplies each sublayer's output before the residual add (CompleteP's
+            base_n_layers / n_layers; 1.0 adds it as it is).
     """
 
     attn_norm: Norm | None
@@ -38,6 +44,7 @@ class Block(eqx.Module):
     mlp: MLP | GatedMLP | MoE
     attn_post_norm: Norm | None = None
     mlp_post_norm: Norm | None = None
+    branch_scale: float = eqx.field(static=True, default=1.0)
 
     def _mlp(self, x, moe_impl=None):
         h = _apply(self.mlp_norm, x)
@@ -45,7 +52,7 @@ class Block(eqx.Module):
             out, router_logits = self.mlp.routed(h, moe_impl)
         else:
             out, router_logits = self.mlp(h), None
-        return x + _apply(self.mlp_post_norm, out), router_logits
+        return x + _scaled(_apply(self.mlp_post_norm, out), self.branch_scale), router_logits
 
     @jax.named_scope("eqllm.Block")
     def __call__(
@@ -68,7 +75,7 @@ class Block(eqx.Module):
     ) -> tuple[Float[Array, "*batch seq d_model"], Float[Array, "*batch seq experts"] | None]:
         """The block's output and its router logits (None unless `mlp` is a mixture of experts)."""
         attended = self.attn(_apply(self.attn_norm, x), positions, local, segment_ids)
-        return self._mlp(x + _apply(self.attn_post_norm, attended))
+        return self._mlp(x + _scaled(_apply(self.attn_post_norm, attended), self.branch_scale))
 
     @jax.named_scope("eqllm.Block.cached")
     def cached(
@@ -84,4 +91,5 @@ class Block(eqx.Module):
         grouped ("ragged") product does not support, and a decode step has one token anyway.
         """
         attended, cache = self.attn.cached(_apply(self.attn_norm, x), positions, cache, local)
-        return self._mlp(x + _apply(self.attn_post_norm, attended), "dense")[0], cache
+        x = x + _scaled(_apply(self.attn_post_norm, attended), self.branch_scale)
+        return self._mlp(x, "dense")[0], cache

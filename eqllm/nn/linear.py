@@ -24,6 +24,23 @@ Axis = Literal["vocab", "d_model", "heads", "kv_heads", "d_ff", "positions", "ex
 # How a weight starts (see `eqllm.model.init_weights`): "normal" draws N(0, std); "residual"
 # draws N(0, std / sqrt(2 * layers)) for projections that write into the residual stream.
 InitRole = Literal["normal", "residual"]
+# How a parameter scales with width (muP, eqllm.parametrization), from its axes alone: "hidden"
+# when input and output grow with the width, "readout" when only the input does (the LM head),
+# "embedding" when only the output does (token and position tables), "vector" otherwise.
+Role = Literal["embedding", "hidden", "readout", "vector"]
+WIDTH_AXES = frozenset({"d_model", "d_ff", "heads", "kv_heads"})
+
+
+def role_of(axes: tuple[str | None, ...]) -> Role:
+    """The width role of a weight whose last two axes are (output, input)."""
+    if len(axes) < 2:
+        return "vector"
+    out_wide, in_wide = axes[-2] in WIDTH_AXES, axes[-1] in WIDTH_AXES
+    if out_wide and in_wide:
+        return "hidden"
+    if in_wide:
+        return "readout"
+    return "embedding" if out_wide else "vector"
 
 
 def rows_times(x: Float[Array, "*rows d_in"], weight: Float[Array, "d_out d_in"], **kwargs):
@@ -173,12 +190,14 @@ class ParamInfo:
     `layers` axis of stacked blocks, norm scales). `init` is the role of a linear or embedding
     weight ("normal"/"residual"), "zeros" for a bias, None for arrays that keep the value their
     layer gave them (norm scales). `decay` marks the weights that AdamW decays: matrices of
-    linear layers, not embeddings, biases or norms.
+    linear layers, not embeddings, biases or norms. `role` is how it scales with width
+    (`Role`; an embedding table is "embedding" even when tied into the head).
     """
 
     axes: tuple[str | None, ...]
     init: str | None
     decay: bool
+    role: Role = "vector"
 
 
 def _is_layer(node) -> bool:
@@ -199,7 +218,7 @@ def param_info(tree):
 
     def info(node):
         if isinstance(node, Linear):
-            weight = ParamInfo(leading(node.weight, node.axes), node.init, True)
+            weight = ParamInfo(leading(node.weight, node.axes), node.init, True, role_of(node.axes))
             bias = None
             if node.bias is not None:
                 bias = ParamInfo(leading(node.bias, node.axes[:1]), "zeros", False)
@@ -207,10 +226,10 @@ def param_info(tree):
                 lambda m: (m.weight, m.bias), node, (weight, bias), is_leaf=lambda x: x is None
             )
         if isinstance(node, ExpertLinear):
-            weight = ParamInfo(leading(node.weight, node.axes), node.init, True)
+            weight = ParamInfo(leading(node.weight, node.axes), node.init, True, role_of(node.axes))
             return eqx.tree_at(lambda m: m.weight, node, weight)
         if isinstance(node, Embedding):
-            weight = ParamInfo(leading(node.weight, node.axes), "normal", False)
+            weight = ParamInfo(leading(node.weight, node.axes), "normal", False, "embedding")
             return eqx.tree_at(lambda m: m.weight, node, weight)
         if hasattr(node, "shape") and hasattr(node, "dtype"):
             return ParamInfo((None,) * len(node.shape), None, False)

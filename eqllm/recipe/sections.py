@@ -56,11 +56,14 @@ class ModelSpec:
     init_from: start from these weights (a Hugging Face folder or hub repo, read with
         `eqllm.hub.from_pretrained`, or an eqllm run folder) instead of a random
         initialisation; "" for none.
+    parametrization: "sp", "mup" or "completep" (docs/scaling-laws.md), "" for the variant's;
+        under muP, optim.lr is the learning rate of the base model (overrides.base_d_model).
     """
 
     variant: Str
     overrides: dict[str, Any] = Field(default_factory=dict)
     init_from: Str = ""
+    parametrization: Literal["", "sp", "mup", "completep"] = ""
 
 
 @typing.no_type_check  # pydantic checks the fields

@@ -96,6 +96,8 @@ class Recipe:
         multiple of 64) unless the overrides set vocab_size explicitly.
         """
         overrides = dict(self.model.overrides)
+        if self.model.parametrization:
+            overrides.setdefault("parametrization", self.model.parametrization)
         overrides["compute_dtype"] = self.train.precision
         overrides["remat"] = self.train.remat
         if vocab_size is not None and "vocab_size" not in self.model.overrides:

@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import equinox as eqx
@@ -75,7 +76,7 @@ class RunResult:
     step: int
     total_steps: int
     summary: dict
-    interrupted: str | None = None  # "SIGINT" / "SIGTERM" / "stop_after"
+    interrupted: str | None = None  # "SIGINT" / "SIGTERM" / "stop_after" / "watch"
 
 
 @dataclasses.dataclass
@@ -121,6 +122,7 @@ def run(
     final_eval: bool = True,
     force: bool = False,
     echo=print,
+    watch: Callable[[int, float], bool] | None = None,
 ) -> RunResult:
     """Train `recipe`, writing the run folder `out_dir` (default runs/<recipe name>).
 
@@ -131,6 +133,8 @@ def run(
         what is missing (final evaluation, samples, summary, report).
     stop_after: stop (with a checkpoint) once this many steps are done, as if interrupted; the
         schedule still spans the recipe's full length.
+    watch: called with (step, loss) after every step; when it returns True the run stops there
+        (with a checkpoint, `interrupted="watch"`): how a sweep stops a diverging point.
     Raises `NonFiniteLoss` when a step's loss is not finite (after `train.skip_nonfinite`
     skipped ones), `guards.CheckpointWriteError` when a checkpoint cannot be written.
     """
@@ -144,7 +148,7 @@ def run(
     _announce(setup, echo, resume=resume)
     state = RunState(step=setup.start, skipped=setup.skipped)
     meter = Throughput(setup.tokens_per_step)
-    model = _train(setup, state, meter, stop_after=stop_after, progress=progress)
+    model = _train(setup, state, meter, stop_after=stop_after, progress=progress, watch=watch)
 
     if state.interrupted:
         setup.log.close()
@@ -173,7 +177,13 @@ def run(
 
 
 def _train(
-    setup: RunSetup, state: RunState, meter: Throughput, *, stop_after: int | None, progress: bool
+    setup: RunSetup,
+    state: RunState,
+    meter: Throughput,
+    *,
+    stop_after: int | None,
+    progress: bool,
+    watch: Callable[[int, float], bool] | None = None,
 ):
     """Steps from `state.step` to the end (or a signal, or `stop_after`), then a checkpoint of
     the last step; returns the trained model. Updates `state` and `meter` as it goes."""
@@ -206,6 +216,9 @@ def _train(
                     setup.log.log({"step": state.step, **compile_row})
                 if not finite:
                     _skip_or_stop(setup, state, loss, bar)
+                if watch is not None and watch(state.step, loss) and state.step < total:
+                    state.interrupted = "watch"
+                    break
                 bar.update(1)
                 if finite and (state.step % recipe.train.log_every == 0 or state.step == total):
                     _log_train(setup, state, meter, metrics, bar)

@@ -7,8 +7,10 @@ import jax
 import optax
 
 from eqllm.lora import trainable
+from eqllm.model import CausalLM
 from eqllm.nn import param_info
 from eqllm.nn.linear import is_param_info
+from eqllm.parametrization import Multipliers, role_multipliers, scales
 from eqllm.recipe import OptimSpec
 
 
@@ -49,20 +51,61 @@ def decay_mask(model):
     return eqx.filter(mask, trainable(model))
 
 
+def parameter_groups(model) -> tuple[object, dict[str, Multipliers]] | None:
+    """(a role label at every trainable array, the factors of each role) under muP or
+    CompleteP; None under SP, at the base size (every factor 1: the plain AdamW, so the update
+    is SP's bit for bit; separate AdamWs per group fuse differently and drift by an ulp), or
+    for a tree that is not a model."""
+    if not isinstance(model, CausalLM):
+        return None
+    s = scales(model.config)
+    if s.kind == "sp":
+        return None
+    labels = jax.tree.map(lambda info: info.role, param_info(model), is_leaf=is_param_info)
+    labels = eqx.filter(labels, trainable(model))
+    factors = {role: role_multipliers(s, role) for role in sorted(set(jax.tree.leaves(labels)))}
+    if all(f == Multipliers() for f in factors.values()):
+        return None
+    return labels, factors
+
+
 def make_optimizer(spec: OptimSpec, total_steps: int, model) -> optax.GradientTransformation:
     """optax chain: clip by global norm (if clip_norm > 0) -> AdamW(schedule, masked decay).
 
     `model` (or `eqx.filter(model, eqx.is_inexact_array)`) fixes the weight-decay mask over its
     trainable arrays (only the adapters of a LoRA model).
+
+    Under muP / CompleteP (`eqllm.parametrization`) each role gets its own AdamW, with the
+    learning rate, eps and weight decay multiplied by the role's factors; `spec.lr` is then the
+    base model's learning rate.
     """
-    adamw = optax.adamw(
-        schedule(spec, total_steps),
-        b1=spec.b1,
-        b2=spec.b2,
-        eps=spec.eps,
-        weight_decay=spec.weight_decay,
-        mask=decay_mask(model),
-    )
+    groups = parameter_groups(model)
+    lr = schedule(spec, total_steps)
+    if groups is None:
+        adamw = optax.adamw(
+            lr,
+            b1=spec.b1,
+            b2=spec.b2,
+            eps=spec.eps,
+            weight_decay=spec.weight_decay,
+            mask=decay_mask(model),
+        )
+    else:
+        labels, factors = groups
+        adamw = optax.multi_transform(
+            {
+                role: optax.adamw(
+                    lambda step, f=f.lr: lr(step) * f,
+                    b1=spec.b1,
+                    b2=spec.b2,
+                    eps=spec.eps * f.eps,
+                    weight_decay=spec.weight_decay * f.decay,
+                    mask=decay_mask(model),
+                )
+                for role, f in factors.items()
+            },
+            lambda params: labels,  # a function: a model (the labels' tree) is itself callable
+        )
     if spec.clip_norm > 0:
         return optax.chain(optax.clip_by_global_norm(spec.clip_norm), adamw)
     return adamw

@@ -1,0 +1,180 @@
+"""The coordinate check (Yang et al. 2022, Tensor Programs V, appendix D.1): train a model at
+several widths (or depths) a few Adam steps at a large learning rate and see how the size of
+its activations grows. Under a parametrization that transfers, the mean |activation| of every
+layer stays put as the width grows (slope ~0 against log2 width); under SP the hidden layers'
+outputs grow with it after the first update (slope ~1).
+
+Run it first after changing a layer: a slope away from 0 under muP names the layer that breaks
+transfer, before any sweep is paid for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eqllm import zoo
+from eqllm.config import ModelConfig
+from eqllm.model import CausalLM
+from eqllm.recipe import OptimSpec
+from eqllm.train.optim import make_optimizer, schedule
+from eqllm.train.step import TrainStep, init_opt_state
+
+
+@dataclass(frozen=True)
+class CoordCheck:
+    """Mean |activation| per name, size and step; the least-squares slopes of their log2."""
+
+    axis: str  # "width" or "depth"
+    sizes: tuple[int, ...]
+    means: dict[str, np.ndarray]  # name -> [size, step]
+    slopes: dict[str, list[float]]  # name -> slope at each step
+
+    def to_json(self) -> dict:
+        return {
+            "axis": self.axis,
+            "sizes": list(self.sizes),
+            "slopes": self.slopes,
+            "means": {k: v.tolist() for k, v in self.means.items()},
+        }
+
+
+def sized_config(
+    variant: str,
+    parametrization: str,
+    *,
+    width: int,
+    depth: int | None,
+    base_width: int,
+    base_depth: int | None,
+    vocab_size: int,
+    seq_len: int,
+) -> ModelConfig:
+    """The variant at `width` (d_ff in proportion, n_heads fixed so head_dim grows) and depth."""
+    cfg = zoo.config(variant)
+    d_ff = max(1, round(cfg.d_ff * width / cfg.d_model))
+    changes = dict(
+        d_model=width,
+        d_ff=d_ff,
+        head_dim=None,
+        vocab_size=vocab_size,
+        max_seq_len=seq_len,
+        parametrization=parametrization,
+        scan_layers=True,
+    )
+    if depth is not None:
+        changes["n_layers"] = depth
+    if parametrization != "sp":
+        changes["base_d_model"] = base_width
+        if parametrization == "completep":
+            changes["base_n_layers"] = base_depth or changes.get("n_layers", cfg.n_layers)
+    return cfg.replace(**changes)
+
+
+def activations(model: CausalLM, tokens) -> tuple[dict[str, jax.Array], jax.Array]:
+    """(mean |x| by name, logits): mean |x| of the embedding output, the first and the last
+    layer's attention and MLP outputs (before the residual add and any branch multiplier), the
+    final residual stream and the logits.
+
+    Walks the layers as `Block.routed` does; the logits equal `model(tokens)`'s."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+    means = {}
+    x = model.embed_inputs(tokens, positions)
+    means["embed"] = jnp.mean(jnp.abs(x))
+    n = model.config.n_layers
+    for i, block in enumerate(model.layers()):
+        tag = str(i) if i < n - 1 else "last"
+        h = x if block.attn_norm is None else block.attn_norm(x)
+        a = block.attn(h, None, None)
+        a = a if block.attn_post_norm is None else block.attn_post_norm(a)
+        x = x + a * block.branch_scale
+        h = x if block.mlp_norm is None else block.mlp_norm(x)
+        f = block.mlp(h)
+        f = f if block.mlp_post_norm is None else block.mlp_post_norm(f)
+        x = x + f * block.branch_scale
+        if i == 0 or tag == "last":
+            means[f"attn.{tag if i else 0}"] = jnp.mean(jnp.abs(a))
+            means[f"mlp.{tag if i else 0}"] = jnp.mean(jnp.abs(f))
+    means["residual"] = jnp.mean(jnp.abs(x))
+    logits = model.logits(model.final_norm(x))
+    means["logits"] = jnp.mean(jnp.abs(logits))
+    return means, logits
+
+
+def coord_check(
+    variant: str,
+    parametrization: str,
+    *,
+    widths: tuple[int, ...],
+    depths: tuple[int, ...] | None = None,
+    steps: int = 5,
+    lr: float = 1e-2,
+    batch: int = 8,
+    seq_len: int = 64,
+    vocab_size: int = 256,
+    seed: int = 0,
+) -> CoordCheck:
+    """Train each size `steps` Adam steps (no warmup, no clipping, no decay) on one fixed
+    random batch and record `activations` after every step."""
+    axis = "depth" if depths else "width"
+    sizes = tuple(depths) if depths else tuple(widths)
+    tokens = jax.random.randint(jax.random.key(seed), (batch, seq_len), 0, vocab_size)
+    spec = OptimSpec(lr=lr, warmup_steps=0, schedule="constant", weight_decay=0.0, clip_norm=0.0)
+    measure = jax.jit(lambda model, t: activations(model, t)[0])
+    table: dict[str, list[list[float]]] = {}
+    for size in sizes:
+        cfg = sized_config(
+            variant,
+            parametrization,
+            width=widths[0] if depths else size,
+            depth=size if depths else None,
+            base_width=widths[0],
+            base_depth=sizes[0] if depths else None,
+            vocab_size=vocab_size,
+            seq_len=seq_len,
+        )
+        model = CausalLM(cfg, key=jax.random.key(seed))
+        optimizer = make_optimizer(spec, steps, model)
+        step = TrainStep(optimizer, schedule(spec, steps))
+        state = init_opt_state(optimizer, model)
+        rows: dict[str, list[float]] = {}
+        for _ in range(steps):
+            model, state, _ = step(model, state, tokens)
+            for name, value in measure(model, tokens).items():
+                rows.setdefault(name, []).append(float(value))
+        for name, values in rows.items():
+            table.setdefault(name, []).append(values)
+    x = np.log2(np.asarray(sizes, np.float64))
+    means = {k: np.asarray(v) for k, v in table.items()}
+    slopes = {
+        k: [float(np.polyfit(x, np.log2(v[:, s]), 1)[0]) for s in range(v.shape[1])]
+        for k, v in means.items()
+    }
+    return CoordCheck(axis, sizes, means, slopes)
+
+
+def plot_coord_check(result: CoordCheck, path: Path, title: str) -> Path:
+    """coord_check.png: log2 mean |activation| against log2 size, one panel per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n_steps = len(next(iter(result.slopes.values())))
+    fig, axes = plt.subplots(1, n_steps, figsize=(3.2 * n_steps, 3.4), sharey=True, squeeze=False)
+    for s, ax in enumerate(axes[0]):
+        for name, values in result.means.items():
+            ax.plot(result.sizes, values[:, s], "o-", ms=3, label=name)
+        ax.set(xscale="log", yscale="log", title=f"after step {s + 1}", xlabel=result.axis)
+        ax.set_xticks(result.sizes, [str(v) for v in result.sizes])
+    axes[0][0].set_ylabel("mean |activation|")
+    axes[0][-1].legend(fontsize=6)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

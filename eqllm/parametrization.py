@@ -1,0 +1,85 @@
+"""How initialisation, learning rates and forward multipliers follow width and depth.
+
+Three parametrizations (docs/scaling-laws.md has the table and the reasons):
+
+- "sp", the standard one: what every recipe did before; nothing depends on a base size.
+- "mup", maximal update parametrization for Adam in the MuReadout form that works with tied
+  embeddings (Yang et al. 2022, Tensor Programs V; microsoft/mup). With m = d_model /
+  base_d_model: hidden matrices start at std / sqrt(m) and take Adam learning rate lr / m, Adam
+  eps / m and weight decay x m; the readout's logits are multiplied by output_mult / m;
+  embeddings, norms and biases keep SP's init and learning rate; attention scores are scaled by
+  sqrt(base_head_dim) / head_dim (1 / head_dim up to a constant) when head_dim grows with width.
+- "completep", muP plus depth transfer (Dey et al. 2025, alpha = 1): with k = n_layers /
+  base_n_layers each residual branch is multiplied by 1 / k, the "residual" init role loses its
+  1 / sqrt(2 n_layers) factor (it keeps base_n_layers' constant), hidden matrices take Adam eps
+  / (m k); learning rates follow muP's (the depth factor k^(alpha - 1) is 1).
+
+A parameter's role comes from its layer's logical axes (`eqllm.nn.param_info`): "hidden" when
+both of its dimensions grow with width, "readout" when only its input does, "embedding" when
+only its output does, "vector" for biases and norm scales. Every width axis (d_model, d_ff,
+heads, kv_heads) is assumed to grow in proportion to d_model, so one ratio m serves them all.
+At m = 1 (and k = 1) every multiplier is exactly 1.0 and the model equals SP bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from eqllm.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Scales:
+    """The ratios and forward multipliers of one config (all 1.0 under SP)."""
+
+    kind: str
+    width: float  # m = d_model / base_d_model
+    depth: float  # k = n_layers / base_n_layers (CompleteP; 1 otherwise)
+    readout: float  # multiplies the logits: output_mult / m (muP, CompleteP)
+    branch: float  # multiplies each residual branch: 1 / k (CompleteP)
+    attention: float  # multiplies the usual attention scale
+    residual_init_layers: int  # the n_layers in the "residual" role's 1 / sqrt(2 n_layers)
+
+
+@dataclass(frozen=True)
+class Multipliers:
+    """Per-parameter factors on SP's init std, Adam learning rate, Adam eps and weight decay."""
+
+    init: float = 1.0
+    lr: float = 1.0
+    eps: float = 1.0
+    decay: float = 1.0
+
+
+def scales(cfg: ModelConfig) -> Scales:
+    """The one place that reads the parametrization fields of a config."""
+    kind = cfg.parametrization
+    if kind == "sp":
+        return Scales("sp", 1.0, 1.0, 1.0, 1.0, 1.0, cfg.n_layers)
+    m = cfg.d_model / (cfg.base_d_model or cfg.d_model)
+    base_layers = (cfg.base_n_layers or cfg.n_layers) if kind == "completep" else cfg.n_layers
+    k = cfg.n_layers / base_layers
+    # head_dim grows with width when it is derived from d_model (n_heads fixed); a family that
+    # fixes head_dim and adds heads instead keeps the usual 1 / sqrt(head_dim).
+    grows = cfg.head_dim * cfg.attention.n_heads == cfg.d_model
+    return Scales(
+        kind=kind,
+        width=m,
+        depth=k,
+        readout=cfg.output_mult / m,
+        branch=1.0 / k,
+        attention=1.0 / math.sqrt(m) if grows else 1.0,
+        residual_init_layers=base_layers,
+    )
+
+
+def role_multipliers(s: Scales, role: str) -> Multipliers:
+    """The factors for a parameter of `role` under scales `s` (the docs' table)."""
+    if s.kind == "sp" or role != "hidden":
+        return Multipliers()
+    m, k = s.width, s.depth
+    eps = 1.0 / m if s.kind == "mup" else 1.0 / (m * k)
+    # optax's AdamW decays by lr x weight_decay: with lr / m the decay must be x m, or the
+    # hidden weights' decay per step would shrink with width.
+    return Multipliers(init=1.0 / math.sqrt(m), lr=1.0 / m, eps=eps, decay=m)
