@@ -75,7 +75,8 @@ class TrainStep:
         n_traces: how many times the step has been traced (1 after any number of steps with
             fixed shapes; more means something is recompiling it).
 
-    Metrics (device scalars unless noted): loss (the cross entropy), grad_norm (before
+    Metrics (device scalars unless noted): loss (the cross entropy, or the objective's loss
+    with its own metrics added: eqllm.train.objectives), grad_norm (before
     clipping), lr, update_norm, param_norm, finite (bool), grad_norm/layer (vector over layers);
     for a mixture of experts also aux_loss (the load-balancing loss, before its coefficient)
     and expert_load (layers x experts: the fraction of token assignments each expert got).
@@ -91,6 +92,7 @@ class TrainStep:
         batch_sharding=None,
         dropout_seed: int = 0,
         pipeline: Pipeline | None = None,
+        objective=None,
     ):
         if grad_accum < 1:
             raise EqllmError(f"grad_accum={grad_accum} must be >= 1")
@@ -107,6 +109,9 @@ class TrainStep:
         self.dropout_seed = dropout_seed
         # Stages and microbatches of each (accumulation) micro-batch's forward and backward.
         self.pipeline = pipeline
+        # What the step minimises: `objective(model, batch) -> (loss, parts)` for a batch that
+        # is not (tokens, mask) (eqllm.train.objectives); None is the causal LM loss.
+        self.objective = objective
         # The batch goes first so that "all-except-first" donates exactly model and opt_state.
         self._compiled = eqx.filter_jit(self._step, donate="all-except-first")
 
@@ -122,7 +127,10 @@ class TrainStep:
         """One step. A numpy `batch` (this process's rows) is checked on the host, with no device
         round trip, then placed by `batch_sharding`; a device array is checked on its device.
         `batch` may also be a (tokens, mask) pair, `mask` marking the targets `batch[:, 1:]` the
-        loss is taken on (instruction data: the responses); no mask trains on every target."""
+        loss is taken on (instruction data: the responses); no mask trains on every target.
+        A dict batch goes to the step's objective as it is (arrays with a leading batch axis)."""
+        if isinstance(batch, dict):
+            return self._compiled((self._place(batch), None), model, opt_state)
         if isinstance(batch, tuple):
             batch, mask = batch
         if batch.shape[0] % self.grad_accum:
@@ -147,6 +155,20 @@ class TrainStep:
                 if mask is not None:
                     mask = jax.make_array_from_process_local_data(self.batch_sharding, mask)
         return self._compiled((batch, mask), model, opt_state)
+
+    def _place(self, batch: dict) -> dict:
+        """An objective's batch checked (its "tokens") and placed on the devices."""
+        if batch["tokens"].shape[0] % self.grad_accum:
+            raise DataError(
+                f"batch of {batch['tokens'].shape[0]} rows does not split into "
+                f"grad_accum={self.grad_accum} equal micro-batches"
+            )
+        if self.batch_sharding is None:
+            return {k: jnp.asarray(v) for k, v in batch.items()}
+        return {
+            k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
+            for k, v in batch.items()
+        }
 
     def lower(
         self, model: CausalLM, opt_state, batch: Int[Array, "batch window"] | jax.ShapeDtypeStruct
@@ -194,7 +216,10 @@ class TrainStep:
             if self.pipeline is not None:  # refuses a mixture of experts (Pipeline.check)
                 ce = self.pipeline.loss(m, tokens, micro_mask)
                 return ce, {"ce": ce}
-            return training_loss(m if fsdp is None else fsdp.outside_layers(m), tokens, micro_mask)
+            m = m if fsdp is None else fsdp.outside_layers(m)
+            if self.objective is not None:  # the whole batch: `tokens` holds it
+                return self.objective(m, tokens)
+            return training_loss(m, tokens, micro_mask)
 
         def grad_fn(p, micro):
             # FSDP: each layer's weights are gathered inside the layer loop, and the gradients
@@ -211,7 +236,7 @@ class TrainStep:
             # Each micro-batch's loss is its own masked mean; with a mask, micro-batches of
             # different response lengths are weighted equally (as transformers' Trainer does).
             micro = jax.tree.map(
-                lambda x: x.reshape(self.grad_accum, -1, x.shape[-1]), (batch, mask)
+                lambda x: x.reshape(self.grad_accum, -1, *x.shape[1:]), (batch, mask)
             )
 
             def accumulate(carry, mb):
@@ -239,7 +264,7 @@ class TrainStep:
                 new_opt_state, shardings_like_params(new_opt_state, params, shardings)
             )
         metrics = {
-            "loss": parts.pop("ce"),
+            "loss": parts.pop("ce", loss),  # the cross entropy, or an objective's loss
             "grad_norm": grad_norm,
             "lr": jnp.asarray(self.lr_schedule(count), jnp.float32),
             "update_norm": optax.tree.norm(updates),
