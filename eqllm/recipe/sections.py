@@ -22,6 +22,7 @@ Schedule = Literal["cosine", "linear", "constant", "wsd"]
 Precision = Literal["float32", "bfloat16"]
 SourceKind = Literal["stdlib", "files", "jsonl", "hf"]
 FinetuneMethod = Literal["none", "lora", "full"]
+PreferenceLoss = Literal["dpo", "ipo", "simpo"]
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]
@@ -137,6 +138,28 @@ class FinetuneSpec:
     dropout: Fraction = 0.0
     targets: tuple[Str, ...] = ("q_proj", "v_proj")
     data: Str = ""
+
+
+@typing.no_type_check  # pydantic checks the fields
+@section
+class PreferenceSpec:
+    """Preference optimisation of the `model.init_from` weights (docs/post-training.md).
+
+    data: a JSONL file of pairs (`prompt`, `chosen`, `rejected`: strings or chat messages);
+        "" for none. Looked up like finetune.data. Needs finetune.method "lora" (the reference
+        is the base with the adapters off) or "full" (reference log-probabilities computed once
+        before training, cached in the run folder).
+    loss: "dpo", "ipo" or "simpo".
+    beta: the losses' inverse temperature (IPO's tau).
+    label_smoothing: conservative DPO's (and SimPO's) probability that a label is flipped.
+    gamma: SimPO's target reward margin.
+    """
+
+    data: Str = ""
+    loss: PreferenceLoss = "dpo"
+    beta: Annotated[Float, Field(gt=0)] = 0.1
+    label_smoothing: Annotated[Float, Field(ge=0, lt=0.5)] = 0.0
+    gamma: Annotated[Float, Field(ge=0)] = 0.5
 
 
 @typing.no_type_check  # pydantic checks the fields

@@ -21,6 +21,7 @@ from eqllm.recipe.sections import (
     FinetuneSpec,
     ModelSpec,
     OptimSpec,
+    PreferenceSpec,
     SourceSpec,
     Str,
     TrainSpec,
@@ -54,6 +55,7 @@ class Recipe:
     train: TrainSpec = Field(default_factory=TrainSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
     finetune: FinetuneSpec = Field(default_factory=FinetuneSpec)
+    preference: PreferenceSpec = Field(default_factory=PreferenceSpec)
     mesh: Annotated[MeshConfig, BeforeValidator(_strict_mesh)] = Field(default_factory=MeshConfig)
     name: Str = ""
     description: Str = ""
@@ -200,7 +202,23 @@ def _get(recipe: Recipe, path: str) -> Any:
 
 
 def _check_finetune(recipe: Recipe) -> None:
-    f = recipe.finetune
+    f, p = recipe.finetune, recipe.preference
+    if p.data:
+        if f.method == "none":
+            raise RecipeError(
+                f"preference.data={p.data!r} needs finetune.method 'lora' or 'full': the "
+                "reference is the starting model model.init_from"
+            )
+        if f.data:
+            raise RecipeError(
+                f"finetune.data={f.data!r} and preference.data={p.data!r}: a run trains one "
+                "objective; leave one of them empty"
+            )
+        if finetune_data_path(p.data) is None:
+            raise RecipeError(
+                f"preference.data={p.data!r} does not exist (in the working directory or among "
+                "eqllm's shipped recipes); point it at a JSONL file of preference pairs"
+            )
     if f.method != "none" and not recipe.model.init_from:
         raise RecipeError(
             f"finetune.method={f.method!r} needs a base: set model.init_from to a Hugging Face "

@@ -158,6 +158,20 @@ class Preference:
 
 @eqx.filter_jit
 def preference_eval(objective: Preference, model: CausalLM, batch) -> dict[str, Array]:
-    """The metrics of the objective on held-out pairs (no gradient), loss included."""
-    loss, parts = objective(model, batch)
-    return {"loss": loss, **parts}
+    """Per pair ([pairs] each), without a gradient: the objective's loss and metrics."""
+    policy, ref, lengths = objective.scores(model, batch)
+    ref = jnp.zeros_like(policy) if ref is None else ref  # simpo reads no reference
+
+    def one(p, r, n):
+        loss, parts = preference_loss(
+            objective.kind,
+            p[None],
+            r[None],
+            n[None],
+            beta=objective.beta,
+            label_smoothing=objective.label_smoothing,
+            gamma=objective.gamma,
+        )
+        return {"loss": loss, **parts}
+
+    return jax.vmap(one)(policy, ref, lengths)

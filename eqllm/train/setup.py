@@ -15,7 +15,6 @@ from pathlib import Path
 
 import equinox as eqx
 import jax
-import numpy as np
 
 from eqllm import lora
 from eqllm.config import ModelConfig
@@ -26,6 +25,7 @@ from eqllm.data.instruct import (
     chat_template_of,
     prepare_instructions,
 )
+from eqllm.data.preference import prepare_preferences
 from eqllm.eval.evaluate import recipe_samples
 from eqllm.hub import from_pretrained, load_tokenizer, resolve
 from eqllm.model import CausalLM, param_count
@@ -45,6 +45,7 @@ from eqllm.train.metrics import MetricsLog
 from eqllm.train.mfu import cache_root, device_peak_flops
 from eqllm.train.optim import make_optimizer, schedule
 from eqllm.train.pipeline import Pipeline
+from eqllm.train.post import PreferenceRun, start_post_training
 from eqllm.train.processes import process_zero_first, writes_run_files
 from eqllm.train.step import TrainStep, init_opt_state
 
@@ -65,10 +66,11 @@ def prepare_data(recipe: Recipe, *, progress: bool = True) -> TokenData | Instru
     """The run's tokens: data.source's text, or finetune.data's instruction examples
     (tokenized with the base model's tokenizer and chat template)."""
     d = recipe.data
-    if recipe.finetune.data:
+    if recipe.finetune.data or recipe.preference.data:
         tokenizer, template = base_tokenizer(recipe)
-        return prepare_instructions(
-            finetune_data_path(recipe.finetune.data),
+        prepare_rows = prepare_preferences if recipe.preference.data else prepare_instructions
+        return prepare_rows(
+            finetune_data_path(recipe.finetune.data or recipe.preference.data),
             tokenizer,
             seq_len=d.seq_len,
             template=template,
@@ -257,6 +259,7 @@ class RunSetup:
     flops_per_token: float  # for MFU (see eqllm.train.mfu)
     peak_flops: float | None  # the device's peak FLOP/s, None when unknown
     peak_source: str  # where `peak_flops` comes from
+    post: PreferenceRun | None = None  # a post-training objective's batches and evaluation
 
     @property
     def tokens_per_step(self) -> int:
@@ -269,9 +272,11 @@ class RunSetup:
         self.model = self.opt_state = None
         return model, opt_state
 
-    def batch(self, step: int) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    def batch(self, step: int, model: CausalLM | None = None):
         """This process's rows of step `step`'s global batch ((tokens, loss mask) for
-        instruction data)."""
+        instruction data, a dict for post-training; RL rolls out with `model`)."""
+        if self.post is not None:
+            return self.post.batch(step, model)
         if isinstance(self.data, InstructionData):
             if jax.process_count() > 1:
                 raise RecipeError("finetune.data runs on one process only for now")
@@ -344,6 +349,7 @@ def start_run(
         # The same prompts before and after, for the report (adapters start as the identity).
         before = recipe_samples(model, data, recipe) if recipe.eval.sample_prompts else []
         (out / "samples_before.json").write_text(json.dumps(before, indent=2) + "\n")
+    post = start_post_training(recipe, data, model, out, write=writer)  # before any restore
     mesh, model, shardings = place_on_mesh(recipe, model)
     pipeline = pipeline_of(recipe, mesh)
     optimizer = make_optimizer(recipe.optim, total, model)
@@ -356,6 +362,7 @@ def start_run(
         batch_sharding=batch_sharding(mesh) if shardings is not None else None,
         dropout_seed=recipe.train.seed,
         pipeline=pipeline,
+        objective=None if post is None else post.objective,
     )
     checkpoints = RunCheckpoints(out / "checkpoints", keep=recipe.train.keep_checkpoints)
     meta: dict = {"step": 0}
@@ -386,4 +393,5 @@ def start_run(
         flops_per_token=model.config.flops_per_token(seq_len),
         peak_flops=peak,
         peak_source=peak_source,
+        post=post,
     )

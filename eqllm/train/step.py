@@ -121,7 +121,8 @@ class TrainStep:
         opt_state,
         batch: Int[Array, "batch window"]
         | Int[np.ndarray, "batch window"]
-        | tuple[Int[np.ndarray, "batch window"], Bool[np.ndarray, "batch window-1"]],
+        | tuple[Int[np.ndarray, "batch window"], Bool[np.ndarray, "batch window-1"]]
+        | dict,
         mask: Bool[np.ndarray, "batch window-1"] | Bool[Array, "batch window-1"] | None = None,
     ):
         """One step. A numpy `batch` (this process's rows) is checked on the host, with no device
