@@ -1,5 +1,7 @@
 """GRPO: the loss against a direct NumPy computation, REINFORCE's gradient, rollouts."""
 
+import json
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -119,3 +121,17 @@ def test_rollouts_are_deterministic_for_a_seed_and_train():
         model, state, metrics = step(model, state, run(0, i))
         assert bool(metrics["finite"])
     assert step.n_traces == 1  # new rollouts, new weights: no recompilation
+
+
+def test_built_in_rewards():
+    from eqllm.train.rewards import reward_of
+
+    exact = reward_of("exact_match", r"answer: (\d+)")
+    assert exact("", "so answer: 12 or answer: 42", {"answer": 42}) == 1.0
+    assert exact("", "answer: 41", {"answer": 42}) == 0.0
+    assert reward_of("exact_match")("", " 42\nmore", {"answer": "42"}) == 1.0
+    fmt = reward_of("format", r"^<think>.*</think>")
+    assert fmt("", "<think>x</think> 1", {}) == 1.0 and fmt("", "1", {}) == 0.0
+    assert reward_of("reverse_digits")("", "274\n", {"answer": "274"}) == 1.0
+    assert reward_of("reverse_digits")("", "2x4", {"answer": "274"}) == pytest.approx(2 / 3)
+    assert reward_of("json:dumps") is json.dumps

@@ -28,7 +28,8 @@ from eqllm.data.tokenizer import Tokenizer
 FIELDS = ("prompt", "chosen", "rejected")
 
 
-def _messages(value, field: str, where: str, role: str) -> Messages:
+def as_messages(value, field: str, where: str, role: str) -> Messages:
+    """`value` (a string: one `role` turn, or a list of messages) as checked chat messages."""
     if isinstance(value, str):
         if not value.strip():
             raise DataError(f"{where}: '{field}' is empty; give it some text or drop the pair")
@@ -58,10 +59,10 @@ def to_pair(record, where: str) -> tuple[Messages, Messages, Messages]:
             f"{where}: missing field(s) {missing}; a preference pair needs 'prompt', 'chosen' "
             "and 'rejected' (strings or lists of chat messages)"
         )
-    prompt = _messages(record["prompt"], "prompt", where, "user")
+    prompt = as_messages(record["prompt"], "prompt", where, "user")
     sides = []
     for field in ("chosen", "rejected"):
-        response = _messages(record[field], field, where, "assistant")
+        response = as_messages(record[field], field, where, "assistant")
         if response[: len(prompt)] == prompt:  # *_binarized sets repeat the prompt
             response = response[len(prompt) :]
         if not response or not any(m["content"].strip() for m in response):

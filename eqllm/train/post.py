@@ -10,17 +10,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from eqllm import lora
-from eqllm.data.preference import PreferenceData
+from eqllm.data.instruct import prepare_instructions
+from eqllm.data.preference import PreferenceData, prepare_preferences
+from eqllm.data.prompts import PromptData, prepare_prompts
 from eqllm.model import CausalLM
-from eqllm.recipe import Recipe
-from eqllm.train.objectives import Preference, preference_eval, reference_logps
+from eqllm.recipe import Recipe, finetune_data_path
+from eqllm.train.grpo import Grpo
+from eqllm.train.objectives import Preference, preference_eval, reference_logps, token_logps
+from eqllm.train.rewards import reward_of
+from eqllm.train.rollouts import rollout
 
 REFERENCE_FILE = "reference_logps.npz"
+ROLLOUT_FILE = "rollouts.npz"  # the current batch of rollouts, for an exact mid-group resume
+_token_logps = eqx.filter_jit(token_logps)
 
 # What metrics.jsonl logs of a post-training objective's step metrics.
 OBJECTIVE_METRICS = (
@@ -80,12 +88,93 @@ class PreferenceRun:
         return {names[k]: v / n for k, v in sums.items() if k in names}
 
 
+class GrpoRun:
+    """GRPO: every `rl.inner_updates` steps, new rollouts from the model at that step (the
+    batch of the steps in between is the same, kept in the run folder for resuming), with the
+    old policy's log-probabilities (more than one inner update) and the reference's (kl_coef >
+    0: the adapters off under LoRA, else `reference`, the starting model kept aside)."""
+
+    def __init__(self, recipe: Recipe, data: PromptData, reference, out: Path, *, write: bool):
+        r = recipe.rl
+        self.recipe, self.data, self.reference = recipe, data, reference
+        self.file = out / ROLLOUT_FILE
+        self.write = write
+        self.reward = reward_of(r.reward, r.pattern, r.answer_field)
+        self.objective = Grpo(
+            epsilon=r.epsilon,
+            epsilon_high=r.epsilon_high or r.epsilon,
+            kl_coef=r.kl_coef,
+            normalization=r.normalization,
+            max_new_tokens=r.max_new_tokens,
+        )
+        self._group: int | None = None
+        self._batch: dict | None = None
+
+    def batch(self, step: int, model: CausalLM) -> dict[str, np.ndarray]:
+        r, t = self.recipe.rl, self.recipe.train
+        group = step // r.inner_updates
+        if self._group != group and self.file.is_file():
+            with np.load(self.file) as cached:
+                if int(cached["group"]) == group:
+                    self._group = group
+                    self._batch = {k: cached[k] for k in cached.files if k != "group"}
+        if self._group == group:
+            return dict(self._batch)
+        picks = self.data.pick(group, seed=t.seed, count=t.batch_size // r.group_size)
+        batch = rollout(
+            model,
+            [self.data.prompts[i] for i in picks],
+            [self.data.examples[i] for i in picks],
+            decode=self.data.tokenizer.decode,
+            reward=self.reward,
+            group_size=r.group_size,
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            eos_id=self.data.tokenizer.eot_id,
+            width=self.recipe.data.seq_len + 1,
+            seed=t.seed,
+            step=group,
+        )
+        tokens = jnp.asarray(batch["tokens"])
+        if r.inner_updates > 1:  # the policy that sampled, for the ratios of later updates
+            batch["old_logps"] = np.asarray(_token_logps(model, tokens))
+        if r.kl_coef > 0:
+            ref = lora.disabled(model) if self.reference is None else self.reference
+            batch["ref_logps"] = np.asarray(_token_logps(ref, tokens))
+        self._group, self._batch = group, batch
+        if self.write and r.inner_updates > 1:
+            np.savez(self.file, group=group, **batch)
+        return dict(batch)
+
+    def evaluate(self, model: CausalLM) -> dict[str, float]:
+        return {}  # the reward of each batch of rollouts is the metric (reward_mean)
+
+
+def prepare_rows(recipe: Recipe, tokenizer, template):
+    """The examples of finetune.data, preference.data or rl.data, tokenized."""
+    d = recipe.data
+    if recipe.rl.data:
+        return prepare_prompts(finetune_data_path(recipe.rl.data), tokenizer, template=template)
+    prepare = prepare_preferences if recipe.preference.data else prepare_instructions
+    return prepare(
+        finetune_data_path(recipe.finetune.data or recipe.preference.data),
+        tokenizer,
+        seq_len=d.seq_len,
+        template=template,
+        val_fraction=d.val_fraction,
+        seed=d.split_seed,
+    )
+
+
 def start_post_training(
     recipe: Recipe, data, model: CausalLM, out: Path, *, write: bool
-) -> PreferenceRun | None:
+) -> PreferenceRun | GrpoRun | None:
     """The run's post-training objective and batches (None when it has none). `model` is the
     starting model (before a checkpoint is restored): full fine-tuning's preference reference
     is computed from it once and cached in `out/reference_logps.npz`."""
+    if isinstance(data, PromptData):
+        keep = recipe.rl.kl_coef > 0 and not lora.adapters(model)
+        return GrpoRun(recipe, data, model if keep else None, out, write=write)
     if not isinstance(data, PreferenceData):
         return None
     reference = None

@@ -19,17 +19,12 @@ import jax
 from eqllm import lora
 from eqllm.config import ModelConfig
 from eqllm.data import TokenData, Tokenizer, batch_at, prepare
-from eqllm.data.instruct import (
-    DEFAULT_TEMPLATE,
-    InstructionData,
-    chat_template_of,
-    prepare_instructions,
-)
-from eqllm.data.preference import prepare_preferences
+from eqllm.data.instruct import DEFAULT_TEMPLATE, InstructionData, chat_template_of
+from eqllm.data.prompts import PromptData
 from eqllm.eval.evaluate import recipe_samples
 from eqllm.hub import from_pretrained, load_tokenizer, resolve
 from eqllm.model import CausalLM, param_count
-from eqllm.recipe import Recipe, RecipeError, finetune_data_path, load_recipe
+from eqllm.recipe import Recipe, RecipeError, load_recipe
 from eqllm.sharding import (
     batch_sharding,
     check_divisible,
@@ -45,7 +40,7 @@ from eqllm.train.metrics import MetricsLog
 from eqllm.train.mfu import cache_root, device_peak_flops
 from eqllm.train.optim import make_optimizer, schedule
 from eqllm.train.pipeline import Pipeline
-from eqllm.train.post import PreferenceRun, start_post_training
+from eqllm.train.post import GrpoRun, PreferenceRun, prepare_rows, start_post_training
 from eqllm.train.processes import process_zero_first, writes_run_files
 from eqllm.train.step import TrainStep, init_opt_state
 
@@ -62,21 +57,13 @@ def setup_compile_cache(setting: str) -> Path | None:
     return path
 
 
-def prepare_data(recipe: Recipe, *, progress: bool = True) -> TokenData | InstructionData:
-    """The run's tokens: data.source's text, or finetune.data's instruction examples
-    (tokenized with the base model's tokenizer and chat template)."""
+def prepare_data(recipe: Recipe, *, progress: bool = True):
+    """The run's tokens: data.source's text, or finetune.data's instruction examples,
+    preference.data's pairs or rl.data's prompts (tokenized with the base model's tokenizer
+    and chat template)."""
     d = recipe.data
-    if recipe.finetune.data or recipe.preference.data:
-        tokenizer, template = base_tokenizer(recipe)
-        prepare_rows = prepare_preferences if recipe.preference.data else prepare_instructions
-        return prepare_rows(
-            finetune_data_path(recipe.finetune.data or recipe.preference.data),
-            tokenizer,
-            seq_len=d.seq_len,
-            template=template,
-            val_fraction=d.val_fraction,
-            seed=d.split_seed,
-        )
+    if recipe.finetune.data or recipe.preference.data or recipe.rl.data:
+        return prepare_rows(recipe, *base_tokenizer(recipe))  # instructions, pairs or prompts
     return prepare(
         d.source.to_source(),
         d.tokenizer,
@@ -244,7 +231,7 @@ class RunSetup:
 
     out: Path
     recipe: Recipe
-    data: TokenData | InstructionData
+    data: TokenData | InstructionData | PromptData
     config: ModelConfig
     model: CausalLM | None  # None once `take_state` handed it to the loop
     opt_state: object
@@ -259,7 +246,7 @@ class RunSetup:
     flops_per_token: float  # for MFU (see eqllm.train.mfu)
     peak_flops: float | None  # the device's peak FLOP/s, None when unknown
     peak_source: str  # where `peak_flops` comes from
-    post: PreferenceRun | None = None  # a post-training objective's batches and evaluation
+    post: PreferenceRun | GrpoRun | None = None  # post-training batches and evaluation
 
     @property
     def tokens_per_step(self) -> int:
