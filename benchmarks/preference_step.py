@@ -86,18 +86,11 @@ def main():
     adapted = lora.apply(
         base, rank=8, alpha=16, targets=["q_proj", "v_proj"], key=jax.random.key(1)
     )
-    measure("LoRA (adapters off)", adapted, Preference("dpo", 0.1), batch, args.steps)
+    measure("LoRA (adapters off)", fresh(adapted), Preference("dpo", 0.1), batch, args.steps)
     cached = {**batch, "ref": jnp.zeros((args.pairs, 2))}
-    measure("full, cached reference", base, Preference("dpo", 0.1), cached, args.steps)
-    frozen = jax.tree.map(jnp.copy, eqx.filter(base, eqx.is_array))
-    frozen = eqx.combine(frozen, eqx.filter(base, eqx.is_array, inverse=True))
-    measure(
-        "full, reference on the fly",
-        base,
-        OnTheFly("dpo", 0.1),
-        {**batch, "reference": frozen},
-        args.steps,
-    )
+    measure("full, cached reference", fresh(base), Preference("dpo", 0.1), cached, args.steps)
+    on_the_fly = {**batch, "reference": fresh(base)}
+    measure("full, reference on the fly", fresh(base), OnTheFly("dpo", 0.1), on_the_fly, args.steps)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 as uninterrupted ones; the full fine-tuning reference is cached in the run folder."""
 
 import json
+import sys
+import types
 
 import jax
 import numpy as np
@@ -47,7 +49,7 @@ def _recipe(base, kind, method="lora", steps=6):
     }  # fmt: skip
     if kind == "grpo":
         values["rl"] = {
-            "data": str(base / "prompts.jsonl"), "reward": "format", "pattern": "[0-9]",
+            "data": str(base / "prompts.jsonl"), "reward": "toy_rewards:first_byte",
             "group_size": 2, "max_new_tokens": 4, "kl_coef": 0.1, "inner_updates": 2,
             "epsilon": 0.2,
         }  # fmt: skip
@@ -64,7 +66,11 @@ def _rows(out):
 
 
 @pytest.mark.parametrize(("kind", "method"), [("dpo", "lora"), ("ipo", "full"), ("grpo", "lora")])
-def test_resumed_run_equals_uninterrupted(base, tmp_path, kind, method):
+def test_resumed_run_equals_uninterrupted(base, tmp_path, monkeypatch, kind, method):
+    # A reward named as module:function, graded so that every group has advantages.
+    rewards = types.ModuleType("toy_rewards")
+    rewards.first_byte = lambda prompt, completion, example: float(len(completion.encode()))
+    monkeypatch.setitem(sys.modules, "toy_rewards", rewards)
     recipe = _recipe(base, kind, method)
     quiet = dict(progress=False, echo=lambda *a: None)
     loop.run(recipe, tmp_path / "a", final_eval=False, **quiet)
