@@ -71,6 +71,7 @@ def main():
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--only", choices=["lora", "cached", "on-the-fly"], default=None)
     args = parser.parse_args()
     base = eqllm.zoo.create(args.variant, key=jax.random.key(0))
     vocab = base.config.vocab_size
@@ -86,11 +87,16 @@ def main():
     adapted = lora.apply(
         base, rank=8, alpha=16, targets=["q_proj", "v_proj"], key=jax.random.key(1)
     )
-    measure("LoRA (adapters off)", fresh(adapted), Preference("dpo", 0.1), batch, args.steps)
-    cached = {**batch, "ref": jnp.zeros((args.pairs, 2))}
-    measure("full, cached reference", fresh(base), Preference("dpo", 0.1), cached, args.steps)
-    on_the_fly = {**batch, "reference": fresh(base)}
-    measure("full, reference on the fly", fresh(base), OnTheFly("dpo", 0.1), on_the_fly, args.steps)
+    if args.only in (None, "lora"):
+        lora_run = fresh(adapted)
+        measure("LoRA (adapters off)", lora_run, Preference("dpo", 0.1), batch, args.steps)
+    if args.only in (None, "cached"):
+        cached = {**batch, "ref": jnp.zeros((args.pairs, 2))}
+        measure("full, cached reference", fresh(base), Preference("dpo", 0.1), cached, args.steps)
+    if args.only in (None, "on-the-fly"):
+        on_the_fly = {**batch, "reference": fresh(base)}
+        objective = OnTheFly("dpo", 0.1)
+        measure("full, reference on the fly", fresh(base), objective, on_the_fly, args.steps)
 
 
 if __name__ == "__main__":
