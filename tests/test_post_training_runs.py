@@ -65,6 +65,7 @@ def _rows(out):
     return [{k: v for k, v in r.items() if k not in drop} for r in rows if "compile_s" not in r]
 
 
+@pytest.mark.slow  # three runs of the loop twice each: about a minute each on an idle CPU
 @pytest.mark.parametrize(("kind", "method"), [("dpo", "lora"), ("ipo", "full"), ("grpo", "lora")])
 def test_resumed_run_equals_uninterrupted(base, tmp_path, monkeypatch, kind, method):
     # A reward named as module:function, graded so that every group has advantages.
