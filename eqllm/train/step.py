@@ -96,6 +96,11 @@ class TrainStep:
     ):
         if grad_accum < 1:
             raise EqllmError(f"grad_accum={grad_accum} must be >= 1")
+        if pipeline is not None and objective is not None:
+            raise EqllmError(
+                "a pipelined step computes the causal LM loss only; run post-training objectives "
+                "with mesh.pipeline=1 and train.microbatches=1"
+            )
         self.optimizer = optimizer
         self.lr_schedule = lr_schedule
         self.grad_accum = grad_accum
