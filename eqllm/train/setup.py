@@ -263,6 +263,8 @@ class RunSetup:
         """This process's rows of step `step`'s global batch ((tokens, loss mask) for
         instruction data, a dict for post-training; RL rolls out with `model`)."""
         if self.post is not None:
+            if jax.process_count() > 1:
+                raise RecipeError("preference.data and rl.data run on one process only for now")
             return self.post.batch(step, model)
         if isinstance(self.data, InstructionData):
             if jax.process_count() > 1:
