@@ -264,3 +264,11 @@ def with_dropout_keys(model, key: PRNGKeyArray | None):
         model,
         is_leaf=is_lora,
     )
+
+
+def disabled(model):
+    """`model` with every adapter switched off: its base layers, the same arrays (no copy).
+
+    What the frozen starting model computes, for a reference in preference or RL training.
+    """
+    return jax.tree.map(lambda n: n.base if is_lora(n) else n, model, is_leaf=is_lora)

@@ -6,6 +6,7 @@ import jax
 
 from eqllm.data import MixtureData, TokenData, Tokenizer, prepare
 from eqllm.data.instruct import InstructionData
+from eqllm.data.prompts import PromptData
 from eqllm.eval.metrics import evaluate_tokens, loss_report, unigram_loss
 from eqllm.generation import generate_batch
 from eqllm.model import CausalLM
@@ -18,7 +19,7 @@ def eval_batch_size(recipe: Recipe) -> int:
 
 def evaluate_run(
     model: CausalLM,
-    data: TokenData | InstructionData,
+    data: TokenData | InstructionData | PromptData,
     recipe: Recipe,
     *,
     samples: bool = True,
@@ -64,7 +65,9 @@ def evaluate_run(
     return result
 
 
-def recipe_samples(model: CausalLM, data: TokenData | InstructionData, recipe: Recipe) -> list:
+def recipe_samples(
+    model: CausalLM, data: TokenData | InstructionData | PromptData, recipe: Recipe
+) -> list:
     """Samples for the recipe's eval.sample_prompts (as user turns, for instruction data)."""
     prompts = list(recipe.eval.sample_prompts)
     if isinstance(data, InstructionData):  # fine-tuned on instructions: ask in chat form

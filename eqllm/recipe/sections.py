@@ -23,6 +23,7 @@ Precision = Literal["float32", "bfloat16"]
 SourceKind = Literal["stdlib", "files", "jsonl", "hf"]
 FinetuneMethod = Literal["none", "lora", "full"]
 PackMethod = Literal["none", "first-fit", "best-fit"]
+PreferenceLoss = Literal["dpo", "ipo", "simpo"]
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]
@@ -158,6 +159,61 @@ class FinetuneSpec:
     targets: tuple[Str, ...] = ("q_proj", "v_proj")
     data: Str = ""
     pack: PackMethod = "none"
+
+
+@typing.no_type_check  # pydantic checks the fields
+@section
+class PreferenceSpec:
+    """Preference optimisation of the `model.init_from` weights (docs/post-training.md).
+
+    data: a JSONL file of pairs (`prompt`, `chosen`, `rejected`: strings or chat messages);
+        "" for none. Looked up like finetune.data. Needs finetune.method "lora" (the reference
+        is the base with the adapters off) or "full" (reference log-probabilities computed once
+        before training, cached in the run folder).
+    loss: "dpo", "ipo" or "simpo".
+    beta: the losses' inverse temperature (IPO's tau).
+    label_smoothing: conservative DPO's (and SimPO's) probability that a label is flipped.
+    gamma: SimPO's target reward margin.
+    """
+
+    data: Str = ""
+    loss: PreferenceLoss = "dpo"
+    beta: Annotated[Float, Field(gt=0)] = 0.1
+    label_smoothing: Annotated[Float, Field(ge=0, lt=0.5)] = 0.0
+    gamma: Annotated[Float, Field(ge=0)] = 0.5
+
+
+@typing.no_type_check  # pydantic checks the fields
+@section
+class RLSpec:
+    """Reinforcement learning with verifiable rewards (GRPO; docs/post-training.md).
+
+    data: a JSONL file of rows with a `prompt` (a string, continued as it is, or chat messages,
+        rendered with the chat template) and any other fields, handed to the reward; "" for none.
+    reward: "exact_match", "format", "reverse_digits" or "module:function" (eqllm.train.rewards).
+    pattern: the regular expression of "format", or the answer's extraction for "exact_match".
+    answer_field: the row field "exact_match" compares with.
+    group_size: completions sampled per prompt; train.batch_size counts completions.
+    kl_coef: weight of the k3 KL penalty against the starting model (0: none, no reference pass).
+    epsilon, epsilon_high: the ratio's clip range [1 - epsilon, 1 + epsilon_high] (0: epsilon).
+    normalization: "sequence" (GRPO), "token" (DAPO) or "constant" (Dr. GRPO).
+    max_new_tokens, temperature: sampling of the rollouts.
+    inner_updates: optimizer steps per batch of rollouts.
+    """
+
+    data: Str = ""
+    algorithm: Literal["grpo"] = "grpo"
+    reward: Str = "exact_match"
+    pattern: Str = ""
+    answer_field: Str = "answer"
+    group_size: Annotated[Int, Field(ge=2)] = 8
+    kl_coef: Annotated[Float, Field(ge=0)] = 0.0
+    epsilon: Annotated[Float, Field(gt=0, lt=1)] = 0.2
+    epsilon_high: Annotated[Float, Field(ge=0)] = 0.0
+    normalization: Literal["sequence", "token", "constant"] = "sequence"
+    max_new_tokens: Positive = 16
+    temperature: Annotated[Float, Field(gt=0)] = 1.0
+    inner_updates: Positive = 1
 
 
 @typing.no_type_check  # pydantic checks the fields

@@ -21,6 +21,8 @@ from eqllm.recipe.sections import (
     FinetuneSpec,
     ModelSpec,
     OptimSpec,
+    PreferenceSpec,
+    RLSpec,
     SourceSpec,
     Str,
     TrainSpec,
@@ -54,6 +56,8 @@ class Recipe:
     train: TrainSpec = Field(default_factory=TrainSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
     finetune: FinetuneSpec = Field(default_factory=FinetuneSpec)
+    preference: PreferenceSpec = Field(default_factory=PreferenceSpec)
+    rl: RLSpec = Field(default_factory=RLSpec)
     mesh: Annotated[MeshConfig, BeforeValidator(_strict_mesh)] = Field(default_factory=MeshConfig)
     name: Str = ""
     description: Str = ""
@@ -219,8 +223,56 @@ def _get(recipe: Recipe, path: str) -> Any:
     return getattr(getattr(recipe, section), key)
 
 
+def _check_rl(recipe: Recipe) -> None:
+    r = recipe.rl
+    if not r.data:
+        return
+    if not recipe.model.init_from:
+        raise RecipeError(
+            f"rl.data={r.data!r} needs model.init_from: the starting model (and its tokenizer) "
+            "that RL improves"
+        )
+    if recipe.finetune.data or recipe.preference.data:
+        raise RecipeError(
+            f"rl.data={r.data!r} with finetune.data or preference.data: a run trains one "
+            "objective; leave the others empty"
+        )
+    if finetune_data_path(r.data) is None:
+        raise RecipeError(
+            f"rl.data={r.data!r} does not exist (in the working directory or among eqllm's "
+            "shipped recipes); point it at a JSONL file of prompts"
+        )
+    if recipe.train.batch_size % r.group_size:
+        raise RecipeError(
+            f"rl.group_size={r.group_size} must divide train.batch_size="
+            f"{recipe.train.batch_size} (the completions per step)"
+        )
+    if r.max_new_tokens >= recipe.data.seq_len:
+        raise RecipeError(
+            f"rl.max_new_tokens={r.max_new_tokens} leaves no room for a prompt in "
+            f"data.seq_len={recipe.data.seq_len}; raise data.seq_len"
+        )
+
+
 def _check_finetune(recipe: Recipe) -> None:
-    f = recipe.finetune
+    _check_rl(recipe)
+    f, p = recipe.finetune, recipe.preference
+    if p.data:
+        if f.method == "none":
+            raise RecipeError(
+                f"preference.data={p.data!r} needs finetune.method 'lora' or 'full': the "
+                "reference is the starting model model.init_from"
+            )
+        if f.data:
+            raise RecipeError(
+                f"finetune.data={f.data!r} and preference.data={p.data!r}: a run trains one "
+                "objective; leave one of them empty"
+            )
+        if finetune_data_path(p.data) is None:
+            raise RecipeError(
+                f"preference.data={p.data!r} does not exist (in the working directory or among "
+                "eqllm's shipped recipes); point it at a JSONL file of preference pairs"
+            )
     if f.method != "none" and not recipe.model.init_from:
         raise RecipeError(
             f"finetune.method={f.method!r} needs a base: set model.init_from to a Hugging Face "

@@ -35,6 +35,7 @@ from eqllm.progress import progress_bar
 from eqllm.recipe import Recipe
 from eqllm.train.metrics import Throughput
 from eqllm.train.mfu import mfu
+from eqllm.train.post import OBJECTIVE_METRICS
 from eqllm.train.processes import agree_on_stop, barrier
 from eqllm.train.report import finish_run, summarize
 from eqllm.train.setup import (
@@ -202,13 +203,13 @@ def _train(
         with _Signals() as signals:
             if state.step < total:
                 with meter.loading():
-                    batch = setup.batch(state.step)
+                    batch = setup.batch(state.step, model)
             while state.step < total:
                 t_step = time.perf_counter()
                 model, opt_state, metrics = setup.train_step(model, opt_state, batch)
                 if state.step + 1 < total:  # build the next batch while the device computes
                     with meter.loading():
-                        batch = setup.batch(state.step + 1)
+                        batch = setup.batch(state.step + 1, model)
                 loss, finite = float(metrics["loss"]), bool(metrics["finite"])
                 state.step += 1
                 compile_row = meter.stepped(time.perf_counter() - t_step)
@@ -335,6 +336,8 @@ def _log_train(setup: RunSetup, state: RunState, meter: Throughput, metrics, bar
             "grad_norm/layer": [float(x) for x in m["grad_norm/layer"]],
             # A mixture of experts' load-balancing loss and per-layer expert load.
             **{k: m[k].tolist() for k in ("aux_loss", "expert_load") if k in m},
+            # A post-training objective's own metrics (eqllm.train.post).
+            **{k: float(m[k]) for k in OBJECTIVE_METRICS if k in m},
         }
     )
     postfix = {"loss": f"{loss:.3f}", "tok/s": f"{tokens_per_s:,.0f}"}
@@ -347,6 +350,11 @@ def _log_train(setup: RunSetup, state: RunState, meter: Throughput, metrics, bar
 def _evaluate(setup: RunSetup, state: RunState, model, bar) -> None:
     """Validation loss and bits per byte during training (one metrics row)."""
     seq_len, data = setup.recipe.data.seq_len, setup.data
+    held_out = setup.post.evaluate(model) if setup.post is not None else {}
+    if held_out:  # a post-training objective's metrics on held-out data
+        tokens = state.step * setup.tokens_per_step
+        setup.log.log({"step": state.step, "tokens": tokens, **held_out})
+        bar.write(f"step {state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in held_out.items()))
     if data.val.shape[0] <= seq_len:
         return
     vloss, _ = evaluate_tokens(

@@ -86,6 +86,11 @@ def finish_run(
 ) -> dict:
     """Evaluate (with `final_eval`), write summary.json, loss.png and report.md; the summary."""
     out, recipe, step = setup.out, setup.recipe, summary["steps"]
+    if final_eval and setup.post is not None:  # a post-training objective on held-out data
+        held_out = setup.post.evaluate(model)
+        summary.update(held_out)
+        if held_out:
+            setup.log.log({"step": step, "tokens": step * setup.tokens_per_step, **held_out})
     if final_eval:
         t_eval = time.perf_counter()
         result = evaluate_run(model, setup.data, recipe, progress=progress)
@@ -113,6 +118,7 @@ def finish_run(
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
         write_loss_plot(out)
         write_expert_load_plot(out)
+        write_objective_plot(out)
         write_report(out, recipe, summary)
         echo(f"report: {out / 'report.md'}")
     return summary
@@ -197,6 +203,37 @@ def write_expert_load_plot(out_dir: Path) -> Path | None:
     return path
 
 
+def write_objective_plot(out_dir: Path) -> Path | None:
+    """objective.png: a post-training objective's metrics (rewards, margins, accuracies, KL,
+    completion length) against steps, one panel each. None for other runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from eqllm.train.post import OBJECTIVE_METRICS
+
+    rows = read_metrics(out_dir)
+    names = [*OBJECTIVE_METRICS, "val_preference_accuracy", "val_reward_margin"]
+    series = {k: [(r["step"], r[k]) for r in rows if k in r] for k in names}
+    series = {k: v for k, v in series.items() if v}
+    if not series:
+        return None
+    fig, axes = plt.subplots(
+        len(series), 1, figsize=(7, 1.7 * len(series) + 0.8), dpi=120, sharex=True, squeeze=False
+    )
+    for ax, (name, points) in zip(axes[:, 0], series.items(), strict=True):
+        ax.plot(*zip(*points, strict=True), "o-" if name.startswith("val") else "-", ms=3)
+        ax.set_ylabel(name, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    path = Path(out_dir) / "objective.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def _fmt(value, spec: str = ".4f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -242,6 +279,10 @@ def write_report(out_dir: Path, recipe: Recipe, s: dict) -> Path:
     for label, r in s.get("extra", {}).items():
         lines.append(f"| {label} bits/byte | {_fmt(r['bpb'])} |")
     lines += ["", "![loss](loss.png)", ""]
+    if (Path(out_dir) / "objective.png").is_file():  # post-training
+        held = {k: v for k, v in s.items() if k.startswith("val_")}
+        lines += ["## Objective", ""] + [f"- {k}: {_fmt(v)}" for k, v in held.items()]
+        lines += ["", "![objective](objective.png)", ""]
     if (Path(out_dir) / "expert_load.png").is_file():  # a mixture of experts
         lines += ["## Expert load", "", "![expert load](expert_load.png)", ""]
     samples = s.get("samples") or []

@@ -15,17 +15,17 @@ from pathlib import Path
 
 import equinox as eqx
 import jax
-import numpy as np
 
 from eqllm import lora
 from eqllm.config import ModelConfig
 from eqllm.data import MixtureData, TokenData, Tokenizer, prepare
 from eqllm.data.chat import read_chat_template
-from eqllm.data.instruct import InstructionData, prepare_instructions
+from eqllm.data.instruct import InstructionData
+from eqllm.data.prompts import PromptData
 from eqllm.eval.evaluate import recipe_samples
 from eqllm.hub import from_pretrained, load_tokenizer, resolve
 from eqllm.model import CausalLM, param_count
-from eqllm.recipe import Recipe, RecipeError, finetune_data_path, load_recipe
+from eqllm.recipe import Recipe, RecipeError, load_recipe
 from eqllm.sharding import (
     batch_sharding,
     check_divisible,
@@ -42,6 +42,7 @@ from eqllm.train.metrics import MetricsLog
 from eqllm.train.mfu import cache_root, device_peak_flops, step_flops
 from eqllm.train.optim import make_optimizer, schedule
 from eqllm.train.pipeline import Pipeline
+from eqllm.train.post import GrpoRun, PreferenceRun, prepare_rows, start_post_training
 from eqllm.train.processes import process_zero_first, writes_run_files
 from eqllm.train.step import TrainStep, init_opt_state
 
@@ -60,21 +61,13 @@ def setup_compile_cache(setting: str) -> Path | None:
 
 def prepare_data(
     recipe: Recipe, *, progress: bool = True
-) -> TokenData | MixtureData | InstructionData:
-    """The run's tokens: data.source's text, or finetune.data's instruction examples
-    (tokenized with the base model's tokenizer and chat template)."""
+) -> TokenData | MixtureData | InstructionData | PromptData:
+    """The run's tokens: data.source's text or data.sources' mixture; or finetune.data's
+    instruction examples, preference.data's pairs or rl.data's prompts (tokenized with the base
+    model's tokenizer and chat template)."""
     d = recipe.data
-    if recipe.finetune.data:
-        tokenizer, template = base_tokenizer(recipe)
-        return prepare_instructions(
-            finetune_data_path(recipe.finetune.data),
-            tokenizer,
-            seq_len=d.seq_len,
-            template=template,
-            val_fraction=d.val_fraction,
-            seed=d.split_seed,
-            pack=recipe.finetune.pack,
-        )
+    if recipe.finetune.data or recipe.preference.data or recipe.rl.data:
+        return prepare_rows(recipe, *base_tokenizer(recipe))  # instructions, pairs or prompts
     if d.sources:
         return prepare_sources(recipe, progress=progress)
     return prepare(
@@ -244,7 +237,7 @@ class RunSetup:
 
     out: Path
     recipe: Recipe
-    data: TokenData | MixtureData | InstructionData
+    data: TokenData | MixtureData | InstructionData | PromptData
     config: ModelConfig
     model: CausalLM | None  # None once `take_state` handed it to the loop
     opt_state: object
@@ -260,6 +253,7 @@ class RunSetup:
     hardware_flops_per_token: float  # the same plus remat's recomputation, for HFU
     peak_flops: float | None  # the device's peak FLOP/s, None when unknown
     peak_source: str  # where `peak_flops` comes from
+    post: PreferenceRun | GrpoRun | None = None  # post-training batches and evaluation
 
     @property
     def tokens_per_step(self) -> int:
@@ -272,9 +266,13 @@ class RunSetup:
         self.model = self.opt_state = None
         return model, opt_state
 
-    def batch(self, step: int) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    def batch(self, step: int, model: CausalLM | None = None):
         """This process's rows of step `step`'s global batch ((tokens, loss mask) for
-        instruction data)."""
+        instruction data, a dict for post-training; RL rolls out with `model`)."""
+        if self.post is not None:
+            if jax.process_count() > 1:
+                raise RecipeError("preference.data and rl.data run on one process only for now")
+            return self.post.batch(step, model)
         if isinstance(self.data, InstructionData):
             if jax.process_count() > 1:
                 raise RecipeError("finetune.data runs on one process only for now")
@@ -337,6 +335,7 @@ def start_run(
         # The same prompts before and after, for the report (adapters start as the identity).
         before = recipe_samples(model, data, recipe) if recipe.eval.sample_prompts else []
         (out / "samples_before.json").write_text(json.dumps(before, indent=2) + "\n")
+    post = start_post_training(recipe, data, model, out, write=writer)  # before any restore
     mesh, model, shardings = place_on_mesh(recipe, model)
     pipeline = pipeline_of(recipe, mesh)
     optimizer = make_optimizer(recipe.optim, total, model)
@@ -350,6 +349,7 @@ def start_run(
         dropout_seed=recipe.train.seed,
         pipeline=pipeline,
         **document_masking(recipe, data),
+        objective=None if post is None else post.objective,
     )
     checkpoints = RunCheckpoints(out / "checkpoints", keep=recipe.train.keep_checkpoints)
     meta: dict = {"step": 0}
@@ -382,4 +382,5 @@ def start_run(
         hardware_flops_per_token=flops.hardware,
         peak_flops=peak,
         peak_source=peak_source,
+        post=post,
     )

@@ -80,7 +80,8 @@ class TrainStep:
         n_traces: how many times the step has been traced (1 after any number of steps with
             fixed shapes; more means something is recompiling it).
 
-    Metrics (device scalars unless noted): loss (the cross entropy), grad_norm (before
+    Metrics (device scalars unless noted): loss (the cross entropy, or the objective's loss
+    with its own metrics added: eqllm.train.objectives), grad_norm (before
     clipping), lr, update_norm, param_norm, finite (bool), grad_norm/layer (vector over layers);
     for a mixture of experts also aux_loss (the load-balancing loss, before its coefficient)
     and expert_load (layers x experts: the fraction of token assignments each expert got).
@@ -98,9 +99,15 @@ class TrainStep:
         pipeline: Pipeline | None = None,
         document_token: int | None = None,
         reset_positions: bool = False,
+        objective=None,
     ):
         if grad_accum < 1:
             raise EqllmError(f"grad_accum={grad_accum} must be >= 1")
+        if pipeline is not None and objective is not None:
+            raise EqllmError(
+                "a pipelined step computes the causal LM loss only; run post-training objectives "
+                "with mesh.pipeline=1 and train.microbatches=1"
+            )
         self.optimizer = optimizer
         self.lr_schedule = lr_schedule
         self.grad_accum = grad_accum
@@ -118,6 +125,9 @@ class TrainStep:
         # unless a batch brings its own segment ids), positions restarting per document.
         self.document_token = document_token
         self.reset_positions = reset_positions
+        # What the step minimises: `objective(model, batch) -> (loss, parts)` for a batch that
+        # is not (tokens, mask) (eqllm.train.objectives); None is the causal LM loss.
+        self.objective = objective
         # The batch goes first so that "all-except-first" donates exactly model and opt_state.
         self._compiled = eqx.filter_jit(self._step, donate="all-except-first")
 
@@ -132,7 +142,8 @@ class TrainStep:
             Int[np.ndarray, "batch window"],
             Bool[np.ndarray, "batch window-1"],
             Int[np.ndarray, "batch window"],
-        ],
+        ]
+        | dict,
         mask: Bool[np.ndarray, "batch window-1"] | Bool[Array, "batch window-1"] | None = None,
         segment_ids: Int[np.ndarray, "batch window"] | Int[Array, "batch window"] | None = None,
     ):
@@ -141,7 +152,10 @@ class TrainStep:
         `batch` may also be a (tokens, mask) pair, `mask` marking the targets `batch[:, 1:]` the
         loss is taken on (instruction data: the responses); no mask trains on every target.
         A (tokens, mask, segment_ids) triple, or `segment_ids`, packs documents into rows:
-        one id per token, attention kept inside each (`eqllm.data.pack_examples`)."""
+        one id per token, attention kept inside each (`eqllm.data.pack_examples`).
+        A dict batch goes to the step's objective as it is (arrays with a leading batch axis)."""
+        if isinstance(batch, dict):
+            return self._compiled((self._place(batch), None, None), model, opt_state)
         if isinstance(batch, tuple):
             batch, mask, *rest = batch
             segment_ids = rest[0] if rest else segment_ids
@@ -174,6 +188,20 @@ class TrainStep:
             mask = None if mask is None else place(mask)
             segment_ids = None if segment_ids is None else place(segment_ids)
         return self._compiled((batch, mask, segment_ids), model, opt_state)
+
+    def _place(self, batch: dict) -> dict:
+        """An objective's batch checked (its "tokens") and placed on the devices."""
+        if batch["tokens"].shape[0] % self.grad_accum:
+            raise DataError(
+                f"batch of {batch['tokens'].shape[0]} rows does not split into "
+                f"grad_accum={self.grad_accum} equal micro-batches"
+            )
+        if self.batch_sharding is None:
+            return {k: jnp.asarray(v) for k, v in batch.items()}
+        return {
+            k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
+            for k, v in batch.items()
+        }
 
     def lower(
         self,
@@ -232,6 +260,8 @@ class TrainStep:
                 ce = self.pipeline.loss(m, tokens, micro_mask, positions, segments)
                 return ce, {"ce": ce}
             m = m if fsdp is None else fsdp.outside_layers(m)
+            if self.objective is not None:  # the whole batch: `tokens` holds it
+                return self.objective(m, tokens)
             return training_loss(m, tokens, micro_mask, positions, segments)
 
         def grad_fn(p, micro):
@@ -249,7 +279,7 @@ class TrainStep:
             # Each micro-batch's loss is its own masked mean; with a mask, micro-batches of
             # different response lengths are weighted equally (as transformers' Trainer does).
             micro = jax.tree.map(
-                lambda x: x.reshape(self.grad_accum, -1, x.shape[-1]), (batch, mask, segment_ids)
+                lambda x: x.reshape(self.grad_accum, -1, *x.shape[1:]), (batch, mask, segment_ids)
             )
 
             def accumulate(carry, mb):
@@ -277,7 +307,7 @@ class TrainStep:
                 new_opt_state, shardings_like_params(new_opt_state, params, shardings)
             )
         metrics = {
-            "loss": parts.pop("ce"),
+            "loss": parts.pop("ce", loss),  # the cross entropy, or an objective's loss
             "grad_norm": grad_norm,
             "lr": jnp.asarray(self.lr_schedule(count), jnp.float32),
             "update_norm": optax.tree.norm(updates),

@@ -1,0 +1,230 @@
+"""Preference data: JSONL pairs of a prompt with a chosen and a rejected response.
+
+A record holds `prompt`, `chosen` and `rejected`, each a string or a list of chat messages
+(`{"role": ..., "content": ...}`), the shape of the common `*_binarized` preference sets: a
+string prompt is one user turn, a string response one assistant turn, and a response list that
+repeats the prompt's messages first (as UltraFeedback-binarized's do) has them dropped.
+
+Each side is rendered with the model's chat template (`eqllm.data.instruct.ChatFormat`): the
+prompt up to the generation prompt, then the response, which ends in the end-of-sequence id.
+The loss is taken on the response's tokens only. A pair longer than `seq_len + 1` tokens keeps
+its start and loses the end of its response (TRL's default `truncation_mode="keep_start"`); a
+prompt that leaves no response token in the window is refused, naming the line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from eqllm.data.errors import DataError, DataNotFound
+from eqllm.data.instruct import ROLES, ChatFormat, InstructionData, Messages, pad_rows
+from eqllm.data.tokenizer import Tokenizer
+
+FIELDS = ("prompt", "chosen", "rejected")
+
+
+def as_messages(value, field: str, where: str, role: str) -> Messages:
+    """`value` (a string: one `role` turn, or a list of messages) as checked chat messages."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise DataError(f"{where}: '{field}' is empty; give it some text or drop the pair")
+        return [{"role": role, "content": value}]
+    if not isinstance(value, list) or not value:
+        raise DataError(
+            f"{where}: '{field}' must be a non-empty string or list of chat messages, got "
+            f"{type(value).__name__}"
+        )
+    for i, m in enumerate(value):
+        ok = isinstance(m, dict) and m.get("role") in ROLES
+        if not ok or not isinstance(m.get("content"), str):
+            raise DataError(
+                f"{where}: {field}[{i}] needs 'role' (one of {list(ROLES)}) and a string "
+                f"'content', got {m!r}"
+            )
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def to_pair(record, where: str) -> tuple[Messages, Messages, Messages]:
+    """(prompt, chosen, rejected) messages of one record; DataError naming `where` if bad."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: a pair must be a JSON object, got {type(record).__name__}")
+    missing = [k for k in FIELDS if k not in record]
+    if missing:
+        raise DataError(
+            f"{where}: missing field(s) {missing}; a preference pair needs 'prompt', 'chosen' "
+            "and 'rejected' (strings or lists of chat messages)"
+        )
+    prompt = as_messages(record["prompt"], "prompt", where, "user")
+    sides = []
+    for field in ("chosen", "rejected"):
+        response = as_messages(record[field], field, where, "assistant")
+        if response[: len(prompt)] == prompt:  # *_binarized sets repeat the prompt
+            response = response[len(prompt) :]
+        if not response or not any(m["content"].strip() for m in response):
+            raise DataError(f"{where}: '{field}' has no response after the prompt; drop the pair")
+        if response[-1]["role"] != "assistant":
+            raise DataError(f"{where}: '{field}' must end with an assistant message")
+        sides.append(response)
+    if sides[0] == sides[1]:
+        raise DataError(
+            f"{where}: 'chosen' and 'rejected' are identical, so the pair prefers nothing; "
+            "drop it or fix the rejected response"
+        )
+    return prompt, sides[0], sides[1]
+
+
+def read_pairs(path: str | os.PathLike) -> list[tuple[Messages, Messages, Messages]]:
+    """The pairs of a JSONL file (or a JSON list); DataError naming the line and the field."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise DataNotFound(f"preference data file {str(file)!r} does not exist")
+    text = file.read_text(encoding="utf-8")
+    if file.suffix == ".json":
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{file}: not valid JSON ({e})") from None
+        if not isinstance(records, list):
+            raise DataError(f"{file}: a .json file must hold a list of pairs")
+        where = [f"{file} example {i}" for i in range(len(records))]
+    else:
+        records, where = [], []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{file} line {n}: not valid JSON ({e})") from None
+            where.append(f"{file} line {n}")
+    if not records:
+        raise DataError(f"{file} holds no preference pairs")
+    return [to_pair(r, w) for r, w in zip(records, where, strict=True)]
+
+
+def encode_response(
+    chat: ChatFormat, prompt: Messages, response: Messages
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """(ids, mask of the response tokens, prompt length in tokens) of prompt + response."""
+    head = chat.render(prompt, add_generation_prompt=True)
+    full = chat.render(prompt + response)
+    if not full.startswith(head):
+        raise DataError(
+            "the chat template does not render the prompt with its generation prompt as a prefix "
+            "of the conversation; eqllm cannot find the response to score"
+        )
+    prompt_ids = chat.encode_text(head)
+    response_ids = chat.encode_text(full[len(head) :].rstrip())
+    if not response_ids or response_ids[-1] != chat.tokenizer.eot_id:
+        response_ids.append(chat.tokenizer.eot_id)
+    ids = np.asarray(prompt_ids + response_ids, np.int64)
+    mask = np.arange(len(ids)) >= len(prompt_ids)
+    return ids, mask, len(prompt_ids)
+
+
+@dataclass
+class PreferenceData(InstructionData):
+    """Preference pairs as rows: `rows`/`mask` are the chosen sides (what the inherited token
+    views and evaluation use), `rejected`/`rejected_mask` the rejected ones, each
+    [n, seq_len + 1] token ids and [n, seq_len] target masks; `val_*` the held-out pairs.
+    `prompts` are the validation prompts' rendered text (for samples)."""
+
+    rejected: np.ndarray | None = None
+    rejected_mask: np.ndarray | None = None
+    val_rejected: np.ndarray | None = None
+    val_rejected_mask: np.ndarray | None = None
+
+    @property
+    def meta(self) -> dict:
+        return {**super().meta, "train_pairs": len(self.rows), "val_pairs": len(self.val_rows)}
+
+    def pick(self, step: int, *, seed: int, batch_size: int) -> np.ndarray:
+        """The training pairs of step `step`: a seeded permutation per epoch (pure in step)."""
+        n = len(self.rows)
+        index = np.arange(step * batch_size, (step + 1) * batch_size)
+        epochs, within = np.divmod(index, n)
+        picks = np.empty(batch_size, np.int64)
+        for epoch in np.unique(epochs):
+            order = np.random.default_rng([seed, int(epoch)]).permutation(n)
+            picks[epochs == epoch] = order[within[epochs == epoch]]
+        return picks
+
+    def batch_at(self, step: int, *, seed: int, batch_size: int) -> dict[str, np.ndarray]:
+        """Step `step`'s pairs: "tokens" [batch, 2, seq_len + 1] and "mask" [batch, 2, seq_len]
+        (chosen, then rejected, of each pair) and "index" [batch], the pairs' numbers."""
+        picks = self.pick(step, seed=seed, batch_size=batch_size)
+        return self.pairs(picks, split="train")
+
+    def pairs(self, index: np.ndarray, *, split: str) -> dict[str, np.ndarray]:
+        """The pairs `index` of a split as one batch (see `batch_at`)."""
+        if split == "train":
+            c, cm, r, rm = self.rows, self.mask, self.rejected, self.rejected_mask
+        else:
+            c, cm = self.val_rows, self.val_mask
+            r, rm = self.val_rejected, self.val_rejected_mask
+        return {
+            "tokens": np.stack([c[index], r[index]], axis=1),
+            "mask": np.stack([cm[index], rm[index]], axis=1),
+            "index": np.asarray(index, np.int64),
+        }
+
+
+def prepare_preferences(
+    path: str | os.PathLike,
+    tokenizer: Tokenizer,
+    *,
+    seq_len: int,
+    template: str | None = None,
+    val_fraction: float = 0.0,
+    seed: int = 0,
+) -> PreferenceData:
+    """Read, format, tokenize and pad the pairs of `path` (see the module docstring)."""
+    chat = ChatFormat(tokenizer, template)
+    pairs = read_pairs(path)
+    file = Path(path).expanduser()
+    lines = _line_numbers(file)
+    encoded = []
+    for i, (prompt, chosen, rejected) in enumerate(pairs):
+        sides = [encode_response(chat, prompt, side) for side in (chosen, rejected)]
+        if sides[0][2] >= seq_len:
+            raise DataError(
+                f"{file} {lines[i]}: the prompt has {sides[0][2]} tokens and leaves no response "
+                f"token within data.seq_len={seq_len}; raise data.seq_len or shorten the prompt"
+            )
+        encoded.append([s[:2] for s in sides])
+    order = np.random.default_rng(seed).permutation(len(encoded))
+    n_val = int(round(len(encoded) * val_fraction))
+    if n_val >= len(encoded):
+        raise DataError(f"{path}: {len(encoded)} pairs leave none to train on")
+    eot = tokenizer.eot_id
+    val, train = order[:n_val], order[n_val:]
+    rows, mask, cut = pad_rows([encoded[i][0] for i in train], seq_len, eot)
+    rej, rej_mask, rcut = pad_rows([encoded[i][1] for i in train], seq_len, eot)
+    val_rows, val_mask, vcut = pad_rows([encoded[i][0] for i in val], seq_len, eot)
+    val_rej, val_rej_mask, vrcut = pad_rows([encoded[i][1] for i in val], seq_len, eot)
+    return PreferenceData(
+        rows,
+        mask,
+        val_rows,
+        val_mask,
+        tokenizer,
+        cut + rcut + vcut + vrcut,
+        template,
+        rejected=rej,
+        rejected_mask=rej_mask,
+        val_rejected=val_rej,
+        val_rejected_mask=val_rej_mask,
+    )
+
+
+def _line_numbers(file: Path) -> list[str]:
+    """'line N' (JSONL) or 'example i' (JSON) for each pair, in order."""
+    if file.suffix == ".json":
+        return [f"example {i}" for i in range(len(json.loads(file.read_text())))]
+    text = file.read_text(encoding="utf-8").splitlines()
+    return [f"line {n}" for n, line in enumerate(text, 1) if line.strip()]

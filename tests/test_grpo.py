@@ -1,0 +1,137 @@
+"""GRPO: the loss against a direct NumPy computation, REINFORCE's gradient, rollouts."""
+
+import json
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqllm
+from eqllm.train.grpo import Grpo, group_advantages, grpo_loss
+from eqllm.train.objectives import token_logps
+
+
+def _numpy_grpo(logps, old, ref, rewards, mask, group, eps, eps_high, beta, norm, max_new):
+    """The published formula, written out directly."""
+    r = rewards.reshape(-1, group).astype(np.float64)
+    adv = (r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-4)
+    adv = adv.reshape(-1, 1)
+    logps, old, ref = (x.astype(np.float64) for x in (logps, old, ref))
+    ratio = np.exp(logps - old)
+    surrogate = np.minimum(ratio * adv, np.clip(ratio, 1 - eps, 1 + eps_high) * adv)
+    kl = np.exp(ref - logps) - (ref - logps) - 1
+    per_token = -(surrogate - beta * kl)
+    m = mask.astype(np.float64)
+    if norm == "sequence":
+        return np.mean((per_token * m).sum(1) / m.sum(1))
+    if norm == "token":
+        return (per_token * m).sum() / m.sum()
+    return (per_token * m).sum() / (m.shape[0] * max_new)
+
+
+@pytest.mark.parametrize("norm", ["sequence", "token", "constant"])
+def test_grpo_loss_equals_numpy(norm):
+    rng = np.random.default_rng(0)
+    batch, targets, group = 8, 12, 4
+    logps = rng.normal(-2, 0.5, (batch, targets)).astype(np.float32)
+    old = (logps + rng.normal(0, 0.3, logps.shape)).astype(np.float32)  # ratios get clipped
+    ref = (logps + rng.normal(0, 0.2, logps.shape)).astype(np.float32)
+    rewards = rng.integers(0, 3, batch).astype(np.float32)
+    mask = np.arange(targets)[None] < rng.integers(3, targets + 1, (batch, 1))
+    loss, parts = grpo_loss(
+        jnp.asarray(logps), jnp.asarray(old), jnp.asarray(ref),
+        jnp.asarray(group_advantages(rewards, group)), jnp.asarray(mask),
+        epsilon=0.2, epsilon_high=0.28, kl_coef=0.05, normalization=norm, max_new_tokens=16,
+    )  # fmt: skip
+    expected = _numpy_grpo(logps, old, ref, rewards, mask, group, 0.2, 0.28, 0.05, norm, 16)
+    assert abs(float(loss) - expected) < 1e-6
+    assert 0 < float(parts["clip_fraction"]) < 1
+
+
+def test_one_update_without_clipping_is_reinforce_with_a_group_baseline():
+    """With rho = 1 (one inner update) and no KL, the GRPO gradient equals that of
+    -mean_i A_i mean_t log pi(o_it): REINFORCE with the group mean as baseline."""
+    model = eqllm.zoo.create(
+        "llama-nano", d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64,
+        vocab_size=64, key=jax.random.key(0),
+    )  # fmt: skip
+    rng = np.random.default_rng(1)
+    tokens = jnp.asarray(rng.integers(0, 64, (6, 10)))
+    mask = jnp.asarray(np.arange(9)[None] >= rng.integers(2, 6, (6, 1)))
+    rewards = np.array([1.0, 0.0, 0.5, 0.0, 1.0, 1.0], np.float32)
+    adv = jnp.asarray(group_advantages(rewards, 3))
+    batch = {"tokens": tokens, "mask": mask, "advantages": adv, "rewards": jnp.asarray(rewards)}
+    objective = Grpo(epsilon=0.2, epsilon_high=0.2, kl_coef=0.0, normalization="sequence")
+    (_, parts), grads = eqx.filter_value_and_grad(objective, has_aux=True)(model, batch)
+
+    def reinforce(model):
+        logp = token_logps(model, tokens)
+        per_seq = jnp.sum(jnp.where(mask, logp, 0.0), -1) / mask.sum(-1)
+        return -jnp.mean(adv * per_seq)
+
+    expected = eqx.filter_grad(reinforce)(model)
+    for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-7)
+    assert float(parts["reward_mean"]) == pytest.approx(rewards.mean())
+    assert float(parts["clip_fraction"]) == 0.0
+
+
+def test_group_of_equal_rewards_has_no_advantage():
+    scale = 1 / (np.std([0.0, 1.0], ddof=1) + 1e-4)
+    expected = [0, 0, -0.5 * scale, 0.5 * scale]
+    np.testing.assert_allclose(group_advantages(np.array([1, 1, 0, 1.0]), 2), expected, rtol=1e-6)
+
+
+def test_rollouts_are_deterministic_for_a_seed_and_train():
+    from eqllm.data import Tokenizer
+    from eqllm.recipe import OptimSpec
+    from eqllm.train import TrainStep, init_opt_state, make_optimizer, schedule
+    from eqllm.train.rollouts import rollout
+
+    tok = Tokenizer.bytes()
+    model = eqllm.zoo.create(
+        "llama-nano", d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64,
+        vocab_size=tok.vocab_size, key=jax.random.key(0),
+    )  # fmt: skip
+    examples = [{"prompt": "12>", "answer": "21"}, {"prompt": "345>", "answer": "543"}]
+    prompts = [tok.encode(e["prompt"]) for e in examples]
+
+    def reward(prompt, completion, example):
+        return float(completion.startswith(example["answer"][:1]))
+
+    def run(seed, step):
+        return rollout(
+            model, prompts, examples, decode=tok.decode, reward=reward, group_size=4,
+            max_new_tokens=6, temperature=1.0, eos_id=tok.eot_id, width=12, seed=seed, step=step,
+        )  # fmt: skip
+
+    a, b, c = run(0, 3), run(0, 3), run(1, 3)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+    assert not np.array_equal(a["tokens"], c["tokens"])
+    assert a["tokens"].shape == (8, 12) and a["mask"].sum(1).min() >= 1
+    # The completion's targets start right after the prompt.
+    assert a["mask"][0, len(prompts[0]) - 1] and not a["mask"][0, len(prompts[0]) - 2]
+    optimizer = make_optimizer(OptimSpec(lr=1e-2, warmup_steps=0), 3, model)
+    step = TrainStep(optimizer, schedule(OptimSpec(), 3), objective=Grpo(max_new_tokens=6))
+    state = init_opt_state(optimizer, model)
+    for i in range(2):
+        model, state, metrics = step(model, state, run(0, i))
+        assert bool(metrics["finite"])
+    assert step.n_traces == 1  # new rollouts, new weights: no recompilation
+
+
+def test_built_in_rewards():
+    from eqllm.train.rewards import reward_of
+
+    exact = reward_of("exact_match", r"answer: (\d+)")
+    assert exact("", "so answer: 12 or answer: 42", {"answer": 42}) == 1.0
+    assert exact("", "answer: 41", {"answer": 42}) == 0.0
+    assert reward_of("exact_match")("", " 42\nmore", {"answer": "42"}) == 1.0
+    fmt = reward_of("format", r"^<think>.*</think>")
+    assert fmt("", "<think>x</think> 1", {}) == 1.0 and fmt("", "1", {}) == 0.0
+    assert reward_of("reverse_digits")("", "274\n", {"answer": "274"}) == 1.0
+    assert reward_of("reverse_digits")("", "2x4", {"answer": "274"}) == pytest.approx(2 / 3)
+    assert reward_of("json:dumps") is json.dumps
