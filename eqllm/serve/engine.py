@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eqllm.errors import EqllmError
-from eqllm.generation import GenerationError, Sampling, sampling
+from eqllm.generation import GenerationError, sampling
 from eqllm.generation.api import MIN_BUCKET
 from eqllm.model import CausalLM
 from eqllm.serve.steps import compiled, empty_state
@@ -164,6 +164,7 @@ class Engine:
                 ("repetition_penalty", np.float32),
             )
         }
+        self.cancelled = 0  # requests stopped by a cancel (a client that went away)
         self._waiting: deque[Request] = deque()
         self._wake = threading.Condition()
         self._running = False
@@ -301,6 +302,7 @@ class Engine:
             self._decode(active)
 
     def _finish(self, request: Request, reason: str) -> None:
+        self.cancelled += request.cancelled
         if request.slot is not None and self._slots[request.slot] is request:
             self._slots[request.slot] = None
         request.sink(Finished(reason, len(request.prompt), request.produced))
@@ -376,8 +378,9 @@ class Engine:
         request.sink(PromptScores((None, *logprobs[:n].tolist()), (None, *tops)))
 
     def _batch_settings(self):
-        s = self._settings
-        return Sampling(**{k: jnp.asarray(v) for k, v in s.items()})
+        # One value per slot: built from the leaves, since Sampling's fields are scalars.
+        structure = jax.tree.structure(sampling())
+        return jax.tree.unflatten(structure, [jnp.asarray(v) for v in self._settings.values()])
 
 
 def _fields(out):
