@@ -49,11 +49,11 @@ class Params:
     token is the last one emitted); `prompt_logprobs` also scores every prompt token."""
 
     max_tokens: int
-    temperature: float = 1.0
+    temperature: float | int = 1.0
     top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_p: float | int | None = None
+    min_p: float | int | None = None
+    repetition_penalty: float | int | None = None
     seed: int | None = None
     stop_tokens: tuple[int, ...] = ()
     prompt_logprobs: bool = False
