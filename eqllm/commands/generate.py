@@ -24,6 +24,7 @@ from eqllm.data.instruct import ChatFormat, chat_template_of
 from eqllm.errors import EqllmError
 from eqllm.generation import GenerationError, sampling, stream
 from eqllm.model import CausalLM
+from eqllm.nn import quantize
 
 HELP = """commands:
   /temp T      temperature (0: greedy)      /topk K   top-k (0: off)
@@ -246,7 +247,9 @@ def interactive(
 
 def run(args: argparse.Namespace) -> int:
     """The `eqllm generate` command."""
-    model, tokenizer = loading.load(args.model, seed=args.seed)
+    model, tokenizer = loading.load(args.model, seed=args.seed, dtype=args.dtype)
+    if args.quantize is not None:
+        model = quantize(model, args.quantize)
     if args.tokenizer is not None:
         tokenizer = Tokenizer.from_spec(args.tokenizer)
     settings = Settings(
@@ -293,6 +296,8 @@ def add_parser(commands) -> None:
     )
     p.add_argument("--tokenizer", default=None, help="tokenizer spec: bytes, a path or org/name")
     p.add_argument("--chunk", type=int, default=16, help="tokens per compiled decode call")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights")
     p.add_argument(
         "--chat", action="store_true", help="format prompts with the model's chat template"
     )

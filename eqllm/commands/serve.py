@@ -34,16 +34,6 @@ def chat_format_of(spec: str, tokenizer: Tokenizer | None) -> ChatFormat | None:
     return ChatFormat(tokenizer, chat_template_of(folder) if folder else None)
 
 
-def load_for_serving(
-    spec: str, *, dtype: str | None, quantization: str | None, seed: int = 0
-) -> tuple:
-    """(model, tokenizer) as `eqllm serve` and `eqllm generate` run them."""
-    model, tokenizer = loading.load(spec, dtype=dtype, seed=seed)
-    if quantization is not None:
-        model = quantize(model, quantization)
-    return model, tokenizer
-
-
 def run(args: argparse.Namespace) -> int:
     """The `eqllm serve` command."""
     logging.basicConfig(level=logging.INFO, format="eqllm serve: %(message)s")
@@ -51,9 +41,9 @@ def run(args: argparse.Namespace) -> int:
     if args.api_key is not None and not args.api_key:
         raise EqllmError("--api-key is empty; give a key or leave the option out")
     start = time.perf_counter()
-    model, tokenizer = load_for_serving(
-        args.model, dtype=args.dtype, quantization=args.quantize, seed=args.seed
-    )
+    model, tokenizer = loading.load(args.model, dtype=args.dtype, seed=args.seed)
+    if args.quantize is not None:
+        model = quantize(model, args.quantize)
     if args.tokenizer is not None:
         tokenizer = Tokenizer.from_spec(args.tokenizer)
     engine = Engine(
