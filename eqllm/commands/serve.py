@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import time
 from pathlib import Path
 
@@ -36,8 +37,12 @@ def chat_format_of(spec: str, tokenizer: Tokenizer | None) -> ChatFormat | None:
 
 def run(args: argparse.Namespace) -> int:
     """The `eqllm serve` command."""
-    logging.basicConfig(level=logging.INFO, format="eqllm serve: %(message)s")
     log = logging.getLogger("eqllm.serve")
+    handler = logging.StreamHandler()  # our own: libraries may have configured the root logger
+    handler.setFormatter(logging.Formatter("eqllm serve: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
     if args.api_key is not None and not args.api_key:
         raise EqllmError("--api-key is empty; give a key or leave the option out")
     start = time.perf_counter()
@@ -75,7 +80,11 @@ def run(args: argparse.Namespace) -> int:
         log_level="warning",
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
-    uvicorn.Server(config).run()  # handles SIGTERM / SIGINT: stops accepting, drains, returns
+    # uvicorn handles SIGTERM / SIGINT (stop accepting, drain, return), then raises the signal
+    # again for the handler in place before it: a no-op one, so a clean shutdown exits 0.
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, lambda *_: None)
+    uvicorn.Server(config).run()
     log.info("stopped")
     return 0
 
