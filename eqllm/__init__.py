@@ -24,6 +24,7 @@ _EXPORTS = {
     "configure_process": "eqllm.hostmem",
     "generate": "eqllm.generation",
     "generate_batch": "eqllm.generation",
+    "quantize": "eqllm.nn",
 }
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "hub",
     "lora",
     "nn",
+    "quantize",
     "zoo",
 ]
 __version__ = "0.1.0"
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
     from eqllm.generation import generate, generate_batch
     from eqllm.hostmem import configure_process
     from eqllm.model import CausalLM
+    from eqllm.nn import quantize
 
 
 def __getattr__(name: str):

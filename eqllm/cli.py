@@ -10,7 +10,18 @@ import argparse
 import sys
 import warnings
 
-from eqllm.commands import analyze, bench, convert, coordcheck, fit, generate, run, sweep, zoo
+from eqllm.commands import (
+    analyze,
+    bench,
+    convert,
+    coordcheck,
+    fit,
+    generate,
+    run,
+    serve,
+    sweep,
+    zoo,
+)
 from eqllm.commands import eval as eval_
 from eqllm.errors import EqllmError
 from eqllm.hostmem import configure_process
@@ -19,7 +30,19 @@ from eqllm.hostmem import configure_process
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eqllm", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    for command in (zoo, convert, generate, run, eval_, bench, analyze, coordcheck, sweep, fit):
+    for command in (
+        zoo,
+        convert,
+        generate,
+        run,
+        eval_,
+        bench,
+        analyze,
+        coordcheck,
+        sweep,
+        fit,
+        serve,
+    ):
         command.add_parser(commands)
     return parser
 

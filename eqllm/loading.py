@@ -20,6 +20,8 @@ import jax
 from eqllm import lora
 from eqllm.config import DType, ModelConfig
 from eqllm.data import Tokenizer
+from eqllm.data.chat import read_chat_template
+from eqllm.data.instruct import ChatFormat
 from eqllm.errors import EqllmError
 from eqllm.hub import (
     load_any,
@@ -48,6 +50,14 @@ def run_folder_of(spec: str | os.PathLike) -> tuple[Path, int | None] | None:
         if (path.parent.parent / "config.toml").is_file():
             return path.parent.parent, int(path.name)
     return None
+
+
+def chat_format_of(spec: str, tokenizer: Tokenizer) -> ChatFormat:
+    """The chat format of the model `spec` names: the chat template of its folder (or run
+    folder) as transformers finds it, else eqllm's default (said once)."""
+    run = run_folder_of(spec)
+    folder = run[0] if run else (Path(spec) if Path(spec).is_dir() else None)
+    return ChatFormat(tokenizer, read_chat_template(folder))
 
 
 def load_run(run_dir: Path, step: int | None = None, overrides: list[str] | None = None):

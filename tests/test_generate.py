@@ -333,8 +333,8 @@ def tiny_zoo(monkeypatch, models):
     """`eqllm generate tiny` loads the tiny mistral (the zoo's smallest models are still big)."""
     real = generate_command.loading.load
 
-    def load(spec, *, seed=0):
-        return (models["mistral"], None) if spec == "tiny" else real(spec, seed=seed)
+    def load(spec, *, seed=0, dtype=None):
+        return (models["mistral"], None) if spec == "tiny" else real(spec, seed=seed, dtype=dtype)
 
     monkeypatch.setattr(generate_command.loading, "load", load)
 
@@ -350,6 +350,16 @@ def test_cli_prompt_streams_token_ids(models, tiny_zoo, capsys):
     argv = ["generate", "tiny", "--prompt", "1 2 3", "--max-new-tokens", str(NEW)]
     assert cli.main([*argv, "--temperature", "0", "--chunk", "4"]) == 0
     assert capsys.readouterr().out.strip() == _greedy(models, [1, 2, 3], NEW)
+
+
+def test_cli_quantize_int8_generates_what_the_quantized_model_does(models, tiny_zoo, capsys):
+    argv = ["generate", "tiny", "--prompt", "1 2 3", "--max-new-tokens", str(NEW)]
+    assert cli.main([*argv, "--temperature", "0", "--chunk", "4", "--quantize", "int8"]) == 0
+    quantized = eqllm.quantize(models["mistral"], "int8")
+    want = eqllm.generate(
+        quantized, [1, 2, 3], max_new_tokens=NEW, key=jax.random.key(0), temperature=0
+    )
+    assert capsys.readouterr().out.strip() == " ".join(map(str, want.tolist()))
 
 
 def test_cli_errors(tiny_zoo, capsys):

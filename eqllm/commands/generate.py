@@ -13,18 +13,16 @@ import argparse
 import dataclasses
 import sys
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
 
 from eqllm import loading
 from eqllm.data import Tokenizer
-from eqllm.data.chat import read_chat_template
-from eqllm.data.instruct import ChatFormat
 from eqllm.errors import EqllmError
 from eqllm.generation import GenerationError, sampling, stream
 from eqllm.model import CausalLM
+from eqllm.nn import quantize
 
 HELP = """commands:
   /temp T      temperature (0: greedy)      /topk K   top-k (0: off)
@@ -123,9 +121,7 @@ class Chat:
     def __init__(self, spec: str, tokenizer: Tokenizer | None):
         if tokenizer is None:
             raise GenerationError("--chat needs a tokenizer: give --tokenizer or a model with one")
-        run = loading.run_folder_of(spec)
-        folder = run[0] if run else (Path(spec) if Path(spec).is_dir() else None)
-        self.format = ChatFormat(tokenizer, read_chat_template(folder))
+        self.format = loading.chat_format_of(spec, tokenizer)
         self.messages: list[dict[str, str]] = []
 
     def prompt(self, text: str) -> list[int]:
@@ -247,7 +243,9 @@ def interactive(
 
 def run(args: argparse.Namespace) -> int:
     """The `eqllm generate` command."""
-    model, tokenizer = loading.load(args.model, seed=args.seed)
+    model, tokenizer = loading.load(args.model, seed=args.seed, dtype=args.dtype)
+    if args.quantize is not None:
+        model = quantize(model, args.quantize)
     if args.tokenizer is not None:
         tokenizer = Tokenizer.from_spec(args.tokenizer)
     settings = Settings(
@@ -294,6 +292,8 @@ def add_parser(commands) -> None:
     )
     p.add_argument("--tokenizer", default=None, help="tokenizer spec: bytes, a path or org/name")
     p.add_argument("--chunk", type=int, default=16, help="tokens per compiled decode call")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights")
     p.add_argument(
         "--chat", action="store_true", help="format prompts with the model's chat template"
     )

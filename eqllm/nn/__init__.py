@@ -4,7 +4,15 @@ from eqllm.nn.attention import Attention, attention_mask, dot_product_attention
 from eqllm.nn.block import Block
 from eqllm.nn.fused_attention import fused_attention
 from eqllm.nn.kv_cache import KVCache
-from eqllm.nn.linear import Embedding, ExpertLinear, Linear, ParamInfo, param_info
+from eqllm.nn.linear import (
+    Embedding,
+    ExpertLinear,
+    Int8Linear,
+    Linear,
+    ParamInfo,
+    param_info,
+    quantize,
+)
 from eqllm.nn.mlp import MLP, GatedMLP
 from eqllm.nn.moe import MoE, expert_load, load_balancing_loss
 from eqllm.nn.norm import LayerNorm, RMSNorm
@@ -17,6 +25,7 @@ __all__ = [
     "Embedding",
     "ExpertLinear",
     "GatedMLP",
+    "Int8Linear",
     "KVCache",
     "LayerNorm",
     "Linear",
@@ -30,5 +39,6 @@ __all__ = [
     "expert_load",
     "load_balancing_loss",
     "param_info",
+    "quantize",
     "rope_inv_freq",
 ]

@@ -17,7 +17,9 @@ from typing import Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, Int8, PRNGKeyArray
+
+from eqllm.errors import EqllmError
 
 # The logical axis names of eqllm's layers; `eqllm.sharding` maps each to mesh axes.
 Axis = Literal["vocab", "d_model", "heads", "kv_heads", "d_ff", "positions", "expert"]
@@ -100,6 +102,58 @@ class Linear(eqx.Module):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+class Int8Linear(Linear):
+    """A `Linear` whose weight is stored in int8 with one fp scale per output channel.
+
+    Weight-only quantisation: `weight ~ int8 * scale[:, None]` with `scale = max|w_row| / 127`
+    (symmetric, round to nearest), so each row keeps its own range; the activations stay in
+    the compute dtype. Build it from a trained layer with `Int8Linear(linear)` (any leading
+    `layers` axes are kept), or a whole model with `quantize(model, "int8")`.
+    """
+
+    weight: Int8[Array, "d_out d_in"]
+    scale: Float[Array, " d_out"]
+
+    def __init__(self, linear: Linear):
+        w = linear.weight.astype(jnp.float32)
+        amax = jnp.max(jnp.abs(w), axis=-1)
+        scale = jnp.where(amax > 0, amax / 127.0, 1.0)  # an all-zero row keeps scale 1
+        self.weight = jnp.clip(jnp.round(w / scale[..., None]), -127, 127).astype(jnp.int8)
+        self.scale = scale.astype(linear.weight.dtype)
+        self.bias = linear.bias
+        self.axes = linear.axes
+        self.init = linear.init
+
+    @jax.named_scope("eqllm.Int8Linear")
+    def __call__(self, x: Float[Array, "*rows d_in"], **kwargs) -> Float[Array, "*rows d_out"]:
+        # The int8 -> compute dtype conversion sits next to the product for XLA to fuse; the
+        # per-channel scale multiplies the (rows, out) result, not the weight.
+        y = rows_times(x, self.weight.astype(x.dtype), **kwargs)
+        y = y * self.scale.astype(y.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+QUANTIZATIONS = ("int8",)
+
+
+def quantize(tree, kind: str = "int8"):
+    """`tree` (a model, or any tree of layers) with every `Linear` replaced by its `Int8Linear`.
+
+    Embeddings (and a head tied to them), norms and mixture-of-experts weights stay as they
+    are. Merge LoRA adapters first (`eqllm.lora.merge`): an adapter's own layers would be
+    quantised too.
+    """
+    if kind not in QUANTIZATIONS:
+        raise EqllmError(f"quantize kind={kind!r}: choose one of {list(QUANTIZATIONS)}")
+
+    def plain(x) -> bool:
+        return isinstance(x, Linear) and not isinstance(x, Int8Linear)
+
+    return jax.tree.map(lambda x: Int8Linear(x) if plain(x) else x, tree, is_leaf=plain)
 
 
 class Embedding(eqx.Module):
@@ -222,9 +276,13 @@ def param_info(tree):
             bias = None
             if node.bias is not None:
                 bias = ParamInfo(leading(node.bias, node.axes[:1]), "zeros", False)
-            return eqx.tree_at(
+            node = eqx.tree_at(
                 lambda m: (m.weight, m.bias), node, (weight, bias), is_leaf=lambda x: x is None
             )
+            if isinstance(node, Int8Linear):  # the scales are split like the output channels
+                scale = ParamInfo(leading(node.scale, node.axes[:1]), None, False)
+                node = eqx.tree_at(lambda m: m.scale, node, scale)
+            return node
         if isinstance(node, ExpertLinear):
             weight = ParamInfo(leading(node.weight, node.axes), node.init, True, role_of(node.axes))
             return eqx.tree_at(lambda m: m.weight, node, weight)

@@ -1,0 +1,109 @@
+"""`eqllm serve`: an OpenAI-compatible server for any model eqllm loads.
+
+The model is loaded (optionally cast to bfloat16 or quantized to int8 weights), the engine's
+compiled shapes are listed and compiled, and only then does the server listen, on 127.0.0.1
+unless `--host` says otherwise. SIGTERM or Ctrl-C stops accepting connections, lets the
+requests in flight finish, and exits 0. See docs/serve.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import time
+from pathlib import Path
+
+import uvicorn
+
+from eqllm import loading
+from eqllm.data import Tokenizer
+from eqllm.data.instruct import ChatFormat
+from eqllm.errors import EqllmError
+from eqllm.nn import quantize
+from eqllm.serve import Engine
+from eqllm.serve.app import Service, create_app
+
+
+def chat_format_of(spec: str, tokenizer: Tokenizer | None) -> ChatFormat | None:
+    """The model's chat format: the chat template of its folder (or run folder), else eqllm's
+    default; None without a tokenizer. The same reading as `eqllm generate --chat`."""
+    if tokenizer is None:
+        return None
+    return loading.chat_format_of(spec, tokenizer)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The `eqllm serve` command."""
+    log = logging.getLogger("eqllm.serve")
+    handler = logging.StreamHandler()  # our own: libraries may have configured the root logger
+    handler.setFormatter(logging.Formatter("eqllm serve: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    if args.api_key is not None and not args.api_key:
+        raise EqllmError("--api-key is empty; give a key or leave the option out")
+    start = time.perf_counter()
+    model, tokenizer = loading.load(args.model, dtype=args.dtype, seed=args.seed)
+    if args.quantize is not None:
+        model = quantize(model, args.quantize)
+    if args.tokenizer is not None:
+        tokenizer = Tokenizer.from_spec(args.tokenizer)
+    engine = Engine(
+        model,
+        max_batch=args.max_batch,
+        max_len=args.max_len,
+        prefill_chunk=args.prefill_chunk,
+        max_queue=args.max_queue,
+    )
+    log.info("loaded %s in %.1f s; compiling:", args.model, time.perf_counter() - start)
+    for line in engine.shapes():
+        log.info("  %s", line)
+    warm = time.perf_counter()
+    engine.warm()
+    log.info("compiled in %.1f s", time.perf_counter() - warm)
+    name = args.served_model_name or Path(args.model.rstrip("/")).name
+    service = Service(
+        engine,
+        tokenizer,
+        model_name=name,
+        chat_format=chat_format_of(args.model, tokenizer),
+        api_key=args.api_key,
+    )
+    log.info("ready: model %r on http://%s:%d/v1", name, args.host, args.port)
+    config = uvicorn.Config(
+        create_app(service),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    # uvicorn handles SIGTERM / SIGINT (stop accepting, drain, return), then raises the signal
+    # again for the handler in place before it: a no-op one, so a clean shutdown exits 0.
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, lambda *_: None)
+    uvicorn.Server(config).run()
+    log.info("stopped")
+    return 0
+
+
+def add_parser(commands) -> None:
+    """Register `eqllm serve` on the CLI's subcommands."""
+    p = commands.add_parser(
+        "serve", help="an OpenAI-compatible server (continuous batching)", description=__doc__
+    )
+    p.add_argument("model", help="a zoo name, HF folder or repo id, eqllm folder or run folder")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: local only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=32, help="requests decoded together")
+    p.add_argument("--max-len", type=int, default=None, help="prompt + output tokens per request")
+    p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per chunk")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send")
+    p.add_argument("--tokenizer", default=None, help="tokenizer spec: bytes, a path or org/name")
+    p.add_argument("--seed", type=int, default=0, help="weights of a zoo name")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain")
+    p.set_defaults(func=run)

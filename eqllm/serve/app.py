@@ -1,0 +1,344 @@
+"""The OpenAI-compatible HTTP app (FastAPI) on an `Engine`.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (the model's chat template), both
+streamed as server-sent events ending in `data: [DONE]` when asked; `GET /v1/models`;
+`GET /health`. Bad input gets OpenAI's error body with a 4xx status and one log line; a full
+queue gets 429, a server shutting down 503. A client that goes away cancels its requests, which
+frees their slots at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from eqllm.data import Tokenizer
+from eqllm.data.instruct import ChatFormat
+from eqllm.errors import EqllmError
+from eqllm.serve.engine import Engine, Finished, Params, QueueFull
+from eqllm.serve.protocol import ApiError, ChatRequest, CompletionRequest
+from eqllm.serve.text import Choice, usage
+
+log = logging.getLogger("eqllm.serve")
+
+
+class Service:
+    """What the routes share: the engine, the tokenizer (None: prompts and text are token
+    ids), the served model name, the chat format, the API key."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer | None,
+        *,
+        model_name: str,
+        chat_format: ChatFormat | None = None,
+        api_key: str | None = None,
+    ):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.chat_format, self.api_key = chat_format, api_key
+        self.closing = False
+        self.created = int(time.time())
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return "".join(f" {i}" for i in ids)
+        return self.tokenizer.decode(ids)
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            try:
+                return [int(t) for t in text.split()]
+            except ValueError:
+                raise ApiError(
+                    400, "this model has no tokenizer: send the prompt as token ids", param="prompt"
+                ) from None
+        return self.tokenizer.encode(text)
+
+    def default_stops(self) -> tuple[int, ...]:
+        t = self.tokenizer
+        if t is not None and t.eot_id < self.engine.model.config.vocab_size:
+            return (t.eot_id,)
+        return ()
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise ApiError(
+                404,
+                f"model {name!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def params(self, body, prompt: list[int], max_tokens: int | None, prompt_logprobs=False):
+        stops = tuple(body.stop_token_ids or ())
+        if not body.ignore_eos:
+            stops += self.default_stops()
+        if max_tokens is None:
+            max_tokens = max(self.engine.max_len - len(prompt), 0)
+        return Params(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_k=body.top_k or None,
+            top_p=None if body.top_p == 1 else body.top_p,
+            min_p=body.min_p or None,
+            repetition_penalty=body.repetition_penalty,
+            seed=body.seed,
+            stop_tokens=stops,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    async def events(self, prompt: list[int], params: Params) -> AsyncIterator[object]:
+        """The engine's events for one request, ending with Finished; cancels it when the
+        consumer stops early (a disconnect cancels the consuming task)."""
+        if self.closing:
+            raise ApiError(503, "the server is shutting down", kind="server_error")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def sink(event):
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        try:
+            request = self.engine.submit(prompt, params, sink)
+        except QueueFull as e:
+            raise ApiError(429, str(e), kind="rate_limit_error") from None
+        except EqllmError as e:
+            raise ApiError(400, str(e)) from None
+        try:
+            while True:
+                event = await queue.get()
+                yield event
+                if isinstance(event, Finished):
+                    return
+        finally:
+            request.cancel()
+
+
+def _sse(data) -> bytes:
+    return f"data: {json.dumps(data) if not isinstance(data, str) else data}\n\n".encode()
+
+
+async def _until_disconnect(http: HttpRequest, task: asyncio.Task) -> None:
+    while not task.done():
+        if await http.is_disconnected():
+            task.cancel()
+            return
+        await asyncio.sleep(0.1)
+
+
+async def _collect(http: HttpRequest, service: Service, runs) -> None:
+    """Run every (prompt, params, choice) to its end; a client that leaves cancels them."""
+
+    async def one(prompt, params, choice):
+        async for event in service.events(prompt, params):
+            choice.on(event)
+            if choice.stopped:
+                return  # leaving the stream cancels the request
+
+    task = asyncio.ensure_future(asyncio.gather(*(one(*r) for r in runs)))
+    watcher = asyncio.ensure_future(_until_disconnect(http, task))
+    try:
+        await task
+    finally:
+        watcher.cancel()
+
+
+def create_app(service: Service) -> FastAPI:
+    """The FastAPI app; its lifespan starts the engine and, at shutdown, drains it."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        service.engine.start()
+        log.info("serving %s", service.model_name)
+        yield
+        service.closing = True
+        await asyncio.to_thread(service.engine.stop, drain=True)
+
+    app = FastAPI(title="eqllm", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def api_error(http: HttpRequest, e: ApiError):
+        log.warning("%d %s: %s", e.status, http.url.path, e.message)
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(http: HttpRequest, e: RequestValidationError):
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return await api_error(
+            http, ApiError(400, f"{where or 'body'}: {first.get('msg')}", param=where or None)
+        )
+
+    @app.exception_handler(HTTPException)
+    async def http_error(http: HttpRequest, e: HTTPException):
+        return await api_error(http, ApiError(e.status_code, str(e.detail)))
+
+    @app.middleware("http")
+    async def authorize(http: HttpRequest, call_next):
+        key = service.api_key
+        if key and http.url.path.startswith("/v1"):
+            given = http.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if not secrets.compare_digest(given.encode(), key.encode()):
+                e = ApiError(401, "missing or wrong API key", kind="authentication_error")
+                return await api_error(http, e)
+        return await call_next(http)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "closing" if service.closing else "ok", "busy": service.engine.busy()}
+
+    @app.get("/v1/models")
+    async def models():
+        entry = {
+            "id": service.model_name,
+            "object": "model",
+            "created": service.created,
+            "owned_by": "eqllm",
+            "max_model_len": service.engine.max_len,
+        }
+        return {"object": "list", "data": [entry]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HttpRequest):
+        service.check_model(body.model)
+        prompts = _prompts(service, body.prompt)
+        wants_scores = body.echo and body.logprobs is not None
+        runs = []
+        for i, prompt in enumerate(prompts):
+            params = service.params(body, prompt, body.max_tokens, wants_scores)
+            choice = Choice(
+                i,
+                prompt,
+                service.decode,
+                stops=body.stop,
+                hidden=params.stop_tokens,
+                echo=body.echo,
+                logprobs=body.logprobs,
+            )
+            runs.append((prompt, params, choice))
+        _check_all(service, runs)
+        head = {"id": f"cmpl-{secrets.token_hex(12)}", "created": int(time.time())}
+        head |= {"object": "text_completion", "model": service.model_name}
+        if body.stream:
+            return _stream_completions(http, service, runs, head, body)
+        await _collect(http, service, runs)
+        choices = [
+            {
+                "index": c.index,
+                "text": c.full_text(),
+                "logprobs": c.completion_logprobs(),
+                "finish_reason": c.finish_reason,
+            }
+            for _, _, c in runs
+        ]
+        return {**head, "choices": choices, "usage": usage([c for _, _, c in runs])}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, http: HttpRequest):
+        service.check_model(body.model)
+        if service.chat_format is None:
+            raise ApiError(400, "this model has no tokenizer, so no chat template; use completions")
+        messages = [
+            {**m.model_dump(exclude={"content"}), "content": m.text()} for m in body.messages
+        ]
+        fmt = service.chat_format
+        prompt = fmt.encode_text(fmt.render(messages, add_generation_prompt=True))
+        limit = body.max_completion_tokens or body.max_tokens
+        params = service.params(body, prompt, limit)
+        top_n = (body.top_logprobs or 0) if body.logprobs else None
+        choice = Choice(
+            0, prompt, service.decode, stops=body.stop, hidden=params.stop_tokens, logprobs=top_n
+        )
+        runs = [(prompt, params, choice)]
+        _check_all(service, runs)
+        head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time())}
+        head["model"] = service.model_name
+        if body.stream:
+            return _stream_chat(http, service, runs, head, body)
+        await _collect(http, service, runs)
+        message = {"role": "assistant", "content": choice.text}
+        logprobs = {"content": choice.chat_logprobs} if top_n is not None else None
+        out = {"index": 0, "message": message, "logprobs": logprobs}
+        out["finish_reason"] = choice.finish_reason
+        return {**head, "object": "chat.completion", "choices": [out], "usage": usage([choice])}
+
+    return app
+
+
+def _prompts(service: Service, prompt) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [service.encode(prompt)]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if not prompt:
+        raise ApiError(400, "prompt is empty; give text or token ids", param="prompt")
+    return [service.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+
+
+def _check_all(service: Service, runs) -> None:
+    for prompt, params, _ in runs:
+        try:
+            service.engine.check(prompt, params)
+        except EqllmError as e:
+            raise ApiError(400, str(e), param="prompt" if "prompt" in str(e) else None) from None
+
+
+def _stream_completions(http, service, runs, head, body) -> StreamingResponse:
+    async def chunks():
+        for prompt, params, choice in runs:  # one choice after the other
+            if choice.echo:
+                yield _sse({**head, "choices": [_piece(choice, choice.prefix, None)]})
+            async for event in service.events(prompt, params):
+                text = choice.on(event)
+                done = isinstance(event, Finished) or choice.stopped
+                if text or done:
+                    reason = choice.finish_reason or "stop" if done else None
+                    yield _sse({**head, "choices": [_piece(choice, text, reason)]})
+                if done:
+                    break
+        if (body.stream_options or {}).get("include_usage"):
+            yield _sse({**head, "choices": [], "usage": usage([c for _, _, c in runs])})
+        yield _sse("[DONE]")
+
+    return StreamingResponse(chunks(), media_type="text/event-stream")
+
+
+def _piece(choice: Choice, text: str, reason: str | None) -> dict:
+    return {"index": choice.index, "text": text, "logprobs": None, "finish_reason": reason}
+
+
+def _stream_chat(http, service, runs, head, body) -> StreamingResponse:
+    head = {**head, "object": "chat.completion.chunk"}
+    prompt, params, choice = runs[0]
+
+    def chunk(delta, reason=None):
+        return _sse({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": reason}]})
+
+    async def chunks():
+        yield chunk({"role": "assistant", "content": ""})
+        async for event in service.events(prompt, params):
+            text = choice.on(event)
+            done = isinstance(event, Finished) or choice.stopped
+            if text:
+                yield chunk({"content": text})
+            if done:
+                yield chunk({}, choice.finish_reason or "stop")
+                break
+        if (body.stream_options or {}).get("include_usage"):
+            yield _sse({**head, "choices": [], "usage": usage([choice])})
+        yield _sse("[DONE]")
+
+    return StreamingResponse(chunks(), media_type="text/event-stream")

@@ -1,0 +1,393 @@
+"""A continuous-batching engine: many requests share one compiled decode step over fixed slots.
+
+A request waits in a bounded queue until a slot is free, then its prompt is written into the
+slot's KV cache a chunk at a time (`prefill_chunk`), one chunk between two decode steps of the
+running requests, so a long prompt never stalls them for more than a chunk. Once prefilled, the
+slot joins the batch decoded by `decode_step`; it leaves the batch when its request stops (a stop
+token, `max_tokens`, the context limit, or a cancel) and the next request takes it.
+
+Shapes never depend on a request: the slot count and cache length are fixed at start-up and a
+prompt chunk is left-padded to a power-of-two bucket, so every compiled shape is known up front
+(`Engine.shapes`), and `Engine.warm` compiles them all before serving. The engine runs in its own
+thread; results reach each request through the callback it was submitted with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eqllm.errors import EqllmError
+from eqllm.generation import GenerationError, sampling
+from eqllm.generation.api import MIN_BUCKET
+from eqllm.model import CausalLM
+from eqllm.serve.steps import compiled, empty_state
+
+log = logging.getLogger("eqllm.serve")
+
+
+class ServeError(EqllmError):
+    """A request or engine setting the engine cannot serve."""
+
+
+class QueueFull(ServeError):
+    """Every slot is busy and the waiting queue is at its bound."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    """One request's settings. `seed` None draws a fresh key; with a seed the tokens equal
+    `eqllm.generate(..., key=jax.random.key(seed))`. `stop_tokens` end the output (the stop
+    token is the last one emitted); `prompt_logprobs` also scores every prompt token."""
+
+    max_tokens: int
+    temperature: float | int = 1.0
+    top_k: int | None = None
+    top_p: float | int | None = None
+    min_p: float | int | None = None
+    repetition_penalty: float | int | None = None
+    seed: int | None = None
+    stop_tokens: tuple[int, ...] = ()
+    prompt_logprobs: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Token:
+    """One generated token, its log-probability and the TOP_LOGPROBS most likely tokens."""
+
+    id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptScores:
+    """Log-probability of each prompt token after the ones before it (None for the first)."""
+
+    logprobs: tuple[float | None, ...]
+    top: tuple[tuple[tuple[int, float], ...] | None, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """The request is over: reason "stop" (a stop token or a cancel) or "length"."""
+
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Request:
+    """A prompt being served; `sink` receives PromptScores, Token and finally one Finished."""
+
+    def __init__(self, prompt: Sequence[int], params: Params, sink: Callable[[object], None]):
+        self.prompt = np.asarray(prompt, np.int32)
+        self.params = params
+        self.sink = sink
+        self.cancelled = False
+        self.slot: int | None = None
+        self.cursor = 0  # prompt tokens already in the cache
+        self.produced = 0
+
+    def cancel(self) -> None:
+        """Stop the request at the next step and free its slot (thread-safe)."""
+        self.cancelled = True
+
+
+def chunk_buckets(chunk: int) -> list[int]:
+    """The padded prefill chunk widths: powers of two from 16 up to `chunk`."""
+    widths, w = [], MIN_BUCKET
+    while w < chunk:
+        widths.append(w)
+        w *= 2
+    return [*widths, chunk]
+
+
+def _bucket(n: int, widths: Sequence[int]) -> int:
+    return next(w for w in widths if w >= n)
+
+
+class Engine:
+    """Serve many requests at once from one model.
+
+    Arguments:
+        model: the language model (any family, any dtype, quantized or not).
+        max_batch: slots, i.e. requests decoded together.
+        max_len: positions per slot (prompt + output); at most the model's context.
+        prefill_chunk: prompt tokens written per chunk, a power of two >= 16.
+        max_queue: requests allowed to wait for a slot; more raise QueueFull.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        *,
+        max_batch: int = 32,
+        max_len: int | None = None,
+        prefill_chunk: int = 128,
+        max_queue: int = 256,
+    ):
+        cfg = model.config
+        max_len = cfg.max_seq_len if max_len is None else max_len
+        if not 1 <= max_batch <= 4096:
+            raise ServeError(f"max_batch={max_batch} must be between 1 and 4096")
+        if not 2 <= max_len <= cfg.max_seq_len:
+            raise ServeError(
+                f"max_len={max_len} must be between 2 and the model's context "
+                f"max_seq_len={cfg.max_seq_len}"
+            )
+        if prefill_chunk < MIN_BUCKET or prefill_chunk & (prefill_chunk - 1):
+            raise ServeError(f"prefill_chunk={prefill_chunk} must be a power of two >= 16")
+        self.model = model
+        self.max_batch, self.max_len, self.max_queue = max_batch, max_len, max_queue
+        self.chunks = chunk_buckets(min(prefill_chunk, 1 << (max_len - 1).bit_length()))
+        self.scores = chunk_buckets(1 << (max_len - 1).bit_length())
+        self.traces: dict[str, int] = {}
+        self._steps = compiled(model, self.traces)
+        self._state = empty_state(model, max_batch, max_len)
+        self._slots: list[Request | None] = [None] * max_batch
+        self._settings = {
+            name: np.zeros(max_batch, dtype)
+            for name, dtype in (
+                ("temperature", np.float32),
+                ("top_k", np.int32),
+                ("top_p", np.float32),
+                ("min_p", np.float32),
+                ("repetition_penalty", np.float32),
+            )
+        }
+        self.cancelled = 0  # requests stopped by a cancel (a client that went away)
+        self._waiting: deque[Request] = deque()
+        self._wake = threading.Condition()
+        self._running = False
+        self._thread: threading.Thread | None = None
+
+    # Shapes and warm-up -------------------------------------------------------------------------
+
+    def shapes(self) -> list[str]:
+        """Every compiled shape the engine uses, one line each."""
+        b, n = self.max_batch, self.max_len
+        return (
+            [f"decode: {b} slots x {n} positions"]
+            + [f"prefill chunk: {w} tokens" for w in self.chunks]
+            + [f"prompt scoring: {w} tokens" for w in self.scores]
+        )
+
+    def warm(self) -> None:
+        """Compile every shape in `shapes()` (on slot 0, which the next request resets)."""
+        for width in self.chunks:
+            tokens = np.zeros(width, np.int32)
+            self._state, _ = self._steps["prefill"](
+                self._state,
+                np.int32(0),
+                tokens,
+                np.arange(width, dtype=np.int32),
+                np.bool_(True),
+                np.bool_(True),
+                jax.random.key(0),
+                sampling(1.0),
+            )
+        self._state, out = self._steps["decode"](
+            self._state, np.zeros(self.max_batch, bool), self._batch_settings()
+        )
+        for width in self.scores:
+            self._steps["score"](np.zeros(width, np.int32), np.arange(width, dtype=np.int32))
+        jax.block_until_ready(out)
+
+    # Requests ------------------------------------------------------------------------------------
+
+    def check(self, prompt: Sequence[int], params: Params) -> None:
+        """Raise ServeError (GenerationError for sampling values) for a request that cannot run."""
+        n, vocab = len(prompt), self.model.config.vocab_size
+        if n == 0:
+            raise ServeError("prompt is empty; give at least one token")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ServeError(f"prompt has token ids outside [0, vocab_size={vocab})")
+        if params.max_tokens < 0:
+            raise ServeError(f"max_tokens must be >= 0, got {params.max_tokens}")
+        if n + params.max_tokens > self.max_len:
+            raise ServeError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"of {self.max_len} tokens; shorten the prompt or lower max_tokens"
+            )
+        if params.max_tokens == 0 and not params.prompt_logprobs:
+            raise ServeError("max_tokens=0 generates nothing; ask for echo with logprobs or >= 1")
+        sampling(
+            params.temperature,
+            params.top_k,
+            params.top_p,
+            params.min_p,
+            params.repetition_penalty,
+        )
+        if any(not 0 <= t < vocab for t in params.stop_tokens):
+            raise GenerationError(f"stop token ids must lie in [0, vocab_size={vocab})")
+
+    def submit(self, prompt: Sequence[int], params: Params, sink) -> Request:
+        """Queue a request (checked first); QueueFull when `max_queue` requests already wait."""
+        self.check(prompt, params)
+        request = Request(prompt, params, sink)
+        with self._wake:
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(
+                    f"{len(self._waiting)} requests are already waiting (max_queue="
+                    f"{self.max_queue}); retry later"
+                )
+            self._waiting.append(request)
+            self._wake.notify()
+        return request
+
+    def busy(self) -> int:
+        """Requests waiting or holding a slot."""
+        return len(self._waiting) + sum(r is not None for r in self._slots)
+
+    # The loop ------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Run the scheduling loop in a daemon thread."""
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="eqllm-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, *, drain: bool = True, timeout: float = 30.0) -> None:
+        """Stop the loop: with `drain`, after the requests already admitted finish (up to
+        `timeout` s); what is left is finished with reason "stop"."""
+        if drain:
+            with self._wake:
+                self._wake.wait_for(lambda: self.busy() == 0, timeout=timeout)
+        self._running = False
+        with self._wake:
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        for request in [*self._waiting, *self._slots]:
+            if request is not None:
+                self._finish(request, "stop")
+        self._waiting.clear()
+
+    def _loop(self) -> None:
+        while self._running:
+            self.step()
+            with self._wake:
+                if self.busy() == 0:
+                    self._wake.notify_all()  # for stop(drain=True)
+                    self._wake.wait(timeout=0.1)
+
+    def step(self) -> None:
+        """One round: free cancelled slots, admit waiting requests, run one prefill chunk and
+        one decode step (each only if some slot needs it)."""
+        for request in self._slots:
+            if request is not None and request.cancelled:
+                self._finish(request, "stop")
+        with self._wake:
+            while self._waiting and None in self._slots:
+                request = self._waiting.popleft()
+                if request.cancelled:
+                    request.sink(Finished("stop", len(request.prompt), 0))
+                    continue
+                request.slot = self._slots.index(None)
+                self._slots[request.slot] = request
+        pending = [r for r in self._slots if r is not None and r.cursor < len(r.prompt)]
+        if pending:
+            self._prefill(min(pending, key=lambda r: r.cursor))  # the least advanced first
+        active = np.array([r is not None and r.cursor == len(r.prompt) for r in self._slots])
+        if active.any():
+            self._decode(active)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        self.cancelled += request.cancelled
+        if request.slot is not None and self._slots[request.slot] is request:
+            self._slots[request.slot] = None
+        request.sink(Finished(reason, len(request.prompt), request.produced))
+
+    def _emit(self, request: Request, token: int, logprob: float, top) -> None:
+        request.produced += 1
+        request.sink(Token(token, logprob, top))
+        p = request.params
+        if token in p.stop_tokens:
+            self._finish(request, "stop")
+        elif request.produced >= p.max_tokens or len(request.prompt) + request.produced > (
+            self.max_len
+        ):
+            self._finish(request, "length")
+
+    def _prefill(self, request: Request) -> None:
+        p, prompt = request.params, request.prompt
+        if request.cursor == 0 and p.prompt_logprobs:
+            self._score(request)
+            if p.max_tokens == 0:
+                self._finish(request, "length")
+                return
+        start = request.cursor
+        n = min(self.chunks[-1], len(prompt) - start)
+        width = _bucket(n, self.chunks)
+        tokens = np.zeros(width, np.int32)
+        positions = np.full(width, -1, np.int32)
+        tokens[width - n :] = prompt[start : start + n]
+        positions[width - n :] = np.arange(start, start + n)
+        request.cursor = start + n
+        last = request.cursor == len(prompt)
+        settings = sampling(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty)
+        seed = secrets.randbits(63) if p.seed is None else p.seed
+        self._state, out = self._steps["prefill"](
+            self._state,
+            np.int32(request.slot),
+            tokens,
+            positions,
+            np.bool_(start == 0),
+            np.bool_(last),
+            jax.random.key(seed),
+            settings,
+        )
+        if last:
+            for name, array in self._settings.items():
+                array[request.slot] = getattr(settings, name)
+            self._emit(request, *_one(out))
+
+    def _decode(self, active: np.ndarray) -> None:
+        self._state, out = self._steps["decode"](self._state, active, self._batch_settings())
+        tokens, logprobs, top_tokens, top_logprobs = map(np.asarray, _fields(out))
+        for slot in np.flatnonzero(active):
+            request = self._slots[slot]
+            if request is None or request.cancelled:
+                continue
+            top = tuple(zip(top_tokens[slot].tolist(), top_logprobs[slot].tolist(), strict=True))
+            self._emit(request, int(tokens[slot]), float(logprobs[slot]), top)
+
+    def _score(self, request: Request) -> None:
+        prompt = request.prompt
+        width = _bucket(len(prompt), self.scores)
+        tokens = np.zeros(width, np.int32)
+        positions = np.full(width, -1, np.int32)
+        tokens[: len(prompt)] = prompt
+        positions[: len(prompt)] = np.arange(len(prompt))
+        out = self._steps["score"](tokens, positions)
+        _, logprobs, top_tokens, top_logprobs = map(np.asarray, _fields(out))
+        n = len(prompt) - 1
+        tops = [
+            tuple(zip(top_tokens[i].tolist(), top_logprobs[i].tolist(), strict=True))
+            for i in range(n)
+        ]
+        request.sink(PromptScores((None, *logprobs[:n].tolist()), (None, *tops)))
+
+    def _batch_settings(self):
+        # One value per slot: built from the leaves, since Sampling's fields are scalars.
+        structure = jax.tree.structure(sampling())
+        return jax.tree.unflatten(structure, [jnp.asarray(v) for v in self._settings.values()])
+
+
+def _fields(out):
+    return out.token, out.logprob, out.top_tokens, out.top_logprobs
+
+
+def _one(out):
+    token, logprob, top_tokens, top_logprobs = map(np.asarray, _fields(out))
+    top = tuple(zip(top_tokens.tolist(), top_logprobs.tolist(), strict=True))
+    return int(token), float(logprob), top

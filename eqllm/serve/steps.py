@@ -1,0 +1,170 @@
+"""The engine's compiled steps over a fixed batch of slots: a prefill chunk, a decode step, and
+the log-probabilities of a prompt (for `echo`).
+
+The slots' KV caches and per-slot decode state are one `SlotState`, allocated once and donated
+to every step, so it is updated in place. A step only ever sees fixed shapes: the slot count,
+the cache length, and a prompt chunk or scored prompt padded to a bucket. The model's own
+`prefill` / `decode` do the forward and `eqllm.generation.sample_token` the sampling, so a
+request samples exactly as `eqllm.generate` does with the same key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, Key
+
+from eqllm.generation import Sampling, sample_token
+from eqllm.model import CausalLM, cast_floating, dtype_of
+from eqllm.nn import KVCache
+
+TOP_LOGPROBS = 5  # OpenAI's completions API allows at most 5 alternatives per token
+
+
+class SlotState(eqx.Module):
+    """The device state of every slot, each array with a leading `slots` axis.
+
+    `token` is a slot's last sampled token, not yet fed to the model, at `position`; `step`
+    counts the tokens sampled for the slot's request (the key is folded with it, as in
+    `eqllm.generate`); `present` marks tokens of its prompt and output (repetition penalty).
+    """
+
+    cache: tuple[KVCache, ...]
+    token: Int[Array, " slots"]
+    position: Int[Array, " slots"]
+    present: Bool[Array, "slots vocab"]
+    keys: Key[Array, " slots"]
+    step: Int[Array, " slots"]
+
+
+class Sampled(eqx.Module):
+    """A sampled token per row with its log-probability and the most likely alternatives."""
+
+    token: Int[Array, "*rows"]
+    logprob: Float[Array, "*rows"]
+    top_tokens: Int[Array, "*rows k"]
+    top_logprobs: Float[Array, "*rows k"]
+
+
+def empty_state(model: CausalLM, slots: int, length: int) -> SlotState:
+    """Every slot empty; `length` positions of KV cache per slot."""
+    cache = jax.tree.map(lambda a: jnp.broadcast_to(a, (slots, *a.shape)), model.init_cache(length))
+    return SlotState(
+        cache=jax.tree.map(jnp.array, cache),  # broadcasts materialised: donated buffers
+        token=jnp.zeros((slots,), jnp.int32),
+        position=jnp.zeros((slots,), jnp.int32),
+        present=jnp.zeros((slots, model.config.vocab_size), bool),
+        keys=jax.random.split(jax.random.key(0), slots),
+        step=jnp.zeros((slots,), jnp.int32),
+    )
+
+
+def _sampled(logits: Float[Array, " vocab"], token: Int[Array, ""]) -> Sampled:
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32))
+    top_logprobs, top_tokens = jax.lax.top_k(logprobs, TOP_LOGPROBS)
+    return Sampled(token, logprobs[token], top_tokens.astype(jnp.int32), top_logprobs)
+
+
+def prefill_chunk(
+    fixed,
+    state: SlotState,
+    slot: Int[Array, ""],
+    tokens: Int[Array, " chunk"],
+    positions: Int[Array, " chunk"],
+    first: Bool[Array, ""],
+    last: Bool[Array, ""],
+    key: Key[Array, ""],
+    settings: Sampling,
+) -> tuple[SlotState, Sampled]:
+    """Write one left-padded chunk of a prompt into `slot`'s cache (emptied first when `first`);
+    after the `last` chunk, sample the request's first token with `key` and arm the slot."""
+    model, layers = fixed
+    vocab = model.config.vocab_size
+    cache = tuple(
+        eqx.tree_at(lambda c: c.positions, c, jnp.where(first, -1, c.positions))
+        for c in jax.tree.map(lambda a: a[slot], state.cache)
+    )
+    logits, cache = model.prefill(tokens, positions, cache, layers=layers)
+    present = jnp.where(first, False, state.present[slot])
+    present = present.at[jnp.where(positions >= 0, tokens, vocab)].set(True, mode="drop")
+    token = sample_token(logits, jax.random.fold_in(key, 0), present, settings)
+    out = _sampled(logits, token)
+    present = jnp.where(last, present.at[token].set(True), present)
+    state = SlotState(
+        cache=jax.tree.map(lambda a, c: a.at[slot].set(c), state.cache, cache),
+        token=state.token.at[slot].set(jnp.where(last, token, 0)),
+        position=state.position.at[slot].set(jnp.max(positions) + 1),
+        present=state.present.at[slot].set(present),
+        keys=state.keys.at[slot].set(key),
+        step=state.step.at[slot].set(1),
+    )
+    return state, out
+
+
+def decode_step(
+    fixed,
+    state: SlotState,
+    active: Bool[Array, " slots"],
+    settings: Sampling,
+) -> tuple[SlotState, Sampled]:
+    """Feed every active slot its last token and sample the next; other slots are untouched
+    (their position is -1 for this step, so nothing is written to their cache)."""
+    model, layers = fixed
+    slots, vocab = state.present.shape
+    position = jnp.where(active, state.position, -1)
+    logits, cache = jax.vmap(lambda t, p, c: model.decode(t, p, c, layers=layers))(
+        state.token, position, state.cache
+    )
+    keys = jax.vmap(jax.random.fold_in)(state.keys, state.step)
+    token = jax.vmap(sample_token)(logits, keys, state.present, settings)
+    out = jax.vmap(_sampled)(logits, token)
+    state = eqx.tree_at(
+        lambda s: (s.cache, s.token, s.position, s.present, s.step),
+        state,
+        (
+            cache,
+            jnp.where(active, token, state.token),
+            state.position + active,
+            state.present.at[jnp.arange(slots), jnp.where(active, token, vocab)].set(
+                True, mode="drop"
+            ),
+            state.step + active,
+        ),
+    )
+    return state, out
+
+
+def prompt_logprobs(
+    fixed, tokens: Int[Array, " width"], positions: Int[Array, " width"]
+) -> Sampled:
+    """Per position i of a right-padded prompt: the log-probability of token i + 1 after the
+    first i + 1 tokens, and the most likely alternatives there (the full forward, in fp32)."""
+    model, _ = fixed
+    logits = model(tokens, positions).astype(jnp.float32)
+    targets = jnp.concatenate([tokens[1:], tokens[:1]])  # the last row is not used
+    return jax.vmap(_sampled)(logits, targets)
+
+
+def compiled(model: CausalLM, traces: dict[str, int]) -> dict[str, Callable]:
+    """The three steps compiled over the model cast to its compute dtype and sliced into layers
+    once. The weights are arguments (never compile-time constants); the slot state is donated.
+    `traces` counts how often each step is traced, so a test can check nothing recompiles."""
+    model = cast_floating(model, dtype_of(model.config.compute_dtype))
+    params, static = eqx.partition((model, model.layers()), eqx.is_array)
+
+    def wrap(name, fn, donate):
+        def run(params, *args):
+            traces[name] = traces.get(name, 0) + 1  # runs only while tracing
+            return fn(eqx.combine(params, static), *args)
+
+        jitted = jax.jit(run, donate_argnums=donate)
+        return lambda *args: jitted(params, *args)
+
+    return {
+        "prefill": wrap("prefill", prefill_chunk, (1,)),
+        "decode": wrap("decode", decode_step, (1,)),
+        "score": wrap("score", prompt_logprobs, ()),
+    }

@@ -1,0 +1,160 @@
+"""The continuous-batching engine on a tiny model: seeded requests equal `eqllm.generate` alone
+or among 30 others; requests join and leave between steps and reuse slots; long prompts are
+prefilled in chunks between decode steps; stop tokens, max_tokens and the queue bound hold; and
+nothing is traced again after the warm-up."""
+
+from __future__ import annotations
+
+import queue
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY_CONFIGS
+
+import eqllm
+from eqllm.serve import Engine, Finished, Params, PromptScores, QueueFull, ServeError, Token
+
+SLOTS, LENGTH, CHUNK = 4, 64, 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    return eqllm.CausalLM(TINY_CONFIGS["llama"], key=jax.random.key(3))
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    engine = Engine(model, max_batch=SLOTS, max_len=LENGTH, prefill_chunk=CHUNK, max_queue=64)
+    engine.warm()
+    return engine
+
+
+def _submit(engine, prompt, **params):
+    events = queue.Queue()
+    return engine.submit(prompt, Params(**params), events.put), events
+
+
+def _drain(engine, runs, max_steps=2000):
+    """Step the engine (no thread) until every run finished; (tokens, reason) per run."""
+    for _ in range(max_steps):
+        if engine.busy() == 0:
+            break
+        engine.step()
+    out = []
+    for _, events in runs:
+        tokens, reason = [], None
+        while not events.empty():
+            event = events.get()
+            if isinstance(event, Token):
+                tokens.append(event.id)
+            elif isinstance(event, Finished):
+                reason = event.reason
+        out.append((tokens, reason))
+    return out
+
+
+def _prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 97, size=int(rng.integers(1, 40))).tolist() for _ in range(n)]
+
+
+def test_the_compiled_shapes_are_listed(engine):
+    assert engine.shapes()[0] == f"decode: {SLOTS} slots x {LENGTH} positions"
+    assert engine.chunks == [16]
+    assert engine.traces == {"prefill": 1, "decode": 1, "score": 3}
+
+
+def test_a_seeded_request_equals_generate_alone_and_among_30_others(model, engine):
+    prompt = [5, 17, 33, 2, 90, 41, 8, 64, 12, 77, 3, 19, 50, 23, 44, 61, 70, 9, 31]  # 2 chunks
+    settings = dict(temperature=0.8, top_k=30, top_p=0.9, repetition_penalty=1.2)
+    want = eqllm.generate(model, prompt, max_new_tokens=20, key=jax.random.key(42), **settings)
+    alone = _drain(engine, [_submit(engine, prompt, max_tokens=20, seed=42, **settings)])
+    assert alone[0] == (want.tolist(), "length")
+    others = [
+        _submit(engine, p, max_tokens=5 + i % 17, seed=i, temperature=1.0)
+        for i, p in enumerate(_prompts(30))
+    ]
+    runs = others[:13] + [_submit(engine, prompt, max_tokens=20, seed=42, **settings)] + others[13:]
+    together = _drain(engine, runs)
+    assert together[13] == alone[0]
+    assert all(reason == "length" for _, reason in together)
+    # the others against generate too (row i with key i is generate with key i; a shorter
+    # max_new_tokens gives a prefix of a longer one): every slot, every join and leave
+    keys = jax.vmap(jax.random.key)(np.arange(30))
+    refs = eqllm.generate_batch(model, _prompts(30), max_new_tokens=21, key=keys, temperature=1.0)
+    got = [tokens for tokens, _ in together[:13] + together[14:]]
+    assert got == [ref[: 5 + i % 17].tolist() for i, ref in enumerate(refs)]
+    assert engine.traces == {"prefill": 1, "decode": 1, "score": 3}  # nothing recompiled
+
+
+def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(engine):
+    short = _submit(engine, [1, 2, 3], max_tokens=30, temperature=0)
+    engine.step()  # the short prompt is prefilled and starts decoding
+    produced = []
+    long = _submit(engine, list(range(40)), max_tokens=3, temperature=0)
+    for _ in range(3):  # 40 tokens: 3 chunks of 16, one per step, the short one decoding
+        before = short[0].produced
+        engine.step()
+        produced.append(short[0].produced - before)
+        assert long[0].cursor in (16, 32, 40)
+    assert produced == [1, 1, 1] and long[0].cursor == 40
+    _drain(engine, [short, long])
+
+
+def test_requests_join_leave_and_reuse_slots(engine):
+    runs = [_submit(engine, [7, 8, 9], max_tokens=2 + i, temperature=0) for i in range(6)]
+    engine.step()  # 4 join; one prompt is prefilled (1 token) and decoded (1 more): it leaves
+    assert [r.slot for r, _ in runs[:SLOTS]] == list(range(SLOTS))
+    assert all(r.slot is None for r, _ in runs[SLOTS:])  # waiting: no slot was free
+    assert runs[0][0].produced == 2 and engine.busy() == 5
+    engine.step()
+    assert runs[4][0].slot == 0  # the freed slot, reused
+    out = _drain(engine, runs)
+    assert [len(t) for t, _ in out] == [2, 3, 4, 5, 6, 7]
+    assert len({tuple(t[:2]) for t, _ in out}) == 1  # same greedy prefix in every slot
+
+
+def test_stop_tokens_and_cancel(model, engine):
+    prompt = list(range(4, 24))  # the bucket and length of the test above: compiled already
+    free = eqllm.generate(model, prompt, max_new_tokens=20, key=jax.random.key(0), temperature=0)
+    stop = int(free[3])
+    first = free.tolist().index(stop)
+    (out,) = _drain(
+        engine, [_submit(engine, prompt, max_tokens=20, temperature=0, stop_tokens=(stop,))]
+    )
+    assert out == (free[: first + 1].tolist(), "stop")
+    request, events = _submit(engine, prompt, max_tokens=30, temperature=0)
+    engine.step()
+    request.cancel()
+    engine.step()
+    assert engine.busy() == 0 and request.produced < 30
+
+
+def test_prompt_logprobs_equal_the_full_forward(model, engine):
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79]
+    request, events = _submit(engine, prompt, max_tokens=0, prompt_logprobs=True)
+    _drain(engine, [(request, queue.Queue())])
+    scores = events.get()
+    assert isinstance(scores, PromptScores) and scores.logprobs[0] is None
+    logits = jax.nn.log_softmax(model(jnp.asarray(prompt)), axis=-1)
+    want = [float(logits[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
+    np.testing.assert_allclose(scores.logprobs[1:], want, atol=1e-5)
+    assert isinstance(events.get(), Finished)
+
+
+def test_bad_requests_and_a_full_queue(model):
+    engine = Engine(model, max_batch=1, max_len=32, prefill_chunk=16, max_queue=2)
+    with pytest.raises(ServeError, match="exceeds the context"):
+        engine.check([1] * 30, Params(max_tokens=3))
+    with pytest.raises(ServeError, match="vocab_size"):
+        engine.check([1, 200], Params(max_tokens=3))
+    with pytest.raises(eqllm.EqllmError, match="temperature"):
+        engine.check([1], Params(max_tokens=3, temperature=-1))
+    for _ in range(2):  # not started: they wait
+        engine.submit([1], Params(max_tokens=1), lambda e: None)
+    with pytest.raises(QueueFull, match="max_queue=2"):
+        engine.submit([1], Params(max_tokens=1), lambda e: None)
+    with pytest.raises(ServeError, match="max_len"):
+        Engine(model, max_len=10_000)
