@@ -26,7 +26,7 @@ def test_the_walk_computes_the_models_logits():
         vocab_size=97,
         seq_len=16,
     )
-    assert (cfg.d_model, cfg.d_ff, cfg.head_dim, cfg.n_layers) == (64, 192, 16, 4)
+    assert (cfg.d_model, cfg.mlp.d_ff, cfg.head_dim, cfg.n_layers) == (64, 192, 16, 4)
     model = CausalLM(cfg, key=jax.random.key(0))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 16)))
     means, logits = activations(model, tokens)

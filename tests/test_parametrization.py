@@ -24,9 +24,8 @@ BASE = eqllm.zoo.config(
     "llama-nano",
     d_model=32,
     n_layers=2,
-    n_heads=2,
-    n_kv_heads=2,
-    d_ff=64,
+    attention={"n_heads": 2, "n_kv_heads": 2},
+    mlp={"d_ff": 64},
     vocab_size=97,
     max_seq_len=32,
 )
@@ -63,9 +62,7 @@ def test_multipliers_follow_the_table(kind):
     # docs/scaling-laws.md's table, at width ratio m = 4 and depth ratio k = 2.
     cfg = BASE.replace(
         d_model=128,
-        n_heads=2,
-        n_kv_heads=2,
-        d_ff=256,
+        **{"attention.n_heads": 2, "attention.n_kv_heads": 2, "mlp.d_ff": 256},
         n_layers=4,
         parametrization=kind,
         base_d_model=32,
@@ -90,7 +87,7 @@ def test_multipliers_follow_the_table(kind):
 
 
 def test_init_std_follows_width_and_depth():
-    wide = BASE.replace(d_model=128, d_ff=256, n_layers=8)
+    wide = BASE.replace(d_model=128, n_layers=8, **{"mlp.d_ff": 256})
     sp = eqllm.CausalLM(wide, key=jax.random.key(1))
     mup = eqllm.CausalLM(
         wide.replace(parametrization="mup", base_d_model=32), key=jax.random.key(1)
@@ -125,7 +122,7 @@ def test_base_size_equals_sp_bit_for_bit(changes):
 
 
 def test_wider_mup_model_changes_what_it_should():
-    cfg = BASE.replace(d_model=64, d_ff=128, parametrization="mup", base_d_model=32)
+    cfg = BASE.replace(d_model=64, parametrization="mup", base_d_model=32, **{"mlp.d_ff": 128})
     model = eqllm.CausalLM(cfg, key=jax.random.key(0))
     skeleton = eqx.filter_eval_shape(
         eqllm.CausalLM, cfg.replace(parametrization="sp"), key=jax.random.key(0)
@@ -147,8 +144,8 @@ def test_export_folds_the_multipliers(tmp_path):
     transformers = pytest.importorskip("transformers")
     cfg = BASE.replace(
         d_model=64,
-        d_ff=128,
         n_layers=4,
+        **{"mlp.d_ff": 128},
         tie_embeddings=False,
         parametrization="completep",
         base_d_model=32,
@@ -179,7 +176,11 @@ def test_export_folds_the_multipliers(tmp_path):
 
 def test_export_refuses_a_tied_head_with_an_output_multiplier(tmp_path):
     cfg = BASE.replace(
-        d_model=64, d_ff=128, tie_embeddings=True, parametrization="mup", base_d_model=32
+        d_model=64,
+        tie_embeddings=True,
+        parametrization="mup",
+        base_d_model=32,
+        **{"mlp.d_ff": 128},
     )
     with pytest.raises(EqllmError, match="untie"):
         eqllm.hub.save_pretrained(eqllm.CausalLM(cfg, key=jax.random.key(0)), tmp_path)

@@ -46,13 +46,13 @@ def test_shards_partition_the_points_exactly(env):
     path = write_sweep(
         env,
         "grid",
-        '[grid]\n"optim.lr" = [0.01, 0.02, 0.04]\n"model.overrides.d_ff" = [32, 64, 96, 128]\n'
+        '[grid]\n"optim.lr" = [0.01, 0.02, 0.04]\n"model.overrides.mlp.d_ff" = [32, 64, 96, 128]\n'
         '[[points]]\n"optim.lr" = 0.005\n[[points]]\noptim.lr = 0.0025\n',
     )
     sweep = load_sweep(path)
     assert len(sweep.points) == 14
     # The grid's first key varies slowest; dotted TOML keys mean the same recipe path.
-    assert sweep.points[1].settings == {"optim.lr": 0.01, "model.overrides.d_ff": 64}
+    assert sweep.points[1].settings == {"optim.lr": 0.01, "model.overrides.mlp.d_ff": 64}
     assert sweep.points[13].settings == {"optim.lr": 0.0025}
     everything = [p.index for p in sweep.points]
     for n in range(1, 6):
@@ -85,7 +85,11 @@ def test_divergence_is_detected_and_results_are_exact(env):
     assert not good["diverged"] and bad["diverged"] and bad["loss"] is None
     assert bad["steps"] < 6  # stopped early
     cfg = zoo.config("llama-nano").replace(
-        d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64, vocab_size=320
+        d_model=32,
+        n_layers=2,
+        max_seq_len=64,
+        vocab_size=320,
+        **{"attention.n_heads": 4, "attention.n_kv_heads": 2, "mlp.d_ff": 64},
     )
     assert good["params"] == zoo.param_count(cfg)
     assert good["non_embedding_params"] == good["params"] - 320 * 32  # untied: the table only

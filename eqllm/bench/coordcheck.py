@@ -56,16 +56,16 @@ def sized_config(
 ) -> ModelConfig:
     """The variant at `width` (d_ff in proportion, n_heads fixed so head_dim grows) and depth."""
     cfg = zoo.config(variant)
-    d_ff = max(1, round(cfg.d_ff * width / cfg.d_model))
-    changes = dict(
-        d_model=width,
-        d_ff=d_ff,
-        head_dim=None,
-        vocab_size=vocab_size,
-        max_seq_len=seq_len,
-        parametrization=parametrization,
-        scan_layers=True,
-    )
+    d_ff = max(1, round(cfg.mlp.d_ff * width / cfg.d_model))
+    changes = {
+        "d_model": width,
+        "mlp.d_ff": d_ff,
+        "attention.head_dim": None,
+        "vocab_size": vocab_size,
+        "max_seq_len": seq_len,
+        "parametrization": parametrization,
+        "scan_layers": True,
+    }
     if depth is not None:
         changes["n_layers"] = depth
     if parametrization != "sp":
