@@ -8,7 +8,7 @@ from eqllm.nn.linear import Embedding, ExpertLinear, Linear, ParamInfo, param_in
 from eqllm.nn.mlp import MLP, GatedMLP
 from eqllm.nn.moe import MoE, expert_load, load_balancing_loss
 from eqllm.nn.norm import LayerNorm, RMSNorm
-from eqllm.nn.rope import RotaryEmbedding, rope_inv_freq
+from eqllm.nn.rope import RopeScaling, RotaryEmbedding, rope_frequencies, rope_inv_freq
 
 __all__ = [
     "MLP",
@@ -23,6 +23,7 @@ __all__ = [
     "MoE",
     "ParamInfo",
     "RMSNorm",
+    "RopeScaling",
     "RotaryEmbedding",
     "attention_mask",
     "dot_product_attention",
@@ -30,5 +31,6 @@ __all__ = [
     "expert_load",
     "load_balancing_loss",
     "param_info",
+    "rope_frequencies",
     "rope_inv_freq",
 ]
