@@ -28,6 +28,7 @@ from eqllm.nn import (
     LayerNorm,
     MoE,
     RMSNorm,
+    RopeScaling,
     RotaryEmbedding,
 )
 from eqllm.parametrization import scales
@@ -94,19 +95,16 @@ def make_rope(config: ModelConfig) -> RotaryEmbedding | None:
     pos = config.positions
     if pos.kind != "rope":
         return None
-    scaling = pos.scaling
-    llama3 = {}
-    if scaling is not None:
-        llama3 = dict(
-            llama3_factor=scaling.factor,
-            low_freq_factor=scaling.low_freq_factor,
-            high_freq_factor=scaling.high_freq_factor,
-            original_max_seq_len=scaling.original_max_seq_len,
-        )
+    scaling = None
+    if (s := pos.scaling) is not None:
+        values = {k: getattr(s, k) for k in s.__pydantic_fields__ if getattr(s, k) is not None}
+        if s.kind == "longrope" and s.factor is None:  # transformers' default for Phi-3
+            values["factor"] = config.max_seq_len / s.original_max_seq_len
+        scaling = RopeScaling(**values)
     return RotaryEmbedding(
         config.head_dim,
         pos.theta,
-        **llama3,
+        scaling=scaling,
         local_theta=pos.local_theta,
         rotary_dim=None if pos.fraction == 1 else config.rotary_dim,
     )

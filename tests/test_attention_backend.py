@@ -143,7 +143,9 @@ def test_on_cpu_auto_is_the_models_own_attention_and_cudnn_an_error():
     cfg = TINY_CONFIGS["llama"].replace(compute_dtype="bfloat16")
     assert eqllm.CausalLM(cfg, key=jax.random.key(0)).blocks.attn.kernel is None
     assert attention_backend.attention_kernel(cfg.replace(attention={"kernel": "xla"})) is None
-    with pytest.raises(ConfigError, match=r"attention='cudnn' cannot run here: no NVIDIA GPU"):
+    with pytest.raises(
+        ConfigError, match=r"attention.kernel='cudnn' cannot run here: no NVIDIA GPU"
+    ):
         eqllm.CausalLM(cfg.replace(attention={"kernel": "cudnn"}), key=jax.random.key(0))
 
 
@@ -184,5 +186,5 @@ def test_the_command_line_says_why_cudnn_cannot_run(capsys):
     argv = ["bench", "llama-nano", "--set", "attention.kernel=cudnn", "--dtype", "bfloat16"]
     assert main([*argv, "--steps", "1", "--warmup", "0", "--quiet", "--no-plots"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("eqllm: error: ModelConfig.attention='cudnn' cannot run here")
+    assert err.startswith("eqllm: error: ModelConfig.attention.kernel='cudnn' cannot run here")
     assert "\n" not in err

@@ -60,7 +60,15 @@ BASE = {
             "ModelConfig.positions.scaling.kind='warp' must be one of",
         ),
         (
-            {"positions.scaling": {"kind": "llama3", "factor": 0.5}},
+            {
+                "positions.scaling": {
+                    "kind": "llama3",
+                    "factor": 0.5,
+                    "original_max_seq_len": 8192,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                }
+            },
             "ModelConfig.positions.scaling.factor=0.5 must be >= 1",
         ),
         (
@@ -180,3 +188,52 @@ def test_flops_per_token_hand_computed():
     mlp = 3 * 32 * 64
     n_matmul = 2 * (attn + mlp) + 32 * 64
     assert cfg.flops_per_token(16) == 6 * n_matmul + 12 * 2 * 4 * 8 * 16
+
+
+def test_the_earlier_flat_layout_still_reads():
+    """Run and model folders written before the groups hold flat configs."""
+    flat = dict(
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        d_ff=64,
+        max_seq_len=16,
+        family="olmo2",
+        norm="rmsnorm",
+        norm_eps=1e-6,
+        qk_norm=True,
+        qk_norm_per_head=False,
+        rope_scaling="llama3",
+        rope_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_seq_len=16,
+        n_experts=None,
+        experts_per_token=2,
+        moe_impl="dense",
+        attention="xla",
+    )
+    scaling = dict(
+        kind="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_seq_len=16,
+    )
+    expected = ModelConfig(
+        **BASE,
+        family="olmo2",
+        **{
+            "attention.n_kv_heads": 2,
+            "attention.qk_norm": "whole",
+            "attention.kernel": "xla",
+            "norms.eps": 1e-6,
+            "positions.scaling": scaling,
+        },
+    )
+    assert ModelConfig.from_dict(flat) == expected
+    moe = ModelConfig.from_dict({**flat, "n_experts": 4, "moe_impl": "ragged"})
+    assert moe.moe.n_experts == 4 and moe.moe.impl == "ragged"

@@ -253,9 +253,9 @@ PUBLISHED_CONFIGS = {
     [
         ("gemma2-9b", {"layer_types": ["sliding_attention"] * 42}, "not a repeating pattern"),
         ("gemma2-9b", {"sliding_window_size": 1024}, "sliding_window_size=1024 is not supp"),
-        ("gemma3-1b", {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "full_attention"),
+        ("gemma3-1b", {"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "full_attention"),
         ("gemma3-1b", {"attn_logit_softcapping": 50.0}, "transformers ignores it"),
-        ("phi3-mini-4k", {"rope_scaling": {"type": "longrope"}}, "'longrope'"),
+        ("phi3-mini-4k", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "'longrope' only"),
     ],
 )
 def test_unsupported_new_family_settings_are_refused(name, change, message):
@@ -350,8 +350,14 @@ def test_tied_head_that_differs_is_refused(tmp_path):
     "change, message",
     [
         ({"model_type": "falcon"}, "unsupported model_type 'falcon'"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn'"),
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling type 'linear'"),
+        (
+            {"rope_parameters": {"rope_type": "proportional", "factor": 4.0}},
+            "rope scaling type 'proportional'",
+        ),
+        (
+            {"rope_scaling": {"type": "linear", "factor": 2.0, "beta_fast": 3.0}},
+            r"rope settings \['beta_fast'\] are not understood for rope_type 'linear'",
+        ),
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
         ({"partial_rotary_factor": 0.5}, r"does not understand: \['partial_rotary_factor'\]"),
         ({"quantization_config": {"bits": 4}}, r"does not understand: \['quantization_config'\]"),

@@ -12,6 +12,7 @@ from eqllm.nn import (
     GatedMLP,
     LayerNorm,
     RMSNorm,
+    RopeScaling,
     RotaryEmbedding,
     rope_inv_freq,
 )
@@ -73,10 +74,13 @@ def test_rope_llama3_scaling_matches_transformers():
     ours = rope_inv_freq(
         64,
         500000.0,
-        llama3_factor=32.0,
-        low_freq_factor=1.0,
-        high_freq_factor=4.0,
-        original_max_seq_len=8192,
+        RopeScaling(
+            "llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_seq_len=8192,
+        ),
     )
     np.testing.assert_allclose(ours, expected.double().numpy(), rtol=1e-6)
 

@@ -38,14 +38,14 @@ def llama_in_bf16(model, tokens, *, softmax=F32, norm=F32, logits=F32):
     p = jax.tree.map(lambda a: a.astype(BF16) if a.dtype == F32 else a, model)
     inv = jnp.asarray(model.blocks.attn.rope.inv_freq, F32).reshape(-1, c.head_dim // 2)[0]
     B, T = tokens.shape
-    H, K, D = c.n_heads, c.n_kv_heads, c.head_dim
+    H, K, D = c.attention.n_heads, c.attention.n_kv_heads, c.head_dim
 
     def mm(x, w):
         return jnp.einsum("...i,oi->...o", x, w)
 
     def rms(x, w):
         x = x.astype(norm)
-        y = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + c.norm_eps)
+        y = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + c.norms.eps)
         return (y * w.astype(norm)).astype(BF16)
 
     def rope(x):

@@ -46,6 +46,9 @@ PUBLISHED = [
     "gemma2-2b",
     "gemma2-9b",
     "gemma3-1b",
+    "gemma3-4b",
+    "gemma3-12b",
+    "gemma3-27b",
     "phi3-mini-4k",
     "olmo2-1b",
     "olmo2-7b",
@@ -110,6 +113,7 @@ def test_published_sizes_match_their_release():
     assert eqllm.zoo.param_count("gemma2-2b") == 2_614_341_888
     assert eqllm.zoo.param_count("gemma2-9b") == 9_241_705_984
     assert eqllm.zoo.param_count("gemma3-1b") == 999_885_952
+    assert eqllm.zoo.param_count("gemma3-4b") == 3_880_263_168  # text only
     assert eqllm.zoo.param_count("phi3-mini-4k") == 3_821_079_552
     assert eqllm.zoo.param_count("mixtral-8x7b") == 46_702_792_704
 

@@ -23,7 +23,7 @@ from eqllm.errors import EqllmError, rule, show
 NormKind = Literal["rmsnorm", "layernorm"]
 MLPKind = Literal["gelu", "swiglu", "geglu"]
 PositionKind = Literal["learned", "rope"]
-RopeScalingKind = Literal["llama3"]
+RopeScalingKind = Literal["linear", "llama3", "yarn", "longrope", "dynamic"]
 QKNorm = Literal["head", "whole"]
 AttentionKernel = Literal["auto", "xla", "cudnn"]
 MoEImpl = Literal["dense", "ragged"]
@@ -151,32 +151,110 @@ class AttentionConfig:
         )
 
 
+# The settings each RoPE scaling kind reads (`kind` aside); every other one must stay unset.
+SCALING_FIELDS = {
+    "linear": {"factor"},
+    "llama3": {"factor", "original_max_seq_len", "low_freq_factor", "high_freq_factor"},
+    "yarn": {
+        "factor",
+        "original_max_seq_len",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "attention_factor",
+        "truncate",
+    },
+    "longrope": {
+        "factor",
+        "original_max_seq_len",
+        "attention_factor",
+        "short_factor",
+        "long_factor",
+    },
+    "dynamic": {"factor", "original_max_seq_len"},
+}
+# Settings a kind needs (longrope's factor defaults to max_seq_len / original_max_seq_len).
+SCALING_REQUIRED = {
+    "linear": ("factor",),
+    "llama3": ("factor", "original_max_seq_len", "low_freq_factor", "high_freq_factor"),
+    "yarn": ("factor", "original_max_seq_len"),
+    "longrope": ("original_max_seq_len", "short_factor", "long_factor"),
+    "dynamic": ("factor", "original_max_seq_len"),
+}
+
+
 @typing.no_type_check
 @_group
 class RopeScalingConfig:
-    """How RoPE's frequencies are stretched beyond the trained context.
+    """How RoPE's frequencies are stretched beyond the trained context (`eqllm.nn.RopeScaling`
+    computes them as transformers does).
 
-    "llama3" (Llama 3.1 report, section 3.3): wavelengths longer than
-    original_max_seq_len / low_freq_factor are divided by `factor`, those shorter than
-    original_max_seq_len / high_freq_factor are kept, and the band between is interpolated.
+    `kind`: "linear" (positions divided by `factor`), "llama3" (long wavelengths divided by
+    `factor`, short ones kept, `low_freq_factor` / `high_freq_factor` bound the band between),
+    "yarn" (`beta_fast` / `beta_slow` bound the ramp, `mscale` / `mscale_all_dim` or
+    `attention_factor` the attention factor, `truncate` rounds the band), "longrope"
+    (`short_factor` within the original context, `long_factor` past it, per frequency; `factor`
+    None means max_seq_len / original_max_seq_len) or "dynamic" (NTK-aware: the base grows once
+    a sequence passes `original_max_seq_len`). Each kind reads only its own settings; the others
+    stay None.
     """
 
     PATH: ClassVar[str] = "ModelConfig.positions.scaling"
 
     kind: RopeScalingKind
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_seq_len: Positive = 8192
+    factor: PositiveFloat | None = None
+    original_max_seq_len: Positive | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: PositiveFloat | None = None
+    truncate: bool | None = None
+    short_factor: tuple[PositiveFloat, ...] | None = None
+    long_factor: tuple[PositiveFloat, ...] | None = None
+
+    @staticmethod
+    def _prepare(values: dict[str, Any]) -> dict[str, Any]:
+        # TOML and JSON give lists; the config keeps tuples (hashable).
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
 
     def __post_init__(self) -> None:
-        require(self.factor >= 1, f"{self.PATH}.factor", self.factor, "must be >= 1")
-        require(
-            self.high_freq_factor > self.low_freq_factor,
-            f"{self.PATH}.high_freq_factor",
-            self.high_freq_factor,
-            f"must exceed low_freq_factor={self.low_freq_factor}",
-        )
+        used = SCALING_FIELDS[self.kind]
+        for name in self.__pydantic_fields__:
+            value = getattr(self, name)
+            if name != "kind" and name not in used:
+                require(
+                    value is None,
+                    f"{self.PATH}.{name}",
+                    value,
+                    f"is not used by kind={self.kind!r}",
+                )
+        for name in SCALING_REQUIRED[self.kind]:
+            require(
+                getattr(self, name) is not None,
+                f"{self.PATH}.{name}",
+                None,
+                f"must be set for kind={self.kind!r}",
+            )
+        if self.kind in ("llama3", "dynamic"):
+            require(self.factor >= 1, f"{self.PATH}.factor", self.factor, "must be >= 1")
+        if self.kind == "llama3":
+            require(
+                self.high_freq_factor > self.low_freq_factor,
+                f"{self.PATH}.high_freq_factor",
+                self.high_freq_factor,
+                f"must exceed low_freq_factor={self.low_freq_factor}",
+            )
+        if self.kind == "longrope":
+            require(
+                len(self.short_factor) == len(self.long_factor),
+                f"{self.PATH}.long_factor",
+                list(self.long_factor),
+                f"must have as many entries as short_factor ({len(self.short_factor)})",
+            )
 
 
 @typing.no_type_check

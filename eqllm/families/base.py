@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from eqllm.config import ConfigError, ModelConfig
+from eqllm.families._rope import max_position_embeddings, rope_from_hf, rope_scaling_to_hf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,18 +227,6 @@ LLAMA_KEYS = frozenset(
     rope_parameters
     """.split()
 )
-_ROPE_KEYS = {
-    "default": {"rope_type", "type", "rope_theta"},
-    "llama3": {
-        "rope_type",
-        "type",
-        "rope_theta",
-        "factor",
-        "low_freq_factor",
-        "high_freq_factor",
-        "original_max_position_embeddings",
-    },
-}
 
 
 def attention_bias_from_hf(hf: dict[str, Any]) -> dict[str, bool]:
@@ -254,15 +243,6 @@ def one_attention_bias(cfg: ModelConfig) -> dict[str, Any]:
 
 def llama_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The config.json fields every Llama-layout family writes."""
-    rope_scaling = None
-    if (scaling := cfg.positions.scaling) is not None:
-        rope_scaling = {
-            "rope_type": scaling.kind,
-            "factor": scaling.factor,
-            "low_freq_factor": scaling.low_freq_factor,
-            "high_freq_factor": scaling.high_freq_factor,
-            "original_max_position_embeddings": scaling.original_max_seq_len,
-        }
     return {
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.mlp.d_ff,
@@ -270,11 +250,11 @@ def llama_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "num_attention_heads": cfg.attention.n_heads,
         "num_key_value_heads": cfg.attention.n_kv_heads,
         "head_dim": cfg.head_dim,
-        "max_position_embeddings": cfg.max_seq_len,
+        "max_position_embeddings": max_position_embeddings(cfg),
         "rms_norm_eps": cfg.norms.eps,
         "attention_dropout": 0.0,
         "rope_theta": cfg.positions.theta,
-        "rope_scaling": rope_scaling,
+        "rope_scaling": rope_scaling_to_hf(cfg),
     }
 
 
@@ -283,7 +263,7 @@ def llama_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     d = need(hf, "hidden_size")
     n_heads = need(hf, "num_attention_heads")
     return {
-        **_rope_from_hf(hf),
+        **rope_from_hf(hf),
         "vocab_size": need(hf, "vocab_size"),
         "d_model": d,
         "n_layers": need(hf, "num_hidden_layers"),
@@ -294,38 +274,6 @@ def llama_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "max_seq_len": hf.get("max_position_embeddings", 2048),
         "norms.eps": hf.get("rms_norm_eps", 1e-6),
     }
-
-
-def _rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """rope_theta and the scaling fields, from the transformers 5 layout (`rope_parameters`) or
-    the older one (`rope_theta` and `rope_scaling` at the top level; it wins when both exist)."""
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = dict(hf.get("rope_scaling") or {})
-    rope = {**params, **scaling}
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    rope_type = scaling.get("rope_type", scaling.get("type")) or params.get(
-        "rope_type", params.get("type", "default")
-    )
-    if rope_type not in _ROPE_KEYS:
-        raise ConfigError(
-            f"rope scaling type {rope_type!r} in config.json is not supported; eqllm handles "
-            "the default rotary embedding and 'llama3' scaling"
-        )
-    unknown = sorted(set(rope) - _ROPE_KEYS[rope_type])
-    if unknown:
-        raise ConfigError(
-            f"config.json rope settings {unknown} are not understood for rope_type {rope_type!r}"
-        )
-    fields: dict[str, Any] = {"positions.theta": float(theta)}
-    if rope_type == "llama3":
-        fields["positions.scaling"] = {
-            "kind": "llama3",
-            "factor": float(rope["factor"]),
-            "low_freq_factor": float(rope["low_freq_factor"]),
-            "high_freq_factor": float(rope["high_freq_factor"]),
-            "original_max_seq_len": int(rope["original_max_position_embeddings"]),
-        }
-    return fields
 
 
 def full_attention_only(hf: dict[str, Any], family: str) -> None:

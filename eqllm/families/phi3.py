@@ -4,7 +4,8 @@ gate/up projections each stored as one fused matrix, an optional partial rotary 
 
 from typing import Any
 
-from eqllm.config import ModelConfig
+from eqllm.config import ConfigError, ModelConfig
+from eqllm.families._rope import rope_params
 from eqllm.families.base import (
     LLAMA_BLOCK,
     LLAMA_KEYS,
@@ -42,13 +43,16 @@ _TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 32000, "pad_token_id": 32000}  
 
 
 def to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    scaling = cfg.positions.scaling
     return {
         **token_ids(cfg, _TOKEN_IDS),
         **llama_to_hf(cfg),
         "hidden_act": "silu",
         "partial_rotary_factor": cfg.positions.fraction,
         "sliding_window": cfg.attention.sliding_window,
-        "original_max_position_embeddings": cfg.max_seq_len,
+        "original_max_position_embeddings": (
+            cfg.max_seq_len if scaling is None else scaling.original_max_seq_len
+        ),
         "resid_pdrop": 0.0,
         "embd_pdrop": 0.0,
     }
@@ -61,7 +65,20 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     # has it at the top level only.
     rope = dict(hf.get("rope_parameters") or {})
     fraction = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    fields = llama_from_hf({**hf, "rope_parameters": rope})
+    scaling = dict(hf.get("rope_scaling") or {})
+    for layout in (rope, scaling):  # Phi3Config reads the releases' "su" and "yarn" as LongRoPE
+        for key in ("rope_type", "type"):
+            if layout.get(key) in ("su", "yarn"):
+                layout[key] = "longrope"
+    if rope_params({"rope_parameters": rope, "rope_scaling": scaling})["rope_type"] not in (
+        "default",
+        "longrope",
+    ):
+        raise ConfigError(
+            f"rope scaling {scaling or rope} in config.json is not supported for Phi-3; "
+            "transformers' Phi3 applies 'longrope' only"
+        )
+    fields = llama_from_hf({**hf, "rope_parameters": rope, "rope_scaling": scaling or None})
     return {
         **fields,
         "positions.fraction": float(fraction),
@@ -80,12 +97,11 @@ FAMILY = Family(
         "attention.qkv_bias": False,
         "attention.out_bias": False,
         "mlp.bias": False,
-        "positions.scaling": None,
     },
     table=TABLE,
     prefix=LLAMA_PREFIX,
-    # original_max_position_embeddings only matters to the long-context rope types, which
-    # the rope translation refuses; the dropouts do nothing at inference; auto_map names the
+    # original_max_position_embeddings is LongRoPE's original context (with default RoPE it only
+    # echoes the context); the dropouts do nothing at inference; auto_map names the
     # release's remote code, which transformers runs only when trusted (its own Phi3 otherwise).
     hf_keys=LLAMA_KEYS
     | {
@@ -99,4 +115,9 @@ FAMILY = Family(
     },
     to_hf=to_hf,
     from_hf=from_hf,
+    check=lambda cfg: (
+        {"positions.scaling.kind": cfg.positions.scaling.kind}
+        if cfg.positions.scaling is not None and cfg.positions.scaling.kind != "longrope"
+        else {}
+    ),
 )

@@ -16,7 +16,7 @@ from eqllm.nn.linear import (
 from eqllm.nn.mlp import MLP, GatedMLP
 from eqllm.nn.moe import MoE, expert_load, load_balancing_loss
 from eqllm.nn.norm import LayerNorm, RMSNorm
-from eqllm.nn.rope import RotaryEmbedding, rope_inv_freq
+from eqllm.nn.rope import RopeScaling, RotaryEmbedding, rope_frequencies, rope_inv_freq
 
 __all__ = [
     "MLP",
@@ -32,6 +32,7 @@ __all__ = [
     "MoE",
     "ParamInfo",
     "RMSNorm",
+    "RopeScaling",
     "RotaryEmbedding",
     "attention_mask",
     "dot_product_attention",
@@ -40,5 +41,6 @@ __all__ = [
     "load_balancing_loss",
     "param_info",
     "quantize",
+    "rope_frequencies",
     "rope_inv_freq",
 ]
