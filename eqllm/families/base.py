@@ -71,6 +71,9 @@ class Family:
         check: extra invariants: returns the offending {path: value} (empty when fine).
         layouts: other key tables a checkpoint of the family may use, accepted on import (the
             first table whose tensors the checkpoint has is read; export writes `table`).
+        defaults: config.json values that transformers' config class assumes where a file
+            leaves the key out (published files rely on them: Gemma 3's text_config names no
+            head counts); a key the file sets, even to null, keeps the file's value.
     """
 
     name: str
@@ -85,6 +88,7 @@ class Family:
     from_hf: Callable[[dict[str, Any]], dict[str, Any]]
     check: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: {}
     layouts: tuple[tuple[Row, ...], ...] = ()
+    defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def embed_name(self) -> str:

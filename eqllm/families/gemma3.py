@@ -86,6 +86,23 @@ FAMILY = Family(
     | {"rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern"},
     to_hf=to_hf,
     from_hf=from_hf,
+    # transformers' Gemma3TextConfig defaults: the published 4B-27B config.json files nest the
+    # language model in `text_config` and leave these out.
+    defaults={
+        "vocab_size": 262208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+        "sliding_window": 4096,
+    },
     check=lambda cfg: (
         {
             k: cfg.at(k)

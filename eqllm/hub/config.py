@@ -49,4 +49,5 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
             f"config.json has {family.name} setting(s) eqllm does not understand: {unknown}; "
             "refusing rather than building a model that may compute something else"
         )
+    hf = {**family.defaults, **hf}
     return ModelConfig.from_dict({**family.fixed, **family.from_hf(hf), "family": family.name})
