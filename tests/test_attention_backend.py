@@ -158,7 +158,7 @@ def test_on_a_gpu_auto_picks_cudnn_where_it_can_run_and_says_why_not_once(monkey
     with caplog.at_level(logging.WARNING, logger="eqllm.attention_backend"):
         assert attention_backend.attention_kernel(capped) is None
         assert attention_backend.attention_kernel(capped) is None
-    said = [r.getMessage() for r in caplog.records if "attn_softcap" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "attention.softcap" in r.getMessage()]
     assert len(said) == 1 and "gemma2" in said[0]
     with pytest.raises(ConfigError, match="compute_dtype='float32'"):
         attention_backend.attention_kernel(
@@ -173,9 +173,9 @@ def test_attention_is_an_execution_setting():
     from eqllm.recipe import load_recipe
 
     model = eqllm.CausalLM(TINY_CONFIGS["llama"], key=jax.random.key(0))
-    assert model.with_config(attention="xla").config.attention == "xla"
-    recipe = load_recipe("quickstart", ["model.overrides.attention=xla"])
-    assert recipe.model_config().attention == "xla"
+    assert model.with_config(attention={"kernel": "xla"}).config.attention.kernel == "xla"
+    recipe = load_recipe("quickstart", ["model.overrides.attention.kernel=xla"])
+    assert recipe.model_config().attention.kernel == "xla"
     with pytest.raises(ConfigError, match="must be one of 'auto', 'xla', 'cudnn'"):
         TINY_CONFIGS["llama"].replace(attention={"kernel": "flash"})
 
