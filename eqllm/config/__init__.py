@@ -40,6 +40,7 @@ from eqllm.config.groups import (
     unknown_field,
     validated,
 )
+from eqllm.config.legacy import from_flat
 from eqllm.errors import rule, show
 
 __all__ = [
@@ -262,9 +263,9 @@ class ModelConfig:
         """A config from nested dicts and/or dotted keys (as `to_dict` writes and TOML reads).
 
         The flat layout of earlier eqllm versions (`n_heads`, `rope_theta`, ... at the top, as
-        their run and model folders hold it) is read too, through `FLAT_NAMES`.
+        their run and model folders hold it) is read too, through `eqllm.config.legacy.FLAT_NAMES`.
         """
-        values = expand(_from_flat(values))
+        values = expand(from_flat(values))
         check_names(values)
         fields = cls.__pydantic_fields__
         missing = [n for n, f in fields.items() if f.is_required() and n not in values]
@@ -300,64 +301,6 @@ class ModelConfig:
         window = self.attention.sliding_window
         t = sum(min(full, window) if w else full for w in self.local_layers()) / self.n_layers
         return 12.0 * self.n_layers * self.attention.n_heads * self.head_dim * t
-
-
-# The flat ModelConfig fields of earlier versions and the dotted paths that hold them now.
-FLAT_NAMES = {
-    **{f: f"attention.{f}" for f in ("n_heads", "n_kv_heads", "head_dim", "qkv_bias", "out_bias")},
-    **{f: f"attention.{f}" for f in ("sliding_window", "global_every", "query_pre_attn_scalar")},
-    "attn_softcap": "attention.softcap",
-    "position": "positions.kind",
-    "rope_theta": "positions.theta",
-    "rope_local_theta": "positions.local_theta",
-    "rope_fraction": "positions.fraction",
-    "rope_factor": "positions.scaling.factor",
-    "rope_low_freq_factor": "positions.scaling.low_freq_factor",
-    "rope_high_freq_factor": "positions.scaling.high_freq_factor",
-    "rope_original_max_seq_len": "positions.scaling.original_max_seq_len",
-    "d_ff": "mlp.d_ff",
-    "mlp_bias": "mlp.bias",
-    "n_experts": "moe.n_experts",
-    "experts_per_token": "moe.experts_per_token",
-    "moe_d_ff": "moe.d_ff",
-    "norm_topk_prob": "moe.norm_topk_prob",
-    "shared_expert_d_ff": "moe.shared_d_ff",
-    "router_aux_loss_coef": "moe.aux_loss_coef",
-    "moe_impl": "moe.impl",
-    "norm": "norms.kind",
-    "norm_eps": "norms.eps",
-    "norm_plus_one": "norms.plus_one",
-    "norm_bias": "norms.bias",
-    "pre_norms": "norms.pre",
-    "post_norms": "norms.post",
-}
-
-
-def _from_flat(values: dict[str, Any]) -> dict[str, Any]:
-    """A config dict of the earlier flat layout in today's dotted paths (others unchanged)."""
-    if "n_heads" not in values or isinstance(values.get("attention"), dict):
-        return values
-    flat = dict(values)
-    out = {"attention.kernel": flat.pop("attention", "auto")}
-    qk_norm, per_head = flat.pop("qk_norm", False), flat.pop("qk_norm_per_head", True)
-    out["attention.qk_norm"] = ("head" if per_head else "whole") if qk_norm else None
-    scaled = flat.pop("rope_scaling", "none") != "none"
-    if scaled:
-        out["positions.scaling.kind"] = "llama3"
-    experts = flat.get("n_experts") is not None
-    impl = flat.pop("moe_impl", "dense")
-    for key, value in flat.items():
-        path = FLAT_NAMES.get(key, key)
-        if (path.startswith("positions.scaling.") and not scaled) or (
-            path.startswith("moe.") and not experts
-        ):
-            continue
-        out[path] = value
-    if experts:
-        out["moe.impl"] = impl
-    else:
-        out["moe"] = None
-    return out
 
 
 def field_names() -> list[str]:
