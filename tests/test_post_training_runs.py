@@ -26,8 +26,8 @@ def base(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("post")
     model = eqllm.zoo.create(
-        "llama-nano", vocab_size=257, d_model=32, n_layers=2, attention={"n_heads": 2, "n_kv_heads": 1},
-        mlp={"d_ff": 64},
+        "llama-nano", vocab_size=257, d_model=32, n_layers=2,
+        attention={"n_heads": 2, "n_kv_heads": 1}, mlp={"d_ff": 64},
         max_seq_len=128, key=jax.random.key(0),
     )  # fmt: skip
     eqllm.hub.save_pretrained(model, root / "base", tokenizer=Tokenizer.bytes())
