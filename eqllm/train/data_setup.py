@@ -8,6 +8,7 @@ import numpy as np
 
 from eqllm.data import MixtureData, TokenData, batch_at, prepare_mixture
 from eqllm.data.instruct import InstructionData
+from eqllm.data.prompts import PromptData
 from eqllm.recipe import Recipe
 from eqllm.recipe.spec import source_label
 
@@ -43,10 +44,15 @@ def token_batch(data: TokenData | MixtureData, recipe: Recipe, step: int) -> np.
     return batch_at(data.train, **args)
 
 
-def document_masking(recipe: Recipe, data: TokenData | MixtureData | InstructionData) -> dict:
+def document_masking(
+    recipe: Recipe, data: TokenData | MixtureData | InstructionData | PromptData
+) -> dict:
     """TrainStep's masking arguments: segments opened by the end-of-text token on token windows
     (data.document_mask); packed instruction rows bring their own segments and always restart
-    positions (as padded rows start at 0); data.reset_positions otherwise."""
+    positions (as padded rows start at 0); data.reset_positions otherwise. RL prompts have
+    none: their rows are the rollouts, one sequence each."""
+    if isinstance(data, PromptData):
+        return {}
     if isinstance(data, InstructionData):
         return {"reset_positions": data.segment_ids is not None}
     eot = data.tokenizer.eot_id if recipe.data.document_mask else None
