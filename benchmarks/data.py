@@ -89,7 +89,7 @@ def tokenization(corpus: Path, tok: Path, root: Path) -> None:
         cache = root / f"cache-{kind}"
         cmd = [sys.executable, "-c", CHILD, kind, str(corpus), str(tok), str(cache)]
         r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-        label = "eqllm prepare (1 process)" if kind == "eqllm" else "datasets.map(num_proc=2)"
+        label = "eqllm.data.prepare (1 process)" if kind == "eqllm" else "datasets.map(num_proc=2)"
         print(
             f"{label:28s} {r['bytes'] / r['seconds'] / 1e6:7.2f} MB/s  "
             f"{r['tokens'] / r['seconds'] / 1e6:6.2f} M tokens/s  peak RSS "
