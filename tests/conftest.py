@@ -94,3 +94,18 @@ def family_model(request):
 # The 8-device tests need XLA_FLAGS set before jax starts: tests/test_sharding.py runs them in a
 # subprocess with EQLLM_MULTIDEVICE=1.
 collect_ignore = [] if os.environ.get("EQLLM_MULTIDEVICE") else ["multidevice"]
+
+
+@pytest.fixture(autouse=True)
+def _compile_cache_stays_with_its_test():
+    """An in-process run (`eqllm.train.loop.run`) turns JAX's persistent compilation cache on
+    for the rest of its process; put it back after each test, so one test's run does not make
+    later tests serialize every program they compile (XLA's CPU serializer aborted the process
+    on the packed train step of tests/test_packing.py when the suite ran in one process)."""
+    before = jax.config.jax_compilation_cache_dir
+    yield
+    if jax.config.jax_compilation_cache_dir != before:
+        from jax._src import compilation_cache
+
+        jax.config.update("jax_compilation_cache_dir", before)
+        compilation_cache.reset_cache()
