@@ -10,6 +10,11 @@ import jax
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# No persistent compilation cache in the test process: an in-process run (`eqllm.train.loop.run`)
+# points JAX at one for the rest of the process, and then every later test serializes what it
+# compiles (XLA's CPU serializer aborted the whole suite on the packed train step of
+# tests/test_packing.py). Runs started as subprocesses keep their cache.
+jax.config.update("jax_enable_compilation_cache", False)
 
 import eqllm  # noqa: E402
 
@@ -94,18 +99,3 @@ def family_model(request):
 # The 8-device tests need XLA_FLAGS set before jax starts: tests/test_sharding.py runs them in a
 # subprocess with EQLLM_MULTIDEVICE=1.
 collect_ignore = [] if os.environ.get("EQLLM_MULTIDEVICE") else ["multidevice"]
-
-
-@pytest.fixture(autouse=True)
-def _compile_cache_stays_with_its_test():
-    """An in-process run (`eqllm.train.loop.run`) turns JAX's persistent compilation cache on
-    for the rest of its process; put it back after each test, so one test's run does not make
-    later tests serialize every program they compile (XLA's CPU serializer aborted the process
-    on the packed train step of tests/test_packing.py when the suite ran in one process)."""
-    before = jax.config.jax_compilation_cache_dir
-    yield
-    if jax.config.jax_compilation_cache_dir != before:
-        from jax._src import compilation_cache
-
-        jax.config.update("jax_compilation_cache_dir", before)
-        compilation_cache.reset_cache()

@@ -54,7 +54,8 @@ def test_one_update_without_clipping_is_reinforce_with_a_group_baseline():
     """With rho = 1 (one inner update) and no KL, the GRPO gradient equals that of
     -mean_i A_i mean_t log pi(o_it): REINFORCE with the group mean as baseline."""
     model = eqllm.zoo.create(
-        "llama-nano", d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64,
+        "llama-nano", d_model=32, n_layers=2, attention={"n_heads": 2, "n_kv_heads": 1},
+        mlp={"d_ff": 64},
         vocab_size=64, key=jax.random.key(0),
     )  # fmt: skip
     rng = np.random.default_rng(1)
@@ -92,7 +93,8 @@ def test_rollouts_are_deterministic_for_a_seed_and_train():
 
     tok = Tokenizer.bytes()
     model = eqllm.zoo.create(
-        "llama-nano", d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64,
+        "llama-nano", d_model=32, n_layers=2, attention={"n_heads": 2, "n_kv_heads": 1},
+        mlp={"d_ff": 64},
         vocab_size=tok.vocab_size, key=jax.random.key(0),
     )  # fmt: skip
     examples = [{"prompt": "12>", "answer": "21"}, {"prompt": "345>", "answer": "543"}]

@@ -98,7 +98,8 @@ def test_long_pairs_keep_their_start(pairs_file):
 
 def _tiny_model():
     return eqllm.zoo.create(
-        "llama-nano", d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64,
+        "llama-nano", d_model=32, n_layers=2, attention={"n_heads": 2, "n_kv_heads": 1},
+        mlp={"d_ff": 64},
         key=jax.random.key(0),
     )  # fmt: skip
 
