@@ -27,12 +27,11 @@ TEMPLATE = (
 )
 
 
-def tiny_folder(root: Path, *, context: int = 256) -> Path:
-    """A random tiny Llama in Hugging Face format with a BPE tokenizer and a chat template."""
+def tiny_llama(tokenizer: Tokenizer, context: int):
+    """A random 2-layer Llama of d_model 32 (seed 0) for `tokenizer`'s vocabulary."""
     import torch
     import transformers
 
-    tokenizer = Tokenizer.train_bpe(TEXTS * 8, 300)
     config = transformers.LlamaConfig(
         vocab_size=tokenizer.vocab_size,
         hidden_size=32,
@@ -45,7 +44,13 @@ def tiny_folder(root: Path, *, context: int = 256) -> Path:
         pad_token_id=tokenizer.eot_id,
     )
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(root)
+    return transformers.LlamaForCausalLM(config)
+
+
+def tiny_folder(root: Path, *, context: int = 256) -> Path:
+    """A random tiny Llama in Hugging Face format with a BPE tokenizer and a chat template."""
+    tokenizer = Tokenizer.train_bpe(TEXTS * 8, 300)
+    tiny_llama(tokenizer, context).save_pretrained(root)
     save_tokenizer(tokenizer, root)
     file = root / "tokenizer_config.json"
     file.write_text(json.dumps({**json.loads(file.read_text()), "chat_template": TEMPLATE}))

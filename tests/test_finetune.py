@@ -71,6 +71,32 @@ def test_missing_field_names_the_line(tmp_path):
         read_examples(path)
 
 
+def test_bad_files_and_messages_are_named(tmp_path):
+    """The one record reader behind instruction, preference and prompt files names the file,
+    the line (JSONL) or index (JSON) and the problem."""
+    from eqllm.data import DataNotFound
+    from eqllm.data.preference import read_pairs
+
+    with pytest.raises(DataNotFound, match="instruction data file .*nope.jsonl' does not exist"):
+        read_examples(tmp_path / "nope.jsonl")
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    with pytest.raises(DataError, match="blank.jsonl holds no preference pairs"):
+        read_pairs(tmp_path / "blank.jsonl")
+    (tmp_path / "broken.jsonl").write_text(json.dumps(EXAMPLES[0]) + "\n{not json\n")
+    with pytest.raises(DataError, match="broken.jsonl line 2: not valid JSON"):
+        read_examples(tmp_path / "broken.jsonl")
+    (tmp_path / "one.json").write_text(json.dumps(EXAMPLES[0]))
+    with pytest.raises(DataError, match="a .json file must hold a list of examples"):
+        read_examples(tmp_path / "one.json")
+    bad = {"messages": [{"role": "user", "content": "q"}, {"role": "bot", "content": "a"}]}
+    (tmp_path / "roles.json").write_text(json.dumps([EXAMPLES[1], bad]))
+    with pytest.raises(DataError, match=r"roles.json example 1: messages\[1\] needs 'role'"):
+        read_examples(tmp_path / "roles.json")
+    (tmp_path / "text.json").write_text(json.dumps([{"messages": "hi"}]))
+    with pytest.raises(DataError, match="'messages' must be a non-empty list of chat messages"):
+        read_examples(tmp_path / "text.json")
+
+
 def test_masked_loss_equals_transformers_with_ignored_prompt(jsonl, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

@@ -68,7 +68,7 @@ def _ours(model, tokens):
 
 
 TOKENS = np.random.default_rng(0).integers(0, 250, 200)
-# Of the largest logit; measured on this model: 4.8e-7, 7.7e-4, 6.1e-3, 2.1e-2 (docs/hub.md).
+# Of the largest logit; the figures measured on this model are in docs/hub.md (`-s` prints them).
 TOLERANCE = {"f32": 1e-5, "f16": 5e-3, "bf16": 2e-2, "q8_0": 5e-2}
 
 
@@ -78,7 +78,9 @@ def test_f32_export_equals_the_source_in_transformers(model_type, head_dim, toke
     model = _eqllm(_model(model_type, tokenizer.vocab_size, head_dim=head_dim), tmp_path)
     eqllm.hub.save_gguf(model, tmp_path / "m.gguf", tokenizer=tokenizer, type="f32")
     ours, theirs = _ours(model, TOKENS), _theirs(tmp_path / "m.gguf", TOKENS)
-    np.testing.assert_allclose(theirs, ours, atol=TOLERANCE["f32"] * np.abs(ours).max())
+    error = np.abs(theirs - ours).max() / np.abs(ours).max()
+    print(f"{model_type} f32: largest logit difference {error:.2g} of the largest logit")
+    assert error <= TOLERANCE["f32"]
 
 
 @pytest.mark.parametrize("kind", ["f16", "bf16", "q8_0"])
@@ -87,7 +89,9 @@ def test_reduced_exports_within_tolerance_and_carry_the_tokenizer(kind, tokenize
     file = tmp_path / "m.gguf"
     eqllm.hub.save_gguf(model, file, tokenizer=tokenizer, type=kind)
     ours, theirs = _ours(model, TOKENS), _theirs(file, TOKENS)
-    np.testing.assert_allclose(theirs, ours, atol=TOLERANCE[kind] * np.abs(ours).max())
+    error = np.abs(theirs - ours).max() / np.abs(ours).max()
+    print(f"{kind}: largest logit difference {error:.2g} of the largest logit")  # docs/hub.md
+    assert error <= TOLERANCE[kind]
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=file.name)
     text = "def add(a, b):\n    return a + b  # naïve <|im_end|>"
     assert hf_tok.encode(text, add_special_tokens=False) == tokenizer.encode_with_specials(text)

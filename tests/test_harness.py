@@ -29,6 +29,7 @@ from eqllm.data import Tokenizer  # noqa: E402
 from eqllm.hub.folders import save_tokenizer  # noqa: E402
 from eqllm.train import loop  # noqa: E402
 from tests.reliability.harness import make_corpus, tiny_recipe  # noqa: E402
+from tests.serve_helpers import tiny_llama  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TASKS_DIR = REPO / "tests" / "harness_tasks"
@@ -49,19 +50,7 @@ def _corpus() -> list[str]:
 def folder(tmp_path_factory):
     """A tiny random Llama in Hugging Face format, with a BPE tokenizer trained here."""
     tokenizer = Tokenizer.train_bpe(_corpus() * 4, 300)
-    config = transformers.LlamaConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=CONTEXT,
-        eos_token_id=tokenizer.eot_id,
-        pad_token_id=tokenizer.eot_id,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = tiny_llama(tokenizer, CONTEXT)
     _fit(model, tokenizer)
     out = tmp_path_factory.mktemp("harness-llama")
     model.save_pretrained(out)

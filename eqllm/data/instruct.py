@@ -22,16 +22,15 @@ changes the real tokens' logits.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from eqllm.data.chat import render, template_or_default
-from eqllm.data.errors import DataError, DataNotFound
+from eqllm.data.errors import DataError
 from eqllm.data.packing import pack_examples
+from eqllm.data.records import read_records
 from eqllm.data.tokenizer import Tokenizer
 
 Messages = list[dict[str, str]]
@@ -43,31 +42,28 @@ def read_examples(path: str | os.PathLike) -> list[Messages]:
 
     Raises DataError naming the file, the line (JSONL) or index (JSON) and the missing field.
     """
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise DataNotFound(f"instruction data file {str(file)!r} does not exist")
-    text = file.read_text(encoding="utf-8")
-    if file.suffix == ".json":
-        try:
-            records = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{file}: not valid JSON ({e})") from None
-        if not isinstance(records, list):
-            raise DataError(f"{file}: a .json file must hold a list of examples")
-        where = [f"{file} example {i}" for i in range(len(records))]
-    else:
-        records, where = [], []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{file} line {n}: not valid JSON ({e})") from None
-            where.append(f"{file} line {n}")
-    if not records:
-        raise DataError(f"{file} holds no examples")
-    return [to_messages(r, w) for r, w in zip(records, where, strict=True)]
+    return [to_messages(r, w) for r, w in read_records(path, "instruction data", "examples")]
+
+
+def as_messages(value, field: str, where: str, role: str | None = None) -> Messages:
+    """`value` (a list of messages, or with `role` a string: one turn) as checked chat messages."""
+    if isinstance(value, str) and role is not None:
+        if not value.strip():
+            raise DataError(f"{where}: '{field}' is empty; give it some text or drop the pair")
+        return [{"role": role, "content": value}]
+    if not isinstance(value, list) or not value:
+        raise DataError(
+            f"{where}: '{field}' must be a non-empty {'string or ' if role else ''}list of chat "
+            f"messages, got {type(value).__name__}"
+        )
+    for i, m in enumerate(value):
+        ok = isinstance(m, dict) and m.get("role") in ROLES
+        if not ok or not isinstance(m.get("content"), str):
+            raise DataError(
+                f"{where}: {field}[{i}] needs 'role' (one of {list(ROLES)}) and a string "
+                f"'content', got {m!r}"
+            )
+    return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
 def to_messages(record, where: str) -> Messages:
@@ -75,19 +71,10 @@ def to_messages(record, where: str) -> Messages:
     if not isinstance(record, dict):
         raise DataError(f"{where}: an example must be a JSON object, got {type(record).__name__}")
     if "messages" in record:
-        messages = record["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise DataError(f"{where}: 'messages' must be a non-empty list")
-        for i, m in enumerate(messages):
-            ok = isinstance(m, dict) and m.get("role") in ROLES
-            if not ok or not isinstance(m.get("content"), str):
-                raise DataError(
-                    f"{where}: messages[{i}] needs 'role' (one of {list(ROLES)}) and a string "
-                    f"'content', got {m!r}"
-                )
+        messages = as_messages(record["messages"], "messages", where)
         if not any(m["role"] == "assistant" for m in messages):
             raise DataError(f"{where}: no 'assistant' message to learn from")
-        return [{"role": m["role"], "content": m["content"]} for m in messages]
+        return messages
     missing = [k for k in ("instruction", "output") if not isinstance(record.get(k), str)]
     if missing:
         raise DataError(

@@ -21,32 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
-from eqllm.data.errors import DataError, DataNotFound
-from eqllm.data.instruct import ROLES, ChatFormat, InstructionData, Messages, pad_rows
+from eqllm.data.errors import DataError
+from eqllm.data.instruct import ChatFormat, InstructionData, Messages, as_messages, pad_rows
+from eqllm.data.records import read_records
 from eqllm.data.tokenizer import Tokenizer
 
 FIELDS = ("prompt", "chosen", "rejected")
-
-
-def as_messages(value, field: str, where: str, role: str) -> Messages:
-    """`value` (a string: one `role` turn, or a list of messages) as checked chat messages."""
-    if isinstance(value, str):
-        if not value.strip():
-            raise DataError(f"{where}: '{field}' is empty; give it some text or drop the pair")
-        return [{"role": role, "content": value}]
-    if not isinstance(value, list) or not value:
-        raise DataError(
-            f"{where}: '{field}' must be a non-empty string or list of chat messages, got "
-            f"{type(value).__name__}"
-        )
-    for i, m in enumerate(value):
-        ok = isinstance(m, dict) and m.get("role") in ROLES
-        if not ok or not isinstance(m.get("content"), str):
-            raise DataError(
-                f"{where}: {field}[{i}] needs 'role' (one of {list(ROLES)}) and a string "
-                f"'content', got {m!r}"
-            )
-    return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
 def to_pair(record, where: str) -> tuple[Messages, Messages, Messages]:
@@ -80,31 +60,7 @@ def to_pair(record, where: str) -> tuple[Messages, Messages, Messages]:
 
 def read_pairs(path: str | os.PathLike) -> list[tuple[Messages, Messages, Messages]]:
     """The pairs of a JSONL file (or a JSON list); DataError naming the line and the field."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise DataNotFound(f"preference data file {str(file)!r} does not exist")
-    text = file.read_text(encoding="utf-8")
-    if file.suffix == ".json":
-        try:
-            records = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{file}: not valid JSON ({e})") from None
-        if not isinstance(records, list):
-            raise DataError(f"{file}: a .json file must hold a list of pairs")
-        where = [f"{file} example {i}" for i in range(len(records))]
-    else:
-        records, where = [], []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{file} line {n}: not valid JSON ({e})") from None
-            where.append(f"{file} line {n}")
-    if not records:
-        raise DataError(f"{file} holds no preference pairs")
-    return [to_pair(r, w) for r, w in zip(records, where, strict=True)]
+    return [to_pair(r, w) for r, w in read_records(path, "preference data", "preference pairs")]
 
 
 def encode_response(

@@ -7,16 +7,14 @@ other fields go to the reward with the completion (`eqllm.train.rewards`).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from eqllm.data.errors import DataError, DataNotFound
-from eqllm.data.instruct import ChatFormat
-from eqllm.data.preference import as_messages
+from eqllm.data.errors import DataError
+from eqllm.data.instruct import ChatFormat, as_messages
+from eqllm.data.records import read_records
 from eqllm.data.tokenizer import Tokenizer
 
 
@@ -61,20 +59,11 @@ class PromptData:
 def prepare_prompts(
     path: str | os.PathLike, tokenizer: Tokenizer, *, template: str | None = None
 ) -> PromptData:
-    """Read and tokenize the prompts of a JSONL file; DataError naming the line if bad."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise DataNotFound(f"prompt file {str(file)!r} does not exist")
+    """Read and tokenize the prompts of a JSONL file (or a JSON list); DataError naming the line
+    if bad."""
     chat = ChatFormat(tokenizer, template)
     prompts, examples = [], []
-    for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{file} line {n}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: not valid JSON ({e})") from None
+    for row, where in read_records(path, "prompt", "prompts"):
         if not isinstance(row, dict) or "prompt" not in row:
             raise DataError(f"{where}: a row must be a JSON object with a 'prompt'")
         if isinstance(row["prompt"], str):
@@ -86,6 +75,4 @@ def prepare_prompts(
             ids = chat.encode_text(chat.render(messages, add_generation_prompt=True))
         prompts.append(ids)
         examples.append(row)
-    if not prompts:
-        raise DataError(f"{file} holds no prompts")
     return PromptData(prompts, examples, tokenizer, template)

@@ -34,6 +34,21 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     return llama_from_hf(hf)
 
 
+# What every Gemma generation fixes: (1 + weight) RMSNorm, GeGLU, RoPE without scaling, no
+# biases, the embedding scaled by sqrt(d_model) and tied to the head.
+GEMMA_FIXED = {
+    "norms.kind": "rmsnorm",
+    "norms.plus_one": True,
+    "mlp.kind": "geglu",
+    "positions.kind": "rope",
+    "attention.qkv_bias": False,
+    "attention.out_bias": False,
+    "mlp.bias": False,
+    "embed_scale": True,
+    "tie_embeddings": True,
+    "positions.scaling": None,
+}
+
 FAMILY = Family(
     name="gemma",
     released="2024-02",
@@ -41,18 +56,9 @@ FAMILY = Family(
     model_type="gemma",
     fixed={
         **PLAIN,
-        "norms.kind": "rmsnorm",
-        "norms.plus_one": True,
-        "mlp.kind": "geglu",
-        "positions.kind": "rope",
-        "attention.qkv_bias": False,
-        "attention.out_bias": False,
-        "mlp.bias": False,
+        **GEMMA_FIXED,
         "attention.sliding_window": None,
         "attention.qk_norm": None,
-        "embed_scale": True,
-        "tie_embeddings": True,
-        "positions.scaling": None,
     },
     table=LLAMA_TABLE,
     prefix=LLAMA_PREFIX,

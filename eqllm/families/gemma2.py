@@ -18,6 +18,7 @@ from eqllm.families.base import (
     refuse,
     rows,
 )
+from eqllm.families.gemma import GEMMA_FIXED
 
 # Gemma 2 names its four norms by position; `post_attention_layernorm` is the norm after
 # attention here, not the one before the MLP as in Llama.
@@ -111,16 +112,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 SANDWICH_FIXED = {
     **DENSE,
     "positions.fraction": 1.0,
-    "norms.kind": "rmsnorm",
-    "norms.plus_one": True,
-    "mlp.kind": "geglu",
-    "positions.kind": "rope",
-    "attention.qkv_bias": False,
-    "attention.out_bias": False,
-    "mlp.bias": False,
-    "embed_scale": True,
-    "tie_embeddings": True,
-    "positions.scaling": None,
+    **GEMMA_FIXED,
     "norms.pre": True,
     "norms.post": True,
 }
