@@ -21,6 +21,7 @@ RESEARCH = [
     "mixtral-nano",
     "qwen2_moe-nano",
     "olmoe-nano",
+    "qwen3_moe-nano",
 ]
 PUBLISHED = [
     "gpt2-small",
@@ -55,6 +56,8 @@ PUBLISHED = [
     "mixtral-8x7b",
     "qwen1.5-moe-a2.7b",
     "olmoe-1b-7b",
+    "qwen3-30b-a3b",
+    "qwen3-235b-a22b",
 ]
 
 
@@ -72,6 +75,7 @@ NANOS = [
     "mixtral-nano",
     "qwen2_moe-nano",
     "olmoe-nano",
+    "qwen3_moe-nano",
 ]
 
 
