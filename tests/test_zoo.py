@@ -21,6 +21,7 @@ RESEARCH = [
     "mixtral-nano",
     "qwen2_moe-nano",
     "olmoe-nano",
+    "pythia-nano",
 ]
 PUBLISHED = [
     "gpt2-small",
@@ -55,6 +56,15 @@ PUBLISHED = [
     "mixtral-8x7b",
     "qwen1.5-moe-a2.7b",
     "olmoe-1b-7b",
+    "pythia-70m",
+    "pythia-160m",
+    "pythia-410m",
+    "pythia-1b",
+    "pythia-1.4b",
+    "pythia-2.8b",
+    "pythia-6.9b",
+    "pythia-12b",
+    "gpt-neox-20b",
 ]
 
 
@@ -72,6 +82,7 @@ NANOS = [
     "mixtral-nano",
     "qwen2_moe-nano",
     "olmoe-nano",
+    "pythia-nano",
 ]
 
 
