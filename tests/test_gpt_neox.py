@@ -19,6 +19,7 @@ from safetensors.numpy import load_file, save_file
 
 import eqllm
 from eqllm import lora
+from eqllm.bench.coordcheck import activations
 from eqllm.hub import from_hf_config, to_hf_config
 from eqllm.nn.mlp import gelu_exact
 
@@ -178,6 +179,25 @@ def test_cached_decode_matches_full_forward(pair):
     )
 
 
+def test_greedy_equals_transformers_generate(pair):
+    """eqllm.generate's greedy continuation is the one transformers' generate picks."""
+    prompt, new = [int(t) for t in TOKENS[:9]], 16
+    ours = eqllm.generate(
+        pair.model, prompt, max_new_tokens=new, key=jax.random.key(0), temperature=0
+    )
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = pair.hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    assert out[0, len(prompt) :].tolist() == np.asarray(ours).tolist()
+
+
 def test_residual_variants_compute_different_functions(pair):
     """The switch reaches the blocks: the same weights under the other residual differ."""
     config = pair.model.config.replace(parallel_residual=not pair.model.config.parallel_residual)
@@ -185,6 +205,12 @@ def test_residual_variants_compute_different_functions(pair):
     flipped = jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(pair.model))
     assert flipped.blocks.parallel == config.parallel_residual
     assert np.abs(_logits(flipped) - pair.ref).max() > 1e-3
+
+
+def test_coordinate_check_walks_the_block_as_it_runs(pair):
+    """eqllm coordcheck's layer walk gives the model's own logits under either residual."""
+    _, logits = activations(pair.model, jnp.asarray(TOKENS[:64]))
+    np.testing.assert_allclose(np.asarray(logits), _logits(pair.model, TOKENS[:64]), atol=1e-5)
 
 
 def test_peft_adapter_on_query_key_value_both_ways(pair, tmp_path):
