@@ -152,7 +152,14 @@ def make_block(config: ModelConfig, key: PRNGKeyArray) -> Block:
             dtype=dtype,
         )
     elif config.mlp.kind == "gelu":
-        mlp = MLP(config.d_model, config.mlp.d_ff, use_bias=config.mlp.bias, key=k_mlp, dtype=dtype)
+        mlp = MLP(
+            config.d_model,
+            config.mlp.d_ff,
+            use_bias=config.mlp.bias,
+            approximate=config.mlp.gelu == "tanh",
+            key=k_mlp,
+            dtype=dtype,
+        )
     else:
         activation = "silu" if config.mlp.kind == "swiglu" else "gelu"
         mlp = GatedMLP(
@@ -168,7 +175,9 @@ def make_block(config: ModelConfig, key: PRNGKeyArray) -> Block:
         return make_norm(config, dtype) if wanted else None
 
     pre, post = norms.pre, norms.post
-    return Block(norm(pre), attn, norm(pre), mlp, norm(post), norm(post), s.branch)
+    return Block(
+        norm(pre), attn, norm(pre), mlp, norm(post), norm(post), s.branch, config.parallel_residual
+    )
 
 
 def run_blocks(

@@ -22,6 +22,7 @@ RESEARCH = [
     "qwen2_moe-nano",
     "olmoe-nano",
     "qwen3_moe-nano",
+    "pythia-nano",
 ]
 PUBLISHED = [
     "gpt2-small",
@@ -58,6 +59,15 @@ PUBLISHED = [
     "olmoe-1b-7b",
     "qwen3-30b-a3b",
     "qwen3-235b-a22b",
+    "pythia-70m",
+    "pythia-160m",
+    "pythia-410m",
+    "pythia-1b",
+    "pythia-1.4b",
+    "pythia-2.8b",
+    "pythia-6.9b",
+    "pythia-12b",
+    "gpt-neox-20b",
 ]
 
 
@@ -76,6 +86,7 @@ NANOS = [
     "qwen2_moe-nano",
     "olmoe-nano",
     "qwen3_moe-nano",
+    "pythia-nano",
 ]
 
 

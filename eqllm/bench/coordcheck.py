@@ -91,8 +91,9 @@ def activations(model: CausalLM, tokens) -> tuple[dict[str, jax.Array], jax.Arra
         h = x if block.attn_norm is None else block.attn_norm(x)
         a = block.attn(h, None, None)
         a = a if block.attn_post_norm is None else block.attn_post_norm(a)
+        mlp_in = x if block.parallel else x + a * block.branch_scale
         x = x + a * block.branch_scale
-        h = x if block.mlp_norm is None else block.mlp_norm(x)
+        h = mlp_in if block.mlp_norm is None else block.mlp_norm(mlp_in)
         f = block.mlp(h)
         f = f if block.mlp_post_norm is None else block.mlp_post_norm(f)
         x = x + f * block.branch_scale

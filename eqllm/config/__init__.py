@@ -3,8 +3,8 @@
 Sizes sit at the top (`vocab_size`, `d_model`, `n_layers`, `max_seq_len`); each mechanism is one
 frozen, validated group (`eqllm.config.groups`): `attention`, `positions`, `mlp`, `moe` (None
 for a dense model) and `norms`. Every architectural difference between the zoo's families
-(GPT-2, Llama 1/2/3, Mistral, Qwen2, Qwen3, Gemma 1/2/3, Phi-3, OLMo 2, and the mixtures of
-experts Mixtral, Qwen2-MoE, OLMoE and Qwen3-MoE) is one of these settings; the model code reads
+(GPT-2, GPT-NeoX/Pythia, Llama 1/2/3, Mistral, Qwen2, Qwen3, Gemma 1/2/3, Phi-3, OLMo 2, and the
+mixtures of experts Mixtral, Qwen2-MoE, OLMoE and Qwen3-MoE) is one of these settings; the model code reads
 nothing else. Validation is pydantic's, with its errors rewritten into one-line `ConfigError`s
 that name the full dotted path, the value and the rule (`ModelConfig.attention.n_kv_heads=3 must
 divide n_heads=8`).
@@ -90,7 +90,9 @@ class ModelConfig:
 
     Whole-model switches: `family` (a name of the families registry), `tie_embeddings`,
     `embed_scale` (multiply token embeddings by sqrt(d_model), as Gemma does), `final_softcap`
-    (cap * tanh(x / cap) on the final logits, Gemma 2).
+    (cap * tanh(x / cap) on the final logits, Gemma 2), `parallel_residual` (each block adds
+    attention and MLP, both of its input, in one step: x + attn(norm1(x)) + mlp(norm2(x)), as
+    GPT-J and GPT-NeoX do; False: the MLP reads the attention's output).
 
     Numerics and compilation: `param_dtype`, `compute_dtype` (activations and matmuls; norms,
     softmax and the loss stay fp32), `scan_layers` (False unrolls the layer loop: faster steps
@@ -118,6 +120,7 @@ class ModelConfig:
     family: Annotated[Family, Field(min_length=1)] = "llama"
     tie_embeddings: bool = False
     embed_scale: bool = False
+    parallel_residual: bool = False
     final_softcap: PositiveFloat | None = None
     param_dtype: DType = "float32"
     compute_dtype: DType = "float32"

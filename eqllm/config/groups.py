@@ -22,6 +22,7 @@ from eqllm.errors import EqllmError, rule, show
 
 NormKind = Literal["rmsnorm", "layernorm"]
 MLPKind = Literal["gelu", "swiglu", "geglu"]
+GeluForm = Literal["tanh", "exact"]
 PositionKind = Literal["learned", "rope"]
 RopeScalingKind = Literal["linear", "llama3", "yarn", "longrope", "dynamic"]
 QKNorm = Literal["head", "whole"]
@@ -294,13 +295,23 @@ class PositionsConfig:
 @_group
 class MLPConfig:
     """The feed-forward layer: `kind` (gelu: GPT-2's; swiglu / geglu: gated), `d_ff` hidden
-    units, `bias` on its projections."""
+    units, `bias` on its projections, `gelu` the form of kind 'gelu''s activation ("tanh": the
+    tanh approximation, GPT-2's gelu_new; "exact": the erf form, GPT-NeoX's gelu)."""
 
     PATH: ClassVar[str] = "ModelConfig.mlp"
 
     d_ff: Positive
     kind: MLPKind = "swiglu"
     bias: bool = False
+    gelu: GeluForm = "tanh"
+
+    def __post_init__(self) -> None:
+        require(
+            self.gelu == "tanh" or self.kind == "gelu",
+            f"{self.PATH}.gelu",
+            self.gelu,
+            "is only defined for kind='gelu' (geglu uses the tanh form)",
+        )
 
 
 @typing.no_type_check

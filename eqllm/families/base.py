@@ -25,13 +25,17 @@ class Row:
     filling the `expert` axis that follows). Several `eqllm` paths mean a fused tensor, split
     along its axis `axis` (the output axis: 0, or 1 for transformers' fused experts
     [experts, out, in]) on the way in and concatenated on the way out. `conv1d` marks GPT-2's
-    Conv1D, which stores a weight (in, out): transposed.
+    Conv1D, which stores a weight (in, out): transposed. `per_head` marks a fused tensor whose
+    parts are interleaved per attention head, its fused axis viewed as [n_heads, parts, size /
+    n_heads] (GPT-NeoX's query_key_value: q, k and v of head 0, then of head 1, ...) rather than
+    one part after the other.
     """
 
     hf: str
     eqllm: tuple[str, ...]
     conv1d: bool = False
     axis: int = 0
+    per_head: bool = False
 
     @property
     def layered(self) -> bool:
@@ -42,12 +46,13 @@ class Row:
         return "{j}" in self.hf
 
 
-def rows(*specs: tuple, axis: int = 0) -> tuple[Row, ...]:
-    """Rows from `(hf, eqllm_path_or_paths[, conv1d])` tuples, fused along `axis`."""
+def rows(*specs: tuple, axis: int = 0, per_head: bool = False) -> tuple[Row, ...]:
+    """Rows from `(hf, eqllm_path_or_paths[, conv1d])` tuples, fused along `axis` (interleaved
+    per attention head if `per_head`)."""
     out = []
     for hf, eqllm, *conv1d in specs:
         paths = (eqllm,) if isinstance(eqllm, str) else tuple(eqllm)
-        out.append(Row(hf, paths, *conv1d, axis=axis))
+        out.append(Row(hf, paths, *conv1d, axis=axis, per_head=per_head))
     return tuple(out)
 
 
@@ -112,6 +117,8 @@ PLAIN = {
     "positions.local_theta": None,
     "attention.query_pre_attn_scalar": None,
     "positions.fraction": 1.0,
+    "parallel_residual": False,
+    "mlp.gelu": "tanh",
     **DENSE,
 }
 

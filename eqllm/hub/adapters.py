@@ -29,6 +29,7 @@ from safetensors.numpy import load_file, save_file
 
 from eqllm import families
 from eqllm.families import Row
+from eqllm.hub.tables import fused_order
 from eqllm.lora import LoraError, LoraLinear, adapters, get_path, is_lora, module_names
 from eqllm.model import CausalLM
 from eqllm.nn import Linear
@@ -103,6 +104,9 @@ def save_adapter(
                 for b in b_s:
                     b_out[o : o + b.shape[0], r : r + b.shape[1]] = b
                     o, r = o + b.shape[0], r + b.shape[1]
+            order = fused_order(row, [b.shape[0] for b in b_s], cfg.attention.n_heads)
+            if order is not None:  # B's rows interleaved per head, as the fused weight's
+                b_out = b_out[order]
             tensors[f"{module}.lora_A.weight"] = np.ascontiguousarray(a_out)
             tensors[f"{module}.lora_B.weight"] = np.ascontiguousarray(b_out)
         rank = a_out.shape[0]
@@ -218,6 +222,9 @@ def load_adapter(model: CausalLM, directory: str | os.PathLike) -> CausalLM:
         alpha = _pattern(config.get("alpha_pattern"), module, config.get("lora_alpha", 8))
         scale = alpha / (rank**0.5 if config.get("use_rslora") else rank)
         a_all, b_all = np.stack(a_layers), np.stack(b_layers)
+        order = fused_order(row, [b.weight.shape[-2] for b in bases], cfg.attention.n_heads)
+        if order is not None:  # B's rows interleaved per head -> the parts one after the other
+            b_all = np.take(b_all, np.argsort(order), axis=-2)
         if not row.layered:
             a_all, b_all = a_all[0], b_all[0]
         offset = 0

@@ -45,7 +45,7 @@ from eqllm.hub.folders import (
     zoo_match,
 )
 from eqllm.hub.gguf import folder_to_gguf, gguf_to_folder, is_gguf
-from eqllm.hub.tables import BUFFERS, TIED_HEAD, indices, rows_for, tensor_name
+from eqllm.hub.tables import BUFFERS, TIED_HEAD, fused_order, indices, rows_for, tensor_name
 from eqllm.model import CausalLM, dtype_of
 
 log = logging.getLogger("eqllm.hub")
@@ -168,6 +168,9 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
         buffers = [aligned_empty(t.shape, t.dtype) for t in targets]
         lead = int(row.layered) + int(row.per_expert)  # leading axes indexed by the tensor name
         expected = _hf_shape(row, [t.shape[lead:] for t in targets])
+        order = fused_order(
+            row, [t.shape[lead + row.axis] for t in targets], config.at("attention.n_heads")
+        )
         for index in indices(row, config.n_layers, config.at("moe.n_experts")):
             name = find(tensor_name(row, index))
             info = reader.tensors[name]
@@ -183,6 +186,8 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
             tensor = reader.read(name)
             if row.conv1d and tensor.ndim == 2:
                 tensor = tensor.T  # Conv1D (in, out) -> Linear (out, in)
+            if order is not None:  # interleaved per head -> the parts one after the other
+                tensor = np.take(tensor, np.argsort(order), axis=row.axis)
             start = 0
             for slot in slots:  # split a fused tensor along its fused axis
                 size = slot.shape[row.axis]
@@ -251,6 +256,9 @@ def save_pretrained(
         def tensor() -> np.ndarray:
             parts = [host[p][index] for p in row.eqllm]
             out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=row.axis)
+            order = fused_order(row, [p.shape[row.axis] for p in parts], config.attention.n_heads)
+            if order is not None:  # the parts one after the other -> interleaved per head
+                out = np.take(out, order, axis=row.axis)
             if row.conv1d and out.ndim == 2:
                 out = out.T
             return np.ascontiguousarray(out, dtype=target)

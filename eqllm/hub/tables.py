@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
+
 from eqllm import families
 from eqllm.families import Row
 
@@ -44,3 +46,24 @@ def tensor_name(row: Row, index: tuple[int, ...]) -> str:
     """The tensor's name at leading indices `index` (see `indices`)."""
     named = dict(zip(("i", "j") if row.layered else ("j",), index, strict=False))
     return row.hf.format(**named)
+
+
+def fused_order(row: Row, sizes: list[int], n_heads: int) -> np.ndarray | None:
+    """Where each entry of a fused tensor's axis comes from: the HF tensor is the eqllm parts
+    (of `sizes` along the fused axis) concatenated, then taken in this order along `row.axis`.
+
+    None for parts stored one after the other; for a `per_head` row, head h's slice of every
+    part in turn ([n_heads, parts, size / n_heads]). Undo it with `np.argsort`.
+    """
+    if not row.per_head or len(sizes) < 2:
+        return None
+    if any(size % n_heads for size in sizes):
+        raise AssertionError(f"{row.hf}: parts {sizes} do not split into {n_heads} heads")
+    starts = np.cumsum([0, *sizes[:-1]])
+    return np.concatenate(
+        [
+            np.arange(start + h * (size // n_heads), start + (h + 1) * (size // n_heads))
+            for h in range(n_heads)
+            for start, size in zip(starts, sizes, strict=True)
+        ]
+    )

@@ -1,6 +1,7 @@
 """The residual Transformer block: pre-norm (GPT-2 / Llama layout; Xiong et al., 2020), with
 optional norms on each sublayer's output before the residual add (Gemma 2 has both, OLMo 2 only
-those)."""
+those), sequential or parallel (attention and MLP both read the block's input: GPT-J, GPT-NeoX;
+Black et al., 2022)."""
 
 import equinox as eqx
 import jax
@@ -24,7 +25,8 @@ def _scaled(x, scale: float):
 
 
 class Block(eqx.Module):
-    """x + post1(attn(norm1(x))), then x + post2(mlp(norm2(x))), on one sequence or a batch.
+    """x + post1(attn(norm1(x))), then x + post2(mlp(norm2(x))), on one sequence or a batch;
+    parallel: x + post1(attn(norm1(x))) + post2(mlp(norm2(x))), both sublayers reading x.
 
     Attributes:
         attn_norm: the norm applied before attention (None: none).
@@ -36,6 +38,8 @@ class Block(eqx.Module):
         mlp_post_norm: the same for the feed-forward layer's output (None: none).
         branch_scale: multiplies each sublayer's output before the residual add (CompleteP's
             base_n_layers / n_layers; 1.0 adds it as it is).
+        parallel: the MLP reads the block's input, not the attention's output (GPT-NeoX's
+            use_parallel_residual).
     """
 
     attn_norm: Norm | None
@@ -45,14 +49,19 @@ class Block(eqx.Module):
     attn_post_norm: Norm | None = None
     mlp_post_norm: Norm | None = None
     branch_scale: float = eqx.field(static=True, default=1.0)
+    parallel: bool = eqx.field(static=True, default=False)
 
-    def _mlp(self, x, moe_impl=None):
-        h = _apply(self.mlp_norm, x)
+    def _residual(self, x, attended, moe_impl=None):
+        """The block's output from its input `x` and attention's output `attended`."""
+        after_attn = x + _scaled(_apply(self.attn_post_norm, attended), self.branch_scale)
+        h = _apply(self.mlp_norm, x if self.parallel else after_attn)
         if isinstance(self.mlp, MoE):
             out, router_logits = self.mlp.routed(h, moe_impl)
         else:
             out, router_logits = self.mlp(h), None
-        return x + _scaled(_apply(self.mlp_post_norm, out), self.branch_scale), router_logits
+        return after_attn + _scaled(_apply(self.mlp_post_norm, out), self.branch_scale), (
+            router_logits
+        )
 
     @jax.named_scope("eqllm.Block")
     def __call__(
@@ -75,7 +84,7 @@ class Block(eqx.Module):
     ) -> tuple[Float[Array, "*batch seq d_model"], Float[Array, "*batch seq experts"] | None]:
         """The block's output and its router logits (None unless `mlp` is a mixture of experts)."""
         attended = self.attn(_apply(self.attn_norm, x), positions, local, segment_ids)
-        return self._mlp(x + _scaled(_apply(self.attn_post_norm, attended), self.branch_scale))
+        return self._residual(x, attended)
 
     @jax.named_scope("eqllm.Block.cached")
     def cached(
@@ -91,5 +100,4 @@ class Block(eqx.Module):
         grouped ("ragged") product does not support, and a decode step has one token anyway.
         """
         attended, cache = self.attn.cached(_apply(self.attn_norm, x), positions, cache, local)
-        x = x + _scaled(_apply(self.attn_post_norm, attended), self.branch_scale)
-        return self._mlp(x, "dense")[0], cache
+        return self._residual(x, attended, "dense")[0], cache

@@ -1,6 +1,7 @@
 """Position-wise feed-forward layers: the GPT-2 MLP and the gated variants.
 
-GELU MLP (Hendrycks & Gimpel, 2016; GPT-2 uses the tanh approximation); SwiGLU and GeGLU
+GELU MLP (Hendrycks & Gimpel, 2016; GPT-2 uses the tanh approximation, GPT-NeoX the exact erf
+form); SwiGLU and GeGLU
 (Shazeer, 2020, "GLU Variants Improve Transformer").
 """
 
@@ -43,6 +44,21 @@ def _gelu_tanh_jvp(primals, tangents):
     return _gelu_tanh(x), _gelu_tanh_grad(x) * dx
 
 
+@jax.custom_jvp
+def gelu_exact(x: Float[Array, "..."]) -> Float[Array, "..."]:
+    """GELU, exact: x * Phi(x) with the erf form of Phi (GPT-NeoX's `gelu`), with a closed-form
+    derivative."""
+    return jax.nn.gelu(x, approximate=False)
+
+
+@gelu_exact.defjvp
+def _gelu_exact_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    cdf = 0.5 * (1 + jax.lax.erf(x * jnp.asarray(1 / math.sqrt(2), x.dtype)))
+    pdf = jnp.exp(-0.5 * x * x) * jnp.asarray(1 / math.sqrt(2 * math.pi), x.dtype)
+    return jax.nn.gelu(x, approximate=False), (cdf + x * pdf) * dx
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def gated(activation: str, gate: Float[Array, "..."], up: Float[Array, "..."]):
     """act(gate) * up for act in {'silu', 'gelu'} (tanh GELU), with a closed-form derivative."""
@@ -62,16 +78,18 @@ def _gated_jvp(activation, primals, tangents):
 
 
 class MLP(eqx.Module):
-    """down(gelu(up(x))), GELU with the tanh approximation (GPT-2's `gelu_new`).
+    """down(gelu(up(x))), GELU with the tanh approximation (GPT-2's `gelu_new`) or exact.
 
     Arguments:
         d_model: input and output size.
         d_ff: hidden size.
         use_bias: biases on both projections.
+        approximate: the tanh approximation (True) or the exact erf form (False: GPT-NeoX).
     """
 
     up: Linear
     down: Linear
+    approximate: bool = eqx.field(static=True, default=True)
 
     def __init__(
         self,
@@ -79,9 +97,11 @@ class MLP(eqx.Module):
         d_ff: int,
         *,
         use_bias: bool = True,
+        approximate: bool = True,
         key: PRNGKeyArray,
         dtype=jnp.float32,
     ):
+        self.approximate = approximate
         k1, k2 = jax.random.split(key)
         self.up = Linear(
             d_model, d_ff, axes=("d_ff", "d_model"), use_bias=use_bias, key=k1, dtype=dtype
@@ -98,7 +118,8 @@ class MLP(eqx.Module):
 
     @jax.named_scope("eqllm.MLP")
     def __call__(self, x: Float[Array, "*rows d_model"]) -> Float[Array, "*rows d_model"]:
-        hidden = gelu_tanh(self.up(x))  # (..., d_ff)
+        act = gelu_tanh if self.approximate else gelu_exact
+        hidden = act(self.up(x))  # (..., d_ff)
         return self.down(hidden)
 
 
