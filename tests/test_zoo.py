@@ -21,6 +21,7 @@ RESEARCH = [
     "mixtral-nano",
     "qwen2_moe-nano",
     "olmoe-nano",
+    "smollm3-nano",
 ]
 PUBLISHED = [
     "gpt2-small",
@@ -55,6 +56,7 @@ PUBLISHED = [
     "mixtral-8x7b",
     "qwen1.5-moe-a2.7b",
     "olmoe-1b-7b",
+    "smollm3-3b",
 ]
 
 
@@ -72,6 +74,7 @@ NANOS = [
     "mixtral-nano",
     "qwen2_moe-nano",
     "olmoe-nano",
+    "smollm3-nano",
 ]
 
 
@@ -115,6 +118,7 @@ def test_published_sizes_match_their_release():
     assert eqllm.zoo.param_count("gemma3-1b") == 999_885_952
     assert eqllm.zoo.param_count("gemma3-4b") == 3_880_263_168  # text only
     assert eqllm.zoo.param_count("phi3-mini-4k") == 3_821_079_552
+    assert eqllm.zoo.param_count("smollm3-3b") == 3_075_098_624
     assert eqllm.zoo.param_count("mixtral-8x7b") == 46_702_792_704
 
 

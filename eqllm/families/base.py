@@ -112,6 +112,7 @@ PLAIN = {
     "positions.local_theta": None,
     "attention.query_pre_attn_scalar": None,
     "positions.fraction": 1.0,
+    "positions.nope_every": None,
     **DENSE,
 }
 

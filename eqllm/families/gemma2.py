@@ -111,6 +111,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 SANDWICH_FIXED = {
     **DENSE,
     "positions.fraction": 1.0,
+    "positions.nope_every": None,
     "norms.kind": "rmsnorm",
     "norms.plus_one": True,
     "mlp.kind": "geglu",
