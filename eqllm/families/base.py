@@ -119,6 +119,7 @@ PLAIN = {
     "positions.fraction": 1.0,
     "parallel_residual": False,
     "mlp.gelu": "tanh",
+    "positions.nope_every": None,
     **DENSE,
 }
 
