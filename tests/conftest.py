@@ -4,6 +4,7 @@ The suite runs with jaxtyping + beartype checking eqllm's annotations (see pypro
 `--jaxtyping-packages`), in fp32 with the highest matmul precision so comparisons are tight.
 """
 
+import gc
 import os
 
 import jax
@@ -11,9 +12,8 @@ import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
 # No persistent compilation cache in the test process: an in-process run (`eqllm.train.loop.run`)
-# points JAX at one for the rest of the process, and then every later test serializes what it
-# compiles (XLA's CPU serializer aborted the whole suite on the packed train step of
-# tests/test_packing.py). Runs started as subprocesses keep their cache.
+# would point JAX at one for the rest of the process, and every later test would write what it
+# compiles to disk. Runs started as subprocesses keep their cache.
 jax.config.update("jax_enable_compilation_cache", False)
 
 import eqllm  # noqa: E402
@@ -99,3 +99,14 @@ def family_model(request):
 # The 8-device tests need XLA_FLAGS set before jax starts: tests/test_sharding.py runs them in a
 # subprocess with EQLLM_MULTIDEVICE=1.
 collect_ignore = [] if os.environ.get("EQLLM_MULTIDEVICE") else ["multidevice"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled_programs_stay_with_their_module():
+    """Drop every compiled program after each test module. XLA maps each CPU executable's code
+    into memory; the whole suite in one process compiles enough of them to pass the kernel's
+    limit on memory mappings (vm.max_map_count, 65530 by default: test_moe alone leaves about
+    7,000), and the next compilation then aborts the process."""
+    yield
+    jax.clear_caches()
+    gc.collect()

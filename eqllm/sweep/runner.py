@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
+
 from eqllm.sweep.point import run_point
 from eqllm.sweep.results import write_results
 from eqllm.sweep.spec import Point, Sweep, shard_points
@@ -42,6 +44,10 @@ def run_sweep(
     if jobs <= 1:
         for point in todo:
             _, interrupted = run_point(sweep, point, out, progress=progress, echo=echo)
+            # Each point compiles programs of its own shapes and constants; dropping them keeps
+            # a long sweep's memory flat and its process under the kernel's limit on memory
+            # mappings (vm.max_map_count), which XLA's CPU code pages count against.
+            jax.clear_caches()
             if interrupted:
                 return interrupted
     else:
