@@ -126,6 +126,8 @@ def _hf_shape(row: Row, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     """The shape of one HF tensor of a row, given the eqllm shapes (per tensor) it holds."""
     shape = list(shapes[0])
     shape[row.axis] = sum(s[row.axis] for s in shapes)
+    if row.transposed:
+        shape[-2:] = shape[-1:-3:-1]
     return tuple(shape[::-1] if row.conv1d else shape)
 
 
@@ -157,6 +159,13 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
                 used.add(candidate)
                 return candidate
         files = sorted({i.file.name for i in reader.tensors.values()})
+        if f"{name}_blocks" in reader or f"{name.removeprefix(prefix)}_blocks" in reader:
+            raise CheckpointError(
+                f"tensor {name!r} is stored MXFP4-quantized ({name}_blocks / _scales) in "
+                f"{', '.join(files)}; eqllm reads the bf16 or fp32 tensor: dequantize the "
+                "checkpoint first (transformers: from_pretrained(..., quantization_config="
+                "Mxfp4Config(dequantize=True)), then save_pretrained)"
+            )
         raise CheckpointError(
             f"tensor {name!r} is missing from {', '.join(files)}, though config.json describes "
             f"a model that has it"
@@ -180,12 +189,18 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
                     f"config.json describes {list(expected)}"
                 )
             slots = [b[index] for b in buffers]
-            if len(slots) == 1 and not row.conv1d and info.dtype == slots[0].dtype:
+            if (
+                len(slots) == 1
+                and not (row.conv1d or row.transposed)
+                and info.dtype == slots[0].dtype
+            ):
                 reader.read(name, out=slots[0])  # straight into the stacked buffer
                 continue
             tensor = reader.read(name)
             if row.conv1d and tensor.ndim == 2:
                 tensor = tensor.T  # Conv1D (in, out) -> Linear (out, in)
+            if row.transposed:
+                tensor = np.swapaxes(tensor, -1, -2)  # (..., in, out) -> (..., out, in)
             if order is not None:  # interleaved per head -> the parts one after the other
                 tensor = np.take(tensor, np.argsort(order), axis=row.axis)
             start = 0
@@ -261,6 +276,8 @@ def save_pretrained(
                 out = np.take(out, order, axis=row.axis)
             if row.conv1d and out.ndim == 2:
                 out = out.T
+            if row.transposed:
+                out = np.swapaxes(out, -1, -2)
             return np.ascontiguousarray(out, dtype=target)
 
         return tensor
