@@ -1,7 +1,8 @@
 """gpt-oss against transformers' GptOssForCausalLM: logits both ways (sliding and full layers,
 attention sinks, biases, YaRN, the clamped SwiGLU with its clamps reached), cached decoding,
-attention sinks against a NumPy reference, the config.json settings eqllm refuses, the families
-that refuse gpt-oss's settings on export, and the published sizes' total and active parameters.
+attention sinks against a NumPy reference, MXFP4 experts dequantized as transformers does, the
+config.json settings eqllm refuses, the families that refuse gpt-oss's settings on export, and
+the published sizes' total and active parameters.
 
 Tiny random models built by transformers itself (no downloads), every parameter perturbed.
 """
@@ -264,21 +265,63 @@ def test_settings_eqllm_cannot_express_are_refused(change, message):
         eqllm.hub.from_hf_config({**PUBLISHED["gpt-oss-20b"], **change})
 
 
-def test_mxfp4_checkpoints_are_refused_clearly(pair, tmp_path):
-    """A checkpoint holding the experts as MXFP4 blocks and scales names what is missing."""
+def _mxfp4(tensor: np.ndarray, rng) -> tuple[np.ndarray, np.ndarray]:
+    """Random MXFP4 blocks and scales shaped to stand for `tensor` [experts, in, out]."""
+    experts, n_in, n_out = tensor.shape
+    blocks = rng.integers(0, 256, (experts, n_out, n_in // 32, 16), dtype=np.uint8)
+    scales = rng.integers(122, 130, (experts, n_out, n_in // 32), dtype=np.uint8)
+    return blocks, scales
+
+
+@pytest.fixture(scope="module")
+def mxfp4_pair(pair, tmp_path_factory):
+    """The tiny model's checkpoint with its experts as MXFP4 blocks and scales (as the published
+    files store them), and the same checkpoint with transformers' dequantization of them."""
+    mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
     from safetensors.numpy import save_file
 
+    rng = np.random.default_rng(5)
     with safe_open(pair.folder / "model.safetensors", framework="numpy") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
+    quantized, dequantized = dict(tensors), dict(tensors)
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        del tensors[name]
-        tensors[f"{name}_blocks"] = np.zeros((4, 8, 2, 16), np.uint8)
-        tensors[f"{name}_scales"] = np.zeros((4, 8, 2), np.uint8)
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+        blocks, scales = _mxfp4(tensors[name], rng)
+        del quantized[name]
+        quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
+        theirs = mxfp4.convert_moe_packed_tensors(
+            torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32
+        )
+        dequantized[name] = theirs.numpy()
+        assert dequantized[name].shape == tensors[name].shape
     hf = json.loads((pair.folder / "config.json").read_text())
     hf["quantization_config"] = {"quant_method": "mxfp4"}
-    (tmp_path / "config.json").write_text(json.dumps(hf))
-    with pytest.raises(eqllm.hub.CheckpointError, match="MXFP4.*_blocks"):
+    folders = {}
+    for kind, weights in (("mxfp4", quantized), ("dequantized", dequantized)):
+        folder = folders[kind] = tmp_path_factory.mktemp(f"gpt-oss-{kind}")
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps(hf))
+    return folders
+
+
+def test_mxfp4_experts_import_as_transformers_dequantizes_them(mxfp4_pair):
+    quantized = eqllm.hub.from_pretrained(mxfp4_pair["mxfp4"])
+    reference = eqllm.hub.from_pretrained(mxfp4_pair["dequantized"])
+    gate = np.asarray(quantized.blocks.mlp.gate.weight)
+    assert np.abs(gate).max() > 0 and len(np.unique(gate)) > 16  # values of many scales
+    for a, b in zip(jax.tree.leaves(quantized), jax.tree.leaves(reference), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_mxfp4_blocks_that_do_not_fit_are_refused(mxfp4_pair, tmp_path):
+    from safetensors.numpy import save_file
+
+    with safe_open(mxfp4_pair["mxfp4"] / "model.safetensors", framework="numpy") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    name = "model.layers.0.mlp.experts.down_proj_scales"
+    tensors[name] = tensors[name][..., :1].copy()
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((mxfp4_pair["mxfp4"] / "config.json").read_text())
+    with pytest.raises(eqllm.hub.CheckpointError, match="MXFP4 blocks .* do not fit"):
         eqllm.hub.from_pretrained(tmp_path)
 
 

@@ -10,9 +10,9 @@ transformers stores the experts fused as x @ W: `mlp.experts.gate_up_proj` [expe
 [experts, 2 d_ff], `down_proj` [experts, d_ff, d_model] and its bias [experts, d_model].
 
 The published checkpoints hold the experts MXFP4-quantized (`*_blocks` / `*_scales`,
-`quantization_config.quant_method = "mxfp4"`); eqllm reads bf16/fp32 checkpoints (the layout
-transformers writes), and the config translation accepts the quantization_config of the
-published config.json because it describes storage, not the architecture.
+`quantization_config.quant_method = "mxfp4"`): import dequantizes them as transformers does
+(`eqllm.hub.mxfp4`), so the quantization_config describes storage, not the architecture. Export
+writes the unquantized layout (no quantization_config).
 """
 
 from typing import Any
@@ -69,7 +69,7 @@ _DEFAULTS = {
     "swiglu_alpha": 1.702,
     "swiglu_limit": 7.0,
 }
-_QUANTIZATION = ("mxfp4",)  # how published checkpoints store the experts; see the docstring
+_QUANTIZATION = ("mxfp4",)  # how published checkpoints store the experts (eqllm.hub.mxfp4)
 _PERIOD = 2  # sliding, full, sliding, full, ...
 
 
@@ -106,7 +106,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(
             f"config.json quantization_config.quant_method="
             f"{quantization.get('quant_method')!r} is not supported; eqllm's gpt-oss reads "
-            "bf16/fp32 weights (a published config.json names 'mxfp4')"
+            "unquantized weights or the published files' 'mxfp4' experts"
         )
     experts = hf.get("num_local_experts", hf.get("num_experts"))
     per_token = hf.get("num_experts_per_tok", _DEFAULTS["num_experts_per_tok"])

@@ -45,6 +45,7 @@ from eqllm.hub.folders import (
     zoo_match,
 )
 from eqllm.hub.gguf import folder_to_gguf, gguf_to_folder, is_gguf
+from eqllm.hub.mxfp4 import dequantize
 from eqllm.hub.tables import BUFFERS, TIED_HEAD, fused_order, indices, rows_for, tensor_name
 from eqllm.model import CausalLM, dtype_of
 
@@ -159,17 +160,19 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
                 used.add(candidate)
                 return candidate
         files = sorted({i.file.name for i in reader.tensors.values()})
-        if f"{name}_blocks" in reader or f"{name.removeprefix(prefix)}_blocks" in reader:
-            raise CheckpointError(
-                f"tensor {name!r} is stored MXFP4-quantized ({name}_blocks / _scales) in "
-                f"{', '.join(files)}; eqllm reads the bf16 or fp32 tensor: dequantize the "
-                "checkpoint first (transformers: from_pretrained(..., quantization_config="
-                "Mxfp4Config(dequantize=True)), then save_pretrained)"
-            )
         raise CheckpointError(
             f"tensor {name!r} is missing from {', '.join(files)}, though config.json describes "
             f"a model that has it"
         )
+
+    def quantized(name: str) -> np.ndarray | None:
+        """The tensor dequantized from MXFP4 `name_blocks` / `name_scales`, if stored so."""
+        for candidate in (name, name.removeprefix(prefix)):
+            blocks, scales = f"{candidate}_blocks", f"{candidate}_scales"
+            if blocks in reader and scales in reader:
+                used.update((blocks, scales))
+                return dequantize(reader.read(blocks), reader.read(scales), candidate)
+        return None
 
     arrays: dict[str, jax.Array] = {}
     for row in rows:
@@ -181,22 +184,28 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
             row, [t.shape[lead + row.axis] for t in targets], config.at("attention.n_heads")
         )
         for index in indices(row, config.n_layers, config.at("moe.n_experts")):
-            name = find(tensor_name(row, index))
-            info = reader.tensors[name]
-            if info.shape != expected:
-                raise CheckpointError(
-                    f"{info.file.name}: tensor {name!r} has shape {list(info.shape)}, but "
-                    f"config.json describes {list(expected)}"
-                )
             slots = [b[index] for b in buffers]
-            if (
-                len(slots) == 1
-                and not (row.conv1d or row.transposed)
-                and info.dtype == slots[0].dtype
-            ):
-                reader.read(name, out=slots[0])  # straight into the stacked buffer
-                continue
-            tensor = reader.read(name)
+            name = tensor_name(row, index)
+            tensor = quantized(name)
+            if tensor is not None:
+                if tensor.shape != expected:
+                    raise CheckpointError(
+                        f"MXFP4 tensor {name!r} dequantizes to shape {list(tensor.shape)}, but "
+                        f"config.json describes {list(expected)}"
+                    )
+            else:
+                name = find(name)
+                info = reader.tensors[name]
+                if info.shape != expected:
+                    raise CheckpointError(
+                        f"{info.file.name}: tensor {name!r} has shape {list(info.shape)}, but "
+                        f"config.json describes {list(expected)}"
+                    )
+                plain = not (row.conv1d or row.transposed)
+                if len(slots) == 1 and plain and info.dtype == slots[0].dtype:
+                    reader.read(name, out=slots[0])  # straight into the stacked buffer
+                    continue
+                tensor = reader.read(name)
             if row.conv1d and tensor.ndim == 2:
                 tensor = tensor.T  # Conv1D (in, out) -> Linear (out, in)
             if row.transposed:
