@@ -110,7 +110,7 @@ def test_the_settings_are_read_not_assumed(pair, tmp_path, change):
 
 
 def test_the_sinks_matter(pair):
-    """Zero sinks (still in the denominator) and no sinks at all both move the logits."""
+    """Zero sinks (still one more key scoring 0 in each denominator) move the logits."""
     zeroed = eqx.tree_at(
         lambda m: m.blocks.attn.sinks, pair.model, jnp.zeros_like(pair.model.blocks.attn.sinks)
     )

@@ -3,7 +3,8 @@ gated shared expert (Qwen Team, 2024), OLMoE (Muennighoff et al., 2024); the loa
 of the Switch Transformer (Fedus et al., 2021) as transformers computes it.
 
 Routing is transformers': softmax over all experts in fp32, the top k, renormalised to sum to 1
-where the family does it, cast to the compute dtype. Dropless: every token reaches its k experts
+where the family does it, cast to the compute dtype (gpt-oss's softmax over the top k logits is
+the renormalised case). Dropless: every token reaches its k experts
 (no capacity factor), so the outputs equal transformers'. Two ways to compute the experts give
 the same values: "dense" runs every expert on every token and combines with a [tokens, experts]
 matrix that is zero off the top k (k/E of the work is useful, but it is plain batched matmuls);
