@@ -2,14 +2,17 @@
 block) against a Llama-style one of the same width, at several depths.
 
     python benchmarks/compile_patterns.py [--layers 2 8 32] [--seq 256] [--batch 4] [--repeat 3]
+        [--scanned llama-nano gemma2-nano] [--unrolled gemma2-nano]
 
 Prints, for each depth, the seconds to lower and compile the training forward+backward
-(`value_and_grad` of the loss) of `gemma2-nano` and `llama-nano` (both d_model 128, 4 heads,
-d_ff 384) with their layers run by `lax.scan`, and of `gemma2-nano` with an unrolled layer loop
-for contrast; each figure is the fastest of `--repeat` compilations (a shared machine adds
-noise, never speed). Gemma 2's layer pattern is a per-layer flag scanned with the weights, so its
-compile time should stay as flat with depth as Llama's. Nothing is executed; the persistent
-compilation cache is off.
+(`value_and_grad` of the loss) of the `--scanned` zoo variants (default `llama-nano` and
+`gemma2-nano`, both d_model 128, 4 heads, d_ff 384) with their layers run by `lax.scan`, and of
+the `--unrolled` ones with an unrolled layer loop for contrast; each figure is the fastest of
+`--repeat` compilations (a shared machine adds noise, never speed). Gemma 2's layer pattern is a
+per-layer flag scanned with the weights, so its compile time should stay as flat with depth as
+Llama's; so should Gemma 3's (local/global with two RoPE bases) and SmolLM3's (NoPE layers),
+`--scanned llama-nano gemma3-nano smollm3-nano`. Nothing is executed; the persistent compilation
+cache is off.
 """
 
 import argparse
@@ -52,22 +55,29 @@ def main():
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--scanned", nargs="+", default=["llama-nano", "gemma2-nano"])
+    parser.add_argument("--unrolled", nargs="*", default=["gemma2-nano"])
     args = parser.parse_args()
     jax.config.update("jax_enable_compilation_cache", False)
     print(
-        f"batch {args.batch} x seq {args.seq} (gemma2-nano window 64), fastest of "
+        f"batch {args.batch} x seq {args.seq}, fastest of "
         f"{args.repeat}, jax {jax.__version__} on {jax.devices()[0].device_kind}"
     )
-    columns = ("llama scan (s)", "gemma2 scan (s)", "gemma2 unrolled (s)")
+    runs = [(name, True) for name in args.scanned] + [(name, False) for name in args.unrolled]
+    columns = [
+        f"{name.removesuffix('-nano')} {'scan' if scan else 'unrolled'} (s)" for name, scan in runs
+    ]
     print(f"{'layers':>6}  " + "  ".join(f"{c:>19}" for c in columns))
     rows = []
     for n in args.layers:
-        llama = eqllm.zoo.config("llama-nano", n_layers=n, scan_layers=True, max_seq_len=args.seq)
-        gemma = eqllm.zoo.config("gemma2-nano", n_layers=n, scan_layers=True, max_seq_len=args.seq)
-        row = (
-            compile_seconds(llama, args.batch, args.seq, args.repeat),
-            compile_seconds(gemma, args.batch, args.seq, args.repeat),
-            compile_seconds(gemma.replace(scan_layers=False), args.batch, args.seq, args.repeat),
+        row = tuple(
+            compile_seconds(
+                eqllm.zoo.config(name, n_layers=n, scan_layers=scan, max_seq_len=args.seq),
+                args.batch,
+                args.seq,
+                args.repeat,
+            )
+            for name, scan in runs
         )
         rows.append(row)
         print(f"{n:>6}  " + "  ".join(f"{s:>19.2f}" for s in row), flush=True)

@@ -1,11 +1,11 @@
 """CausalLM: token embedding -> stacked blocks run with lax.scan -> final norm -> LM head.
 
 The architecture is GPT-2's (Radford et al., 2019) generalised by `ModelConfig` switches to
-Llama (Touvron et al., 2023), Mistral, Qwen2/3, Gemma 1/2/3, Phi-3, OLMo 2 and the mixtures of
-experts Mixtral, Qwen2-MoE, OLMoE and Qwen3-MoE (a sparse MoE in place of each MLP). The layers
-are one Block whose arrays carry a leading `layers` axis, so compile time does not grow with
-depth; what differs between layers (windowed or global attention, and with it the RoPE base) is
-a per-layer flag scanned alongside the weights.
+Llama (Touvron et al., 2023), Mistral, Qwen2/3, Gemma 1/2/3, Phi-3, OLMo 2, SmolLM3 and the
+mixtures of experts Mixtral, Qwen2-MoE, OLMoE and Qwen3-MoE (a sparse MoE in place of each MLP).
+The layers are one Block whose arrays carry a leading `layers` axis, so compile time does not
+grow with depth; what differs between layers (windowed or global attention, and with it the RoPE
+base; rotary or NoPE) is a per-layer flag scanned alongside the weights.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from eqllm.nn import (
 from eqllm.nn.linear import is_param_info
 from eqllm.parametrization import role_multipliers, scales
 from eqllm.stack import REMAT_POLICIES as REMAT_POLICIES  # re-exported: the remat names
-from eqllm.stack import dtype_of, layer_flags, make_block, make_norm, run_blocks
+from eqllm.stack import dtype_of, layer_flag, layer_flags, make_block, make_norm, run_blocks
 
 # ModelConfig fields that change how the model runs, not what it computes.
 EXECUTION_FIELDS = ("scan_layers", "remat", "compute_dtype", "attention.kernel", "moe.impl")
@@ -225,10 +225,10 @@ class CausalLM(eqx.Module):
         layers = model.layers() if layers is None else layers
         x = model.embed_inputs(tokens, positions)
         written = []
-        flags = layer_flags(cfg)
+        local, rotate = layer_flags(cfg)
         for i, (block, layer_cache) in enumerate(zip(layers, cache, strict=True)):
-            local = None if flags is None else bool(flags[i])
-            x, layer_cache = block.cached(x, positions, layer_cache, local)
+            flags = (layer_flag(local, i), layer_flag(rotate, i))
+            x, layer_cache = block.cached(x, positions, layer_cache, *flags)
             written.append(layer_cache)
         hidden = model.final_norm(x[-1])  # only the last position's logits are needed
         return model.logits(hidden), tuple(written)

@@ -2,8 +2,9 @@
 
 Every layer is the same Block (`eqllm.nn.Block`), its arrays stacked on a leading `layers` axis
 so one compiled body serves any depth (Levanter, MaxText do the same). What differs between
-layers, the local/global attention pattern of Gemma 2 and 3 (and with it Gemma 3's RoPE base),
-is a per-layer flag scanned alongside the weights rather than a second stack or an unrolled loop.
+layers, the local/global attention pattern of Gemma 2 and 3 (and with it Gemma 3's RoPE base)
+and SmolLM3's layers without rotary embedding (NoPE), are per-layer flags scanned alongside the
+weights rather than second stacks or an unrolled loop.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ REMAT_POLICIES = {
 
 
 # Applied to each layer's Block inside the layer loop's body (see `each_layer`): returns what
-# runs in the block's place, called as block(x, positions, local, segment_ids).
+# runs in the block's place, called as block(x, positions, local, segment_ids, rotate).
 LayerHook = Callable[[Block], Callable]
 _LAYER_HOOK: contextvars.ContextVar[LayerHook | None] = contextvars.ContextVar(
     "eqllm_layer_hook", default=None
@@ -55,7 +56,7 @@ _LAYER_HOOK: contextvars.ContextVar[LayerHook | None] = contextvars.ContextVar(
 def each_layer(hook: LayerHook) -> Iterator[None]:
     """While tracing inside this context, `run_blocks` runs `hook(block)` in place of each
     layer's Block, inside the loop body (scanned or unrolled); the hook's result is called like
-    `Block.routed`, `(x, positions, local, segment_ids) -> (x, router_logits)`.
+    `Block.routed`, `(x, positions, local, segment_ids, rotate) -> (x, router_logits)`.
 
     This is how FSDP gathers one layer's weights at a time (`eqllm.sharding.FsdpGather`):
     sharding constraints placed here stay inside the loop, where XLA otherwise gathers every
@@ -200,17 +201,17 @@ def run_blocks(
     Returns the output and, for a mixture of experts, every layer's router logits (else None).
     """
     params, static = eqx.partition(blocks, eqx.is_array)
-    flags = layer_flags(config)
-    xs = (params, None if flags is None else jnp.asarray(flags))
+    local, rotate = layer_flags(config)
+    xs = (params, _traced(local), _traced(rotate))
 
     hook = _LAYER_HOOK.get()
 
     def step(h, layer):
-        layer_params, local = layer
+        layer_params, layer_local, layer_rotate = layer
         block = eqx.combine(layer_params, static)
         if hook is not None:
-            return hook(block)(h, positions, local, segment_ids)
-        return block.routed(h, positions, local, segment_ids)
+            return hook(block)(h, positions, layer_local, segment_ids, layer_rotate)
+        return block.routed(h, positions, layer_local, segment_ids, layer_rotate)
 
     if config.remat != "none":
         step = jax.checkpoint(step, policy=REMAT_POLICIES[config.remat])
@@ -222,14 +223,28 @@ def run_blocks(
     if config.scan_layers or config.remat != "none":
         return jax.lax.scan(step, x, xs)
     router_logits = []
-    for i in range(config.n_layers):  # each layer's flag is known here: a Python bool
-        local = None if flags is None else bool(flags[i])
-        x, logits = step(x, (jax.tree.map(lambda a, i=i: a[i], params), local))
+    for i in range(config.n_layers):  # each layer's flags are known here: Python bools
+        flags = (layer_flag(local, i), layer_flag(rotate, i))
+        x, logits = step(x, (jax.tree.map(lambda a, i=i: a[i], params), *flags))
         router_logits.append(logits)
     return x, None if config.moe is None else jnp.stack(router_logits)
 
 
-def layer_flags(config: ModelConfig) -> np.ndarray | None:
-    """Per layer, whether it is a windowed ("local") one (`ModelConfig.local_layers`); None
-    without a local/global pattern, when every layer is alike and needs no flag."""
-    return None if config.attention.global_every is None else np.array(config.local_layers())
+def layer_flags(config: ModelConfig) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The per-layer flags (local, rotate): whether each layer attends through the sliding
+    window (`ModelConfig.local_layers`) and whether it rotates queries and keys
+    (`ModelConfig.rotary_layers`). Each is None when every layer is alike in it and needs no
+    flag: without a local/global pattern, without NoPE layers."""
+    local = None if config.attention.global_every is None else np.array(config.local_layers())
+    nope = config.positions.kind == "rope" and config.positions.nope_every is not None
+    rotate = np.array(config.rotary_layers()) if nope else None
+    return local, rotate
+
+
+def layer_flag(flags: np.ndarray | None, i: int) -> bool | None:
+    """Layer i's flag as a Python bool (None for a model without that flag)."""
+    return None if flags is None else bool(flags[i])
+
+
+def _traced(flags: np.ndarray | None):
+    return None if flags is None else jnp.asarray(flags)

@@ -35,10 +35,20 @@ def test_published_config_json_reads_as_its_zoo_size(name):
     assert eqllm.hub.zoo_match(cfg) == name
 
 
+def _as_transformers_reads_it(hf: dict) -> dict:
+    """`hf` with the first Phi-3 128K release's rope_scaling type "su" spelled "longrope": the
+    installed transformers' Phi3Config checks a longrope's settings before it renames "su", and
+    refuses that file. Same factors, same model; eqllm reads the file as published."""
+    scaling = hf.get("rope_scaling") or {}
+    if scaling.get("type") == "su":
+        return {**hf, "rope_scaling": {**scaling, "type": "longrope"}}
+    return hf
+
+
 @pytest.mark.parametrize("name", sorted(SOURCES))
 def test_published_config_json_has_transformers_parameter_count(name):
     hf = _published(name)
-    config = transformers.AutoConfig.for_model(**hf)
+    config = transformers.AutoConfig.for_model(**_as_transformers_reads_it(hf))
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     expected = sum(p.numel() for p in model.parameters())
@@ -94,6 +104,32 @@ def test_architecture_keys_are_refused(key, value):
     hf = {**_published("smollm2-135m"), key: value}
     with pytest.raises(eqllm.ConfigError, match=f"does not understand: \\['{key}'\\]"):
         eqllm.hub.from_hf_config(hf)
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("lm_head_bias", True), ("mlp_bias", True), ("full_attn_mod", 2), ("interpolate_factor", 2)],
+)
+def test_phi4_remote_code_settings_are_read_only_at_plain_values(key, value):
+    """Phi-4-mini's config.json names settings of its remote code that transformers' Phi3
+    ignores; eqllm reads them where both compute the same model and refuses anything else."""
+    hf = _published("phi4-mini")
+    assert eqllm.hub.zoo_match(eqllm.hub.from_hf_config(hf)) == "phi4-mini"
+    with pytest.raises(eqllm.ConfigError, match=f"config.json {key}={value!r} is not supported"):
+        eqllm.hub.from_hf_config({**hf, key: value})
+
+
+def test_long_context_phi_sizes_carry_their_published_longrope_factors():
+    """48 factors each, one per rotated frequency (Phi-3 rotates all 96 dims of a head,
+    Phi-4-mini 96 of 128), read from config.json as published; the release's "su" is LongRoPE."""
+    for name in ("phi3-mini-128k", "phi3.5-mini", "phi4-mini"):
+        cfg, hf = eqllm.zoo.config(name), _published(name)
+        scaling = cfg.positions.scaling
+        assert scaling.kind == "longrope" and scaling.original_max_seq_len == 4096
+        assert list(scaling.long_factor) == hf["rope_scaling"]["long_factor"]
+        assert list(scaling.short_factor) == hf["rope_scaling"]["short_factor"]
+        assert len(scaling.long_factor) == cfg.rotary_dim // 2 == 48
+    assert _published("phi3-mini-128k")["rope_scaling"]["type"] == "su"
 
 
 def test_interleaved_rope_is_refused():

@@ -49,3 +49,21 @@ def test_disabled_writes_nothing_and_a_terminal_gets_tqdm():
     bar.close()
     assert out.getvalue() == ""
     assert isinstance(progress_bar(total=5, file=_Terminal()), tqdm)
+
+
+def test_tokenizing_to_a_log_file_writes_a_line_per_tenth(tmp_path, capsys):
+    """eqllm.data.prepare off a terminal (stderr captured here): plain lines, at most one per
+    tenth of the bytes, ending at the total."""
+    from eqllm.data import DataSource, prepare
+
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i in range(40):
+        (folder / f"{i}.txt").write_text(f"document {i} " * 50)
+    prepare(DataSource.files(folder), "bytes", cache_dir=tmp_path / "cache", chunk_bytes=1000)
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = [line for line in err.splitlines() if line.startswith("tokenizing")]
+    assert 2 <= len(lines) <= 11
+    done, total = lines[-1].split()[4].split("/")  # "tokenizing (bytes, vocab 257) n/total B"
+    assert done == total

@@ -110,6 +110,21 @@ MODELS = {
         original_max_position_embeddings=64,
         rope_scaling={"type": "longrope", "short_factor": list(SHORT), "long_factor": list(LONG)},
     ),
+    # Phi-4-mini's layout: three quarters of each head rotated (6 of 8 dims: 3 factors),
+    # grouped kv heads, tied embeddings.
+    "phi4-longrope": dict(
+        model_type="phi3",
+        **DIMS,
+        num_key_value_heads=2,
+        partial_rotary_factor=0.75,
+        tie_word_embeddings=True,
+        original_max_position_embeddings=64,
+        rope_scaling={
+            "type": "longrope",
+            "short_factor": [1.0, 1.25, 1.5],
+            "long_factor": [2.0, 3.0, 5.0],
+        },
+    ),
     # Linear scaling on the global layers only; the local ones keep plain RoPE at their base.
     "gemma3-linear": dict(
         model_type="gemma3_text",

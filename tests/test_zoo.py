@@ -23,6 +23,7 @@ RESEARCH = [
     "olmoe-nano",
     "qwen3_moe-nano",
     "pythia-nano",
+    "smollm3-nano",
 ]
 PUBLISHED = [
     "gpt2-small",
@@ -52,6 +53,9 @@ PUBLISHED = [
     "gemma3-12b",
     "gemma3-27b",
     "phi3-mini-4k",
+    "phi3-mini-128k",
+    "phi3.5-mini",
+    "phi4-mini",
     "olmo2-1b",
     "olmo2-7b",
     "mixtral-8x7b",
@@ -68,6 +72,7 @@ PUBLISHED = [
     "pythia-6.9b",
     "pythia-12b",
     "gpt-neox-20b",
+    "smollm3-3b",
 ]
 
 
@@ -87,6 +92,7 @@ NANOS = [
     "olmoe-nano",
     "qwen3_moe-nano",
     "pythia-nano",
+    "smollm3-nano",
 ]
 
 
@@ -130,6 +136,10 @@ def test_published_sizes_match_their_release():
     assert eqllm.zoo.param_count("gemma3-1b") == 999_885_952
     assert eqllm.zoo.param_count("gemma3-4b") == 3_880_263_168  # text only
     assert eqllm.zoo.param_count("phi3-mini-4k") == 3_821_079_552
+    assert eqllm.zoo.param_count("smollm3-3b") == 3_075_098_624
+    assert eqllm.zoo.param_count("phi3-mini-128k") == 3_821_079_552
+    assert eqllm.zoo.param_count("phi3.5-mini") == 3_821_079_552
+    assert eqllm.zoo.param_count("phi4-mini") == 3_836_021_760
     assert eqllm.zoo.param_count("mixtral-8x7b") == 46_702_792_704
 
 

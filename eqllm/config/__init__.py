@@ -1,12 +1,12 @@
 """ModelConfig: the frozen description of one decoder-only Transformer, in groups.
 
 Sizes sit at the top (`vocab_size`, `d_model`, `n_layers`, `max_seq_len`); each mechanism is one
-frozen, validated group (`eqllm.config.groups`): `attention`, `positions`, `mlp`, `moe` (None for a
-dense model) and `norms`. Every architectural difference between the zoo's families (GPT-2,
-GPT-NeoX/Pythia, Llama 1/2/3, Mistral, Qwen2, Qwen3, Gemma 1/2/3, Phi-3, OLMo 2, and the mixtures of
-experts Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE and gpt-oss) is one of these settings; the model code
-reads nothing else. Validation is pydantic's, with its errors rewritten into one-line
-`ConfigError`s that name the full dotted path, the value and the rule
+frozen, validated group (`eqllm.config.groups`): `attention`, `positions`, `mlp`, `moe` (None
+for a dense model) and `norms`. Every architectural difference between the zoo's families
+(GPT-2, GPT-NeoX/Pythia, Llama 1/2/3, Mistral, Qwen2, Qwen3, Gemma 1/2/3, Phi-3, OLMo 2,
+SmolLM3, and the mixtures of experts Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE and gpt-oss) is one
+of these settings; the model code reads nothing else. Validation is pydantic's, with its errors
+rewritten into one-line `ConfigError`s that name the full dotted path, the value and the rule
 (`ModelConfig.attention.n_kv_heads=3 must divide n_heads=8`).
 
 A setting is addressed by its dotted path (`"attention.n_kv_heads"`) in `ModelConfig.at`,
@@ -217,6 +217,14 @@ class ModelConfig:
         if self.attention.sliding_window is None:
             return (False,) * self.n_layers
         every = self.attention.global_every
+        return tuple(every is None or (i + 1) % every != 0 for i in range(self.n_layers))
+
+    def rotary_layers(self) -> tuple[bool, ...]:
+        """Per layer: does it rotate queries and keys (True), or is it a NoPE layer (False,
+        every `positions.nope_every`-th)? All False without RoPE."""
+        if self.positions.kind != "rope":
+            return (False,) * self.n_layers
+        every = self.positions.nope_every
         return tuple(every is None or (i + 1) % every != 0 for i in range(self.n_layers))
 
     def at(self, path: str) -> Any:

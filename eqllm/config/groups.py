@@ -269,8 +269,10 @@ class PositionsConfig:
 
     `kind` "rope" (Su et al., 2021) with base `theta`, `local_theta` for the windowed layers
     (Gemma 3; None: theta everywhere), `fraction` (the leading fraction of each head that is
-    rotated, Phi-3's partial_rotary_factor) and `scaling` (None: plain RoPE); "learned": a
-    trained table of max_seq_len positions (GPT-2), which uses none of the RoPE settings.
+    rotated, Phi-3's partial_rotary_factor), `scaling` (None: plain RoPE) and `nope_every`
+    (every nope_every-th layer, counting from 1, rotates nothing: a "NoPE" layer whose attention
+    sees no positions, SmolLM3; None: every layer rotates); "learned": a trained table of
+    max_seq_len positions (GPT-2), which uses none of the RoPE settings.
     """
 
     PATH: ClassVar[str] = "ModelConfig.positions"
@@ -280,6 +282,7 @@ class PositionsConfig:
     local_theta: PositiveFloat | None = None
     fraction: Annotated[float, Field(gt=0, le=1)] = 1.0
     scaling: RopeScalingConfig | None = None
+    nope_every: Positive | None = None
 
     @staticmethod
     def _prepare(values: dict[str, Any]) -> dict[str, Any]:
@@ -290,7 +293,8 @@ class PositionsConfig:
     def __post_init__(self) -> None:
         if self.kind == "rope":
             return
-        for name, plain in (("local_theta", None), ("fraction", 1.0), ("scaling", None)):
+        rope_only = {"local_theta": None, "fraction": 1.0, "scaling": None, "nope_every": None}
+        for name, plain in rope_only.items():
             value = getattr(self, name)
             require(value == plain, f"{self.PATH}.{name}", value, "needs kind='rope'")
 

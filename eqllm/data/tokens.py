@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from tqdm.auto import tqdm
+
+from eqllm.progress import progress_bar
 
 from .errors import DataError, DataNotFound
 from .sources import DataSource
@@ -168,7 +169,8 @@ def prepare(
             `Tokenizer`.
         cache_dir: where prepared folders live (default `default_cache_dir()`).
         val_fraction, seed: the by-document split (see `split_documents`).
-        progress: show a tqdm bar on stderr while tokenizing.
+        progress: show progress on stderr while tokenizing (a bar on a terminal, else a line
+            every tenth of the bytes).
         chunk_bytes: text handed to `encode_batch` at once (memory vs. parallelism).
 
     Returns:
@@ -258,10 +260,10 @@ def _encode_to_files(
     counts = {f"{s}_{c}": 0 for s in ("train", "val") for c in ("tokens", "bytes", "docs")}
     eot = np.array([tok.eot_id], dtype=np.int64)
     files = {s: open(folder / f"{s}.bin", "wb") for s in ("train", "val")}
-    bar = tqdm(
+    bar = progress_bar(  # off a terminal: a line every tenth of the bytes, no redrawn bar
         total=total_bytes,
         unit="B",
-        unit_scale=True,
+        every=max(total_bytes // 10, 1),
         desc=f"tokenizing ({tok.kind}, vocab {tok.vocab_size})",
         file=sys.stderr,
         disable=not progress,

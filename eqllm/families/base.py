@@ -124,6 +124,7 @@ PLAIN = {
     "parallel_residual": False,
     "mlp.gelu": "tanh",
     "attention.sinks": False,
+    "positions.nope_every": None,
     **DENSE,
 }
 

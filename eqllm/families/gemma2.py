@@ -112,6 +112,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 SANDWICH_FIXED = {
     **DENSE,
     "positions.fraction": 1.0,
+    "positions.nope_every": None,
     **GEMMA_FIXED,
     "norms.pre": True,
     "norms.post": True,

@@ -140,6 +140,7 @@ FAMILY = Family(
         "positions.kind": "rope",
         "positions.local_theta": None,
         "positions.scaling": None,
+        "positions.nope_every": None,
         "attention.qk_norm": None,
         "attention.softcap": None,
         "attention.sliding_window": None,

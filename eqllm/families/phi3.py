@@ -58,9 +58,22 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
+# Phi-4-mini's config.json carries settings of its release's remote code, which transformers'
+# Phi3 does not read; at these values both compute the same model (no MLP or head biases,
+# every layer full attention, no interpolation).
+_REMOTE_CODE = {
+    "mlp_bias": False,
+    "lm_head_bias": False,
+    "full_attn_mod": 1,
+    "interpolate_factor": 1,
+}
+
+
 def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     refuse(hf, "hidden_act", ("silu",))
     refuse(hf, "attention_bias", (False,))
+    for key, plain in _REMOTE_CODE.items():
+        refuse(hf, key, (plain,))
     # transformers 5 repeats partial_rotary_factor inside rope_parameters; the older layout
     # has it at the top level only.
     rope = dict(hf.get("rope_parameters") or {})
@@ -112,6 +125,7 @@ FAMILY = Family(
         "original_max_position_embeddings",
         "resid_pdrop",
         "embd_pdrop",
+        *_REMOTE_CODE,
     },
     to_hf=to_hf,
     from_hf=from_hf,

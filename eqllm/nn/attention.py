@@ -10,7 +10,8 @@ Masking is by positions: query i attends to key j when pos_k[j] <= pos_q[i], pos
 < window, and pos_k[j] >= 0. A negative key position marks an empty slot, which is how a KV
 cache or a padded batch is expressed without another code path. Models that alternate windowed
 ("local") and global layers pass a per-layer `local` flag, traced inside the scan over layers:
-the window then applies only where it is True.
+the window then applies only where it is True. A per-layer `rotate` flag, traced the same way,
+skips the rotary embedding in the layers where it is False (NoPE layers, SmolLM3).
 
 Segment ids (`segment_ids`, one int per token) mark packed documents: a query attends only to
 keys of its own segment, so each document inside a packed row computes what it computes alone.
@@ -251,12 +252,14 @@ class Attention(eqx.Module):
         x: Float[Array, "*batch seq d_model"],
         positions: Int[Array, "*#batch seq"],
         local: Bool[Array, ""] | bool | None = None,
+        rotate: Bool[Array, ""] | bool | None = None,
     ) -> tuple[
         Float[Array, "*batch seq heads head_dim"],
         Float[Array, "*batch seq kv_heads head_dim"],
         Float[Array, "*batch seq kv_heads head_dim"],
     ]:
-        """Queries, keys and values of `x`, normalised and rotated to their positions."""
+        """Queries, keys and values of `x`, normalised and rotated to their positions (not
+        rotated where `rotate` is False)."""
         rows = x.shape[:-1]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         whole = self.q_norm is not None and self.k_norm is not None and not self.qk_norm_per_head
@@ -269,8 +272,8 @@ class Attention(eqx.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         if self.rope is not None:
-            q = self.rope(q, positions, local)
-            k = self.rope(k, positions, local)
+            q = self.rope(q, positions, local, rotate)
+            k = self.rope(k, positions, local, rotate)
         return q, k, v
 
     def output(
@@ -286,13 +289,15 @@ class Attention(eqx.Module):
         positions: Int[Array, "*batch seq"] | None = None,
         local: Bool[Array, ""] | bool | None = None,
         segment_ids: Int[Array, "*batch seq"] | None = None,
+        rotate: Bool[Array, ""] | bool | None = None,
     ) -> Float[Array, "*batch seq d_model"]:
         """Causal self-attention of `x`; `positions` default to 0..seq-1.
 
         With the default positions the causal structure is known when tracing, and key blocks
         entirely in the future are skipped (`in_order_attention`). `local` is the layer's flag
         (see the module docstring; None: the window, if any, applies). `segment_ids` (None: one
-        segment) keep attention inside each packed document.
+        segment) keep attention inside each packed document. `rotate` False: no rotary
+        embedding in this layer (None: the layer's `rope`, if any, applies).
         """
         extra = dict(scale=self.scale, softcap=self.softcap, sinks=self.sinks)
         seq = x.shape[-2]
@@ -300,7 +305,7 @@ class Attention(eqx.Module):
         # lengths; odd lengths with explicit positions (evaluation padding) stay here.
         if self.kernel is not None and (positions is None or seq % 2 == 0):
             fixed = jnp.arange(seq) if positions is None else positions
-            q, k, v = self.project(x, fixed, local)
+            q, k, v = self.project(x, fixed, local, rotate)
             attended = fused_attention(
                 q,
                 k,
@@ -314,12 +319,12 @@ class Attention(eqx.Module):
             )
             return self.output(attended)
         if positions is None:  # one row of positions serves the batch: rotations computed once
-            q, k, v = self.project(x, jnp.arange(x.shape[-2]), local)
+            q, k, v = self.project(x, jnp.arange(x.shape[-2]), local, rotate)
             attended = in_order_attention(
                 q, k, v, self.sliding_window, local=local, segment_ids=segment_ids, **extra
             )
             return self.output(attended)
-        q, k, v = self.project(x, positions, local)
+        q, k, v = self.project(x, positions, local, rotate)
         mask = attention_mask(
             positions, positions, self.sliding_window, local, segment_ids, segment_ids
         )
@@ -332,13 +337,14 @@ class Attention(eqx.Module):
         positions: Int[Array, " seq"],
         cache: KVCache,
         local: Bool[Array, ""] | bool | None = None,
+        rotate: Bool[Array, ""] | bool | None = None,
     ) -> tuple[Float[Array, "seq d_model"], KVCache]:
         """Attention of a chunk of new positions to the cached past and to itself.
 
         Returns the output and the cache with the chunk's keys and values written in. The chunk
         may be a whole prompt (prefill) or one token (decode); padding has negative positions.
         """
-        q, k, v = self.project(x, positions, local)
+        q, k, v = self.project(x, positions, local, rotate)
         # Keys: the cache (strictly earlier positions) then the chunk itself. Attending before
         # writing keeps keys a ring buffer would overwrite while the chunk still needs them.
         keys = jnp.concatenate([cache.k, k.astype(cache.k.dtype)])

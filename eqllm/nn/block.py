@@ -70,10 +70,11 @@ class Block(eqx.Module):
         positions: Int[Array, "*batch seq"] | None = None,
         local: Bool[Array, ""] | bool | None = None,
         segment_ids: Int[Array, "*batch seq"] | None = None,
+        rotate: Bool[Array, ""] | bool | None = None,
     ) -> Float[Array, "*batch seq d_model"]:
-        """`local`: this layer's window flag; `segment_ids`: packed documents (see
-        `eqllm.nn.attention`)."""
-        return self.routed(x, positions, local, segment_ids)[0]
+        """`local`: this layer's window flag; `segment_ids`: packed documents; `rotate`: this
+        layer's rotary flag, False in a NoPE layer (see `eqllm.nn.attention`)."""
+        return self.routed(x, positions, local, segment_ids, rotate)[0]
 
     def routed(
         self,
@@ -81,9 +82,10 @@ class Block(eqx.Module):
         positions: Int[Array, "*batch seq"] | None = None,
         local: Bool[Array, ""] | bool | None = None,
         segment_ids: Int[Array, "*batch seq"] | None = None,
+        rotate: Bool[Array, ""] | bool | None = None,
     ) -> tuple[Float[Array, "*batch seq d_model"], Float[Array, "*batch seq experts"] | None]:
         """The block's output and its router logits (None unless `mlp` is a mixture of experts)."""
-        attended = self.attn(_apply(self.attn_norm, x), positions, local, segment_ids)
+        attended = self.attn(_apply(self.attn_norm, x), positions, local, segment_ids, rotate)
         return self._residual(x, attended)
 
     @jax.named_scope("eqllm.Block.cached")
@@ -93,11 +95,14 @@ class Block(eqx.Module):
         positions: Int[Array, " seq"],
         cache: KVCache,
         local: Bool[Array, ""] | bool | None = None,
+        rotate: Bool[Array, ""] | bool | None = None,
     ) -> tuple[Float[Array, "seq d_model"], KVCache]:
         """The block on a chunk of new positions, attending to `cache` (see Attention.cached).
 
         Experts are computed densely here: generation runs this under `jax.vmap`, which the
         grouped ("ragged") product does not support, and a decode step has one token anyway.
         """
-        attended, cache = self.attn.cached(_apply(self.attn_norm, x), positions, cache, local)
+        attended, cache = self.attn.cached(
+            _apply(self.attn_norm, x), positions, cache, local, rotate
+        )
         return self._residual(x, attended, "dense")[0], cache

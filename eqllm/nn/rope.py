@@ -4,7 +4,8 @@ The rotation pairs dimension i with i + rotary_dim/2 ("rotate half"), the layout
 checkpoints use. A partial rotary embedding (GPT-NeoX, Phi-3) rotates only the leading
 `rotary_dim` dims of each head; a second base (`local_theta`, Gemma 3) serves the layers that
 attend through a sliding window, chosen per layer by a traced flag so both kinds of layer share
-one scanned stack.
+one scanned stack. A traced `rotate` flag turns the rotation off for a layer (a "NoPE" layer,
+SmolLM3) the same way.
 
 `RopeScaling` stretches the frequencies beyond the trained context, as transformers'
 `ROPE_INIT_FUNCTIONS` do (the same inverse frequencies and attention factor): "linear"
@@ -218,16 +219,26 @@ class RotaryEmbedding(eqx.Module):
         x: Float[Array, "*batch seq heads head_dim"],
         positions: Int[Array, "*#batch seq"],
         local: Bool[Array, ""] | bool | None = None,
+        rotate: Bool[Array, ""] | bool | None = None,
     ) -> Float[Array, "*batch seq heads head_dim"]:
         """`x` rotated to `positions` (which may omit the batch axes: one row for all).
 
-        `local` (a traced per-layer flag is fine) picks `local_theta` over `theta`.
+        `local` (a traced per-layer flag is fine) picks `local_theta` over `theta`. `rotate`
+        False (a Python or a traced per-layer flag) returns `x` unrotated, a NoPE layer; None
+        or True rotates.
         """
+        if isinstance(rotate, bool | np.bool_) and not rotate:
+            return x
         inv_freq, factor = self._frequencies(positions)
         if self.local_theta is not None and local is not None:
             local_freq = jnp.asarray(rope_inv_freq(self.dim, self.local_theta), jnp.float32)
             inv_freq = jnp.where(local, local_freq, inv_freq)
             factor = jnp.where(local, 1.0, factor)
+        if rotate is not None and not isinstance(rotate, bool | np.bool_):
+            # A NoPE layer in a scanned stack: angle 0 and no attention factor (cos 1, sin 0)
+            # leave every dim exactly as it is.
+            inv_freq = jnp.where(rotate, inv_freq, 0.0)
+            factor = jnp.where(rotate, factor, 1.0)
         # angles: (..., seq, dim/2), in fp32 so long positions keep their precision.
         angles = positions.astype(jnp.float32)[..., None] * inv_freq
         cos = (jnp.cos(angles) * factor)[..., None, :]

@@ -87,11 +87,13 @@ class FsdpGather:
         return 2 * group_tokens < 3 * moe.n_experts * moe.gate.weight.shape[-2]
 
     def layer(self, block):
-        def run(x, positions, local, segment_ids=None):
+        def run(x, positions, local, segment_ids=None, rotate=None):
             parallel = self.expert_parallel(block, x)
             gathered = self.gather(block, keep_experts=parallel)
             with place_experts(self._place) if parallel else contextlib.nullcontext():
-                out, router_logits = gathered.routed(self._pin(x), positions, local, segment_ids)
+                out, router_logits = gathered.routed(
+                    self._pin(x), positions, local, segment_ids, rotate
+                )
             return self._pin(out), router_logits
 
         return run

@@ -159,21 +159,23 @@ class Pipeline:
         params, static = eqx.partition(blocks, eqx.is_array)
         # [layers, ...] -> [stages, layers_per_stage, ...]: stage i holds layers i*k .. i*k+k-1.
         staged = jax.tree.map(lambda a: self._stage_split(a.reshape(s, -1, *a.shape[1:])), params)
-        flags = layer_flags(config)
-        flags = None if flags is None else jnp.asarray(flags).reshape(s, -1)
+        # Per-layer flags (local, rotate), None where every layer is alike, staged like the weights.
+        flags = tuple(
+            None if f is None else jnp.asarray(f).reshape(s, -1) for f in layer_flags(config)
+        )
 
         def layer(carry, xs):
             h, positions, segments = carry
-            layer_params, local = xs
+            layer_params, local, rotate = xs
             block = eqx.combine(layer_params, static)
-            return (block(h, positions, local, segments), positions, segments), None
+            return (block(h, positions, local, segments, rotate), positions, segments), None
 
         if config.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[config.remat])
 
         def stage(stage_params, stage_flags, h):
             # A stage always scans its layers (the flags are then data, not Python bools).
-            return jax.lax.scan(layer, h, (stage_params, stage_flags))[0]
+            return jax.lax.scan(layer, h, (stage_params, *stage_flags))[0]
 
         def tick(state, inp):
             # Stage 0 takes the next microbatch, stage i what stage i-1 produced last tick.

@@ -1,0 +1,199 @@
+"""SmolLM3: NoPE layers (no rotary embedding on every k-th layer) as per-layer data in the stack.
+
+Against transformers' SmolLM3ForCausalLM on a tiny random model with every parameter perturbed:
+import gives its logits, export loads in transformers with the same logits; cached decoding
+equals the full forward; the scanned stack equals the unrolled loop. No downloads. Parameter
+counts against transformers (on the meta device) are tests/test_zoo.py's, for every zoo size.
+"""
+
+import types
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqllm
+from eqllm.hub import from_hf_config, to_hf_config
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 97
+LONG = 240  # hundreds of positions: a rotation applied where it should not be shows
+HF = dict(
+    model_type="smollm3",
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=256,
+    no_rope_layer_interval=2,  # layers 2 and 4 (counting from 1) are NoPE
+    rope_theta=10_000.0,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+TOKENS = np.random.default_rng(0).integers(0, VOCAB, LONG)
+
+
+def _hf_logits(hf_model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return hf_model(torch.tensor(tokens)[None]).logits[0].numpy()
+
+
+@eqx.filter_jit
+def _forward(model, tokens):
+    return model(tokens)
+
+
+def _logits(model, tokens: np.ndarray) -> np.ndarray:
+    return np.asarray(_forward(model, jnp.asarray(tokens)))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny transformers SmolLM3 (perturbed), its saved folder and eqllm's import of it."""
+    spec = dict(HF)
+    config = transformers.AutoConfig.for_model(spec.pop("model_type"), **spec)
+    assert config.no_rope_layers == [1, 0, 1, 0]
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # norms away from 1
+    folder = tmp_path_factory.mktemp("hf-smollm3")
+    hf_model.save_pretrained(folder)
+    model = eqllm.hub.from_pretrained(folder)
+    return types.SimpleNamespace(
+        hf=hf_model, folder=folder, model=model, ref=_hf_logits(hf_model, TOKENS)
+    )
+
+
+def test_import_gives_transformers_logits(pair):
+    cfg = pair.model.config
+    assert cfg.family == "smollm3" and cfg.positions.nope_every == 2 and cfg.tie_embeddings
+    assert cfg.rotary_layers() == (True, False, True, False)
+    np.testing.assert_allclose(_logits(pair.model, TOKENS), pair.ref, atol=1e-5, rtol=0)
+
+
+def test_nope_layers_change_the_logits(pair):
+    """The same weights with every layer rotated are far from transformers: the parity above
+    depends on the NoPE layers."""
+    cfg = pair.model.config.replace(positions={"nope_every": None})
+    skeleton = eqx.filter_eval_shape(eqllm.CausalLM, cfg, key=jax.random.key(0))
+    rotated = jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(pair.model))
+    assert np.abs(_logits(rotated, TOKENS) - pair.ref).max() > 1e-2
+
+
+def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
+    eqllm.hub.save_pretrained(pair.model, tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert type(reloaded).__name__ == "SmolLM3ForCausalLM"
+    assert reloaded.config.no_rope_layers == [1, 0, 1, 0]
+    exported = _hf_logits(reloaded.eval(), TOKENS)
+    np.testing.assert_allclose(exported, _logits(pair.model, TOKENS), atol=1e-5, rtol=0)
+    for name, p in pair.hf.state_dict().items():
+        np.testing.assert_array_equal(reloaded.state_dict()[name].numpy(), p.numpy(), name)
+    again = eqllm.hub.from_pretrained(tmp_path)
+    assert again.config == pair.model.config
+
+
+def test_scanned_equals_unrolled(pair):
+    """The scan carries the NoPE flag as data; the unrolled loop knows it as a Python bool."""
+    cfg = pair.model.config
+    assert cfg.scan_layers
+    unrolled = pair.model.with_config(scan_layers=False)
+    np.testing.assert_allclose(
+        _logits(unrolled, TOKENS[:64]), _logits(pair.model, TOKENS[:64]), atol=1e-5, rtol=0
+    )
+
+
+def test_cached_decode_equals_full_forward(pair):
+    model, prompt, length = pair.model, 20, 48
+    tokens = jnp.asarray(TOKENS[:length])
+    full = _logits(model, TOKENS[:length])
+    cache = model.init_cache(length)
+    first, cache = eqx.filter_jit(eqllm.CausalLM.prefill)(
+        model, tokens[:prompt], jnp.arange(prompt), cache
+    )
+    decode = eqx.filter_jit(eqllm.CausalLM.decode)
+    cached = [first]
+    for position in range(prompt, length - 1):
+        logits, cache = decode(model, tokens[position], jnp.asarray(position), cache)
+        cached.append(logits)
+    np.testing.assert_allclose(np.stack(cached), full[prompt - 1 : -1], atol=1e-4, rtol=1e-5)
+
+
+def test_nano_trains_in_the_scanned_stack():
+    """smollm3-nano's NoPE layers are per-layer data of one scanned body: the scanned and the
+    unrolled model agree, and its gradients are finite."""
+    cfg = eqllm.zoo.config("smollm3-nano", max_seq_len=64)
+    assert cfg.rotary_layers().count(False) == 2
+    model = eqllm.zoo.create("smollm3-nano", key=jax.random.key(0), max_seq_len=64)
+    scanned = model.with_config(scan_layers=True)
+    tokens = TOKENS[:64] % cfg.vocab_size
+    np.testing.assert_allclose(_logits(scanned, tokens), _logits(model, tokens), atol=1e-5)
+
+    @eqx.filter_jit
+    @eqx.filter_grad
+    def grad(m, t):
+        logits = m(t[:-1])
+        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(t.size - 1), t[1:]])
+
+    leaves = jax.tree.leaves(grad(scanned, jnp.asarray(tokens)))
+    assert all(bool(jnp.isfinite(g).all()) for g in leaves)
+
+
+def test_no_rope_layer_interval_alone_builds_the_pattern():
+    hf = to_hf_config(eqllm.zoo.config("smollm3-nano"))
+    del hf["no_rope_layers"], hf["layer_types"]
+    assert (
+        from_hf_config({**hf, "no_rope_layer_interval": 2}).rotary_layers()
+        == (
+            True,
+            False,
+        )
+        * 4
+    )
+    del hf["no_rope_layer_interval"]  # SmolLM3Config's default: every fourth
+    assert from_hf_config(hf).positions.nope_every == 4
+
+
+def test_every_layer_rotated_reads_as_no_nope_layers():
+    hf = to_hf_config(eqllm.zoo.config("smollm3-nano"))
+    cfg = from_hf_config({**hf, "no_rope_layers": [1] * 8})
+    assert cfg.positions.nope_every is None and all(cfg.rotary_layers())
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"no_rope_layers": [1, 0, 0, 1, 1, 1, 1, 0]}, "no_rope_layers=.*every k-th layer"),
+        ({"no_rope_layers": [1, 1, 1, 0]}, "has 4 entries for num_hidden_layers=8"),
+        ({"use_sliding_window": True, "sliding_window": 16}, "use_sliding_window=True"),
+        ({"layer_types": ["sliding_attention"] * 8}, "layer_types="),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ],
+)
+def test_unsupported_settings_are_refused(change, message):
+    hf = {**to_hf_config(eqllm.zoo.config("smollm3-nano")), **change}
+    with pytest.raises(eqllm.ConfigError, match=message):
+        from_hf_config(hf)
+
+
+def test_nope_every_is_validated_with_its_path():
+    with pytest.raises(eqllm.ConfigError, match=r"ModelConfig.positions.nope_every=0 "):
+        eqllm.zoo.config("smollm3-nano", **{"positions.nope_every": 0})
+    with pytest.raises(eqllm.ConfigError, match=r"positions.nope_every=4 needs kind='rope'"):
+        eqllm.zoo.config("gpt2-nano", **{"positions.nope_every": 4})
+
+
+def test_other_families_refuse_to_export_nope_layers():
+    cfg = eqllm.zoo.config("llama-nano", **{"positions.nope_every": 4})
+    assert cfg.rotary_layers() == (True, True, True, False)
+    with pytest.raises(eqllm.ConfigError, match="positions.nope_every"):
+        to_hf_config(cfg)
