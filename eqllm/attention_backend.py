@@ -1,11 +1,12 @@
 """Which attention kernel a model runs: `ModelConfig.attention.kernel` resolved against the device.
 
-"xla" is the model's own attention (`eqllm.nn.attention`). "cudnn" is cuDNN's fused kernel
-through `jax.nn.dot_product_attention` (`eqllm.nn.fused_attention`), which needs an NVIDIA GPU,
-bf16/fp16 compute, head_dim a multiple of 8 (at most 256 on Hopper and later, 128 before) and
-no soft-capping of the scores. "auto" takes cuDNN where all of that holds and the model's own
-attention otherwise: silently on a machine without a GPU, with one log line on a GPU (the
-reason, once per family and reason). Asking for "cudnn" where it cannot run is a ConfigError.
+"xla" is the model's own attention (`eqllm.nn.attention`). "cudnn" is cuDNN's fused kernel through
+`jax.nn.dot_product_attention` (`eqllm.nn.fused_attention`), which needs an NVIDIA GPU, bf16/fp16
+compute, head_dim a multiple of 8 (at most 256 on Hopper and later, 128 before), no soft-capping of
+the scores and no attention sinks (`jax.nn.dot_product_attention` takes no sink logits; gpt-oss
+therefore runs the model's own attention). "auto" takes cuDNN where all of that holds and the
+model's own attention otherwise: silently on a machine without a GPU, with one log line on a GPU
+(the reason, once per family and reason). Asking for "cudnn" where it cannot run is a ConfigError.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def cudnn_blockers(config: ModelConfig, platform: str, max_head_dim: int) -> lis
         reasons.append("compute_dtype='float32' (the fused kernel takes bfloat16 or float16)")
     if (cap := config.attention.softcap) is not None:
         reasons.append(f"attention.softcap={cap} (the fused kernel cannot soft-cap)")
+    if config.attention.sinks:
+        reasons.append("attention.sinks=True (the fused kernel has no sink logits)")
     if config.head_dim % 8 or config.head_dim > max_head_dim:
         reasons.append(
             f"head_dim={config.head_dim} (the fused kernel needs a multiple of 8, "

@@ -136,6 +136,7 @@ def make_block(config: ModelConfig, key: PRNGKeyArray) -> Block:
         norm_eps=norms.eps,
         scale=scale,
         softcap=a.softcap,
+        sinks=a.sinks,
         kernel=attention_kernel(config),
         key=k_attn,
         dtype=dtype,
@@ -149,6 +150,10 @@ def make_block(config: ModelConfig, key: PRNGKeyArray) -> Block:
             normalize=moe.norm_topk_prob,
             shared_d_ff=moe.shared_d_ff,
             impl=moe.impl,
+            bias=moe.bias,
+            activation=moe.activation,
+            swiglu_alpha=moe.swiglu_alpha,
+            swiglu_limit=moe.swiglu_limit,
             key=k_mlp,
             dtype=dtype,
         )

@@ -105,7 +105,9 @@ def active_param_count(name_or_config: str | ModelConfig) -> int:
     if cfg.moe is None:
         return total
     idle = cfg.moe.n_experts - cfg.moe.experts_per_token
-    return total - cfg.n_layers * idle * 3 * cfg.d_model * cfg.expert_d_ff
+    d, f = cfg.d_model, cfg.expert_d_ff
+    per_expert = 3 * d * f + (2 * f + d if cfg.moe.bias else 0)  # gate, up, down (+ biases)
+    return total - cfg.n_layers * idle * per_expert
 
 
 def human_count(n: int) -> str:

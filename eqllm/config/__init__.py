@@ -4,9 +4,9 @@ Sizes sit at the top (`vocab_size`, `d_model`, `n_layers`, `max_seq_len`); each 
 frozen, validated group (`eqllm.config.groups`): `attention`, `positions`, `mlp`, `moe` (None
 for a dense model) and `norms`. Every architectural difference between the zoo's families
 (GPT-2, GPT-NeoX/Pythia, Llama 1/2/3, Mistral, Qwen2, Qwen3, Gemma 1/2/3, Phi-3, OLMo 2,
-SmolLM3, and the mixtures of experts Mixtral, Qwen2-MoE, OLMoE and Qwen3-MoE) is one of these
-settings; the model code reads nothing else. Validation is pydantic's, with its errors rewritten
-into one-line `ConfigError`s that name the full dotted path, the value and the rule
+SmolLM3, and the mixtures of experts Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE and gpt-oss) is one
+of these settings; the model code reads nothing else. Validation is pydantic's, with its errors
+rewritten into one-line `ConfigError`s that name the full dotted path, the value and the rule
 (`ModelConfig.attention.n_kv_heads=3 must divide n_heads=8`).
 
 A setting is addressed by its dotted path (`"attention.n_kv_heads"`) in `ModelConfig.at`,

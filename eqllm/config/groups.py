@@ -28,6 +28,7 @@ RopeScalingKind = Literal["linear", "llama3", "yarn", "longrope", "dynamic"]
 QKNorm = Literal["head", "whole"]
 AttentionKernel = Literal["auto", "xla", "cudnn"]
 MoEImpl = Literal["dense", "ragged"]
+ExpertActivation = Literal["swiglu", "clamped_swiglu"]
 
 Positive = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -117,7 +118,9 @@ class AttentionConfig:
     cap * tanh(scores / cap) (Gemma 2). `sliding_window` (None: full causal attention) with
     `global_every` (every global_every-th layer attends to the whole context; None: every layer
     uses the window). `query_pre_attn_scalar`: scores scaled by its inverse square root instead
-    of head_dim's. `kernel`: "xla" computes attention in the model, "cudnn" uses cuDNN's fused
+    of head_dim's. `sinks`: a learned logit per query head joins the softmax denominator
+    (gpt-oss's attention sinks: probability mass with no value). `kernel`: "xla" computes
+    attention in the model, "cudnn" uses cuDNN's fused
     kernel, "auto" the fused kernel where it can run (see `eqllm.attention_backend`).
     """
 
@@ -133,6 +136,7 @@ class AttentionConfig:
     sliding_window: Positive | None = None
     global_every: Positive | None = None
     query_pre_attn_scalar: Positive | None = None
+    sinks: bool = False
     kernel: AttentionKernel = "auto"
 
     def __post_init__(self) -> None:
@@ -327,7 +331,11 @@ class MoEConfig:
     of them per token, their top-k router probabilities renormalised when `norm_topk_prob`;
     `shared_d_ff` adds Qwen-MoE's gated shared expert; `aux_loss_coef` weighs the load-balancing
     loss in training; `impl` picks how the experts are computed ("dense": every expert on every
-    token, fastest on CPU; "ragged": grouped matmul), same values.
+    token, fastest on CPU; "ragged": grouped matmul), same values. `bias`: biases on the router
+    and every expert's projections (gpt-oss). `activation`: "swiglu" (silu(gate) * up) or
+    "clamped_swiglu" (gpt-oss: g = min(gate, swiglu_limit), (clip(up, +-swiglu_limit) + 1) *
+    g * sigmoid(swiglu_alpha * g)); `swiglu_alpha` and `swiglu_limit` are set exactly when the
+    activation is clamped.
     """
 
     PATH: ClassVar[str] = "ModelConfig.moe"
@@ -339,6 +347,10 @@ class MoEConfig:
     shared_d_ff: Positive | None = None
     aux_loss_coef: Annotated[float, Field(ge=0)] = 0.0
     impl: MoEImpl = "dense"
+    bias: bool = False
+    activation: ExpertActivation = "swiglu"
+    swiglu_alpha: PositiveFloat | None = None
+    swiglu_limit: PositiveFloat | None = None
 
     def __post_init__(self) -> None:
         require(
@@ -347,6 +359,17 @@ class MoEConfig:
             self.experts_per_token,
             f"must be <= n_experts={self.n_experts}",
         )
+        clamped = self.activation == "clamped_swiglu"
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            value = getattr(self, name)
+            require(
+                (value is not None) == clamped,
+                f"{self.PATH}.{name}",
+                value,
+                "must be set for activation='clamped_swiglu'"
+                if clamped
+                else "is only read by activation='clamped_swiglu'",
+            )
 
 
 @typing.no_type_check

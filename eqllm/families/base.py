@@ -28,7 +28,9 @@ class Row:
     Conv1D, which stores a weight (in, out): transposed. `per_head` marks a fused tensor whose
     parts are interleaved per attention head, its fused axis viewed as [n_heads, parts, size /
     n_heads] (GPT-NeoX's query_key_value: q, k and v of head 0, then of head 1, ...) rather than
-    one part after the other.
+    one part after the other; `interleaved` one whose parts alternate entry by entry (gpt-oss's
+    gate_up_proj: gate 0, up 0, gate 1, ...). `transposed` marks matrices stored (in, out), as
+    tensors used as x @ W are (gpt-oss's experts): the last two axes swapped.
     """
 
     hf: str
@@ -36,6 +38,8 @@ class Row:
     conv1d: bool = False
     axis: int = 0
     per_head: bool = False
+    interleaved: bool = False
+    transposed: bool = False
 
     @property
     def layered(self) -> bool:
@@ -46,13 +50,13 @@ class Row:
         return "{j}" in self.hf
 
 
-def rows(*specs: tuple, axis: int = 0, per_head: bool = False) -> tuple[Row, ...]:
+def rows(*specs: tuple, axis: int = 0, per_head: bool = False, **layout: bool) -> tuple[Row, ...]:
     """Rows from `(hf, eqllm_path_or_paths[, conv1d])` tuples, fused along `axis` (interleaved
-    per attention head if `per_head`)."""
+    per attention head if `per_head`); `layout`: `interleaved` and `transposed` (see `Row`)."""
     out = []
     for hf, eqllm, *conv1d in specs:
         paths = (eqllm,) if isinstance(eqllm, str) else tuple(eqllm)
-        out.append(Row(hf, paths, *conv1d, axis=axis, per_head=per_head))
+        out.append(Row(hf, paths, *conv1d, axis=axis, per_head=per_head, **layout))
     return tuple(out)
 
 
@@ -119,9 +123,14 @@ PLAIN = {
     "positions.fraction": 1.0,
     "parallel_residual": False,
     "mlp.gelu": "tanh",
+    "attention.sinks": False,
     "positions.nope_every": None,
     **DENSE,
 }
+
+# The plain experts every mixture family but gpt-oss has: no biases, SwiGLU. A MoE family adds
+# these to its `fixed`, so export refuses gpt-oss's experts for the others.
+PLAIN_EXPERTS = {"moe.bias": False, "moe.activation": "swiglu"}
 
 # The Llama block the Llama-layout families start from: RMSNorm before each sublayer, SwiGLU,
 # rotary positions, no QK-norm, no embedding scale; each family adds what it fixes besides.

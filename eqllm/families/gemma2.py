@@ -116,6 +116,7 @@ SANDWICH_FIXED = {
     **GEMMA_FIXED,
     "norms.pre": True,
     "norms.post": True,
+    "attention.sinks": False,
 }
 
 FAMILY = Family(

@@ -130,6 +130,7 @@ FAMILY = Family(
     model_type="gpt_neox",
     fixed={
         **DENSE,
+        "attention.sinks": False,
         "norms.kind": "layernorm",
         "norms.bias": True,
         "norms.pre": True,

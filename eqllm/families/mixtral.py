@@ -12,6 +12,7 @@ from eqllm.families.base import (
     LLAMA_PREFIX,
     MOE_ATTENTION_TABLE,
     MOE_KEYS,
+    PLAIN_EXPERTS,
     Family,
     expert_rows,
     has_experts,
@@ -59,6 +60,7 @@ FAMILY = Family(
     model_type="mixtral",
     fixed={
         **{k: v for k, v in LLAMA_BLOCK.items() if k != "moe"},
+        **PLAIN_EXPERTS,
         "moe.d_ff": None,
         "moe.shared_d_ff": None,
         "attention.qkv_bias": False,

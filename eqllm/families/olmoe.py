@@ -12,6 +12,7 @@ from eqllm.families.base import (
     LLAMA_PREFIX,
     MOE_ATTENTION_TABLE,
     MOE_KEYS,
+    PLAIN_EXPERTS,
     Family,
     attention_bias_from_hf,
     expert_rows,
@@ -70,6 +71,7 @@ FAMILY = Family(
     model_type="olmoe",
     fixed={
         **{k: v for k, v in LLAMA_BLOCK.items() if k != "moe"},
+        **PLAIN_EXPERTS,
         "moe.d_ff": None,
         "moe.shared_d_ff": None,
         "mlp.bias": False,

@@ -12,6 +12,7 @@ from eqllm.families.base import (
     LLAMA_PREFIX,
     MOE_ATTENTION_TABLE,
     MOE_KEYS,
+    PLAIN_EXPERTS,
     Family,
     expert_rows,
     full_attention_only,
@@ -83,6 +84,7 @@ FAMILY = Family(
     model_type="qwen2_moe",
     fixed={
         **{k: v for k, v in LLAMA_BLOCK.items() if k != "moe"},
+        **PLAIN_EXPERTS,
         "attention.out_bias": False,
         "mlp.bias": False,
         "positions.scaling": None,

@@ -13,6 +13,7 @@ from eqllm.families.base import (
     LLAMA_PREFIX,
     MOE_ATTENTION_TABLE,
     MOE_KEYS,
+    PLAIN_EXPERTS,
     Family,
     attention_bias_from_hf,
     expert_rows,
@@ -109,6 +110,7 @@ FAMILY = Family(
     model_type="qwen3_moe",
     fixed={
         **{k: v for k, v in LLAMA_BLOCK.items() if k != "moe"},
+        **PLAIN_EXPERTS,
         "moe.shared_d_ff": None,
         "mlp.bias": False,
         "attention.sliding_window": None,

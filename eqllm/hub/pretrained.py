@@ -45,6 +45,7 @@ from eqllm.hub.folders import (
     zoo_match,
 )
 from eqllm.hub.gguf import folder_to_gguf, gguf_to_folder, is_gguf
+from eqllm.hub.mxfp4 import dequantize
 from eqllm.hub.tables import BUFFERS, TIED_HEAD, fused_order, indices, rows_for, tensor_name
 from eqllm.model import CausalLM, dtype_of
 
@@ -126,6 +127,8 @@ def _hf_shape(row: Row, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     """The shape of one HF tensor of a row, given the eqllm shapes (per tensor) it holds."""
     shape = list(shapes[0])
     shape[row.axis] = sum(s[row.axis] for s in shapes)
+    if row.transposed:
+        shape[-2:] = shape[-1:-3:-1]
     return tuple(shape[::-1] if row.conv1d else shape)
 
 
@@ -162,6 +165,15 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
             f"a model that has it"
         )
 
+    def quantized(name: str) -> np.ndarray | None:
+        """The tensor dequantized from MXFP4 `name_blocks` / `name_scales`, if stored so."""
+        for candidate in (name, name.removeprefix(prefix)):
+            blocks, scales = f"{candidate}_blocks", f"{candidate}_scales"
+            if blocks in reader and scales in reader:
+                used.update((blocks, scales))
+                return dequantize(reader.read(blocks), reader.read(scales), candidate)
+        return None
+
     arrays: dict[str, jax.Array] = {}
     for row in rows:
         targets = [leaves[p] for p in row.eqllm]
@@ -172,20 +184,32 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
             row, [t.shape[lead + row.axis] for t in targets], config.at("attention.n_heads")
         )
         for index in indices(row, config.n_layers, config.at("moe.n_experts")):
-            name = find(tensor_name(row, index))
-            info = reader.tensors[name]
-            if info.shape != expected:
-                raise CheckpointError(
-                    f"{info.file.name}: tensor {name!r} has shape {list(info.shape)}, but "
-                    f"config.json describes {list(expected)}"
-                )
             slots = [b[index] for b in buffers]
-            if len(slots) == 1 and not row.conv1d and info.dtype == slots[0].dtype:
-                reader.read(name, out=slots[0])  # straight into the stacked buffer
-                continue
-            tensor = reader.read(name)
+            name = tensor_name(row, index)
+            tensor = quantized(name)
+            if tensor is not None:
+                if tensor.shape != expected:
+                    raise CheckpointError(
+                        f"MXFP4 tensor {name!r} dequantizes to shape {list(tensor.shape)}, but "
+                        f"config.json describes {list(expected)}"
+                    )
+            else:
+                name = find(name)
+                info = reader.tensors[name]
+                if info.shape != expected:
+                    raise CheckpointError(
+                        f"{info.file.name}: tensor {name!r} has shape {list(info.shape)}, but "
+                        f"config.json describes {list(expected)}"
+                    )
+                plain = not (row.conv1d or row.transposed)
+                if len(slots) == 1 and plain and info.dtype == slots[0].dtype:
+                    reader.read(name, out=slots[0])  # straight into the stacked buffer
+                    continue
+                tensor = reader.read(name)
             if row.conv1d and tensor.ndim == 2:
                 tensor = tensor.T  # Conv1D (in, out) -> Linear (out, in)
+            if row.transposed:
+                tensor = np.swapaxes(tensor, -1, -2)  # (..., in, out) -> (..., out, in)
             if order is not None:  # interleaved per head -> the parts one after the other
                 tensor = np.take(tensor, np.argsort(order), axis=row.axis)
             start = 0
@@ -261,6 +285,8 @@ def save_pretrained(
                 out = np.take(out, order, axis=row.axis)
             if row.conv1d and out.ndim == 2:
                 out = out.T
+            if row.transposed:
+                out = np.swapaxes(out, -1, -2)
             return np.ascontiguousarray(out, dtype=target)
 
         return tensor

@@ -53,10 +53,15 @@ def fused_order(row: Row, sizes: list[int], n_heads: int) -> np.ndarray | None:
     (of `sizes` along the fused axis) concatenated, then taken in this order along `row.axis`.
 
     None for parts stored one after the other; for a `per_head` row, head h's slice of every
-    part in turn ([n_heads, parts, size / n_heads]). Undo it with `np.argsort`.
+    part in turn ([n_heads, parts, size / n_heads]); for an `interleaved` row, entry i of every
+    part in turn ([size, parts]). Undo it with `np.argsort`.
     """
-    if not row.per_head or len(sizes) < 2:
+    if not (row.per_head or row.interleaved) or len(sizes) < 2:
         return None
+    if row.interleaved:
+        if len(set(sizes)) > 1:
+            raise AssertionError(f"{row.hf}: interleaved parts {sizes} differ in size")
+        return np.arange(sum(sizes)).reshape(len(sizes), -1).T.reshape(-1)
     if any(size % n_heads for size in sizes):
         raise AssertionError(f"{row.hf}: parts {sizes} do not split into {n_heads} heads")
     starts = np.cumsum([0, *sizes[:-1]])

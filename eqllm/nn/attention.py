@@ -3,7 +3,8 @@
 One module covers multi-head (kv_heads == heads), grouped-query and multi-query (kv_heads == 1)
 attention, optional q/k/v and output biases, QK-norm (RMSNorm over each head, Dehghani et al.,
 2023, or over the whole projection as OLMo 2 does), rotary positions, a sliding window (Mistral;
-Beltagy et al., 2020) and Gemma 2's soft-capping of the scores (cap * tanh(s / cap)).
+Beltagy et al., 2020), Gemma 2's soft-capping of the scores (cap * tanh(s / cap)) and gpt-oss's
+attention sinks (a learned logit per head in the softmax denominator; Xiao et al., 2023).
 
 Masking is by positions: query i attends to key j when pos_k[j] <= pos_q[i], pos_q[i] - pos_k[j]
 < window, and pos_k[j] >= 0. A negative key position marks an empty slot, which is how a KV
@@ -41,11 +42,15 @@ def dot_product_attention(
     *,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: Float[Array, " heads"] | None = None,
 ) -> Float[Array, "*batch seq heads head_dim"]:
     """softmax(cap(q k^T * scale) + mask) v, query heads grouped over the shared kv heads.
 
     `scale` defaults to 1 / sqrt(head_dim); `softcap` (None: off) bounds the scores to
-    (-softcap, softcap) by softcap * tanh(s / softcap), before the mask.
+    (-softcap, softcap) by softcap * tanh(s / softcap), before the mask. `sinks` (None: none)
+    are attention sinks, one learned logit per query head (gpt-oss): each joins its head's
+    softmax denominator as one more key that takes probability mass and carries no value, so
+    a row's weights sum to less than 1.
     `mask` broadcasts over the leading axes (one (seq, kv_seq) mask serves a whole batch).
     Scores and softmax are in fp32 whatever the input dtype. A query row with no allowed key
     returns zeros (it only occurs for padding).
@@ -60,7 +65,14 @@ def dot_product_attention(
         scores = jnp.tanh(scores / softcap) * softcap
     mask = mask[..., None, None, :, :]  # broadcast over (kv_heads, groups)
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        # (kv_heads, groups, 1, 1): query head h = kv * groups + g, as q was reshaped above.
+        sink = sinks.astype(jnp.float32).reshape(kv_heads, heads // kv_heads, 1, 1)
+        top = jax.lax.stop_gradient(jnp.maximum(scores.max(-1, keepdims=True), sink))
+        e = jnp.exp(scores - top)  # masked scores underflow to 0
+        probs = e / (e.sum(-1, keepdims=True) + jnp.exp(sink - top))
     probs = jnp.where(mask.any(axis=-1, keepdims=True), probs, 0.0)  # fully masked rows -> 0
     out = jnp.einsum("...kgts,...skd->...tkgd", probs.astype(v.dtype), v)
     return out.reshape(*batch, seq, heads, head_dim)
@@ -77,6 +89,7 @@ def in_order_attention(
     scale: float | None = None,
     softcap: float | None = None,
     segment_ids: Int[Array, "*#batch seq"] | None = None,
+    sinks: Float[Array, " heads"] | None = None,
 ) -> Float[Array, "*batch seq heads head_dim"]:
     """Causal attention of positions 0..seq-1, skipping key blocks the mask would zero anyway.
 
@@ -85,7 +98,8 @@ def in_order_attention(
     seq^2 to about (chunks + 1) / (2 * chunks) of it (62.5% at 4). Same values as
     `dot_product_attention` with the causal mask. With a traced `local` flag the window may be
     lifted, so only the causal skipping applies; a Python bool decides it while tracing.
-    `segment_ids` (None: one segment) further keep each query to keys of its own segment.
+    `segment_ids` (None: one segment) further keep each query to keys of its own segment;
+    `sinks` as in `dot_product_attention`.
     """
     if isinstance(local, bool | np.bool_):  # known when tracing: apply or drop the window now
         sliding_window, local = (sliding_window if local else None), None
@@ -104,7 +118,13 @@ def in_order_attention(
         keys, values = k[..., first:end, :, :], v[..., first:end, :, :]
         outs.append(
             dot_product_attention(
-                q[..., start:end, :, :], keys, values, mask, scale=scale, softcap=softcap
+                q[..., start:end, :, :],
+                keys,
+                values,
+                mask,
+                scale=scale,
+                softcap=softcap,
+                sinks=sinks,
             )
         )
     return outs[0] if n == 1 else jnp.concatenate(outs, axis=-3)
@@ -130,10 +150,13 @@ class Attention(eqx.Module):
         norm_eps: epsilon of the QK-norm.
         scale: multiplies the scores (None: 1 / sqrt(head_dim); Gemma: query_pre_attn_scalar**-0.5).
         softcap: soft-capping of the scores (None: off).
+        sinks: a learned sink logit per query head in the softmax denominator (gpt-oss; see
+            `dot_product_attention`), initialised to 0.
         kernel: None computes attention here (scores materialised, fp32 softmax); "cudnn"
             calls `jax.nn.dot_product_attention(implementation="cudnn")`, cuDNN's fused kernel
             on a GPU with bf16/fp16 inputs ("xla": the same call, XLA's implementation). Cached
-            inference (`cached`) always computes here. Not with `softcap`.
+            inference (`cached`) always computes here. Not with `softcap` or `sinks`
+            (`jax.nn.dot_product_attention` has no sink logits).
     """
 
     q_proj: Linear
@@ -143,6 +166,7 @@ class Attention(eqx.Module):
     q_norm: RMSNorm | None
     k_norm: RMSNorm | None
     rope: RotaryEmbedding | None
+    sinks: Float[Array, " heads"] | None
     n_heads: int = eqx.field(static=True)
     n_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
@@ -169,6 +193,7 @@ class Attention(eqx.Module):
         norm_eps: float = 1e-6,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: bool = False,
         kernel: str | None = None,
         key: PRNGKeyArray,
         dtype=jnp.float32,
@@ -180,6 +205,8 @@ class Attention(eqx.Module):
             raise ValueError(f"kernel={kernel!r} must be None, 'xla' or 'cudnn'")
         if kernel is not None and softcap is not None:
             raise ValueError(f"kernel={kernel!r} cannot soft-cap the scores (softcap={softcap})")
+        if kernel is not None and sinks:
+            raise ValueError(f"kernel={kernel!r} has no attention sinks (sinks=True)")
         if head_dim is None:
             if d_model % n_heads:
                 raise ValueError(f"n_heads={n_heads} must divide d_model={d_model}")
@@ -209,6 +236,8 @@ class Attention(eqx.Module):
         self.q_norm = RMSNorm(q_dim, **norm) if qk_norm else None
         self.k_norm = RMSNorm(k_dim, **norm) if qk_norm else None
         self.rope = rope
+        # A sink logit of 0 starts as one more key scoring 0 (transformers draws N(0, std)).
+        self.sinks = jnp.zeros(n_heads, dtype) if sinks else None
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
@@ -270,7 +299,7 @@ class Attention(eqx.Module):
         segment) keep attention inside each packed document. `rotate` False: no rotary
         embedding in this layer (None: the layer's `rope`, if any, applies).
         """
-        extra = dict(scale=self.scale, softcap=self.softcap)
+        extra = dict(scale=self.scale, softcap=self.softcap, sinks=self.sinks)
         seq = x.shape[-2]
         # cuDNN takes an explicit mask only as a bias, which its backward pass needs at even
         # lengths; odd lengths with explicit positions (evaluation padding) stay here.
@@ -324,6 +353,6 @@ class Attention(eqx.Module):
         mask = attention_mask(positions, key_positions, self.sliding_window, local)
         keys, values = keys.astype(q.dtype), values.astype(q.dtype)
         attended = dot_product_attention(
-            q, keys, values, mask, scale=self.scale, softcap=self.softcap
+            q, keys, values, mask, scale=self.scale, softcap=self.softcap, sinks=self.sinks
         )
         return self.output(attended), cache.write(k, v, positions)

@@ -199,11 +199,13 @@ class ExpertLinear(eqx.Module):
         out_features: size of each expert's output.
         axes: logical names of the output and input axes; the leading axis is "expert".
         init: initialisation role (see `InitRole`).
+        use_bias: learn an additive bias per expert (gpt-oss), stored (n, out).
 
     The weight is stored (n, out, in), as transformers 5 stores its fused experts.
     """
 
     weight: Float[Array, "n d_out d_in"]
+    bias: Float[Array, "n d_out"] | None
     axes: tuple[Axis | None, Axis | None, Axis | None] = eqx.field(static=True)
     init: InitRole = eqx.field(static=True)
 
@@ -215,25 +217,32 @@ class ExpertLinear(eqx.Module):
         *,
         axes: tuple[Axis | None, Axis | None],
         init: InitRole = "normal",
+        use_bias: bool = False,
         key: PRNGKeyArray,
         dtype=jnp.float32,
     ):
         shape = (n, out_features, in_features)
         self.weight = (0.02 * jax.random.normal(key, shape)).astype(dtype)
+        self.bias = jnp.zeros((n, out_features), dtype) if use_bias else None
         self.axes = ("expert", *axes)
         self.init = init
 
     @jax.named_scope("eqllm.ExpertLinear")
     def __call__(self, x: Float[Array, "n rows d_in"]) -> Float[Array, "n rows d_out"]:
         """Every expert on its own rows (all experts on all tokens, for the dense product)."""
-        return jnp.einsum("eti,eoi->eto", x, self.weight)
+        y = jnp.einsum("eti,eoi->eto", x, self.weight)
+        return y if self.bias is None else y + self.bias[:, None, :]
 
     @jax.named_scope("eqllm.ExpertLinear.grouped")
     def grouped(
         self, x: Float[Array, "rows d_in"], group_sizes: Int[Array, " n"]
     ) -> Float[Array, "rows d_out"]:
         """Rows sorted by expert, `group_sizes[e]` of them for expert e (`jax.lax.ragged_dot`)."""
-        return jax.lax.ragged_dot(x, jnp.swapaxes(self.weight, 1, 2), group_sizes)
+        y = jax.lax.ragged_dot(x, jnp.swapaxes(self.weight, 1, 2), group_sizes)
+        if self.bias is None:
+            return y
+        # Row r belongs to the expert whose group covers it: each bias repeated over its group.
+        return y + jnp.repeat(self.bias, group_sizes, axis=0, total_repeat_length=x.shape[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,7 +294,12 @@ def param_info(tree):
             return node
         if isinstance(node, ExpertLinear):
             weight = ParamInfo(leading(node.weight, node.axes), node.init, True, role_of(node.axes))
-            return eqx.tree_at(lambda m: m.weight, node, weight)
+            bias = None
+            if node.bias is not None:
+                bias = ParamInfo(leading(node.bias, node.axes[:2]), "zeros", False)
+            return eqx.tree_at(
+                lambda m: (m.weight, m.bias), node, (weight, bias), is_leaf=lambda x: x is None
+            )
         if isinstance(node, Embedding):
             weight = ParamInfo(leading(node.weight, node.axes), "normal", False, "embedding")
             return eqx.tree_at(lambda m: m.weight, node, weight)

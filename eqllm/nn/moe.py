@@ -3,7 +3,8 @@ gated shared expert (Qwen Team, 2024), OLMoE (Muennighoff et al., 2024); the loa
 of the Switch Transformer (Fedus et al., 2021) as transformers computes it.
 
 Routing is transformers': softmax over all experts in fp32, the top k, renormalised to sum to 1
-where the family does it, cast to the compute dtype. Dropless: every token reaches its k experts
+where the family does it, cast to the compute dtype (gpt-oss's softmax over the top k logits is
+the renormalised case). Dropless: every token reaches its k experts
 (no capacity factor), so the outputs equal transformers'. Two ways to compute the experts give
 the same values: "dense" runs every expert on every token and combines with a [tokens, experts]
 matrix that is zero off the top k (k/E of the work is useful, but it is plain batched matmuls);
@@ -33,6 +34,19 @@ from eqllm.nn.linear import ExpertLinear, Linear
 from eqllm.nn.mlp import GatedMLP, gated
 
 MoEImpl = Literal["dense", "ragged"]
+ExpertActivation = Literal["swiglu", "clamped_swiglu"]
+
+
+def clamped_swiglu(
+    gate: Float[Array, "*rows d_ff"], up: Float[Array, "*rows d_ff"], *, alpha: float, limit: float
+) -> Float[Array, "*rows d_ff"]:
+    """gpt-oss's expert activation: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), with
+    g = min(gate, limit). The clamps bound the activations; the + 1 lets an expert pass its gate
+    through where up is 0."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
 
 # (array, logical axes of its dimensions) -> the same values, placed (see `place_experts`).
 ExpertPlacement = Callable[[Array, tuple[str, ...]], Array]
@@ -62,7 +76,8 @@ def _unplaced(x, axes):
 
 class MoE(eqx.Module):
     """sum over the top-k experts e of w_e * down_e(silu(gate_e(x)) * up_e(x)), plus
-    sigmoid(shared_gate(x)) * shared(x) where there is a shared expert.
+    sigmoid(shared_gate(x)) * shared(x) where there is a shared expert; gpt-oss's experts use
+    `clamped_swiglu` in place of silu(gate) * up and biases on the router and the experts.
 
     Arguments:
         d_model: input and output size.
@@ -73,6 +88,9 @@ class MoE(eqx.Module):
             OLMoE by `norm_topk_prob`).
         shared_d_ff: hidden size of the always-on shared expert (None: none).
         impl: "dense" or "ragged" (see the module docstring); the values are the same.
+        bias: biases on the router and on every expert's projections (gpt-oss).
+        activation: "swiglu" (silu(gate) * up) or "clamped_swiglu" (`clamped_swiglu`, which
+            reads `swiglu_alpha` and `swiglu_limit`).
     """
 
     router: Linear  # (n_experts, d_model)
@@ -84,6 +102,9 @@ class MoE(eqx.Module):
     top_k: int = eqx.field(static=True)
     normalize: bool = eqx.field(static=True)
     impl: MoEImpl = eqx.field(static=True)
+    activation: ExpertActivation = eqx.field(static=True)
+    swiglu_alpha: float | None = eqx.field(static=True)
+    swiglu_limit: float | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -95,6 +116,10 @@ class MoE(eqx.Module):
         normalize: bool = True,
         shared_d_ff: int | None = None,
         impl: MoEImpl = "dense",
+        bias: bool = False,
+        activation: ExpertActivation = "swiglu",
+        swiglu_alpha: float | None = None,
+        swiglu_limit: float | None = None,
         key: PRNGKeyArray,
         dtype=jnp.float32,
     ):
@@ -102,22 +127,35 @@ class MoE(eqx.Module):
             raise ValueError(f"MoE top_k={top_k} must be in [1, n_experts={n_experts}]")
         if impl not in ("dense", "ragged"):
             raise ValueError(f"MoE impl must be 'dense' or 'ragged', got {impl!r}")
+        clamped = (swiglu_alpha, swiglu_limit)
+        if activation == "clamped_swiglu" and None in clamped:
+            raise ValueError("MoE activation='clamped_swiglu' needs swiglu_alpha and swiglu_limit")
+        if activation == "swiglu" and clamped != (None, None):
+            raise ValueError("MoE swiglu_alpha/swiglu_limit are only read by 'clamped_swiglu'")
+        if activation not in ("swiglu", "clamped_swiglu"):
+            raise ValueError(f"MoE activation must be 'swiglu' or 'clamped_swiglu': {activation!r}")
         kr, kg, ku, kd, ks, kz = jax.random.split(key, 6)
-        self.router = Linear(d_model, n_experts, axes=(None, "d_model"), key=kr, dtype=dtype)
-        self.gate = ExpertLinear(
-            n_experts, d_model, d_ff, axes=("d_ff", "d_model"), key=kg, dtype=dtype
+        expert = dict(use_bias=bias, dtype=dtype)
+        self.router = Linear(
+            d_model, n_experts, axes=(None, "d_model"), use_bias=bias, key=kr, dtype=dtype
         )
-        self.up = ExpertLinear(
-            n_experts, d_model, d_ff, axes=("d_ff", "d_model"), key=ku, dtype=dtype
-        )
+        hidden = ("d_ff", "d_model")
+        self.gate = ExpertLinear(n_experts, d_model, d_ff, axes=hidden, key=kg, **expert)
+        self.up = ExpertLinear(n_experts, d_model, d_ff, axes=hidden, key=ku, **expert)
         self.down = ExpertLinear(
-            n_experts, d_ff, d_model, axes=("d_model", "d_ff"), init="residual", key=kd, dtype=dtype
+            n_experts, d_ff, d_model, axes=("d_model", "d_ff"), init="residual", key=kd, **expert
         )
         self.shared, self.shared_gate = None, None
         if shared_d_ff is not None:
             self.shared = GatedMLP(d_model, shared_d_ff, key=ks, dtype=dtype)
             self.shared_gate = Linear(d_model, 1, axes=(None, "d_model"), key=kz, dtype=dtype)
         self.top_k, self.normalize, self.impl = top_k, normalize, impl
+        self.activation, self.swiglu_alpha, self.swiglu_limit = activation, *clamped
+
+    def _act(self, gate, up):
+        if self.activation == "swiglu":
+            return gated("silu", gate, up)
+        return clamped_swiglu(gate, up, alpha=self.swiglu_alpha, limit=self.swiglu_limit)
 
     @property
     def n_experts(self) -> int:
@@ -143,7 +181,7 @@ class MoE(eqx.Module):
         combine = place(combine, ("tokens", "expert"))
         every = jnp.broadcast_to(x, (self.n_experts, *x.shape))  # (E, T, d_model)
         every = place(every, ("expert", "tokens", "d_model"))
-        h = place(gated("silu", self.gate(every), self.up(every)), ("expert", "tokens", "d_ff"))
+        h = place(self._act(self.gate(every), self.up(every)), ("expert", "tokens", "d_ff"))
         y = place(self.down(h), ("expert", "tokens", "d_model"))  # (E, T, d_model)
         return place(jnp.einsum("etd,te->td", y, combine), ("tokens", "d_model"))
 
@@ -153,7 +191,7 @@ class MoE(eqx.Module):
         order = jnp.argsort(flat, stable=True)  # token copies sorted by expert
         sizes = jnp.bincount(flat, length=self.n_experts)
         copies = x[order // k]  # (T k, d_model)
-        h = gated("silu", self.gate.grouped(copies, sizes), self.up.grouped(copies, sizes))
+        h = self._act(self.gate.grouped(copies, sizes), self.up.grouped(copies, sizes))
         y = self.down.grouped(h, sizes)  # (T k, d_model)
         y = jnp.zeros_like(y).at[order].set(y)  # back to token-major order: (T k, d_model)
         return jnp.einsum("tkd,tk->td", y.reshape(rows, k, -1), weights)
