@@ -206,8 +206,11 @@ def test_a_zoo_name_needs_a_tokenizer(folder):
     small = eqllm.CausalLM(eqllm.zoo.config("llama-nano", vocab_size=64), key=jax.random.key(0))
     with pytest.raises(eqllm.EqllmError, match="the model only 64"):
         eqllm.harness.EqllmLM(model=small, tokenizer=str(folder))
-    with pytest.raises(eqllm.EqllmError, match="apply_chat_template is not supported"):
-        lm.chat_template(True)
+    # One template per model: asked for, it is the folder's (here eqllm's default, said once);
+    # a named template is refused.
+    assert lm.chat_template(False) is None and "<|user|>" in lm.chat_template(True)
+    with pytest.raises(eqllm.EqllmError, match="uses the model's one template"):
+        lm.chat_template("tool_use")
     # Generation kwargs: greedy unless do_sample; sampling settings pass through; others refused.
     assert lm._sampling({"do_sample": False, "temperature": 0.7}) == {"temperature": 0.0}
     sampled = lm._sampling({"do_sample": True, "temperature": 0.7, "top_p": 0.9})
