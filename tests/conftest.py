@@ -7,7 +7,10 @@ The suite runs with jaxtyping + beartype checking eqllm's annotations (see pypro
 import gc
 import os
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -87,6 +90,28 @@ TINY_CONFIGS = {
     ),
     "olmoe": eqllm.zoo.config("olmoe-1b-7b", **TINY, moe={"n_experts": 4, "experts_per_token": 2}),
 }
+
+
+def cached_logits(model, tokens, prefill: int) -> np.ndarray:
+    """The logits after positions prefill-1 .. len-2 of `tokens` computed through the KV cache:
+    prefill tokens[:prefill], then decode one token per step in one compiled scan. They equal
+    the full forward's [prefill - 1 : -1] when cached decoding is right."""
+    tokens = jnp.asarray(tokens)
+    length = tokens.shape[0]
+
+    @eqx.filter_jit
+    def run(model, tokens):
+        cache = model.init_cache(length)
+        first, cache = model.prefill(tokens[:prefill], jnp.arange(prefill), cache)
+
+        def step(cache, i):
+            logits, cache = model.decode(tokens[i], i, cache)
+            return cache, logits
+
+        rest = jax.lax.scan(step, cache, jnp.arange(prefill, length - 1))[1]
+        return jnp.concatenate([first[None], rest])
+
+    return np.asarray(run(model, tokens))
 
 
 @pytest.fixture(scope="session", params=sorted(TINY_CONFIGS))

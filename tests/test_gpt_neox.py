@@ -22,6 +22,7 @@ from eqllm import lora
 from eqllm.bench.coordcheck import activations
 from eqllm.hub import from_hf_config, to_hf_config
 from eqllm.nn.mlp import gelu_exact
+from tests.conftest import cached_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -157,26 +158,10 @@ def test_the_in_memory_head_name_is_read_too(pair, tmp_path):
 
 
 def test_cached_decode_matches_full_forward(pair):
-    model = pair.model
-    tokens = jnp.asarray(TOKENS[:40], jnp.int32)
-    prefill = 16
-
-    @eqx.filter_jit
-    def cached(model, tokens):
-        cache = model.init_cache(tokens.shape[0])
-        first, cache = model.prefill(tokens[:prefill], jnp.arange(prefill), cache)
-
-        def step(cache, i):
-            logits, cache = model.decode(tokens[i], i, cache)
-            return cache, logits
-
-        _, rest = jax.lax.scan(step, cache, jnp.arange(prefill, tokens.shape[0] - 1))
-        return jnp.concatenate([first[None], rest])
-
-    full = _logits(model, tokens)
-    np.testing.assert_allclose(
-        np.asarray(cached(model, tokens)), full[prefill - 1 : -1], atol=1e-5, rtol=0
-    )
+    tokens, prefill = jnp.asarray(TOKENS[:40], jnp.int32), 16
+    full = _logits(pair.model, tokens)
+    cached = cached_logits(pair.model, tokens, prefill)
+    np.testing.assert_allclose(cached, full[prefill - 1 : -1], atol=1e-5, rtol=0)
 
 
 def test_greedy_equals_transformers_generate(pair):

@@ -24,6 +24,7 @@ from eqllm.nn import Attention
 from eqllm.nn.attention import dot_product_attention
 from eqllm.nn.moe import MoE, clamped_swiglu
 from eqllm.train.step import training_loss
+from tests.conftest import cached_logits
 from tests.test_hub import DIMS, TOKENS, _forward, _hf_logits, _hf_model, _logits
 
 torch = pytest.importorskip("torch")
@@ -224,22 +225,10 @@ def test_cudnn_is_refused_with_sinks_and_auto_falls_back():
 
 def test_cached_decoding_equals_the_full_forward(pair):
     """Prefill 20 tokens, then one at a time past the window: each step equals the full forward."""
-    model, tokens, prefill, length = pair.model, jnp.asarray(TOKENS[:48]), 20, 48
-    full = np.asarray(_forward(model, tokens))
-    prefill_fn = jax.jit(lambda m, t, c: m.prefill(t, jnp.arange(prefill), c))
-    first, cache = prefill_fn(model, tokens[:prefill], model.init_cache(length))
-
-    @jax.jit
-    def decode_all(model, cache):
-        def step(cache, i):
-            logits, cache = model.decode(tokens[i], i, cache)
-            return cache, logits
-
-        return jax.lax.scan(step, cache, jnp.arange(prefill, length - 1))[1]
-
-    rest = np.asarray(decode_all(model, cache))
-    np.testing.assert_allclose(np.asarray(first), full[prefill - 1], atol=1e-5)
-    np.testing.assert_allclose(rest, full[prefill:-1], atol=1e-5)
+    tokens, prefill = jnp.asarray(TOKENS[:48]), 20
+    full = np.asarray(_forward(pair.model, tokens))
+    cached = cached_logits(pair.model, tokens, prefill)
+    np.testing.assert_allclose(cached, full[prefill - 1 : -1], atol=1e-5)
 
 
 # config.json settings -------------------------------------------------------------------------

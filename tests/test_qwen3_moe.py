@@ -21,6 +21,7 @@ from safetensors.numpy import save_file
 import eqllm
 from eqllm.nn import load_balancing_loss
 from eqllm.train.step import training_loss
+from tests.conftest import cached_logits
 from tests.test_hub import DIMS, TOKENS, VOCAB, _forward, _hf_logits, _hf_model, _logits
 
 torch = pytest.importorskip("torch")
@@ -165,22 +166,10 @@ def test_training_loss_adds_router_aux_loss_coef_times_the_aux_loss(pair):
 
 def test_cached_decoding_equals_the_full_forward(pair):
     """Prefill 20 tokens, then one at a time: each step's logits equal the full forward's."""
-    model, tokens, prefill, length = pair.model, jnp.asarray(TOKENS[:48]), 20, 48
-    full = np.asarray(_forward(model, tokens))
-    prefill_fn = jax.jit(lambda m, t, c: m.prefill(t, jnp.arange(prefill), c))
-    first, cache = prefill_fn(model, tokens[:prefill], model.init_cache(length))
-
-    @jax.jit
-    def decode_all(model, cache):
-        def step(cache, i):
-            logits, cache = model.decode(tokens[i], i, cache)
-            return cache, logits
-
-        return jax.lax.scan(step, cache, jnp.arange(prefill, length - 1))[1]
-
-    rest = np.asarray(decode_all(model, cache))
-    np.testing.assert_allclose(np.asarray(first), full[prefill - 1], atol=1e-5)
-    np.testing.assert_allclose(rest, full[prefill:-1], atol=1e-5)
+    tokens, prefill = jnp.asarray(TOKENS[:48]), 20
+    full = np.asarray(_forward(pair.model, tokens))
+    cached = cached_logits(pair.model, tokens, prefill)
+    np.testing.assert_allclose(cached, full[prefill - 1 : -1], atol=1e-5)
 
 
 # config.json settings -------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 
 import eqllm
 from eqllm.nn import RopeScaling, rope_frequencies
+from tests.conftest import cached_logits
 from tests.test_hub import DIMS, VOCAB, _hf_logits, _hf_model
 
 torch = pytest.importorskip("torch")
@@ -169,23 +170,10 @@ def test_import_and_export_equal_transformers(pair, length, tmp_path):
 @pytest.mark.parametrize("prefill, length", [(20, 40), (200, 240)])
 def test_cached_decoding_equals_the_full_forward(pair, prefill, length):
     """Prefill, then one token at a time: each step's logits equal the full forward's."""
-    model, tokens = pair.model, jnp.asarray(TOKENS[:length])
-    full = np.asarray(_forward(model, tokens))
-    cache = model.init_cache(length)
-    prefill_fn = eqx.filter_jit(type(model).prefill)
-    first, cache = prefill_fn(model, tokens[:prefill], jnp.arange(prefill), cache)
-
-    @eqx.filter_jit
-    def decode_all(model, cache):
-        def step(cache, i):
-            logits, cache = model.decode(tokens[i], i, cache)
-            return cache, logits
-
-        return jax.lax.scan(step, cache, jnp.arange(prefill, length - 1))[1]
-
-    rest = np.asarray(decode_all(model, cache))
-    np.testing.assert_allclose(np.asarray(first), full[prefill - 1], atol=1e-4)
-    np.testing.assert_allclose(rest, full[prefill:-1], atol=1e-4)
+    tokens = jnp.asarray(TOKENS[:length])
+    full = np.asarray(_forward(pair.model, tokens))
+    cached = cached_logits(pair.model, tokens, prefill)
+    np.testing.assert_allclose(cached, full[prefill - 1 : -1], atol=1e-4)
 
 
 def test_dynamic_scaling_grows_the_base_past_the_context_like_transformers(tmp_path):
