@@ -240,6 +240,11 @@ LLAMA_TABLE = rows(
     ("model.norm.weight", "final_norm.weight"),
     ("lm_head.weight", "lm_head.weight"),
 )
+# QK-norm's two weights in the Llama layout (Qwen3, Gemma 3, OLMo 2 and their mixtures).
+QK_NORM_ROWS = rows(
+    ("model.layers.{i}.self_attn.q_norm.weight", "blocks.attn.q_norm.weight"),
+    ("model.layers.{i}.self_attn.k_norm.weight", "blocks.attn.k_norm.weight"),
+)
 LLAMA_PREFIX = "model."
 LLAMA_KEYS = frozenset(
     """

@@ -7,7 +7,7 @@ from typing import Any
 
 from eqllm.config import ConfigError, ModelConfig
 from eqllm.families._rope import rope_from_hf
-from eqllm.families.base import LLAMA_PREFIX, Family, rows
+from eqllm.families.base import LLAMA_PREFIX, QK_NORM_ROWS, Family
 from eqllm.families.gemma2 import (
     SANDWICH_FIXED,
     SANDWICH_KEYS,
@@ -16,10 +16,7 @@ from eqllm.families.gemma2 import (
     sandwich_to_hf,
 )
 
-TABLE = SANDWICH_TABLE + rows(
-    ("model.layers.{i}.self_attn.q_norm.weight", "blocks.attn.q_norm.weight"),
-    ("model.layers.{i}.self_attn.k_norm.weight", "blocks.attn.k_norm.weight"),
-)
+TABLE = SANDWICH_TABLE + QK_NORM_ROWS
 _PATTERN = 6  # transformers' default sliding_window_pattern
 
 

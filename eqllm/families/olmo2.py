@@ -10,6 +10,7 @@ from eqllm.families.base import (
     LLAMA_KEYS,
     LLAMA_PREFIX,
     LLAMA_TABLE,
+    QK_NORM_ROWS,
     Family,
     attention_bias_from_hf,
     llama_from_hf,
@@ -22,13 +23,13 @@ from eqllm.families.base import (
 
 # OLMo 2's `post_attention_layernorm` normalises the attention output (Llama's normalises the
 # MLP input), and there is no input_layernorm: the model has no pre-norm arrays to match it.
-TABLE = tuple(
-    r for r in LLAMA_TABLE if r.hf != "model.layers.{i}.post_attention_layernorm.weight"
-) + rows(
-    ("model.layers.{i}.post_attention_layernorm.weight", "blocks.attn_post_norm.weight"),
-    ("model.layers.{i}.post_feedforward_layernorm.weight", "blocks.mlp_post_norm.weight"),
-    ("model.layers.{i}.self_attn.q_norm.weight", "blocks.attn.q_norm.weight"),
-    ("model.layers.{i}.self_attn.k_norm.weight", "blocks.attn.k_norm.weight"),
+TABLE = (
+    tuple(r for r in LLAMA_TABLE if r.hf != "model.layers.{i}.post_attention_layernorm.weight")
+    + rows(
+        ("model.layers.{i}.post_attention_layernorm.weight", "blocks.attn_post_norm.weight"),
+        ("model.layers.{i}.post_feedforward_layernorm.weight", "blocks.mlp_post_norm.weight"),
+    )
+    + QK_NORM_ROWS
 )
 
 

@@ -13,6 +13,7 @@ from eqllm.families.base import (
     MOE_ATTENTION_TABLE,
     MOE_KEYS,
     PLAIN_EXPERTS,
+    QK_NORM_ROWS,
     Family,
     attention_bias_from_hf,
     expert_rows,
@@ -23,14 +24,9 @@ from eqllm.families.base import (
     moe_to_hf,
     one_attention_bias,
     refuse,
-    rows,
     token_ids,
 )
 
-QK_NORM_ROWS = rows(
-    ("model.layers.{i}.self_attn.q_norm.weight", "blocks.attn.q_norm.weight"),
-    ("model.layers.{i}.self_attn.k_norm.weight", "blocks.attn.k_norm.weight"),
-)
 _EXPERTS = expert_rows("model.layers.{i}.mlp", "gate_proj", "up_proj", "down_proj")
 TABLE = MOE_ATTENTION_TABLE + QK_NORM_ROWS + _EXPERTS
 FUSED = MOE_ATTENTION_TABLE + QK_NORM_ROWS + FUSED_EXPERT_ROWS

@@ -10,6 +10,7 @@ from eqllm.families.base import (
     LLAMA_KEYS,
     LLAMA_PREFIX,
     LLAMA_TABLE,
+    QK_NORM_ROWS,
     Family,
     attention_bias_from_hf,
     full_attention_only,
@@ -17,13 +18,9 @@ from eqllm.families.base import (
     llama_to_hf,
     one_attention_bias,
     refuse,
-    rows,
 )
 
-TABLE = LLAMA_TABLE + rows(
-    ("model.layers.{i}.self_attn.q_norm.weight", "blocks.attn.q_norm.weight"),
-    ("model.layers.{i}.self_attn.k_norm.weight", "blocks.attn.k_norm.weight"),
-)
+TABLE = LLAMA_TABLE + QK_NORM_ROWS
 
 
 def to_hf(cfg: ModelConfig) -> dict[str, Any]:

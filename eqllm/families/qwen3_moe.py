@@ -14,6 +14,7 @@ from eqllm.families.base import (
     MOE_ATTENTION_TABLE,
     MOE_KEYS,
     PLAIN_EXPERTS,
+    QK_NORM_ROWS,
     Family,
     attention_bias_from_hf,
     expert_rows,
@@ -26,13 +27,8 @@ from eqllm.families.base import (
     need,
     one_attention_bias,
     refuse,
-    rows,
 )
 
-QK_NORM_ROWS = rows(
-    ("model.layers.{i}.self_attn.q_norm.weight", "blocks.attn.q_norm.weight"),
-    ("model.layers.{i}.self_attn.k_norm.weight", "blocks.attn.k_norm.weight"),
-)
 _EXPERTS = expert_rows("model.layers.{i}.mlp", "gate_proj", "up_proj", "down_proj")
 TABLE = MOE_ATTENTION_TABLE + QK_NORM_ROWS + _EXPERTS
 FUSED = MOE_ATTENTION_TABLE + QK_NORM_ROWS + FUSED_EXPERT_ROWS
