@@ -24,23 +24,25 @@ from pydantic import Field
 
 from eqllm.config.groups import (
     GROUPS,
-    STRICT,
     SUBGROUPS,
     AttentionConfig,
-    ConfigError,
     MLPConfig,
     MoEConfig,
     NormsConfig,
     PositionsConfig,
+    RopeScalingConfig,
+)
+from eqllm.config.legacy import from_flat
+from eqllm.config.validation import (
+    STRICT,
+    ConfigError,
     Positive,
     PositiveFloat,
-    RopeScalingConfig,
     config_error,
     require,
     unknown_field,
     validated,
 )
-from eqllm.config.legacy import from_flat
 from eqllm.errors import rule, show
 
 __all__ = [
