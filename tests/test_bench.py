@@ -235,6 +235,7 @@ def test_gradient_noise_scale_known_distribution():
     assert r["b_simple"] == pytest.approx(d * s**2 / d, rel=0.1)
 
 
+@pytest.mark.slow
 def test_analyze_model_smoke():
     model = eqllm.CausalLM(TINY_CONFIGS["llama"].replace(n_layers=1), key=jax.random.key(0))
     batch = jnp.asarray(np.random.default_rng(0).integers(0, 97, (4, 9)), jnp.int32)

@@ -57,6 +57,7 @@ def test_sp_grows_with_width_and_mup_much_less():
     assert abs(np.mean(mup.slopes["residual"][1:])) < 0.2
 
 
+@pytest.mark.slow
 def test_coordcheck_command_writes_json_and_plot(tmp_path):
     done = subprocess.run(
         [

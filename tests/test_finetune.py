@@ -199,6 +199,7 @@ def lora_run(jsonl, tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_lora_run_reports_before_and_after_and_converts(lora_run, capsys):
     from eqllm import cli, loading
 

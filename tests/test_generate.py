@@ -47,6 +47,13 @@ FAMILIES = [
     "phi3",
     "olmo2",
 ]
+# The default run checks the four that cover the cache's cases (learned positions, RoPE with
+# scaling and GQA, a wrapping ring buffer, alternating windowed and global layers); the slow set
+# checks every family.
+DEFAULT_FAMILIES = {"gpt2", "llama3", "mistral", "gemma2"}
+FAMILY_PARAMS = [
+    f if f in DEFAULT_FAMILIES else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES
+]
 NEW = 24
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32]  # 9 tokens: longer than mistral's window of 5
 LENGTH = 48  # the cached test prefills PROMPT, then decodes one token at a time up to here
@@ -132,7 +139,7 @@ def greedy(models):
     return get
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_cached_decode_matches_full_forward(models, reference, family):
     model = models[family]
     full, cached, _ = reference(family)
@@ -155,12 +162,12 @@ def test_left_padding_is_invisible(models, reference):
     assert sorted(np.asarray(cache[0].positions).tolist()) == [-1] * 7 + list(range(9))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_greedy_equals_argmax_chain(reference, greedy, family):
     assert greedy(family).tolist() == reference(family)[2].tolist()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_greedy_equals_transformers_generate(models, greedy, family, tmp_path):
     """The model exported to transformers, greedy-decoded by its `generate`."""
     torch = pytest.importorskip("torch")
@@ -352,6 +359,7 @@ def test_cli_prompt_streams_token_ids(models, tiny_zoo, capsys):
     assert capsys.readouterr().out.strip() == _greedy(models, [1, 2, 3], NEW)
 
 
+@pytest.mark.slow
 def test_cli_quantize_int8_generates_what_the_quantized_model_does(models, tiny_zoo, capsys):
     argv = ["generate", "tiny", "--prompt", "1 2 3", "--max-new-tokens", str(NEW)]
     assert cli.main([*argv, "--temperature", "0", "--chunk", "4", "--quantize", "int8"]) == 0

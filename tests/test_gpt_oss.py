@@ -373,6 +373,7 @@ def test_total_and_active_parameters_equal_transformers(name, total):
     assert cfg == eqllm.hub.from_hf_config(PUBLISHED[name])
 
 
+@pytest.mark.slow
 def test_the_nano_trains_a_step_on_a_cpu():
     """gpt_oss-nano: the research size's loss falls over a few steps of its own batch."""
     model = eqllm.zoo.create("gpt_oss-nano", key=jax.random.key(0))

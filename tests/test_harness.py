@@ -175,6 +175,7 @@ def test_report_section_is_added_then_replaced(tmp_path):
     assert text.startswith("# run\n\n## Samples\n\ntext\n")
 
 
+@pytest.mark.slow
 def test_lm_eval_command_line_uses_the_registered_backend(folder, tmp_path):
     """`python -m eqllm.harness` is lm_eval's own command line with `--model eqllm`."""
     command = [sys.executable, "-m", "eqllm.harness", "run", "--model", "eqllm"]

@@ -30,6 +30,7 @@ def faulted_mib(keep: str, mode: str = "configure") -> float:
     return float(out.stdout.split()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
 def test_configure_process_stops_per_call_page_faults_and_import_alone_does_not():
     default, kept = faulted_mib("0"), faulted_mib("1")

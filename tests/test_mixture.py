@@ -121,6 +121,7 @@ def metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_a_mixture_run_logs_each_sources_validation_loss_and_resumes_exactly(tmp_path):
     root = tmp_path
     code = make_corpus(root / "a")

@@ -246,6 +246,7 @@ def test_total_and_active_parameters_equal_transformers(name, total):
     assert cfg.moe.norm_topk_prob and cfg.moe.shared_d_ff is None
 
 
+@pytest.mark.slow
 def test_the_nano_trains_a_step_on_a_cpu():
     """qwen3_moe-nano: the research size's loss falls over a few steps of its own batch."""
     model = eqllm.zoo.create("qwen3_moe-nano", key=jax.random.key(0))

@@ -13,6 +13,7 @@ from eqllm.sharding import MeshConfig, MeshError, estimate_memory, per_device_by
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_multidevice_suite_on_8_simulated_devices():
     env = {
         **os.environ,

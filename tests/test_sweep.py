@@ -74,6 +74,7 @@ def test_bad_sweep_files_name_the_problem(env):
         load_sweep(write_sweep(env, "bad3", '[grid]\n"optim.lr" = [0.01, -1.0]\n'))
 
 
+@pytest.mark.slow
 def test_divergence_is_detected_and_results_are_exact(env):
     path = write_sweep(env, "lrs", '[grid]\n"optim.lr" = [0.003, 30.0]\n')
     sweep = load_sweep(path)

@@ -44,6 +44,7 @@ def check_same(killed, expected, steps=STEPS):
 DEFAULT_PLAN = ["step:8", "checkpoint:1", "eval:2"]
 
 
+@pytest.mark.slow
 def test_killed_three_times_resumes_to_the_same_losses(root, record_property):
     recipe, expected = reference(root, "bytes")
     out = root / "killed"
