@@ -7,7 +7,6 @@ perturbed so that a norm, bias or q/k/v row mapped to the wrong place shows up i
 """
 
 import json
-import types
 import warnings
 
 import equinox as eqx
@@ -23,6 +22,7 @@ from eqllm.bench.coordcheck import activations
 from eqllm.hub import from_hf_config, to_hf_config
 from eqllm.nn.mlp import gelu_exact
 from tests.conftest import cached_logits
+from tests.hf_parity import hf_logits, hf_model, logits, saved_pair
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -31,6 +31,7 @@ VOCAB = 97
 LONG = 240  # hundreds of positions: short prompts miss RoPE mistakes
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, LONG)
 DIMS = dict(
+    model_type="gpt_neox",
     vocab_size=VOCAB,
     hidden_size=32,
     num_hidden_layers=2,
@@ -59,41 +60,12 @@ def _highest_precision():
         yield
 
 
-def _hf_model(spec: dict):
-    config = transformers.AutoConfig.for_model("gpt_neox", **spec)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))  # norms and biases away from 1 / 0
-    return model
-
-
-def _hf_logits(hf_model, tokens=TOKENS) -> np.ndarray:
-    with torch.no_grad():
-        return hf_model(torch.tensor(tokens)[None]).logits[0].numpy()
-
-
-@eqx.filter_jit
-def _forward(model, tokens):
-    return model(tokens)
-
-
-def _logits(model, tokens=TOKENS) -> np.ndarray:
-    return np.asarray(_forward(model, jnp.asarray(tokens)))
-
-
 @pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
 def pair(request, tmp_path_factory):
     """A tiny transformers GPT-NeoX, its saved folder, and eqllm's import of it."""
     name = request.param
-    hf_model = _hf_model(HF_CONFIGS[name])
     folder = tmp_path_factory.mktemp(f"neox-{name}")
-    hf_model.save_pretrained(folder)
-    model = eqllm.hub.from_pretrained(folder)
-    return types.SimpleNamespace(
-        name=name, hf=hf_model, folder=folder, model=model, ref=_hf_logits(hf_model)
-    )
+    return saved_pair(hf_model(HF_CONFIGS[name]), folder, TOKENS, name=name)
 
 
 def test_import_reads_the_family_settings(pair):
@@ -108,7 +80,7 @@ def test_import_reads_the_family_settings(pair):
 
 
 def test_import_gives_transformers_logits(pair):
-    np.testing.assert_allclose(_logits(pair.model), pair.ref, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(logits(pair.model, TOKENS), pair.ref, atol=1e-5, rtol=0)
 
 
 def test_query_key_value_is_split_per_head(pair):
@@ -135,7 +107,8 @@ def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
     assert written["hidden_act"] == "gelu"
     assert "embed_out.weight" in load_file(tmp_path / "model.safetensors")  # published name
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    np.testing.assert_allclose(_hf_logits(reloaded.eval()), _logits(pair.model), atol=1e-5, rtol=0)
+    exported = hf_logits(reloaded.eval(), TOKENS)
+    np.testing.assert_allclose(exported, logits(pair.model, TOKENS), atol=1e-5, rtol=0)
     for name, p in pair.hf.state_dict().items():  # and the very tensors of the original
         np.testing.assert_array_equal(reloaded.state_dict()[name].numpy(), p.numpy(), name)
 
@@ -154,12 +127,13 @@ def test_the_in_memory_head_name_is_read_too(pair, tmp_path):
     tensors["lm_head.weight"] = tensors.pop("embed_out.weight")
     save_file(tensors, str(tmp_path / "model.safetensors"), {"format": "pt"})
     (tmp_path / "config.json").write_text((pair.folder / "config.json").read_text())
-    np.testing.assert_array_equal(_logits(eqllm.hub.from_pretrained(tmp_path)), _logits(pair.model))
+    renamed = eqllm.hub.from_pretrained(tmp_path)
+    np.testing.assert_array_equal(logits(renamed, TOKENS), logits(pair.model, TOKENS))
 
 
 def test_cached_decode_matches_full_forward(pair):
     tokens, prefill = jnp.asarray(TOKENS[:40], jnp.int32), 16
-    full = _logits(pair.model, tokens)
+    full = logits(pair.model, tokens)
     cached = cached_logits(pair.model, tokens, prefill)
     np.testing.assert_allclose(cached, full[prefill - 1 : -1], atol=1e-5, rtol=0)
 
@@ -189,13 +163,13 @@ def test_residual_variants_compute_different_functions(pair):
     skeleton = eqx.filter_eval_shape(eqllm.CausalLM, config, key=jax.random.key(0))
     flipped = jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(pair.model))
     assert flipped.blocks.parallel == config.parallel_residual
-    assert np.abs(_logits(flipped) - pair.ref).max() > 1e-3
+    assert np.abs(logits(flipped, TOKENS) - pair.ref).max() > 1e-3
 
 
 def test_coordinate_check_walks_the_block_as_it_runs(pair):
     """eqllm coordcheck's layer walk gives the model's own logits under either residual."""
-    _, logits = activations(pair.model, jnp.asarray(TOKENS[:64]))
-    np.testing.assert_allclose(np.asarray(logits), _logits(pair.model, TOKENS[:64]), atol=1e-5)
+    _, walked = activations(pair.model, jnp.asarray(TOKENS[:64]))
+    np.testing.assert_allclose(np.asarray(walked), logits(pair.model, TOKENS[:64]), atol=1e-5)
 
 
 def test_peft_adapter_on_query_key_value_both_ways(pair, tmp_path):
@@ -212,7 +186,7 @@ def test_peft_adapter_on_query_key_value_both_ways(pair, tmp_path):
         for x, m in zip(leaves, mask, strict=True)
     ]  # every B non-zero; q, k and v with different A (a rank-6 export)
     adapted = jax.tree.unflatten(treedef, leaves)
-    ours = _logits(adapted)
+    ours = logits(adapted, TOKENS)
     assert np.abs(ours - pair.ref).max() > 1e-3
     eqllm.hub.save_adapter(adapted, tmp_path)
     base = transformers.AutoModelForCausalLM.from_pretrained(pair.folder, dtype=torch.float32)
@@ -220,9 +194,9 @@ def test_peft_adapter_on_query_key_value_both_ways(pair, tmp_path):
         warnings.simplefilter("always")
         peft_model = peft.PeftModel.from_pretrained(base, tmp_path).eval()
     assert not [w for w in caught if "keys" in str(w.message).lower()]
-    np.testing.assert_allclose(_hf_logits(peft_model), ours, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(hf_logits(peft_model, TOKENS), ours, atol=1e-4, rtol=0)
     again = eqllm.hub.from_pretrained(pair.folder, adapter=tmp_path)
-    np.testing.assert_allclose(_logits(again), ours, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(logits(again, TOKENS), ours, atol=1e-5, rtol=0)
 
 
 # Configuration -------------------------------------------------------------------------------
@@ -230,7 +204,7 @@ def test_peft_adapter_on_query_key_value_both_ways(pair, tmp_path):
 
 def test_gelu_tanh_configs_read_as_the_tanh_form():
     """GPT-NeoX-20B's gelu_fast is the tanh approximation; an unknown activation is refused."""
-    hf = transformers.AutoConfig.for_model("gpt_neox", **DIMS).to_dict()
+    hf = transformers.AutoConfig.for_model(**DIMS).to_dict()
     assert from_hf_config(hf).mlp.gelu == "exact"
     assert from_hf_config({**hf, "hidden_act": "gelu_fast"}).mlp.gelu == "tanh"
     with pytest.raises(eqllm.ConfigError, match="hidden_act='relu' is not supported"):
@@ -240,11 +214,11 @@ def test_gelu_tanh_configs_read_as_the_tanh_form():
 
 
 def test_gelu_tanh_model_equals_transformers(tmp_path):
-    hf_model = _hf_model({**HF_CONFIGS["parallel"], "hidden_act": "gelu_new"})
-    hf_model.save_pretrained(tmp_path)
+    hf = hf_model({**HF_CONFIGS["parallel"], "hidden_act": "gelu_new"})
+    hf.save_pretrained(tmp_path)
     model = eqllm.hub.from_pretrained(tmp_path)
     assert model.config.mlp.gelu == "tanh"
-    np.testing.assert_allclose(_logits(model), _hf_logits(hf_model), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(logits(model, TOKENS), hf_logits(hf, TOKENS), atol=1e-5, rtol=0)
 
 
 def test_settings_are_validated_with_their_paths():
@@ -293,9 +267,9 @@ def test_published_sizes_have_the_published_and_transformers_counts(name):
     cfg = eqllm.zoo.config(name)
     hf_config = transformers.AutoConfig.for_model(**to_hf_config(cfg))
     with torch.device("meta"):
-        hf_model = transformers.AutoModelForCausalLM.from_config(hf_config)
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config)
     assert eqllm.zoo.param_count(name) == PUBLISHED[name]
-    assert sum(p.numel() for p in hf_model.parameters()) == PUBLISHED[name]
+    assert sum(p.numel() for p in hf.parameters()) == PUBLISHED[name]
 
 
 def test_pythia_nano_exercises_the_family():

@@ -25,7 +25,8 @@ from eqllm.nn.attention import dot_product_attention
 from eqllm.nn.moe import MoE, clamped_swiglu
 from eqllm.train.step import training_loss
 from tests.conftest import cached_logits
-from tests.test_hub import DIMS, TOKENS, _forward, _hf_logits, _hf_model, _logits
+from tests.hf_parity import forward, hf_logits, hf_model, logits, saved_pair
+from tests.test_hub import DIMS, TOKENS
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -60,14 +61,11 @@ SPEC = dict(
 def pair(tmp_path_factory):
     """A perturbed tiny gpt-oss (sinks drawn large enough to take real mass), its saved folder
     and eqllm's import of it."""
-    hf = _hf_model(SPEC)
+    hf = hf_model(SPEC)
     with torch.no_grad():
         for layer in hf.model.layers:
             layer.self_attn.sinks.copy_(torch.randn(4))
-    folder = tmp_path_factory.mktemp("hf-gpt-oss")
-    hf.save_pretrained(folder)
-    model = eqllm.hub.from_pretrained(folder)
-    return types.SimpleNamespace(hf=hf, folder=folder, model=model, ref=_hf_logits(hf, TOKENS))
+    return saved_pair(hf, tmp_path_factory.mktemp("hf-gpt-oss"), TOKENS)
 
 
 def test_import_reads_the_family(pair):
@@ -89,7 +87,7 @@ def hf_layer_types(hf) -> list[str]:
 
 
 def test_import_gives_transformers_logits(pair):
-    np.testing.assert_allclose(_logits(pair.model, TOKENS), pair.ref, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(logits(pair.model, TOKENS), pair.ref, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize(
@@ -107,7 +105,7 @@ def test_the_settings_are_read_not_assumed(pair, tmp_path, change):
     (tmp_path / "config.json").write_text(json.dumps({**hf, **change}))
     (tmp_path / "model.safetensors").symlink_to(pair.folder / "model.safetensors")
     changed = eqllm.hub.from_pretrained(tmp_path)
-    assert np.abs(_logits(changed, TOKENS) - pair.ref).max() > 1e-3
+    assert np.abs(logits(changed, TOKENS) - pair.ref).max() > 1e-3
 
 
 def test_the_sinks_matter(pair):
@@ -115,7 +113,7 @@ def test_the_sinks_matter(pair):
     zeroed = eqx.tree_at(
         lambda m: m.blocks.attn.sinks, pair.model, jnp.zeros_like(pair.model.blocks.attn.sinks)
     )
-    assert np.abs(_logits(zeroed, TOKENS[:64]) - pair.ref[:64]).max() > 1e-3
+    assert np.abs(logits(zeroed, TOKENS[:64]) - pair.ref[:64]).max() > 1e-3
 
 
 def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
@@ -133,8 +131,8 @@ def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
     assert (saved["swiglu_limit"], saved["sliding_window"]) == (0.5, WINDOW)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     assert type(reloaded).__name__ == "GptOssForCausalLM"
-    exported = _hf_logits(reloaded.eval(), TOKENS)
-    np.testing.assert_allclose(exported, _logits(pair.model, TOKENS), atol=1e-5, rtol=0)
+    exported = hf_logits(reloaded.eval(), TOKENS)
+    np.testing.assert_allclose(exported, logits(pair.model, TOKENS), atol=1e-5, rtol=0)
     for name, p in pair.hf.state_dict().items():  # and the same tensors as the original
         np.testing.assert_array_equal(reloaded.state_dict()[name].numpy(), p.numpy(), name)
     again = eqllm.hub.from_pretrained(tmp_path)
@@ -226,7 +224,7 @@ def test_cudnn_is_refused_with_sinks_and_auto_falls_back():
 def test_cached_decoding_equals_the_full_forward(pair):
     """Prefill 20 tokens, then one at a time past the window: each step equals the full forward."""
     tokens, prefill = jnp.asarray(TOKENS[:48]), 20
-    full = np.asarray(_forward(pair.model, tokens))
+    full = np.asarray(forward(pair.model, tokens))
     cached = cached_logits(pair.model, tokens, prefill)
     np.testing.assert_allclose(cached, full[prefill - 1 : -1], atol=1e-5)
 

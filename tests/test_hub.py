@@ -6,7 +6,6 @@ Greedy decoding against transformers' `generate` is tested in tests/test_generat
 """
 
 import json
-import types
 from pathlib import Path
 
 import equinox as eqx
@@ -23,6 +22,7 @@ from eqllm.cli import main as cli_main
 from eqllm.data.tokenizer import Tokenizer
 from eqllm.hub import CheckpointError
 from tests.conftest import TINY_CONFIGS
+from tests.hf_parity import hf_logits, hf_model, logits, saved_pair
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -129,31 +129,6 @@ HF_CONFIGS = {
 TIED = {"gpt2", "qwen2", "gemma", "qwen3", "gemma2", "gemma3"}
 
 
-def _hf_model(spec: dict):
-    spec = dict(spec)
-    config = transformers.AutoConfig.for_model(spec.pop("model_type"), **spec)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))  # norms and biases away from 1 / 0
-    return model
-
-
-def _hf_logits(hf_model, tokens: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return hf_model(torch.tensor(tokens)[None]).logits[0].numpy()
-
-
-@eqx.filter_jit
-def _forward(model, tokens):
-    return model(tokens)
-
-
-def _logits(model, tokens: np.ndarray) -> np.ndarray:
-    return np.asarray(_forward(model, jnp.asarray(tokens)))
-
-
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, LONG)
 
 
@@ -161,20 +136,15 @@ TOKENS = np.random.default_rng(0).integers(0, VOCAB, LONG)
 def pair(request, tmp_path_factory):
     """A tiny transformers model, its saved folder, and eqllm's import of it."""
     name = request.param
-    hf_model = _hf_model(HF_CONFIGS[name])
     folder = tmp_path_factory.mktemp(f"hf-{name}")
-    hf_model.save_pretrained(folder)
-    model = eqllm.hub.from_pretrained(folder)
-    return types.SimpleNamespace(
-        name=name, hf=hf_model, folder=folder, model=model, ref=_hf_logits(hf_model, TOKENS)
-    )
+    return saved_pair(hf_model(HF_CONFIGS[name]), folder, TOKENS, name=name)
 
 
 def test_import_gives_transformers_logits(pair):
     family = families.for_model_type(HF_CONFIGS[pair.name]["model_type"])
     assert pair.model.config.family == family.name
     assert pair.model.config.param_dtype == "float32"
-    np.testing.assert_allclose(_logits(pair.model, TOKENS), pair.ref, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(logits(pair.model, TOKENS), pair.ref, atol=1e-4, rtol=0)
 
 
 def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
@@ -184,8 +154,8 @@ def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
     assert len(shards) > 1 and all((tmp_path / s).is_file() for s in shards)
     assert ("lm_head.weight" in index["weight_map"]) == (pair.name not in TIED)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    exported = _hf_logits(reloaded.eval(), TOKENS)
-    np.testing.assert_allclose(exported, _logits(pair.model, TOKENS), atol=1e-5, rtol=0)
+    exported = hf_logits(reloaded.eval(), TOKENS)
+    np.testing.assert_allclose(exported, logits(pair.model, TOKENS), atol=1e-5, rtol=0)
     for name, p in pair.hf.state_dict().items():  # and the same tensors as the original
         np.testing.assert_array_equal(reloaded.state_dict()[name].numpy(), p.numpy(), name)
 
@@ -203,11 +173,11 @@ def test_round_trip_is_bit_identical(pair, tmp_path):
 
 
 def test_bfloat16_checkpoint_loads_exactly(tmp_path):
-    hf_model = _hf_model(HF_CONFIGS["llama"]).to(torch.bfloat16)
-    hf_model.save_pretrained(tmp_path)
+    hf = hf_model(HF_CONFIGS["llama"]).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path)
     model = eqllm.hub.from_pretrained(tmp_path)
     assert model.config.param_dtype == model.config.compute_dtype == "bfloat16"
-    expected = hf_model.model.layers[1].self_attn.k_proj.weight.detach().float().numpy()
+    expected = hf.model.layers[1].self_attn.k_proj.weight.detach().float().numpy()
     got = np.asarray(model.blocks.attn.k_proj.weight[1].astype(jnp.float32))
     np.testing.assert_array_equal(got, expected)
     as_fp32 = eqllm.hub.from_pretrained(tmp_path, dtype="float32")
@@ -269,7 +239,7 @@ def test_unsupported_new_family_settings_are_refused(name, change, message):
 @pytest.fixture(scope="module")
 def llama_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hf-llama-plain")
-    _hf_model(HF_CONFIGS["llama"]).save_pretrained(folder)
+    hf_model(HF_CONFIGS["llama"]).save_pretrained(folder)
     return folder
 
 
@@ -334,8 +304,8 @@ def test_unexpected_tensor_is_named(llama_folder, tmp_path):
 
 
 def test_tied_head_that_differs_is_refused(tmp_path):
-    hf_model = _hf_model(HF_CONFIGS["qwen2"])
-    hf_model.save_pretrained(tmp_path / "ok")
+    hf = hf_model(HF_CONFIGS["qwen2"])
+    hf.save_pretrained(tmp_path / "ok")
     head = np.ones((VOCAB, 32), np.float32)
     bad = _copy_with(tmp_path / "ok", tmp_path / "bad", tensors={"lm_head.weight": head})
     with pytest.raises(CheckpointError, match="'lm_head.weight' differs from the token embed"):
@@ -385,8 +355,8 @@ def test_unexportable_config_is_refused(tmp_path, change):
 
 def test_bare_gpt2_names_load(tmp_path):
     """The original `gpt2` repo stores GPT2Model names (no 'transformer.' prefix)."""
-    hf_model = _hf_model(HF_CONFIGS["gpt2"])
-    hf_model.save_pretrained(tmp_path / "full")
+    hf = hf_model(HF_CONFIGS["gpt2"])
+    hf.save_pretrained(tmp_path / "full")
     with safe_open(tmp_path / "full" / "model.safetensors", framework="numpy") as f:
         bare = {k.removeprefix("transformer."): f.get_tensor(k) for k in f.keys()}
     (tmp_path / "bare").mkdir()
@@ -394,7 +364,7 @@ def test_bare_gpt2_names_load(tmp_path):
     save_file(bare, tmp_path / "bare" / "model.safetensors", metadata={"format": "pt"})
     model = eqllm.hub.from_pretrained(tmp_path / "bare")
     tokens = TOKENS[:16]
-    np.testing.assert_allclose(_logits(model, tokens), _hf_logits(hf_model, tokens), atol=1e-4)
+    np.testing.assert_allclose(logits(model, tokens), hf_logits(hf, tokens), atol=1e-4)
 
 
 # eqllm model folders, load_any, tokenizers and the CLI -----------------------------------------
@@ -402,8 +372,8 @@ def test_bare_gpt2_names_load(tmp_path):
 
 def test_load_any_and_convert_both_ways(llama_folder, tmp_path, capsys):
     tokenizer = Tokenizer.bytes()
-    hf_model = eqllm.hub.from_pretrained(llama_folder)
-    eqllm.hub.save_pretrained(hf_model, tmp_path / "hf", tokenizer=tokenizer)
+    hf = eqllm.hub.from_pretrained(llama_folder)
+    eqllm.hub.save_pretrained(hf, tmp_path / "hf", tokenizer=tokenizer)
 
     assert cli_main(["convert", str(tmp_path / "hf"), str(tmp_path / "eq")]) == 0
     assert "wrote eqllm folder" in capsys.readouterr().out
@@ -411,12 +381,12 @@ def test_load_any_and_convert_both_ways(llama_folder, tmp_path, capsys):
     model, tok = eqllm.hub.load_any(tmp_path / "eq")
     assert tok is not None and tok.encode("héllo") == tokenizer.encode("héllo")
     assert tok.eot_id == tokenizer.eot_id
-    for a, b in zip(jax.tree.leaves(hf_model), jax.tree.leaves(model), strict=True):
+    for a, b in zip(jax.tree.leaves(hf), jax.tree.leaves(model), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     assert cli_main(["convert", str(tmp_path / "eq"), str(tmp_path / "back")]) == 0
     back, tok = eqllm.hub.load_any(tmp_path / "back")
-    assert back.config == hf_model.config and tok is not None
+    assert back.config == hf.config and tok is not None
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "back")
     assert hf_tok.encode("héllo", add_special_tokens=False) == tokenizer.encode("héllo")
 

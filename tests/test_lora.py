@@ -7,7 +7,6 @@ zero (peft only warns about missing keys), so only the logits tell.
 import json
 import warnings
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +17,7 @@ from eqllm import lora
 from eqllm.lora import LoraError
 from eqllm.nn import param_info
 from eqllm.nn.linear import is_param_info
+from tests.hf_parity import hf_logits, hf_model, logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -39,36 +39,11 @@ GPT2 = dict(model_type="gpt2", vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
 ALL_LLAMA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _hf_model(spec):
-    spec = dict(spec)
-    config = transformers.AutoConfig.for_model(spec.pop("model_type"), **spec)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model
-
-
-def _torch_logits(model):
-    with torch.no_grad():
-        return model(torch.tensor(TOKENS)[None]).logits[0].numpy()
-
-
-@eqx.filter_jit
-def _forward(model, tokens):
-    return model(tokens)
-
-
-def _logits(model):
-    return np.asarray(_forward(model, jnp.asarray(TOKENS)))
-
-
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
 def base(request, tmp_path_factory):
     """(family, HF base folder, eqllm base model)."""
     folder = tmp_path_factory.mktemp(f"base-{request.param}")
-    _hf_model(LLAMA if request.param == "llama" else GPT2).save_pretrained(folder)
+    hf_model(LLAMA if request.param == "llama" else GPT2).save_pretrained(folder)
     return request.param, folder, eqllm.hub.from_pretrained(folder)
 
 
@@ -94,7 +69,8 @@ def test_adapter_made_with_peft_loads_with_peft_logits(base, tmp_path):
     peft_model.save_pretrained(tmp_path)
     model = eqllm.hub.from_pretrained(folder, adapter=tmp_path)
     assert len(lora.adapters(model)) > 0
-    np.testing.assert_allclose(_logits(model), _torch_logits(peft_model), atol=1e-4, rtol=0)
+    expected = hf_logits(peft_model, TOKENS)
+    np.testing.assert_allclose(logits(model, TOKENS), expected, atol=1e-4, rtol=0)
 
 
 def test_adapter_saved_by_eqllm_loads_in_peft_and_merges(base, tmp_path):
@@ -110,8 +86,8 @@ def test_adapter_saved_by_eqllm_loads_in_peft_and_merges(base, tmp_path):
         for x, m in zip(leaves, mask, strict=True)
     ]
     adapted = jax.tree.unflatten(treedef, leaves)
-    ours = _logits(adapted)
-    assert np.abs(ours - _logits(model)).max() > 1e-3  # the adapters change the function
+    ours = logits(adapted, TOKENS)
+    assert np.abs(ours - logits(model, TOKENS)).max() > 1e-3  # the adapters change the function
 
     eqllm.hub.save_adapter(adapted, tmp_path / "adapter")
     with warnings.catch_warnings(record=True) as caught:
@@ -119,18 +95,18 @@ def test_adapter_saved_by_eqllm_loads_in_peft_and_merges(base, tmp_path):
         peft_model = peft.PeftModel.from_pretrained(_fresh_hf(folder), tmp_path / "adapter")
     key_warnings = [str(w.message) for w in caught if "keys" in str(w.message).lower()]
     assert not key_warnings  # peft warns about missing or unexpected keys
-    np.testing.assert_allclose(_torch_logits(peft_model.eval()), ours, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(hf_logits(peft_model.eval(), TOKENS), ours, atol=1e-4, rtol=0)
 
     merged = lora.merge(adapted)
     assert not lora.adapters(merged)
-    np.testing.assert_allclose(_logits(merged), ours, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(logits(merged, TOKENS), ours, atol=1e-4, rtol=0)
     eqllm.hub.save_pretrained(merged, tmp_path / "merged")
     np.testing.assert_allclose(
-        _torch_logits(_fresh_hf(tmp_path / "merged")), ours, atol=1e-4, rtol=0
+        hf_logits(_fresh_hf(tmp_path / "merged"), TOKENS), ours, atol=1e-4, rtol=0
     )
     # And back: eqllm reads its own export to the same function.
     again = eqllm.hub.from_pretrained(folder, adapter=tmp_path / "adapter")
-    np.testing.assert_allclose(_logits(again), ours, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(logits(again, TOKENS), ours, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("scan", [True, False])

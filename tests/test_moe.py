@@ -27,8 +27,9 @@ from eqllm.train import loop as loop_mod
 from eqllm.train import report as report_mod
 from eqllm.train.step import training_loss
 from tests.conftest import TINY_CONFIGS
+from tests.hf_parity import hf_model
 from tests.reliability.harness import make_corpus, tiny_recipe
-from tests.test_hub import HF_CONFIGS, _hf_model
+from tests.test_hub import HF_CONFIGS
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -121,7 +122,7 @@ def test_a_dense_family_refuses_experts_on_export(tmp_path):
 def hf_pair(request, tmp_path_factory):
     """A perturbed tiny transformers MoE (aux loss coefficient 0.1), its folder, eqllm's import."""
     spec = {**HF_CONFIGS[request.param], "router_aux_loss_coef": 0.1}
-    hf = _hf_model(spec)
+    hf = hf_model(spec)
     folder = tmp_path_factory.mktemp(f"moe-{request.param}")
     hf.save_pretrained(folder)
     return request.param, hf, folder, eqllm.hub.from_pretrained(folder)

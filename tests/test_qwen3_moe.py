@@ -6,7 +6,6 @@ Tiny random models built by transformers itself (no downloads), every parameter 
 """
 
 import json
-import types
 from pathlib import Path
 
 import equinox as eqx
@@ -22,7 +21,8 @@ import eqllm
 from eqllm.nn import load_balancing_loss
 from eqllm.train.step import training_loss
 from tests.conftest import cached_logits
-from tests.test_hub import DIMS, TOKENS, VOCAB, _forward, _hf_logits, _hf_model, _logits
+from tests.hf_parity import forward, hf_logits, hf_model, logits, saved_pair
+from tests.test_hub import DIMS, TOKENS, VOCAB
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -46,13 +46,9 @@ SPEC = dict(
 def pair(request, tmp_path_factory):
     """A perturbed tiny Qwen3-MoE (top-k probabilities renormalised or not), its saved folder
     and eqllm's import of it."""
-    hf = _hf_model({**SPEC, "norm_topk_prob": request.param})
+    hf = hf_model({**SPEC, "norm_topk_prob": request.param})
     folder = tmp_path_factory.mktemp("hf-qwen3-moe")
-    hf.save_pretrained(folder)
-    model = eqllm.hub.from_pretrained(folder)
-    return types.SimpleNamespace(
-        hf=hf, folder=folder, model=model, ref=_hf_logits(hf, TOKENS), norm=request.param
-    )
+    return saved_pair(hf, folder, TOKENS, norm=request.param)
 
 
 def test_import_reads_the_family_and_its_routing(pair):
@@ -65,7 +61,7 @@ def test_import_reads_the_family_and_its_routing(pair):
 
 
 def test_import_gives_transformers_logits(pair):
-    np.testing.assert_allclose(_logits(pair.model, TOKENS), pair.ref, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(logits(pair.model, TOKENS), pair.ref, atol=1e-5, rtol=0)
 
 
 def test_renormalising_the_top_k_changes_the_logits(pair, tmp_path):
@@ -76,7 +72,7 @@ def test_renormalising_the_top_k_changes_the_logits(pair, tmp_path):
     (tmp_path / "model.safetensors").symlink_to(pair.folder / "model.safetensors")
     flipped = eqllm.hub.from_pretrained(tmp_path)
     assert flipped.config.moe.norm_topk_prob is not pair.norm
-    assert np.abs(_logits(flipped, TOKENS[:32]) - pair.ref[:32]).max() > 1e-3
+    assert np.abs(logits(flipped, TOKENS[:32]) - pair.ref[:32]).max() > 1e-3
 
 
 def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
@@ -91,8 +87,8 @@ def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
     assert saved["norm_topk_prob"] is pair.norm and saved["router_aux_loss_coef"] == 0.1
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     assert type(reloaded).__name__ == "Qwen3MoeForCausalLM"
-    exported = _hf_logits(reloaded.eval(), TOKENS)
-    np.testing.assert_allclose(exported, _logits(pair.model, TOKENS), atol=1e-5, rtol=0)
+    exported = hf_logits(reloaded.eval(), TOKENS)
+    np.testing.assert_allclose(exported, logits(pair.model, TOKENS), atol=1e-5, rtol=0)
     for name, p in pair.hf.state_dict().items():  # and the same tensors as the original
         np.testing.assert_array_equal(reloaded.state_dict()[name].numpy(), p.numpy(), name)
     again = eqllm.hub.from_pretrained(tmp_path)
@@ -167,7 +163,7 @@ def test_training_loss_adds_router_aux_loss_coef_times_the_aux_loss(pair):
 def test_cached_decoding_equals_the_full_forward(pair):
     """Prefill 20 tokens, then one at a time: each step's logits equal the full forward's."""
     tokens, prefill = jnp.asarray(TOKENS[:48]), 20
-    full = np.asarray(_forward(pair.model, tokens))
+    full = np.asarray(forward(pair.model, tokens))
     cached = cached_logits(pair.model, tokens, prefill)
     np.testing.assert_allclose(cached, full[prefill - 1 : -1], atol=1e-5)
 

@@ -14,7 +14,8 @@ import pytest
 import eqllm
 from eqllm.nn import RopeScaling, rope_frequencies
 from tests.conftest import cached_logits
-from tests.test_hub import DIMS, VOCAB, _hf_logits, _hf_model
+from tests.hf_parity import forward, hf_logits, hf_model
+from tests.test_hub import DIMS, VOCAB
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -143,35 +144,30 @@ MODELS = {
 TOKENS = np.random.default_rng(1).integers(0, VOCAB, 240)
 
 
-@eqx.filter_jit
-def _forward(model, tokens):
-    return model(tokens)
-
-
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def pair(request, tmp_path_factory):
     name = request.param
-    hf_model = _hf_model(MODELS[name])
+    hf = hf_model(MODELS[name])
     folder = tmp_path_factory.mktemp(name)
-    hf_model.save_pretrained(folder)
-    return types.SimpleNamespace(name=name, hf=hf_model, model=eqllm.hub.from_pretrained(folder))
+    hf.save_pretrained(folder)
+    return types.SimpleNamespace(name=name, hf=hf, model=eqllm.hub.from_pretrained(folder))
 
 
 @pytest.mark.parametrize("length", [40, 240])  # LongRoPE: below and above its original 64
 def test_import_and_export_equal_transformers(pair, length, tmp_path):
     tokens = TOKENS[:length]
-    ref = _hf_logits(pair.hf, tokens)
-    np.testing.assert_allclose(np.asarray(_forward(pair.model, tokens)), ref, atol=1e-4)
+    ref = hf_logits(pair.hf, tokens)
+    np.testing.assert_allclose(np.asarray(forward(pair.model, tokens)), ref, atol=1e-4)
     eqllm.hub.save_pretrained(pair.model, tmp_path)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    np.testing.assert_allclose(_hf_logits(back.eval(), tokens), ref, atol=1e-5)
+    np.testing.assert_allclose(hf_logits(back.eval(), tokens), ref, atol=1e-5)
 
 
 @pytest.mark.parametrize("prefill, length", [(20, 40), (200, 240)])
 def test_cached_decoding_equals_the_full_forward(pair, prefill, length):
     """Prefill, then one token at a time: each step's logits equal the full forward's."""
     tokens = jnp.asarray(TOKENS[:length])
-    full = np.asarray(_forward(pair.model, tokens))
+    full = np.asarray(forward(pair.model, tokens))
     cached = cached_logits(pair.model, tokens, prefill)
     np.testing.assert_allclose(cached, full[prefill - 1 : -1], atol=1e-4)
 
@@ -183,8 +179,8 @@ def test_dynamic_scaling_grows_the_base_past_the_context_like_transformers(tmp_p
         **{**LLAMA, "max_position_embeddings": 64},
         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
     )
-    hf_model = _hf_model(spec)
-    hf_model.save_pretrained(tmp_path / "hf")
+    hf = hf_model(spec)
+    hf.save_pretrained(tmp_path / "hf")
     model = eqllm.hub.from_pretrained(tmp_path / "hf")
     scaling = model.config.positions.scaling
     assert scaling.kind == "dynamic" and scaling.original_max_seq_len == 64
@@ -193,8 +189,8 @@ def test_dynamic_scaling_grows_the_base_past_the_context_like_transformers(tmp_p
     model = jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(model))
     for length in (40, 240):
         tokens = TOKENS[:length]
-        ref = _hf_logits(_hf_model(spec), tokens)  # a fresh model: transformers' cache is state
-        np.testing.assert_allclose(np.asarray(_forward(model, tokens)), ref, atol=1e-4)
+        ref = hf_logits(hf_model(spec), tokens)  # a fresh model: transformers' cache is state
+        np.testing.assert_allclose(np.asarray(forward(model, tokens)), ref, atol=1e-4)
     eqllm.hub.save_pretrained(model, tmp_path / "back")
     assert transformers.AutoConfig.from_pretrained(tmp_path / "back").max_position_embeddings == 64
 

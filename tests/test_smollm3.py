@@ -6,8 +6,6 @@ equals the full forward; the scanned stack equals the unrolled loop. No download
 counts against transformers (on the meta device) are tests/test_zoo.py's, for every zoo size.
 """
 
-import types
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -16,6 +14,8 @@ import pytest
 
 import eqllm
 from eqllm.hub import from_hf_config, to_hf_config
+from tests.conftest import cached_logits
+from tests.hf_parity import hf_logits, hf_model, logits, saved_pair
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -40,44 +40,19 @@ HF = dict(
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, LONG)
 
 
-def _hf_logits(hf_model, tokens: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return hf_model(torch.tensor(tokens)[None]).logits[0].numpy()
-
-
-@eqx.filter_jit
-def _forward(model, tokens):
-    return model(tokens)
-
-
-def _logits(model, tokens: np.ndarray) -> np.ndarray:
-    return np.asarray(_forward(model, jnp.asarray(tokens)))
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """A tiny transformers SmolLM3 (perturbed), its saved folder and eqllm's import of it."""
-    spec = dict(HF)
-    config = transformers.AutoConfig.for_model(spec.pop("model_type"), **spec)
-    assert config.no_rope_layers == [1, 0, 1, 0]
-    torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in hf_model.parameters():
-            p.add_(0.1 * torch.randn_like(p))  # norms away from 1
-    folder = tmp_path_factory.mktemp("hf-smollm3")
-    hf_model.save_pretrained(folder)
-    model = eqllm.hub.from_pretrained(folder)
-    return types.SimpleNamespace(
-        hf=hf_model, folder=folder, model=model, ref=_hf_logits(hf_model, TOKENS)
-    )
+    hf = hf_model(HF)
+    assert hf.config.no_rope_layers == [1, 0, 1, 0]
+    return saved_pair(hf, tmp_path_factory.mktemp("hf-smollm3"), TOKENS)
 
 
 def test_import_gives_transformers_logits(pair):
     cfg = pair.model.config
     assert cfg.family == "smollm3" and cfg.positions.nope_every == 2 and cfg.tie_embeddings
     assert cfg.rotary_layers() == (True, False, True, False)
-    np.testing.assert_allclose(_logits(pair.model, TOKENS), pair.ref, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(logits(pair.model, TOKENS), pair.ref, atol=1e-5, rtol=0)
 
 
 def test_nope_layers_change_the_logits(pair):
@@ -86,7 +61,7 @@ def test_nope_layers_change_the_logits(pair):
     cfg = pair.model.config.replace(positions={"nope_every": None})
     skeleton = eqx.filter_eval_shape(eqllm.CausalLM, cfg, key=jax.random.key(0))
     rotated = jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(pair.model))
-    assert np.abs(_logits(rotated, TOKENS) - pair.ref).max() > 1e-2
+    assert np.abs(logits(rotated, TOKENS) - pair.ref).max() > 1e-2
 
 
 def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
@@ -94,8 +69,8 @@ def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     assert type(reloaded).__name__ == "SmolLM3ForCausalLM"
     assert reloaded.config.no_rope_layers == [1, 0, 1, 0]
-    exported = _hf_logits(reloaded.eval(), TOKENS)
-    np.testing.assert_allclose(exported, _logits(pair.model, TOKENS), atol=1e-5, rtol=0)
+    exported = hf_logits(reloaded.eval(), TOKENS)
+    np.testing.assert_allclose(exported, logits(pair.model, TOKENS), atol=1e-5, rtol=0)
     for name, p in pair.hf.state_dict().items():
         np.testing.assert_array_equal(reloaded.state_dict()[name].numpy(), p.numpy(), name)
     again = eqllm.hub.from_pretrained(tmp_path)
@@ -108,24 +83,15 @@ def test_scanned_equals_unrolled(pair):
     assert cfg.scan_layers
     unrolled = pair.model.with_config(scan_layers=False)
     np.testing.assert_allclose(
-        _logits(unrolled, TOKENS[:64]), _logits(pair.model, TOKENS[:64]), atol=1e-5, rtol=0
+        logits(unrolled, TOKENS[:64]), logits(pair.model, TOKENS[:64]), atol=1e-5, rtol=0
     )
 
 
 def test_cached_decode_equals_full_forward(pair):
-    model, prompt, length = pair.model, 20, 48
-    tokens = jnp.asarray(TOKENS[:length])
-    full = _logits(model, TOKENS[:length])
-    cache = model.init_cache(length)
-    first, cache = eqx.filter_jit(eqllm.CausalLM.prefill)(
-        model, tokens[:prompt], jnp.arange(prompt), cache
-    )
-    decode = eqx.filter_jit(eqllm.CausalLM.decode)
-    cached = [first]
-    for position in range(prompt, length - 1):
-        logits, cache = decode(model, tokens[position], jnp.asarray(position), cache)
-        cached.append(logits)
-    np.testing.assert_allclose(np.stack(cached), full[prompt - 1 : -1], atol=1e-4, rtol=1e-5)
+    tokens, prefill = TOKENS[:48], 20
+    full = logits(pair.model, tokens)
+    cached = cached_logits(pair.model, tokens, prefill)
+    np.testing.assert_allclose(cached, full[prefill - 1 : -1], atol=1e-4, rtol=1e-5)
 
 
 def test_nano_trains_in_the_scanned_stack():
@@ -136,13 +102,12 @@ def test_nano_trains_in_the_scanned_stack():
     model = eqllm.zoo.create("smollm3-nano", key=jax.random.key(0), max_seq_len=64)
     scanned = model.with_config(scan_layers=True)
     tokens = TOKENS[:64] % cfg.vocab_size
-    np.testing.assert_allclose(_logits(scanned, tokens), _logits(model, tokens), atol=1e-5)
+    np.testing.assert_allclose(logits(scanned, tokens), logits(model, tokens), atol=1e-5)
 
     @eqx.filter_jit
     @eqx.filter_grad
     def grad(m, t):
-        logits = m(t[:-1])
-        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(t.size - 1), t[1:]])
+        return -jnp.mean(jax.nn.log_softmax(m(t[:-1]))[jnp.arange(t.size - 1), t[1:]])
 
     leaves = jax.tree.leaves(grad(scanned, jnp.asarray(tokens)))
     assert all(bool(jnp.isfinite(g).all()) for g in leaves)
