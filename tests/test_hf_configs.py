@@ -1,12 +1,14 @@
 """Real config.json files, as published, read as the zoo's sizes; metadata keys by rule.
 
 tests/data/hf_configs/ holds the config.json of the published model each zoo size mirrors
-(SOURCES.json names the repository). Each must load to its zoo entry with the parameter count
-transformers gives the same config.
+(SOURCES.json names the Hub repository and, for a file copied from a public copy, where that
+copy is; PROVENANCE.md says the same in words). Each must load to its zoo entry with the
+parameter count transformers gives the same config.
 """
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,18 @@ def _published(name: str) -> dict:
 def test_every_published_zoo_size_has_its_config_json():
     published = {n for n in eqllm.zoo.names() if eqllm.zoo.entry(n).source}
     assert published == set(SOURCES)
+
+
+def test_every_fixture_says_where_it_comes_from():
+    provenance = (DATA / "PROVENANCE.md").read_text()
+    for name, source in SOURCES.items():
+        assert re.fullmatch(r"[\w.-]+/[\w.-]+", source["hub"]), name
+        assert re.search(rf"^- (\S+, )*{re.escape(name)}[:,]", provenance, re.M), name
+        copy = source.get("copied_from")
+        if copy:
+            assert re.fullmatch(r"[\w.-]+/[\w.-]+", copy["repo"]), name
+            assert re.fullmatch(r"[0-9a-f]{40}", copy["commit"]), name
+            assert f"{copy['repo']}@{copy['commit']} {copy['path']}" in provenance, name
 
 
 @pytest.mark.parametrize("name", sorted(SOURCES))
