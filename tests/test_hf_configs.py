@@ -98,6 +98,7 @@ def test_generation_keys_are_transformers_generation_config():
         ("torchscript", False),
         ("problem_type", None),
         ("image_token_ids", [5, 6]),
+        ("output_past", True),
     ],
 )
 def test_metadata_keys_are_accepted(key, value):
