@@ -99,6 +99,7 @@ def test_generation_keys_are_transformers_generation_config():
         ("problem_type", None),
         ("image_token_ids", [5, 6]),
         ("output_past", True),
+        ("pruned_heads", {}),
     ],
 )
 def test_metadata_keys_are_accepted(key, value):
@@ -145,6 +146,14 @@ def test_long_context_phi_sizes_carry_their_published_longrope_factors():
         assert list(scaling.short_factor) == hf["rope_scaling"]["short_factor"]
         assert len(scaling.long_factor) == cfg.rotary_dim // 2 == 48
     assert _published("phi3-mini-128k")["rope_scaling"]["type"] == "su"
+
+
+def test_pruned_heads_are_refused():
+    """transformers 4 writes an empty `pruned_heads` into full config dumps (accepted above);
+    heads actually pruned would change the model."""
+    hf = {**_published("smollm2-135m"), "pruned_heads": {"0": [1, 2]}}
+    with pytest.raises(eqllm.ConfigError, match=r"pruned_heads=\{'0': \[1, 2\]\} is not supp"):
+        eqllm.hub.from_hf_config(hf)
 
 
 def test_interleaved_rope_is_refused():
