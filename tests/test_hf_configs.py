@@ -1,12 +1,14 @@
 """Real config.json files, as published, read as the zoo's sizes; metadata keys by rule.
 
 tests/data/hf_configs/ holds the config.json of the published model each zoo size mirrors
-(SOURCES.json names the repository). Each must load to its zoo entry with the parameter count
-transformers gives the same config.
+(SOURCES.json names the Hub repository and, for a file copied from a public copy, where that
+copy is; PROVENANCE.md says the same in words). Each must load to its zoo entry with the
+parameter count transformers gives the same config.
 """
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,18 @@ def _published(name: str) -> dict:
 def test_every_published_zoo_size_has_its_config_json():
     published = {n for n in eqllm.zoo.names() if eqllm.zoo.entry(n).source}
     assert published == set(SOURCES)
+
+
+def test_every_fixture_says_where_it_comes_from():
+    provenance = (DATA / "PROVENANCE.md").read_text()
+    for name, source in SOURCES.items():
+        assert re.fullmatch(r"[\w.-]+/[\w.-]+", source["hub"]), name
+        assert re.search(rf"^- (\S+, )*{re.escape(name)}[:,]", provenance, re.M), name
+        copy = source.get("copied_from")
+        if copy:
+            assert re.fullmatch(r"[\w.-]+/[\w.-]+", copy["repo"]), name
+            assert re.fullmatch(r"[0-9a-f]{40}", copy["commit"]), name
+            assert f"{copy['repo']}@{copy['commit']} {copy['path']}" in provenance, name
 
 
 @pytest.mark.parametrize("name", sorted(SOURCES))
@@ -84,6 +98,8 @@ def test_generation_keys_are_transformers_generation_config():
         ("torchscript", False),
         ("problem_type", None),
         ("image_token_ids", [5, 6]),
+        ("output_past", True),
+        ("pruned_heads", {}),
     ],
 )
 def test_metadata_keys_are_accepted(key, value):
@@ -130,6 +146,14 @@ def test_long_context_phi_sizes_carry_their_published_longrope_factors():
         assert list(scaling.short_factor) == hf["rope_scaling"]["short_factor"]
         assert len(scaling.long_factor) == cfg.rotary_dim // 2 == 48
     assert _published("phi3-mini-128k")["rope_scaling"]["type"] == "su"
+
+
+def test_pruned_heads_are_refused():
+    """transformers 4 writes an empty `pruned_heads` into full config dumps (accepted above);
+    heads actually pruned would change the model."""
+    hf = {**_published("smollm2-135m"), "pruned_heads": {"0": [1, 2]}}
+    with pytest.raises(eqllm.ConfigError, match=r"pruned_heads=\{'0': \[1, 2\]\} is not supp"):
+        eqllm.hub.from_hf_config(hf)
 
 
 def test_interleaved_rope_is_refused():

@@ -149,8 +149,10 @@ LLAMA_BLOCK = {
 # computes. `is_metadata` accepts by rule: names transformers keeps private (a leading "_":
 # _name_or_path, _attn_implementation_autoset), special token ids (`*_token_id`), the
 # bookkeeping fields transformers' PretrainedConfig defines for every model (as transformers 4
-# and 5 write them) and the generation defaults of its GenerationConfig. tests/test_hf_configs.py
-# checks both lists against the installed transformers; eqllm does not import it to load.
+# and 5 write them, and output_past, transformers 2's name for use_cache, which GPT-2's published
+# files still carry) and the generation defaults of its GenerationConfig.
+# tests/test_hf_configs.py checks both lists against the installed transformers; eqllm does not
+# import it to load.
 CONFIG_BOOKKEEPING = frozenset(
     """
     architectures model_type transformers_version torch_dtype dtype name_or_path
@@ -158,7 +160,7 @@ CONFIG_BOOKKEEPING = frozenset(
     chunk_size_feed_forward is_encoder_decoder is_decoder add_cross_attention
     cross_attention_hidden_size tie_encoder_decoder id2label label2id num_labels problem_type
     finetuning_task tokenizer_class prefix task_specific_params use_bfloat16 tf_legacy_loss
-    attn_implementation experts_implementation
+    attn_implementation experts_implementation output_past
     """.split()
 )
 GENERATION_KEYS = frozenset(

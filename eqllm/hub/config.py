@@ -42,6 +42,14 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     naming the key.
     """
     family = families.for_model_type(hf.get("model_type"))
+    # transformers 4's PretrainedConfig writes `pruned_heads` (attention heads removed, per
+    # layer) into every full dump of a config; empty, it is bookkeeping like the rest.
+    if hf.get("pruned_heads"):
+        raise ConfigError(
+            f"config.json pruned_heads={hf['pruned_heads']!r} is not supported: eqllm builds "
+            "every attention head of every layer; use a checkpoint without pruned heads"
+        )
+    hf = {k: v for k, v in hf.items() if k != "pruned_heads"}
     known = COMMON_KEYS | family.hf_keys
     unknown = sorted(k for k in hf if k not in known and not is_metadata(k))
     if unknown:
