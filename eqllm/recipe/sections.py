@@ -113,6 +113,8 @@ class DataSpec:
     val_fraction: share of documents held out for validation (split by document).
     split_seed: seed of that split.
     cache_dir: where token files are cached; "" for $EQLLM_CACHE/tokens or ~/.cache/eqllm/tokens.
+    workers: processes that tokenize the corpus's shards (1: the run's own process); the token
+        files are the same for any number (`eqllm.data.prepare`).
     document_mask: attention stays inside each document of a training window (segments open
         at every end-of-text token); the tokens a step sees are unchanged.
     reset_positions: positions restart at 0 at each document (with document_mask, or with
@@ -129,6 +131,7 @@ class DataSpec:
     val_fraction: Fraction = 0.01
     split_seed: Count = 0
     cache_dir: Str = ""
+    workers: Positive = 1
     document_mask: Bool = False
     reset_positions: Bool = False
     sources: tuple[SourceSpec, ...] = ()

@@ -26,6 +26,7 @@ def prepare_sources(recipe: Recipe, *, progress: bool) -> MixtureData:
         seed=d.split_seed,
         bpe_vocab_size=recipe.bpe_vocab_size(),
         progress=progress,
+        workers=d.workers,
     )
 
 
