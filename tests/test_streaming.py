@@ -235,12 +235,17 @@ def test_bad_input_names_file_and_line(tmp_path):
         prepare(src, "bytes", cache_dir=tmp_path / "c", shard_bytes=0, progress=False)
 
 
-def test_worker_processes_give_the_same_files(tmp_path, docs, bpe):
-    """Two spawned worker processes write the same token files as one process."""
+def test_worker_processes_give_the_same_files(tmp_path, docs, bpe, capsys):
+    """Two spawned worker processes write the same token files as one process; the progress
+    lines count bytes and tokens."""
     source = DataSource.jsonl(write_jsonl(tmp_path / "d.jsonl", docs))
-    args = dict(val_fraction=0.1, shard_bytes=10_000, chunk_bytes=4_000, progress=False)
-    one = prepare(source, bpe, cache_dir=tmp_path / "one", **args)
-    two = prepare(source, bpe, cache_dir=tmp_path / "two", workers=2, **args)
+    args = dict(val_fraction=0.1, shard_bytes=10_000, chunk_bytes=4_000)
+    one = prepare(source, bpe, cache_dir=tmp_path / "one", progress=False, **args)
+    two = prepare(source, bpe, cache_dir=tmp_path / "two", workers=2, progress=True, **args)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    total_bytes = two.meta["train_bytes"] + two.meta["val_bytes"]
+    total_tokens = two.meta["train_tokens"] + two.meta["val_tokens"]
+    assert f"2 worker(s)) {total_bytes}/{total_bytes} B (100%) tokens={total_tokens:,}" in last
     for split in ("train", "val"):
         assert (one.path / f"{split}.bin").read_bytes() == (two.path / f"{split}.bin").read_bytes()
     assert one.meta == two.meta

@@ -105,8 +105,8 @@ def encode_shards(
     def finished(counts: dict) -> None:
         nonlocal tokens
         tokens += counts["train_tokens"] + counts["val_tokens"]
+        bar.set_postfix({"tokens": f"{tokens:,}"})  # the bar counts bytes; tokens beside them
         bar.update(counts["train_bytes"] + counts["val_bytes"])
-        bar.set_postfix({"tokens": f"{tokens:,}"})
 
     for i in sorted(done):  # a resume: these shards count as done at once
         finished(json.loads((work / f"{shard_name(i)}.json").read_text()))
