@@ -1,6 +1,7 @@
 """Weighted mixtures (`data.sources`): shares, determinism, resume, per-source validation, errors;
 and data.document_mask in a whole run."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -69,6 +70,41 @@ def test_each_row_comes_from_its_source_and_batches_are_pure_functions_of_seed_a
         ]
         np.testing.assert_array_equal(np.concatenate(parts), batch)
     assert abs(counts[0] / counts.sum() - 0.7) <= share_tolerance(160)
+
+
+class ReadLog(np.ndarray):
+    """A 1-D token array that records how many windows each fancy-indexed read takes."""
+
+    reads: list
+
+    def __getitem__(self, index):
+        if isinstance(index, np.ndarray) and index.ndim == 2:
+            self.reads.append(index.shape[0])
+        return np.asarray(self)[index]
+
+
+def read_log(tokens) -> ReadLog:
+    log = np.asarray(tokens).view(ReadLog)
+    log.reads = []
+    return log
+
+
+def test_each_process_reads_only_its_own_rows(mixture):
+    logs = [read_log(d.train) for d in mixture.sources]
+    spied = MixtureData(
+        [dataclasses.replace(d, train=log) for d, log in zip(mixture.sources, logs, strict=True)],
+        mixture.labels,
+        mixture.weights,
+    )
+    for step in range(5):
+        part = spied.batch_at(
+            step=step, seed=5, batch_size=8, seq_len=16, process_index=1, process_count=4
+        )
+        whole = mixture.batch_at(step=step, seed=5, batch_size=8, seq_len=16)
+        np.testing.assert_array_equal(part, whole[2:4])
+        assert sum(sum(log.reads) for log in logs) == 2  # two windows read, not eight
+        for log in logs:
+            log.reads.clear()
 
 
 def test_each_source_has_its_own_cache_and_a_second_prepare_reuses_it(mixture, tmp_path):

@@ -110,6 +110,8 @@ class MixtureData:
         if step < 0 or seed < 0:
             raise DataError(f"step={step} and seed={seed} must be non-negative ints.")
         which = row_sources(self.weights, seed=seed, step=step, batch_size=batch_size)
+        mine = np.zeros(batch_size, bool)
+        mine[rows] = True
         out = np.empty((batch_size, seq_len + 1), np.int32)
         for i, data in enumerate(self.sources):
             picked = np.flatnonzero(which == i)
@@ -117,8 +119,11 @@ class MixtureData:
                 continue
             _check_length(data.train, seq_len, f"training ({self.labels[i]})")
             rng = np.random.default_rng([seed, step, i])
+            # Offsets are drawn for the whole global batch (the same on every process); only
+            # this process's rows are read from the token file.
             starts = rng.integers(0, data.train.shape[0] - seq_len, size=len(picked))
-            out[picked] = data.train[starts[:, None] + np.arange(seq_len + 1)]
+            keep = mine[picked]
+            out[picked[keep]] = data.train[starts[keep, None] + np.arange(seq_len + 1)]
         return out[rows]
 
 
