@@ -102,6 +102,16 @@ class SourceSpec:
 
 @typing.no_type_check  # pydantic checks the fields
 @section
+class WeightStage:
+    """A stage of a mixture's weight schedule: from `step` on, rows are drawn with `weights`
+    (one per `data.sources` entry, in order; each >= 0, not all 0)."""
+
+    step: Positive
+    weights: tuple[Annotated[Float, Field(ge=0)], ...]
+
+
+@typing.no_type_check  # pydantic checks the fields
+@section
 class DataSpec:
     """The training corpus and its tokenization.
 
@@ -122,6 +132,8 @@ class DataSpec:
     sources: a weighted mixture in place of `source`: each source tokenized into its own
         cache, its `weight` its share of the training rows (`eqllm.data.MixtureData`), its
         validation loss logged apart as val/<label>/loss.
+    weight_schedule: stages `{ step = 1000, weights = [0.5, 0.5] }` that replace the sources'
+        weights from their step on (increasing steps; `MixtureData.stages`).
     """
 
     source: SourceSpec = Field(default_factory=SourceSpec)
@@ -135,6 +147,7 @@ class DataSpec:
     document_mask: Bool = False
     reset_positions: Bool = False
     sources: tuple[SourceSpec, ...] = ()
+    weight_schedule: tuple[WeightStage, ...] = ()
 
 
 @typing.no_type_check  # pydantic checks the fields
