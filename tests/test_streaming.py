@@ -183,6 +183,22 @@ def test_resume_after_interruption_equals_uninterrupted(tmp_path, docs, bpe, mon
     assert not work.exists()
 
 
+def test_a_source_that_changes_between_passes_is_refused_and_its_work_dropped(
+    tmp_path, docs, monkeypatch
+):
+    source = DataSource.jsonl(write_jsonl(tmp_path / "d.jsonl", docs))
+    real, calls = DataSource.documents, []
+
+    def shrinking(self):
+        calls.append(1)
+        return real(self) if len(calls) == 1 else iter(list(real(self))[:-3])
+
+    monkeypatch.setattr(DataSource, "documents", shrinking)
+    with pytest.raises(DataError, match=r"changed while being read \(120 documents, then 117\)"):
+        prepare(source, "bytes", cache_dir=tmp_path / "c", shard_bytes=5_000, progress=False)
+    assert not list((tmp_path / "c").glob("*.partial"))  # the next call plans again
+
+
 @pytest.mark.slow  # the first streamed load_dataset of a process takes seconds
 def test_hf_streaming_sources(tmp_path, monkeypatch, docs, bpe):
     """datasets.load_dataset(..., streaming=True) over local parquet and arrow files built here

@@ -50,6 +50,10 @@ COUNT_KEYS = tuple(f"{s}_{c}" for s in SPLITS for c in ("tokens", "bytes", "docs
 _WORKER_TOKENIZER: Tokenizer | None = None
 
 
+class SourceChanged(DataError):
+    """The source yielded other documents than when its plan was made: the plan is stale."""
+
+
 def shard_name(index: int) -> str:
     return f"shard-{index:06d}"
 
@@ -142,7 +146,7 @@ def encode_shards(
             if shard not in done:
                 docs.append(doc)
         if index + 1 != n_docs:
-            raise DataError(
+            raise SourceChanged(
                 f"{source.describe()} changed while being read ({n_docs} documents, then "
                 f"{index + 1}); a source must yield the same documents each time it is read."
             )

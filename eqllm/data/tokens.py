@@ -35,7 +35,7 @@ from typing import Literal
 import numpy as np
 
 from .errors import DataError, DataNotFound
-from .shards import assemble, encode_shards, make_plan
+from .shards import SourceChanged, assemble, encode_shards, make_plan
 from .sources import DataSource
 from .tokenizer import Tokenizer
 
@@ -221,17 +221,21 @@ def prepare(
         )
         is_val = split_documents(plan["n_docs"], val_fraction, seed)
         dtype = token_dtype(tok.vocab_size)
-        encode_shards(
-            source,
-            tok,
-            is_val,
-            plan,
-            work,
-            dtype,
-            workers=workers,
-            chunk_bytes=chunk_bytes,
-            progress=progress,
-        )
+        try:
+            encode_shards(
+                source,
+                tok,
+                is_val,
+                plan,
+                work,
+                dtype,
+                workers=workers,
+                chunk_bytes=chunk_bytes,
+                progress=progress,
+            )
+        except SourceChanged:
+            shutil.rmtree(work, ignore_errors=True)  # its shards follow a stale plan
+            raise
         counts = assemble(work, len(plan["starts"]))
         meta = {
             "format": CACHE_FORMAT,
