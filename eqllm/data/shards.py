@@ -232,7 +232,7 @@ def assemble(work: Path, n_shards: int) -> dict:
                 counts[key] += value
             for s in SPLITS:
                 with open(work / f"{name}.{s}.bin", "rb") as f:
-                    shutil.copyfileobj(f, outputs[s], 1 << 20)
+                    shutil.copyfileobj(f, outputs[s], 256 << 10)
             # The marker goes first: a kill here leaves an unfinished shard, encoded again.
             (work / f"{name}.json").unlink()
             for s in SPLITS:
