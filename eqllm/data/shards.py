@@ -11,7 +11,7 @@
 A shard is the run of consecutive documents that starts where the previous one passed
 ``shard_bytes`` UTF-8 bytes, so the shards depend on the documents and ``shard_bytes`` alone, not
 on the number of workers. The main process reads the documents once, in order, and hands each
-shard to a worker process (``workers > 1``, at most ``workers + 1`` shards in flight) or encodes it
+shard to a worker process (``workers > 1``, at most ``workers + 1`` shards handed out) or encodes it
 itself (``workers = 1``); memory is bounded by a few shards' text whatever the corpus size. When
 every shard is finished they are concatenated, in order, into ``train.bin`` / ``val.bin``.
 

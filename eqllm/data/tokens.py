@@ -179,7 +179,7 @@ def prepare(
         workers: processes that encode shards (1: this process); the token files are the same
             for any number.
         shard_bytes: UTF-8 bytes of text per shard, the unit of parallel work and of a resume
-            (`eqllm.data.shards`); memory grows with about ``(workers + 1) * shard_bytes``, not
+            (`eqllm.data.shards`); memory grows with about ``(workers + 2) * shard_bytes``, not
             with the corpus. The token files do not depend on it.
 
     Returns:
