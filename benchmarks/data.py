@@ -1,7 +1,8 @@
 """Data pipeline figures: tokenization MB/s and peak memory against `datasets.map`, and loader
 tokens/s for plain windows, document-masked windows and a weighted mixture.
 
-    PYTHONPATH=. python benchmarks/data.py [--mb 64] [--steps 2000]
+    PYTHONPATH=. python benchmarks/data.py [--mb 64] [--steps 2000] [--workers 1,2]
+        [--shard-mb 16] [--tokenize-only]
     PYTHONPATH=. python benchmarks/data.py --padding runs/quickstart
     PYTHONPATH=. python benchmarks/data.py --mask-overhead llama-nano [--steps 20]
 
@@ -15,8 +16,9 @@ Generates a corpus of --mb megabytes of text files (random words, 2-20 kB docume
 BPE of 4096 ids on its first 2 MB and saves it, then, each in a fresh child process (so its peak
 resident memory is its own):
 
-- `eqllm.data.prepare` with that tokenizer (one process: the tokenizers library's
-  `encode_batch` spreads each 4 MB chunk over its own threads);
+- `eqllm.data.prepare` with that tokenizer, once for each of `--workers` (1: one process, the
+  tokenizers library's `encode_batch` spreading each 4 MB chunk over its own threads; N: N
+  spawned worker processes encoding shards of `--shard-mb` MB);
 - the reference: `datasets.Dataset.from_generator(...).map(batched=True, num_proc=2)` with the
   same tokenizer (the same encode_batch per batch, two worker processes).
 
@@ -41,14 +43,15 @@ import numpy as np
 CHILD = r"""
 import json, resource, sys, time
 from pathlib import Path
-kind, corpus, tok_path, cache = sys.argv[1:5]
+kind, corpus, tok_path, cache, shard_mb = sys.argv[1:6]
 files = sorted(Path(corpus).glob("*.txt"))
 n_bytes = sum(f.stat().st_size for f in files)
 t0 = time.perf_counter()
-if kind == "eqllm":
+if kind.startswith("eqllm"):
     from eqllm.data import DataSource, Tokenizer, prepare
     data = prepare(DataSource.files(corpus), Tokenizer.from_spec(tok_path), cache_dir=cache,
-                   val_fraction=0.0, progress=False)
+                   val_fraction=0.0, progress=False, workers=int(kind[5:]),
+                   shard_bytes=int(float(shard_mb) * 2**20))
     tokens = data.meta["train_tokens"]
 else:
     import datasets, tokenizers
@@ -84,12 +87,12 @@ def make_corpus(folder: Path, megabytes: int) -> None:
         i += 1
 
 
-def tokenization(corpus: Path, tok: Path, root: Path) -> None:
-    for kind in ("eqllm", "datasets"):
+def tokenization(corpus: Path, tok: Path, root: Path, workers: list[int], shard_mb: float) -> None:
+    for kind in [*(f"eqllm{w}" for w in workers), "datasets"]:
         cache = root / f"cache-{kind}"
-        cmd = [sys.executable, "-c", CHILD, kind, str(corpus), str(tok), str(cache)]
+        cmd = [sys.executable, "-c", CHILD, kind, str(corpus), str(tok), str(cache), str(shard_mb)]
         r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-        label = "eqllm.data.prepare (1 process)" if kind == "eqllm" else "datasets.map(num_proc=2)"
+        label = f"prepare(workers={kind[5:]})" if kind != "datasets" else "datasets.map(num_proc=2)"
         print(
             f"{label:28s} {r['bytes'] / r['seconds'] / 1e6:7.2f} MB/s  "
             f"{r['tokens'] / r['seconds'] / 1e6:6.2f} M tokens/s  peak RSS "
@@ -184,6 +187,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000, help="loader batches timed")
     parser.add_argument("--padding", metavar="TOKENIZER", help="only the packing figures")
     parser.add_argument("--mask-overhead", metavar="VARIANT", help="only the masking overhead")
+    parser.add_argument(
+        "--workers", default="1", help="comma-separated worker counts of eqllm.data.prepare"
+    )
+    parser.add_argument("--shard-mb", type=float, default=16, help="shard size of prepare")
+    parser.add_argument(
+        "--tokenize-only", action="store_true", help="only the tokenization figures"
+    )
     args = parser.parse_args()
     if args.padding:
         return padding(args.padding)
@@ -199,8 +209,9 @@ def main() -> None:
         tok = root / "tok"
         Tokenizer.train_bpe(sample, 4096, progress=False).save(tok)
         print(f"corpus: {args.mb} MB generated; BPE of 4096 ids")
-        tokenization(corpus, tok, root)
-        loader(corpus, tok, root, args.steps)
+        tokenization(corpus, tok, root, [int(w) for w in args.workers.split(",")], args.shard_mb)
+        if not args.tokenize_only:
+            loader(corpus, tok, root, args.steps)
 
 
 if __name__ == "__main__":

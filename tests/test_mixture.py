@@ -1,6 +1,7 @@
 """Weighted mixtures (`data.sources`): shares, determinism, resume, per-source validation, errors;
 and data.document_mask in a whole run."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -71,6 +72,41 @@ def test_each_row_comes_from_its_source_and_batches_are_pure_functions_of_seed_a
     assert abs(counts[0] / counts.sum() - 0.7) <= share_tolerance(160)
 
 
+class ReadLog(np.ndarray):
+    """A 1-D token array that records how many windows each fancy-indexed read takes."""
+
+    reads: list
+
+    def __getitem__(self, index):
+        if isinstance(index, np.ndarray) and index.ndim == 2:
+            self.reads.append(index.shape[0])
+        return np.asarray(self)[index]
+
+
+def read_log(tokens) -> ReadLog:
+    log = np.asarray(tokens).view(ReadLog)
+    log.reads = []
+    return log
+
+
+def test_each_process_reads_only_its_own_rows(mixture):
+    logs = [read_log(d.train) for d in mixture.sources]
+    spied = MixtureData(
+        [dataclasses.replace(d, train=log) for d, log in zip(mixture.sources, logs, strict=True)],
+        mixture.labels,
+        mixture.weights,
+    )
+    for step in range(5):
+        part = spied.batch_at(
+            step=step, seed=5, batch_size=8, seq_len=16, process_index=1, process_count=4
+        )
+        whole = mixture.batch_at(step=step, seed=5, batch_size=8, seq_len=16)
+        np.testing.assert_array_equal(part, whole[2:4])
+        assert sum(sum(log.reads) for log in logs) == 2  # two windows read, not eight
+        for log in logs:
+            log.reads.clear()
+
+
 def test_each_source_has_its_own_cache_and_a_second_prepare_reuses_it(mixture, tmp_path):
     paths = {str(d.path) for d in mixture.sources}
     assert len(paths) == 2
@@ -122,7 +158,7 @@ def metrics(out):
 
 
 @pytest.mark.slow
-def test_a_mixture_run_logs_each_sources_validation_loss_and_resumes_exactly(tmp_path):
+def test_a_staged_mixture_run_logs_each_sources_validation_loss_and_resumes_exactly(tmp_path):
     root = tmp_path
     code = make_corpus(root / "a")
     prose = root / "prose"
@@ -135,7 +171,8 @@ def test_a_mixture_run_logs_each_sources_validation_loss_and_resumes_exactly(tmp
         {"kind": "files", "path": str(code), "label": "code", "weight": 0.7},
         {"kind": "files", "path": str(prose), "label": "prose", "weight": 0.3},
     ]
-    recipe = recipe_with_sources(root, code, sources, document_mask=True)
+    stage = {"step": 2, "weights": [0.2, 0.8]}  # the resume at step 3 is inside this stage
+    recipe = recipe_with_sources(root, code, sources, document_mask=True, weight_schedule=[stage])
     quiet = dict(progress=False, echo=lambda *a: None)
     loop_mod.run(recipe, root / "full", final_eval=False, **quiet)
     loop_mod.run(recipe, root / "part", stop_after=3, **quiet)
@@ -145,3 +182,51 @@ def test_a_mixture_run_logs_each_sources_validation_loss_and_resumes_exactly(tmp
     assert losses(full) == losses(part)  # exact: the batch of step s is a function of (seed, s)
     evals = [r for r in full if "val/loss" in r]
     assert evals and all("val/code/loss" in r and "val/prose/loss" in r for r in evals)
+
+
+def test_a_weight_schedule_changes_the_shares_from_its_step_on(mixture):
+    staged = MixtureData(
+        mixture.sources, mixture.labels, mixture.weights, stages=((10, [0.2, 0.8]),)
+    )
+    tok = mixture.tokenizer
+    letters = set(tok.encode("abc")) | {tok.eot_id}
+    from_letters = []
+    for step in range(40):
+        batch = staged.batch_at(step=step, seed=5, batch_size=8, seq_len=16)
+        np.testing.assert_array_equal(  # a pure function of (seed, step), as without stages
+            batch, staged.batch_at(step=step, seed=5, batch_size=8, seq_len=16)
+        )
+        if step < 10:  # before the stage: exactly the unstaged mixture's rows
+            np.testing.assert_array_equal(
+                batch, mixture.batch_at(step=step, seed=5, batch_size=8, seq_len=16)
+            )
+        from_letters += [set(row.tolist()) <= letters for row in batch]
+    first, second = np.array(from_letters[:80]), np.array(from_letters[80:])
+    assert abs(first.mean() - 0.7) <= share_tolerance(80)
+    assert abs(second.mean() - 0.2) <= share_tolerance(240)
+    assert staged.meta["weight_schedule"] == [{"step": 10, "weights": [0.2, 0.8]}]
+
+
+def test_bad_weight_schedules_get_errors_naming_the_stage(mixture, tmp_path):
+    for stages, match in (
+        (
+            ((5, [1.0, 1.0]), (5, [1.0, 0.0])),
+            r"weight_schedule\[1\]: step=5 must be an int above 5",
+        ),
+        (((5, [1.0]),), r"weight_schedule\[0\]: weights=\[1.0\] must be 2 numbers"),
+        (((5, [0.0, 0.0]),), r"weight_schedule\[0\]: .* not all 0"),
+    ):
+        with pytest.raises(DataError, match=match):
+            MixtureData(mixture.sources, mixture.labels, mixture.weights, stages=stages)
+    corpus = make_corpus(tmp_path)
+    two = [
+        {"kind": "files", "path": str(corpus), "label": "a", "weight": 0.7},
+        {"kind": "files", "path": str(corpus), "label": "b", "weight": 0.3},
+    ]
+    with pytest.raises(RecipeError, match=r"data\.weight_schedule\[0\]\.weights=\[1\.0\] must"):
+        recipe_with_sources(tmp_path, corpus, two, weight_schedule=[{"step": 3, "weights": [1.0]}])
+    stages = [{"step": 3, "weights": [1, 0]}, {"step": 2, "weights": [0, 1]}]
+    with pytest.raises(RecipeError, match=r"data\.weight_schedule\[1\]\.step=2 must be above 3"):
+        recipe_with_sources(tmp_path, corpus, two, weight_schedule=stages)
+    recipe = recipe_with_sources(tmp_path, corpus, two, weight_schedule=stages[:1])
+    assert recipe.data.weight_schedule[0].weights == (1.0, 0.0)

@@ -8,12 +8,17 @@ low-discrepancy sequence). Its points spread evenly over [0, 1), so over any run
 source's realised share is within about log(n) / n of its weight (`share_tolerance`), with no
 random drift and nothing to save for an exact resume. The window of each row is then drawn from
 its source as `batch_at` draws one, from ``default_rng([seed, step, source])``.
+
+A schedule of weights (`stages`, as Levanter's staged mixtures) replaces the weights from a given
+step on; the Weyl sequence runs on unchanged, so the shares within each stage keep the same
+bound, and the batch of step s stays a pure function of (seed, s).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -49,11 +54,14 @@ class MixtureData:
         sources: each source's `TokenData` (its own cache folder).
         labels: each source's name in metrics and reports.
         weights: each source's weight (positive; normalised when sampling).
+        stages: ``(first_step, weights)`` pairs, steps increasing from 1: from ``first_step`` on
+            the rows are drawn with these weights (each >= 0, not all 0) instead.
     """
 
     sources: list[TokenData]
     labels: list[str]
     weights: np.ndarray
+    stages: tuple[tuple[int, Sequence[float] | np.ndarray], ...] = ()
 
     def __post_init__(self):
         if not self.sources:
@@ -62,6 +70,32 @@ class MixtureData:
         if len(ids) != 1:
             raise DataError("the sources of a mixture must share one tokenizer")
         self.weights = np.asarray(self.weights, np.float64)
+        stages, last = [], 0
+        for i, (start, weights) in enumerate(self.stages):
+            where = f"data.weight_schedule[{i}]"
+            weights = np.asarray(weights, np.float64)
+            if not isinstance(start, int) or start <= last:
+                raise DataError(
+                    f"{where}: step={start!r} must be an int above {last} (the stages start at "
+                    "increasing steps; step 0 uses the sources' own weights)"
+                )
+            if weights.shape != self.weights.shape or (weights < 0).any() or weights.sum() <= 0:
+                raise DataError(
+                    f"{where}: weights={weights.tolist()} must be {len(self.weights)} numbers, "
+                    "one per source in data.sources order, each >= 0 and not all 0"
+                )
+            stages.append((start, weights))
+            last = start
+        self.stages = tuple(stages)
+
+    def weights_at(self, step: int) -> np.ndarray:
+        """The weights rows of step `step` are drawn with (the last stage begun, else
+        `weights`)."""
+        current = self.weights
+        for start, weights in self.stages:
+            if step >= start:
+                current = weights
+        return current
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -72,6 +106,9 @@ class MixtureData:
         """Token, byte and document counts summed over the sources, and each source's."""
         keys = [f"{s}_{c}" for s in ("train", "val") for c in ("tokens", "bytes", "docs")]
         total = {k: sum(int(d.meta[k]) for d in self.sources) for k in keys}
+        total["weight_schedule"] = [
+            {"step": start, "weights": weights.tolist()} for start, weights in self.stages
+        ]
         total["sources"] = {
             label: {"weight": float(w), "path": str(d.path), **{k: d.meta[k] for k in keys}}
             for label, w, d in zip(self.labels, self.weights, self.sources, strict=True)
@@ -109,7 +146,9 @@ class MixtureData:
         rows = _check_shard(batch_size, process_index, process_count)
         if step < 0 or seed < 0:
             raise DataError(f"step={step} and seed={seed} must be non-negative ints.")
-        which = row_sources(self.weights, seed=seed, step=step, batch_size=batch_size)
+        which = row_sources(self.weights_at(step), seed=seed, step=step, batch_size=batch_size)
+        mine = np.zeros(batch_size, bool)
+        mine[rows] = True
         out = np.empty((batch_size, seq_len + 1), np.int32)
         for i, data in enumerate(self.sources):
             picked = np.flatnonzero(which == i)
@@ -117,8 +156,11 @@ class MixtureData:
                 continue
             _check_length(data.train, seq_len, f"training ({self.labels[i]})")
             rng = np.random.default_rng([seed, step, i])
+            # Offsets are drawn for the whole global batch (the same on every process); only
+            # this process's rows are read from the token file.
             starts = rng.integers(0, data.train.shape[0] - seq_len, size=len(picked))
-            out[picked] = data.train[starts[:, None] + np.arange(seq_len + 1)]
+            keep = mine[picked]
+            out[picked[keep]] = data.train[starts[keep, None] + np.arange(seq_len + 1)]
         return out[rows]
 
 
@@ -127,11 +169,13 @@ def prepare_mixture(
     tokenizer: str | Tokenizer,
     *,
     seq_len: int,
+    stages: tuple[tuple[int, Sequence[float]], ...] = (),
     **prepare_args,
 ) -> MixtureData:
     """Tokenize each (label, source, weight) into its own cache (`eqllm.data.prepare`, with
     `prepare_args`) and return the mixture. A "bpe" tokenizer is trained on the first source
-    and used for the others. Errors name the source: `data.sources[i] ('label')`."""
+    and used for the others; `stages` is `MixtureData.stages`. Errors name the source:
+    `data.sources[i] ('label')`."""
     prepared: list[TokenData] = []
     for i, (label, source, weight) in enumerate(sources):
         where = f"data.sources[{i}] ({label!r})"
@@ -151,4 +195,5 @@ def prepare_mixture(
             )
         prepared.append(data)
     labels = [label for label, _, _ in sources]
-    return MixtureData(prepared, labels, np.array([w for _, _, w in sources], np.float64))
+    weights = np.array([w for _, _, w in sources], np.float64)
+    return MixtureData(prepared, labels, weights, tuple((s, np.asarray(w)) for s, w in stages))

@@ -8,12 +8,16 @@ Kinds:
 
 - ``"stdlib"``: the built-in offline corpus, the running interpreter's standard library ``.py``
   files (``site-packages`` excluded), one document per file, in sorted path order.
-- ``"files"``: a text file, a folder searched recursively (``*.txt``, ``*.md``, ``*.py`` or
-  ``glob``), or a glob pattern; one document per file.
-- ``"jsonl"``: JSON-lines file(s) (a file, a folder of ``*.jsonl`` or a glob); one document per
-  line, read from ``text_field``.
+- ``"files"``: a text file, a folder searched recursively (``*.txt``, ``*.md``, ``*.py``,
+  ``*.txt.gz``, ``*.txt.zst`` or ``glob``), or a glob pattern; one document per file.
+- ``"jsonl"``: JSON-lines file(s) (a file, a folder of ``*.jsonl`` / ``*.jsonl.gz`` /
+  ``*.jsonl.zst``, or a glob); one document per line, read from ``text_field``, streamed line by
+  line.
 - ``"hf"``: a Hugging Face dataset through ``datasets.load_dataset(name, config, split=...,
-  streaming=..., data_files=path)``, or a folder written by ``Dataset.save_to_disk``.
+  streaming=..., data_files=path)`` (a hub id, or a builder such as ``"parquet"``, ``"arrow"`` or
+  ``"json"`` with local ``data_files``), or a folder written by ``Dataset.save_to_disk``.
+
+Files ending in ``.gz`` or ``.zst`` are decompressed while read (`eqllm.data.readers`).
 
 Files that are not valid UTF-8 are skipped; empty documents are skipped. ``max_bytes`` caps the
 total UTF-8 size of what `documents()` yields (the document that crosses the cap is cut at it), so
@@ -23,7 +27,6 @@ a small deterministic subset of any source is one field away.
 from __future__ import annotations
 
 import dataclasses
-import glob as globlib
 import hashlib
 import json
 import os
@@ -36,10 +39,20 @@ from pathlib import Path
 from typing import Literal
 
 from .errors import DataError, DataNotFound
+from .readers import (
+    _cap,
+    _expand,
+    _has_local_files,
+    _is_pattern,
+    _read_files,
+    _read_jsonl,
+    _stdlib_files,
+)
 
 SourceKind = Literal["stdlib", "files", "jsonl", "hf"]
 _KINDS = ("stdlib", "files", "jsonl", "hf")
-DEFAULT_FILE_PATTERNS = ("*.txt", "*.md", "*.py")
+DEFAULT_FILE_PATTERNS = ("*.txt", "*.md", "*.py", "*.txt.gz", "*.txt.zst")
+DEFAULT_JSONL_PATTERNS = ("*.jsonl", "*.jsonl.gz", "*.jsonl.zst")
 
 
 @typing.no_type_check  # validates itself in __post_init__, with messages that say more
@@ -215,7 +228,7 @@ class DataSource:
     def _files(self) -> list[Path]:
         assert self.path is not None
         if self.kind == "jsonl":
-            patterns = (self.glob,) if self.glob else ("*.jsonl",)
+            patterns = (self.glob,) if self.glob else DEFAULT_JSONL_PATTERNS
             expected = "a .jsonl file, a folder of .jsonl files, or a glob pattern"
         else:
             patterns = (self.glob,) if self.glob else DEFAULT_FILE_PATTERNS
@@ -272,104 +285,12 @@ class DataSource:
                 f"{self.describe()} has no column {self.text_field!r} (columns: {columns}); set "
                 "`text_field` to the column holding the text."
             )
-        for row in ds:
+        for index, row in enumerate(ds):
+            if self.text_field not in row:  # a streamed dataset may not know its columns ahead
+                raise DataError(
+                    f"{self.describe()} row {index} has no field {self.text_field!r} (found: "
+                    f"{sorted(row)}); set `text_field` to the column holding the text."
+                )
             text = row[self.text_field]
             if isinstance(text, str) and text:
                 yield text
-
-
-def _is_pattern(path: str) -> bool:
-    return any(c in path for c in "*?[")
-
-
-def _has_local_files(path: str) -> bool:
-    return bool(globlib.glob(path, recursive=True)) if _is_pattern(path) else Path(path).exists()
-
-
-def _expand(path: str, glob: str | None, patterns: tuple[str, ...]) -> list[Path]:
-    """Resolve a file, a folder (recursive over `patterns`) or a glob pattern to sorted files."""
-    if _is_pattern(path):
-        return sorted(Path(p) for p in globlib.glob(path, recursive=True) if Path(p).is_file())
-    p = Path(path)
-    if p.is_file():
-        return [p]
-    if p.is_dir():
-        found = {f for pattern in patterns for f in p.rglob(pattern) if f.is_file()}
-        return sorted(found)
-    return []
-
-
-def _stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    if not root.is_dir():
-        raise DataNotFound(
-            f"The Python standard library folder {str(root)!r} does not exist, so the built-in "
-            "'stdlib' corpus is unavailable; use a 'files', 'jsonl' or 'hf' source instead."
-        )
-    files = []
-    for folder, subdirs, names in os.walk(root):
-        # Pruned while walking: site-packages can be many times larger than the stdlib.
-        subdirs[:] = [d for d in subdirs if d != "site-packages"]
-        files.extend(Path(folder, n) for n in names if n.endswith(".py"))
-    return sorted(f for f in files if f.is_file())
-
-
-def _read_files(files: list[Path], skipped: list[str]) -> Iterator[str]:
-    """The UTF-8 text of each file; the others are appended to `skipped`, with the reason."""
-    for f in files:
-        try:
-            text = f.read_bytes().decode("utf-8")
-        except UnicodeDecodeError:
-            skipped.append(f"{f.name} (not UTF-8)")
-            continue
-        except OSError as e:
-            skipped.append(f"{f.name} ({e.strerror or type(e).__name__})")
-            continue
-        if "\x00" in text:
-            skipped.append(f"{f.name} (binary)")
-        elif text:
-            yield text
-
-
-def _read_jsonl(files: list[Path], field: str) -> Iterator[str]:
-    for f in files:
-        with open(f, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(
-                        f"{f}:{lineno} is not valid JSON ({e.msg}); each line of a JSONL file "
-                        "must be one JSON object."
-                    ) from None
-                if not isinstance(row, dict) or field not in row:
-                    keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-                    raise DataError(
-                        f"{f}:{lineno} has no field {field!r} (found: {keys}); set "
-                        "`text_field` to the field holding the text."
-                    )
-                text = row[field]
-                if not isinstance(text, str):
-                    raise DataError(
-                        f"{f}:{lineno} field {field!r} is a {type(text).__name__}, not a string."
-                    )
-                if text:
-                    yield text
-
-
-def _cap(docs: Iterator[str], max_bytes: int | None) -> Iterator[str]:
-    if max_bytes is None:
-        yield from docs
-        return
-    left = max_bytes
-    for doc in docs:
-        data = doc.encode("utf-8")
-        if len(data) >= left:
-            cut = data[:left].decode("utf-8", errors="ignore")
-            if cut:
-                yield cut
-            return
-        left -= len(data)
-        yield doc

@@ -9,8 +9,10 @@
         meta.json          dtype, vocab_size, eot_id, token/byte/document counts, fingerprint
 
 ``<key>`` hashes the source fingerprint, the tokenizer spec and the split settings, so the same
-inputs reuse the folder without tokenizing again. The folder is built under a temporary name and
-renamed into place (`os.replace`), so an interrupted run never leaves a half-written cache.
+inputs reuse the folder without tokenizing again. The folder is built in shards under
+``.<kind>-<key>.partial`` and renamed into place (`os.replace`), so an interrupted run never leaves
+a half-written cache, and the next run resumes from its finished shards (`eqllm.data.shards`).
+Documents are streamed: memory does not grow with the corpus.
 
 The train/validation split is by document: a seeded permutation of the document indices puts
 ``round(n_docs * val_fraction)`` documents (at least one when there are two or more and
@@ -19,21 +21,21 @@ The train/validation split is by document: a seeded permutation of the document 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
 import shutil
-import sys
-import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
-from eqllm.progress import progress_bar
-
 from .errors import DataError, DataNotFound
+from .shards import SourceChanged, assemble, encode_shards, make_plan
 from .sources import DataSource
 from .tokenizer import Tokenizer
 
@@ -159,6 +161,8 @@ def prepare(
     bpe_min_frequency: int = 2,
     progress: bool = True,
     chunk_bytes: int = 4 << 20,
+    workers: int = 1,
+    shard_bytes: int = 16 << 20,
 ) -> TokenData:
     """Tokenize `source` into a cached train/val pair of token files and return them.
 
@@ -172,6 +176,11 @@ def prepare(
         progress: show progress on stderr while tokenizing (a bar on a terminal, else a line
             every tenth of the bytes).
         chunk_bytes: text handed to `encode_batch` at once (memory vs. parallelism).
+        workers: processes that encode shards (1: this process); the token files are the same
+            for any number.
+        shard_bytes: UTF-8 bytes of text per shard, the unit of parallel work and of a resume
+            (`eqllm.data.shards`); memory grows with about ``(workers + 2) * shard_bytes``, not
+            with the corpus. The token files do not depend on it.
 
     Returns:
         The `TokenData`; a second call with the same inputs returns the cached folder at once.
@@ -196,29 +205,38 @@ def prepare(
     final = cache_dir / f"{label}-{digest}"
     if (final / "meta.json").is_file():
         return TokenData.load(final)
-
-    # Pass 1: count documents (the split needs n_docs) and bytes (for the progress bar).
-    n_docs = total_bytes = 0
-    for doc in source.documents():
-        n_docs += 1
-        total_bytes += len(doc.encode("utf-8"))
-    is_val = split_documents(n_docs, val_fraction, seed)
-
-    if tok is None:  # BPE: trained on the training documents only
-        train_docs = (d for d, v in zip(source.documents(), is_val, strict=True) if not v)
-        tok = Tokenizer.train_bpe(
-            train_docs, bpe_vocab_size, min_frequency=bpe_min_frequency, progress=progress
+    if not isinstance(workers, int) or workers < 1:
+        raise DataError(
+            f"workers={workers!r} must be a positive int: the processes that tokenize shards "
+            "(1 tokenizes in this process)."
         )
-    dtype = token_dtype(tok.vocab_size)
-
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache_dir / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        counts = _encode_to_files(
-            source, tok, is_val, tmp, dtype, total_bytes, chunk_bytes, progress
+    with _locked(cache_dir / f".{final.name}.lock"):  # one builder per folder at a time
+        if (final / "meta.json").is_file():  # another process built it while we waited
+            return TokenData.load(final)
+        work = cache_dir / f".{final.name}.partial"
+        bpe = (bpe_vocab_size, bpe_min_frequency)
+        plan, tok = _resume_or_plan(
+            source, work, tok, shard_bytes, val_fraction, seed, bpe, progress
         )
-        tok.save(tmp)
+        is_val = split_documents(plan["n_docs"], val_fraction, seed)
+        dtype = token_dtype(tok.vocab_size)
+        try:
+            encode_shards(
+                source,
+                tok,
+                is_val,
+                plan,
+                work,
+                dtype,
+                workers=workers,
+                chunk_bytes=chunk_bytes,
+                progress=progress,
+            )
+        except SourceChanged:
+            shutil.rmtree(work, ignore_errors=True)  # its shards follow a stale plan
+            raise
+        counts = assemble(work, len(plan["starts"]))
         meta = {
             "format": CACHE_FORMAT,
             "dtype": dtype.name,
@@ -231,84 +249,54 @@ def prepare(
             "source": dataclasses.asdict(source),
             "key": key,
         }
-        # meta.json is written last: its presence marks a complete folder.
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        try:
-            os.replace(tmp, final)
-        except OSError:
-            if not (final / "meta.json").is_file():
-                raise
-            # Another process finished the same folder first; theirs is identical.
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        (work / PLAN).unlink()
+        # meta.json is written last and the folder renamed into place: it appears whole.
+        (work / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        os.replace(work, final)
+        # A process still waiting on this lock finds meta.json when it gets the lock.
+        (cache_dir / f".{final.name}.lock").unlink(missing_ok=True)
     return TokenData.load(final)
 
 
-def _encode_to_files(
+PLAN = "plan.json"
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _resume_or_plan(
     source: DataSource,
-    tok: Tokenizer,
-    is_val: np.ndarray,
-    folder: Path,
-    dtype: np.dtype,
-    total_bytes: int,
-    chunk_bytes: int,
+    work: Path,
+    tok: Tokenizer | None,
+    shard_bytes: int,
+    val_fraction: float,
+    seed: int,
+    bpe: tuple[int, int],
     progress: bool,
-) -> dict:
-    """Pass 2: encode documents in chunks with `encode_batch`; append ids + eot to .bin files."""
-    counts = {f"{s}_{c}": 0 for s in ("train", "val") for c in ("tokens", "bytes", "docs")}
-    eot = np.array([tok.eot_id], dtype=np.int64)
-    files = {s: open(folder / f"{s}.bin", "wb") for s in ("train", "val")}
-    bar = progress_bar(  # off a terminal: a line every tenth of the bytes, no redrawn bar
-        total=total_bytes,
-        unit="B",
-        every=max(total_bytes // 10, 1),
-        desc=f"tokenizing ({tok.kind}, vocab {tok.vocab_size})",
-        file=sys.stderr,
-        disable=not progress,
-    )
-
-    def flush(docs: list[str], flags: list[bool]) -> None:
-        encoded = tok.encode_batch(docs)
-        for split, want in (("train", False), ("val", True)):
-            mine = [ids for ids, v in zip(encoded, flags, strict=True) if v == want]
-            parts = [p for ids in mine for p in (ids, eot)]
-            if not parts:
-                continue
-            arr = np.concatenate(parts).astype(dtype)
-            arr.tofile(files[split])
-            counts[f"{split}_tokens"] += arr.shape[0]
-        for doc, v in zip(docs, flags, strict=True):
-            split = "val" if v else "train"
-            n = len(doc.encode("utf-8"))
-            counts[f"{split}_bytes"] += n
-            counts[f"{split}_docs"] += 1
-            bar.update(n)
-
-    try:
-        docs: list[str] = []
-        flags: list[bool] = []
-        pending = 0
-        index = -1
-        for index, doc in enumerate(source.documents()):
-            if index >= len(is_val):
-                break
-            docs.append(doc)
-            flags.append(bool(is_val[index]))
-            pending += len(doc)
-            if pending >= chunk_bytes:
-                flush(docs, flags)
-                docs, flags, pending = [], [], 0
-        if docs:
-            flush(docs, flags)
-        if index + 1 != len(is_val):
-            raise DataError(
-                f"{source.describe()} changed while being read ({len(is_val)} documents, then "
-                f"{index + 1}); a source must yield the same documents each time it is read."
-            )
-    finally:
-        bar.close()
-        for f in files.values():
-            f.close()
-    return counts
+) -> tuple[dict, Tokenizer]:
+    """The plan and tokenizer of an interrupted run in `work` (same shard_bytes), else new ones:
+    pass 1 over the documents, and a BPE trained on the training documents when `tok` is None."""
+    plan_file = work / PLAN
+    if plan_file.is_file():
+        plan = json.loads(plan_file.read_text())
+        if plan["shard_bytes"] == shard_bytes:
+            return plan, (tok if tok is not None else Tokenizer.load(work))
+    shutil.rmtree(work, ignore_errors=True)
+    plan = make_plan(source, shard_bytes)
+    if tok is None:  # BPE: trained on the training documents only
+        is_val = split_documents(plan["n_docs"], val_fraction, seed)
+        train_docs = (d for d, v in zip(source.documents(), is_val, strict=True) if not v)
+        tok = Tokenizer.train_bpe(train_docs, bpe[0], min_frequency=bpe[1], progress=progress)
+    work.mkdir()
+    tok.save(work)
+    # plan.json last: its presence marks a work folder that a later run may resume.
+    (work / f"{PLAN}.tmp").write_text(json.dumps(plan))
+    os.replace(work / f"{PLAN}.tmp", plan_file)
+    return plan, tok

@@ -27,6 +27,7 @@ from eqllm.recipe.sections import (
     SourceKind,
     SourceSpec,
     TrainSpec,
+    WeightStage,
 )
 from eqllm.recipe.spec import RUN_LENGTH, Recipe, finetune_data_path
 
@@ -46,6 +47,7 @@ __all__ = [
     "Schedule",
     "SourceKind",
     "SourceSpec",
+    "WeightStage",
     "TrainSpec",
     "finetune_data_path",
     "load_recipe",

@@ -102,6 +102,16 @@ class SourceSpec:
 
 @typing.no_type_check  # pydantic checks the fields
 @section
+class WeightStage:
+    """A stage of a mixture's weight schedule: from `step` on, rows are drawn with `weights`
+    (one per `data.sources` entry, in order; each >= 0, not all 0)."""
+
+    step: Positive
+    weights: tuple[Annotated[Float, Field(ge=0)], ...]
+
+
+@typing.no_type_check  # pydantic checks the fields
+@section
 class DataSpec:
     """The training corpus and its tokenization.
 
@@ -113,6 +123,8 @@ class DataSpec:
     val_fraction: share of documents held out for validation (split by document).
     split_seed: seed of that split.
     cache_dir: where token files are cached; "" for $EQLLM_CACHE/tokens or ~/.cache/eqllm/tokens.
+    workers: processes that tokenize the corpus's shards (1: the run's own process); the token
+        files are the same for any number (`eqllm.data.prepare`).
     document_mask: attention stays inside each document of a training window (segments open
         at every end-of-text token); the tokens a step sees are unchanged.
     reset_positions: positions restart at 0 at each document (with document_mask, or with
@@ -120,6 +132,8 @@ class DataSpec:
     sources: a weighted mixture in place of `source`: each source tokenized into its own
         cache, its `weight` its share of the training rows (`eqllm.data.MixtureData`), its
         validation loss logged apart as val/<label>/loss.
+    weight_schedule: stages `{ step = 1000, weights = [0.5, 0.5] }` that replace the sources'
+        weights from their step on (increasing steps; `MixtureData.stages`).
     """
 
     source: SourceSpec = Field(default_factory=SourceSpec)
@@ -129,9 +143,11 @@ class DataSpec:
     val_fraction: Fraction = 0.01
     split_seed: Count = 0
     cache_dir: Str = ""
+    workers: Positive = 1
     document_mask: Bool = False
     reset_positions: Bool = False
     sources: tuple[SourceSpec, ...] = ()
+    weight_schedule: tuple[WeightStage, ...] = ()
 
 
 @typing.no_type_check  # pydantic checks the fields

@@ -211,6 +211,20 @@ class Recipe:
             if label in labels:
                 raise RecipeError(f"{key}: label {label!r} is used twice; give each a label")
             labels.add(label)
+        last = 0
+        for i, stage in enumerate(d.weight_schedule):
+            key = f"data.weight_schedule[{i}]"
+            if len(stage.weights) != len(d.sources) or not sum(stage.weights) > 0:
+                raise RecipeError(
+                    f"{key}.weights={list(stage.weights)} must hold one weight per data.sources "
+                    f"entry ({len(d.sources)}), in that order, not all 0"
+                )
+            if stage.step <= last:
+                raise RecipeError(
+                    f"{key}.step={stage.step} must be above {last}: stages start at increasing "
+                    "steps"
+                )
+            last = stage.step
         for i, extra in enumerate(self.eval.extra_sources):
             _check_source(extra, f"eval.extra_sources[{i}]")
 

@@ -21,11 +21,13 @@ def prepare_sources(recipe: Recipe, *, progress: bool) -> MixtureData:
         sources,
         d.tokenizer,
         seq_len=d.seq_len,
+        stages=tuple((stage.step, stage.weights) for stage in d.weight_schedule),
         cache_dir=d.cache_dir or None,
         val_fraction=d.val_fraction,
         seed=d.split_seed,
         bpe_vocab_size=recipe.bpe_vocab_size(),
         progress=progress,
+        workers=d.workers,
     )
 
 

@@ -34,7 +34,7 @@ from eqllm.recipe import Recipe
 from eqllm.train.processes import barrier, gather, writes_run_files
 
 # Fields whose change does not change what is computed: names, cache locations.
-ALWAYS_OK = ("name", "description", "data.cache_dir", "train.compile_cache")
+ALWAYS_OK = ("name", "description", "data.cache_dir", "data.workers", "train.compile_cache")
 # Fields a resumed run may change with --force: length of training, cadence, evaluation.
 FORCE_OK = (
     "train.steps",

@@ -78,6 +78,7 @@ def prepare_data(
         seed=d.split_seed,
         bpe_vocab_size=recipe.bpe_vocab_size(),
         progress=progress,
+        workers=d.workers,
     )
 
 
