@@ -27,6 +27,7 @@ from eqllm.nn import quantize
 from eqllm.serve import Engine
 from eqllm.serve.app import Service, create_app
 from eqllm.serve.placement import serving_mesh
+from eqllm.train.setup import setup_compile_cache
 
 
 def chat_format_of(spec: str, tokenizer: Tokenizer | None) -> ChatFormat | None:
@@ -56,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if args.api_key is not None and not args.api_key:
         raise EqllmError("--api-key is empty; give a key or leave the option out")
     mesh = None if args.mesh is None else serving_mesh(args.mesh)
+    setup_compile_cache(args.compile_cache)
     start = time.perf_counter()
     # On a mesh the weights go from host memory straight to their shards: a model larger
     # than one accelerator never sits whole on one.
@@ -123,6 +125,12 @@ def add_parser(commands) -> None:
         default=None,
         help="split the model over devices, e.g. tensor=4 (heads, MLP units and KV cache) or "
         "data=2,tensor=4 (also the slots over 2 replicas); default: one device",
+    )
+    p.add_argument(
+        "--compile-cache",
+        default="",
+        help="JAX's persistent compilation cache folder (default: $EQLLM_CACHE/jax or "
+        "~/.cache/eqllm/jax; 'off' disables it): a restart compiles less",
     )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--served-model-name", default=None, help="the model id clients send")
