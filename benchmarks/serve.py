@@ -5,8 +5,16 @@ concurrency C sends `--requests` streamed completions from C client threads (the
 `openai` client), greedy, with `ignore_eos` so each produces `--new` tokens. Reports output
 tokens/s over the wall time and time to first token (p50, p99). Bounded: every loop is finite.
 
+With `--vs-transformers`, the same prompts go through transformers' batched `generate` on the
+same weights (a zoo name is first written as a Hugging Face folder, random weights, fp32), as a
+static-batching server would run them: C requests at a time, greedy, `new` tokens each. Its time
+to first token is the time from a batch's start to the first token of its requests (when
+`generate` first calls the logits processors), which is what C clients in a closed loop would
+see from a server that streams.
+
     PYTHONPATH=$PWD python benchmarks/serve.py MODEL [--concurrency 1 4 16 64]
         [--requests 64] [--prompt 32] [--new 32] [--max-batch 32] [--max-len 256]
+        [--vs-transformers]
 """
 
 from __future__ import annotations
@@ -15,14 +23,17 @@ import argparse
 import concurrent.futures
 import socket
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import openai
 import uvicorn
 
 from eqllm import loading
+from eqllm.hub import save_pretrained
 from eqllm.serve import Engine
 from eqllm.serve.app import Service, create_app
 
@@ -54,6 +65,58 @@ def _one(client, prompt: list[int], new: int) -> tuple[float, int, float]:
     return first or 0.0, tokens, time.perf_counter() - start
 
 
+def transformers_reference(folder: Path, prompts, new: int, concurrency) -> None:
+    """transformers' batched generate on the same prompts: one table row per concurrency."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    class FirstCall(transformers.LogitsProcessor):
+        """Notes when the first token's logits exist (the prefill is done)."""
+
+        def __init__(self):
+            self.at = None
+
+        def __call__(self, input_ids, scores):
+            self.at = self.at or time.perf_counter()
+            return scores
+
+    def generate(batch) -> tuple[int, float]:
+        first, start = FirstCall(), time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor(batch),
+                attention_mask=torch.ones(len(batch), len(batch[0]), dtype=torch.long),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+                logits_processor=[first],
+            )
+        return (out.shape[1] - len(batch[0])) * len(batch), first.at - start
+
+    generate(prompts[:1])  # warm-up
+    print("transformers generate (static batches of C):")
+    _header()
+    for c in concurrency:
+        start, tokens, ttft = time.perf_counter(), 0, []
+        for i in range(0, len(prompts), c):
+            n, first = generate(prompts[i : i + c])
+            tokens += n
+            ttft += [first] * len(prompts[i : i + c])
+        _row(c, len(prompts), tokens / (time.perf_counter() - start), np.array(ttft))
+
+
+def _header() -> None:
+    print(f"{'clients':>7} {'requests':>8} {'tokens/s':>9} {'TTFT p50 s':>10} {'TTFT p99 s':>10}")
+
+
+def _row(c: int, n: int, speed: float, ttft: np.ndarray) -> None:
+    p50, p99 = np.percentile(ttft, 50), np.percentile(ttft, 99)
+    print(f"{c:>7} {n:>8} {speed:>9.1f} {p50:>10.3f} {p99:>10.3f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
@@ -63,9 +126,15 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--max-len", type=int, default=256)
+    parser.add_argument("--vs-transformers", action="store_true")
     args = parser.parse_args()
 
-    model, tokenizer = loading.load(args.model)
+    tmp = tempfile.TemporaryDirectory()
+    folder = Path(args.model)
+    if args.vs_transformers and not folder.is_dir():  # the same weights for both
+        folder = Path(tmp.name) / "model"
+        save_pretrained(loading.load(args.model)[0], folder)
+    model, tokenizer = loading.load(str(folder) if folder.is_dir() else args.model)
     engine = Engine(model, max_batch=args.max_batch, max_len=args.max_len, max_queue=1024)
     start = time.perf_counter()
     engine.warm()
@@ -89,20 +158,18 @@ def main() -> None:
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     prompts = [rng.integers(1, vocab, args.prompt).tolist() for _ in range(args.requests)]
-    print(f"{'clients':>7} {'requests':>8} {'tokens/s':>9} {'TTFT p50 s':>10} {'TTFT p99 s':>10}")
+    print(f"eqllm serve ({args.prompt}-token prompts, {args.new} new tokens, greedy):")
+    _header()
     for c in args.concurrency:
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(c) as pool:
             results = list(pool.map(lambda p: _one(client, p, args.new), prompts))
         wall = time.perf_counter() - start
-        ttft = np.array([r[0] for r in results])
         tokens = sum(r[1] for r in results)
-        print(
-            f"{c:>7} {len(results):>8} {tokens / wall:>9.1f} "
-            f"{np.percentile(ttft, 50):>10.3f} {np.percentile(ttft, 99):>10.3f}",
-            flush=True,
-        )
+        _row(c, len(results), tokens / wall, np.array([r[0] for r in results]))
     server.should_exit = True
+    if args.vs_transformers:
+        transformers_reference(folder, prompts, args.new, args.concurrency)
     sys.exit(0)
 
 

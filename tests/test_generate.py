@@ -7,6 +7,7 @@ prompts in one bucket, so the compiled functions are shared across tests.
 """
 
 import io
+import re
 
 import equinox as eqx
 import jax
@@ -357,6 +358,24 @@ def test_cli_prompt_streams_token_ids(models, tiny_zoo, capsys):
     argv = ["generate", "tiny", "--prompt", "1 2 3", "--max-new-tokens", str(NEW)]
     assert cli.main([*argv, "--temperature", "0", "--chunk", "4"]) == 0
     assert capsys.readouterr().out.strip() == _greedy(models, [1, 2, 3], NEW)
+
+
+def test_cli_timings_break_the_time_to_the_first_token_down(models, tiny_zoo, capsys):
+    argv = ["generate", "tiny", "--prompt", "1 2 3", "--max-new-tokens", str(NEW), "--timings"]
+    assert cli.main([*argv, "--temperature", "0", "--chunk", "4", "--compile-cache", "off"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == _greedy(models, [1, 2, 3], NEW)  # the same tokens, timed
+    rows = re.findall(r"^  (\S.*?)\s+(\d+\.\d+) s", err.split("timings:\n")[1], re.MULTILINE)
+    assert [name.split()[0] for name, _ in rows] == [
+        "startup",
+        "load",
+        "tokenize",
+        "prefill",
+        "the",
+    ]
+    first = float(re.search(r"time to first token: (\d+\.\d+) s", err).group(1))
+    seconds = [float(s) for _, s in rows]
+    assert abs(first - sum(seconds[:4])) < 0.05  # startup and the phases up to the first token
 
 
 @pytest.mark.slow

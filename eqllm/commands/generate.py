@@ -18,11 +18,13 @@ import jax
 import numpy as np
 
 from eqllm import loading
+from eqllm.commands.timings import Timings
 from eqllm.data import Tokenizer
 from eqllm.errors import EqllmError
 from eqllm.generation import GenerationError, sampling, stream
 from eqllm.model import CausalLM
 from eqllm.nn import quantize
+from eqllm.train.setup import setup_compile_cache
 
 HELP = """commands:
   /temp T      temperature (0: greedy)      /topk K   top-k (0: off)
@@ -90,8 +92,11 @@ class _Printer:
         self.out.flush()
 
 
-def _run_once(model, tokenizer, prompt: list[int], settings: Settings, key, chunk: int, out):
-    """Stream one continuation to `out`; returns (tokens, seconds)."""
+def _run_once(
+    model, tokenizer, prompt: list[int], settings: Settings, key, chunk: int, out, timings=None
+):
+    """Stream one continuation to `out`; returns (tokens, seconds). With `timings`, the first
+    token and the rest are marked as two phases."""
     printer = _Printer(tokenizer, out)
     start = time.perf_counter()
     try:
@@ -109,6 +114,8 @@ def _run_once(model, tokenizer, prompt: list[int], settings: Settings, key, chun
             chunk=chunk,
         ):
             printer.add(ids)
+            if timings is not None and len(printer.ids) == len(ids) > 0:
+                timings.mark("prefill and first token")
     finally:
         out.write("\n")
         out.flush()
@@ -243,11 +250,15 @@ def interactive(
 
 def run(args: argparse.Namespace) -> int:
     """The `eqllm generate` command."""
+    timings = Timings() if args.timings and not args.interactive else None
+    setup_compile_cache(args.compile_cache)
     model, tokenizer = loading.load(args.model, seed=args.seed, dtype=args.dtype)
     if args.quantize is not None:
         model = quantize(model, args.quantize)
     if args.tokenizer is not None:
         tokenizer = Tokenizer.from_spec(args.tokenizer)
+    if timings is not None:
+        timings.mark("load (weights, tokenizer)")
     settings = Settings(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -262,10 +273,26 @@ def run(args: argparse.Namespace) -> int:
     if args.interactive:
         return interactive(model, tokenizer, settings, chunk=args.chunk, chat=chat)
     prompt = chat.prompt(args.prompt) if chat else _prompt_ids(args.prompt, tokenizer)
+    if timings is not None:
+        timings.mark(f"tokenize prompt ({len(prompt)} tokens)")
     n, seconds, _ = _run_once(
-        model, tokenizer, prompt, settings, jax.random.key(args.seed), args.chunk, sys.stdout
+        model,
+        tokenizer,
+        prompt,
+        settings,
+        jax.random.key(args.seed),
+        args.chunk,
+        sys.stdout,
+        timings,
     )
     print(f"[{n} tokens in {seconds:.2f} s, compilation included]", file=sys.stderr)
+    if timings is not None:
+        timings.mark(f"the other {n - 1} tokens")
+        timings.close()
+        print(f"timings:\n{timings.report()}", file=sys.stderr)
+        first = timings.time_to_first_token()
+        if first is not None:
+            print(f"time to first token: {first:.2f} s after the process started", file=sys.stderr)
     return 0
 
 
@@ -296,5 +323,17 @@ def add_parser(commands) -> None:
     p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights")
     p.add_argument(
         "--chat", action="store_true", help="format prompts with the model's chat template"
+    )
+    p.add_argument(
+        "--timings",
+        action="store_true",
+        help="with --prompt: print where the time to the first token went (load, tokenize, "
+        "trace, compile, run)",
+    )
+    p.add_argument(
+        "--compile-cache",
+        default="",
+        help="JAX's persistent compilation cache folder (default: $EQLLM_CACHE/jax or "
+        "~/.cache/eqllm/jax; 'off' disables it): a second run skips compilation",
     )
     p.set_defaults(func=run)

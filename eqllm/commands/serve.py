@@ -2,18 +2,21 @@
 
 The model is loaded (optionally cast to bfloat16 or quantized to int8 weights), the engine's
 compiled shapes are listed and compiled, and only then does the server listen, on 127.0.0.1
-unless `--host` says otherwise. SIGTERM or Ctrl-C stops accepting connections, lets the
-requests in flight finish, and exits 0. See docs/serve.md.
+unless `--host` says otherwise. `--mesh tensor=N` splits the weights and the KV cache over N
+devices (`data=D` also splits the slots over D replicas). SIGTERM or Ctrl-C stops accepting
+connections, lets the requests in flight finish, and exits 0. See docs/serve.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import time
 from pathlib import Path
 
+import jax
 import uvicorn
 
 from eqllm import loading
@@ -23,6 +26,8 @@ from eqllm.errors import EqllmError
 from eqllm.nn import quantize
 from eqllm.serve import Engine
 from eqllm.serve.app import Service, create_app
+from eqllm.serve.placement import serving_mesh
+from eqllm.train.setup import setup_compile_cache
 
 
 def chat_format_of(spec: str, tokenizer: Tokenizer | None) -> ChatFormat | None:
@@ -31,6 +36,14 @@ def chat_format_of(spec: str, tokenizer: Tokenizer | None) -> ChatFormat | None:
     if tokenizer is None:
         return None
     return loading.chat_format_of(spec, tokenizer)
+
+
+def _host():
+    """The CPU device, where a model is loaded before it is split over a mesh."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:  # JAX started without its CPU backend: load on the default device
+        return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,10 +56,15 @@ def run(args: argparse.Namespace) -> int:
     log.propagate = False
     if args.api_key is not None and not args.api_key:
         raise EqllmError("--api-key is empty; give a key or leave the option out")
+    mesh = None if args.mesh is None else serving_mesh(args.mesh)
+    setup_compile_cache(args.compile_cache)
     start = time.perf_counter()
-    model, tokenizer = loading.load(args.model, dtype=args.dtype, seed=args.seed)
-    if args.quantize is not None:
-        model = quantize(model, args.quantize)
+    # On a mesh the weights go from host memory straight to their shards: a model larger
+    # than one accelerator never sits whole on one.
+    with contextlib.nullcontext() if mesh is None else jax.default_device(_host()):
+        model, tokenizer = loading.load(args.model, dtype=args.dtype, seed=args.seed)
+        if args.quantize is not None:
+            model = quantize(model, args.quantize)
     if args.tokenizer is not None:
         tokenizer = Tokenizer.from_spec(args.tokenizer)
     engine = Engine(
@@ -55,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         max_len=args.max_len,
         prefill_chunk=args.prefill_chunk,
         max_queue=args.max_queue,
+        mesh=mesh,
     )
     log.info("loaded %s in %.1f s; compiling:", args.model, time.perf_counter() - start)
     for line in engine.shapes():
@@ -101,6 +120,18 @@ def add_parser(commands) -> None:
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights")
+    p.add_argument(
+        "--mesh",
+        default=None,
+        help="split the model over devices, e.g. tensor=4 (heads, MLP units and KV cache) or "
+        "data=2,tensor=4 (also the slots over 2 replicas); default: one device",
+    )
+    p.add_argument(
+        "--compile-cache",
+        default="",
+        help="JAX's persistent compilation cache folder (default: $EQLLM_CACHE/jax or "
+        "~/.cache/eqllm/jax; 'off' disables it): a restart compiles less",
+    )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--served-model-name", default=None, help="the model id clients send")
     p.add_argument("--tokenizer", default=None, help="tokenizer spec: bytes, a path or org/name")

@@ -26,8 +26,9 @@ from starlette.exceptions import HTTPException
 from eqllm.data import Tokenizer
 from eqllm.data.instruct import ChatFormat
 from eqllm.errors import EqllmError
-from eqllm.serve.engine import Engine, Finished, Params, QueueFull
+from eqllm.serve.engine import Engine
 from eqllm.serve.protocol import ApiError, ChatRequest, CompletionRequest
+from eqllm.serve.request import Finished, Params, QueueFull
 from eqllm.serve.text import Choice, usage
 
 log = logging.getLogger("eqllm.serve")

@@ -14,92 +14,33 @@ thread; results reach each request through the callback it was submitted with.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import secrets
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
-from eqllm.errors import EqllmError
 from eqllm.generation import GenerationError, sampling
 from eqllm.generation.api import MIN_BUCKET
 from eqllm.model import CausalLM
+from eqllm.serve.placement import check_mesh, state_shardings
+from eqllm.serve.request import (
+    Finished,
+    Params,
+    PromptScores,
+    QueueFull,
+    Request,
+    ServeError,
+    Token,
+)
 from eqllm.serve.steps import compiled, empty_state
 
 log = logging.getLogger("eqllm.serve")
-
-
-class ServeError(EqllmError):
-    """A request or engine setting the engine cannot serve."""
-
-
-class QueueFull(ServeError):
-    """Every slot is busy and the waiting queue is at its bound."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Params:
-    """One request's settings. `seed` None draws a fresh key; with a seed the tokens equal
-    `eqllm.generate(..., key=jax.random.key(seed))`. `stop_tokens` end the output (the stop
-    token is the last one emitted); `prompt_logprobs` also scores every prompt token."""
-
-    max_tokens: int
-    temperature: float | int = 1.0
-    top_k: int | None = None
-    top_p: float | int | None = None
-    min_p: float | int | None = None
-    repetition_penalty: float | int | None = None
-    seed: int | None = None
-    stop_tokens: tuple[int, ...] = ()
-    prompt_logprobs: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Token:
-    """One generated token, its log-probability and the TOP_LOGPROBS most likely tokens."""
-
-    id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptScores:
-    """Log-probability of each prompt token after the ones before it (None for the first)."""
-
-    logprobs: tuple[float | None, ...]
-    top: tuple[tuple[tuple[int, float], ...] | None, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Finished:
-    """The request is over: reason "stop" (a stop token or a cancel) or "length"."""
-
-    reason: str
-    prompt_tokens: int
-    completion_tokens: int
-
-
-class Request:
-    """A prompt being served; `sink` receives PromptScores, Token and finally one Finished."""
-
-    def __init__(self, prompt: Sequence[int], params: Params, sink: Callable[[object], None]):
-        self.prompt = np.asarray(prompt, np.int32)
-        self.params = params
-        self.sink = sink
-        self.cancelled = False
-        self.slot: int | None = None
-        self.cursor = 0  # prompt tokens already in the cache
-        self.produced = 0
-
-    def cancel(self) -> None:
-        """Stop the request at the next step and free its slot (thread-safe)."""
-        self.cancelled = True
 
 
 def chunk_buckets(chunk: int) -> list[int]:
@@ -124,6 +65,8 @@ class Engine:
         max_len: positions per slot (prompt + output); at most the model's context.
         prefill_chunk: prompt tokens written per chunk, a power of two >= 16.
         max_queue: requests allowed to wait for a slot; more raise QueueFull.
+        mesh: a device mesh (`eqllm.serve.placement.serving_mesh`) to split the weights and
+            the KV cache over `tensor` and the slots over `data`; None: one device.
     """
 
     def __init__(
@@ -134,6 +77,7 @@ class Engine:
         max_len: int | None = None,
         prefill_chunk: int = 128,
         max_queue: int = 256,
+        mesh: Mesh | None = None,
     ):
         cfg = model.config
         max_len = cfg.max_seq_len if max_len is None else max_len
@@ -146,13 +90,18 @@ class Engine:
             )
         if prefill_chunk < MIN_BUCKET or prefill_chunk & (prefill_chunk - 1):
             raise ServeError(f"prefill_chunk={prefill_chunk} must be a power of two >= 16")
-        self.model = model
+        if mesh is not None:
+            check_mesh(cfg, mesh, max_batch)
+        self.model, self.mesh = model, mesh
         self.max_batch, self.max_len, self.max_queue = max_batch, max_len, max_queue
         self.chunks = chunk_buckets(min(prefill_chunk, 1 << (max_len - 1).bit_length()))
         self.scores = chunk_buckets(1 << (max_len - 1).bit_length())
         self.traces: dict[str, int] = {}
-        self._steps = compiled(model, self.traces)
+        # The weights the steps run on, as placed: (model without its blocks, sliced layers).
+        self._steps, self.weights = compiled(model, self.traces, mesh)
         self._state = empty_state(model, max_batch, max_len)
+        if mesh is not None:
+            self._state = jax.device_put(self._state, state_shardings(self._state, mesh))
         self._slots: list[Request | None] = [None] * max_batch
         self._settings = {
             name: np.zeros(max_batch, dtype)
@@ -175,8 +124,14 @@ class Engine:
     def shapes(self) -> list[str]:
         """Every compiled shape the engine uses, one line each."""
         b, n = self.max_batch, self.max_len
+        on = (
+            ""
+            if self.mesh is None
+            else " on mesh "
+            + ",".join(f"{k}={v}" for k, v in self.mesh.shape.items() if k in ("data", "tensor"))
+        )
         return (
-            [f"decode: {b} slots x {n} positions"]
+            [f"decode: {b} slots x {n} positions{on}"]
             + [f"prefill chunk: {w} tokens" for w in self.chunks]
             + [f"prompt scoring: {w} tokens" for w in self.scores]
         )

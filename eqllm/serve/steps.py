@@ -10,16 +10,16 @@ request samples exactly as `eqllm.generate` does with the same key.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, Key
 
 from eqllm.generation import Sampling, sample_token
 from eqllm.model import CausalLM, cast_floating, dtype_of
 from eqllm.nn import KVCache
+from eqllm.serve.placement import place_weights, state_shardings
 
 TOP_LOGPROBS = 5  # OpenAI's completions API allows at most 5 alternatives per token
 
@@ -142,29 +142,48 @@ def prompt_logprobs(
 ) -> Sampled:
     """Per position i of a right-padded prompt: the log-probability of token i + 1 after the
     first i + 1 tokens, and the most likely alternatives there (the full forward, in fp32)."""
-    model, _ = fixed
+    model, layers = fixed
+    blocks = jax.tree.map(lambda *a: jnp.stack(a), *layers)  # the stack, for this call only
+    model = eqx.tree_at(lambda m: m.blocks, model, blocks, is_leaf=lambda x: x is None)
     logits = model(tokens, positions).astype(jnp.float32)
     targets = jnp.concatenate([tokens[1:], tokens[:1]])  # the last row is not used
     return jax.vmap(_sampled)(logits, targets)
 
 
-def compiled(model: CausalLM, traces: dict[str, int]) -> dict[str, Callable]:
-    """The three steps compiled over the model cast to its compute dtype and sliced into layers
+def compiled(model: CausalLM, traces: dict[str, int], mesh: Mesh | None = None):
+    """The three steps, and the weights they run on: (model without its blocks, layers).
+
+    The steps are compiled over the model cast to its compute dtype and sliced into layers
     once. The weights are arguments (never compile-time constants); the slot state is donated.
-    `traces` counts how often each step is traced, so a test can check nothing recompiles."""
+    `traces` counts how often each step is traced, so a test can check nothing recompiles.
+
+    Only the sliced layers are kept (the stacked blocks are dropped: one copy of the weights).
+    On a `mesh` the weights are placed by the sharding rules and every step returns the slot
+    state split as `state_shardings` says, the placement it was given, so nothing recompiles.
+    """
     model = cast_floating(model, dtype_of(model.config.compute_dtype))
-    params, static = eqx.partition((model, model.layers()), eqx.is_array)
+    layers = model.layers()
+    if mesh is None:
+        model = eqx.tree_at(lambda m: m.blocks, model, None)
+    else:
+        model, layers = place_weights(model, layers, mesh)
+    params, static = eqx.partition((model, layers), eqx.is_array)
 
     def wrap(name, fn, donate):
         def run(params, *args):
             traces[name] = traces.get(name, 0) + 1  # runs only while tracing
-            return fn(eqx.combine(params, static), *args)
+            out = fn(eqx.combine(params, static), *args)
+            if mesh is not None and donate:  # (state, sampled): keep the state's placement
+                state, sampled = out
+                out = jax.lax.with_sharding_constraint(state, state_shardings(state, mesh)), sampled
+            return out
 
         jitted = jax.jit(run, donate_argnums=donate)
         return lambda *args: jitted(params, *args)
 
-    return {
+    steps = {
         "prefill": wrap("prefill", prefill_chunk, (1,)),
         "decode": wrap("decode", decode_step, (1,)),
         "score": wrap("score", prompt_logprobs, ()),
     }
+    return steps, (model, layers)
