@@ -15,7 +15,9 @@ DAPO's asymmetric clip.) The loss averages l_t over the completion tokens:
 - "constant": the sum / (completions x max_new_tokens) (Dr. GRPO: no length bias).
 
 All log-probabilities are the training forward's (`eqllm.train.objectives.token_logps`): the
-sampling-time numbers differ slightly, so the ratios would not be exact.
+sampling-time numbers differ slightly, so the ratios would not be exact. They are those of the
+distribution the rollouts were sampled from, softmax(logits / temperature), as TRL computes
+them: the policy, the old policy and the reference alike.
 """
 
 from __future__ import annotations
@@ -100,9 +102,10 @@ class Grpo:
     kl_coef: float = 0.0
     normalization: str = "sequence"
     max_new_tokens: int = 16
+    temperature: float = 1.0  # the rollouts' sampling temperature
 
     def __call__(self, model: CausalLM, batch) -> tuple[Float[Array, ""], dict[str, Array]]:
-        logps = token_logps(model, batch["tokens"])
+        logps = token_logps(model, batch["tokens"], self.temperature)
         old = batch.get("old_logps", jax.lax.stop_gradient(logps))
         loss, parts = grpo_loss(
             logps,

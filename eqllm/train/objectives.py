@@ -42,10 +42,13 @@ PREFERENCE_LOSSES = ("dpo", "ipo", "simpo")
 
 
 def token_logps(
-    model: CausalLM, tokens: Int[Array, "batch window"]
+    model: CausalLM, tokens: Int[Array, "batch window"], temperature: float = 1.0
 ) -> Float[Array, "batch window-1"]:
-    """log p(tokens[:, t + 1] | tokens[:, :t + 1]) in fp32: the training forward's numbers."""
+    """log p(tokens[:, t + 1] | tokens[:, :t + 1]) in fp32: the training forward's numbers.
+    With `temperature`, those of the distribution sampling draws from: softmax(logits / T)."""
     logits = model(tokens[:, :-1])  # (batch, seq, vocab), fp32
+    if temperature != 1.0:
+        logits = logits / temperature
     return -optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
 
 
