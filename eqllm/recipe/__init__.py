@@ -28,7 +28,7 @@ from eqllm.recipe.sections import (
     SourceSpec,
     TrainSpec,
 )
-from eqllm.recipe.spec import RUN_LENGTH, Recipe, finetune_data_path
+from eqllm.recipe.spec import RUN_LENGTH, Recipe, finetune_data_path, preference_data_source
 
 __all__ = [
     "RUN_LENGTH",
@@ -48,6 +48,7 @@ __all__ = [
     "SourceSpec",
     "TrainSpec",
     "finetune_data_path",
+    "preference_data_source",
     "load_recipe",
     "parse_value",
     "recipe_names",

@@ -21,7 +21,7 @@ from eqllm.data.preference import PreferenceData, prepare_preferences
 from eqllm.data.prompts import PromptData, prepare_prompts
 from eqllm.generation import generate_batch
 from eqllm.model import CausalLM
-from eqllm.recipe import Recipe, finetune_data_path
+from eqllm.recipe import Recipe, finetune_data_path, preference_data_source
 from eqllm.train.grpo import Grpo
 from eqllm.train.objectives import Preference, preference_eval, reference_logps, token_logps
 from eqllm.train.rewards import reward_of
@@ -185,12 +185,17 @@ def prepare_rows(recipe: Recipe, tokenizer, template):
         path = finetune_data_path(recipe.rl.data)
         held = dict(val_fraction=d.val_fraction, seed=d.split_seed)
         return prepare_prompts(path, tokenizer, template=template, **held)
-    path = finetune_data_path(recipe.finetune.data or recipe.preference.data)
-    split = dict(seq_len=d.seq_len, template=template, val_fraction=d.val_fraction)
-    if recipe.preference.data:
-        return prepare_preferences(path, tokenizer, **split, seed=d.split_seed)
+    common = dict(seq_len=d.seq_len, template=template, val_fraction=d.val_fraction)
+    p = recipe.preference
+    if p.data:
+        source = preference_data_source(p.data)
+        fields = (p.prompt_field, p.chosen_field, p.rejected_field)
+        return prepare_preferences(
+            source, tokenizer, **common, seed=d.split_seed, split=p.split, fields=fields
+        )
+    path = finetune_data_path(recipe.finetune.data)
     return prepare_instructions(
-        path, tokenizer, **split, seed=d.split_seed, pack=recipe.finetune.pack
+        path, tokenizer, **common, seed=d.split_seed, pack=recipe.finetune.pack
     )
 
 
