@@ -30,7 +30,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from eqllm.model import CausalLM
-from eqllm.train.objectives import token_logps
+from eqllm.train.objectives import routed_logps, with_balance
 
 NORMALIZATIONS = ("sequence", "token", "constant")
 
@@ -105,7 +105,7 @@ class Grpo:
     temperature: float = 1.0  # the rollouts' sampling temperature
 
     def __call__(self, model: CausalLM, batch) -> tuple[Float[Array, ""], dict[str, Array]]:
-        logps = token_logps(model, batch["tokens"], self.temperature)
+        logps, balance = routed_logps(model, batch["tokens"], self.temperature)
         old = batch.get("old_logps", jax.lax.stop_gradient(logps))
         loss, parts = grpo_loss(
             logps,
@@ -121,4 +121,4 @@ class Grpo:
         )
         parts["reward_mean"] = batch["rewards"].mean()
         parts["completion_length"] = batch["mask"].sum(-1).astype(jnp.float32).mean()
-        return loss, parts
+        return with_balance(model, loss, parts, balance)  # a mixture of experts' aux loss
