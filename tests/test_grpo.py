@@ -50,9 +50,11 @@ def test_grpo_loss_equals_numpy(norm):
     assert 0 < float(parts["clip_fraction"]) < 1
 
 
-def test_one_update_without_clipping_is_reinforce_with_a_group_baseline():
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_one_update_without_clipping_is_reinforce_with_a_group_baseline(temperature):
     """With rho = 1 (one inner update) and no KL, the GRPO gradient equals that of
-    -mean_i A_i mean_t log pi(o_it): REINFORCE with the group mean as baseline."""
+    -mean_i A_i mean_t log pi(o_it): REINFORCE with the group mean as baseline, pi being the
+    distribution the rollouts were sampled from, softmax(logits / temperature)."""
     model = eqllm.zoo.create(
         "llama-nano", d_model=32, n_layers=2, attention={"n_heads": 2, "n_kv_heads": 1},
         mlp={"d_ff": 64},
@@ -64,15 +66,22 @@ def test_one_update_without_clipping_is_reinforce_with_a_group_baseline():
     rewards = np.array([1.0, 0.0, 0.5, 0.0, 1.0, 1.0], np.float32)
     adv = jnp.asarray(group_advantages(rewards, 3))
     batch = {"tokens": tokens, "mask": mask, "advantages": adv, "rewards": jnp.asarray(rewards)}
-    objective = Grpo(epsilon=0.2, epsilon_high=0.2, kl_coef=0.0, normalization="sequence")
+    objective = Grpo(
+        epsilon=0.2, epsilon_high=0.2, kl_coef=0.0, normalization="sequence",
+        temperature=temperature,
+    )  # fmt: skip
     (_, parts), grads = eqx.filter_value_and_grad(objective, has_aux=True)(model, batch)
 
     def reinforce(model):
-        logp = token_logps(model, tokens)
+        logits = model(tokens[:, :-1]) / temperature
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)[..., 0]
         per_seq = jnp.sum(jnp.where(mask, logp, 0.0), -1) / mask.sum(-1)
         return -jnp.mean(adv * per_seq)
 
     expected = eqx.filter_grad(reinforce)(model)
+    direct = jax.nn.log_softmax(model(tokens[:, :-1]) / temperature)
+    direct = jnp.take_along_axis(direct, tokens[:, 1:, None], -1)[..., 0]
+    np.testing.assert_allclose(token_logps(model, tokens, temperature), direct, atol=1e-6)
     for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-7)
     assert float(parts["reward_mean"]) == pytest.approx(rewards.mean())
@@ -134,6 +143,82 @@ def test_built_in_rewards():
     assert reward_of("exact_match")("", " 42\nmore", {"answer": "42"}) == 1.0
     fmt = reward_of("format", r"^<think>.*</think>")
     assert fmt("", "<think>x</think> 1", {}) == 1.0 and fmt("", "1", {}) == 0.0
-    assert reward_of("reverse_digits")("", "274\n", {"answer": "274"}) == 1.0
-    assert reward_of("reverse_digits")("", "2x4", {"answer": "274"}) == pytest.approx(2 / 3)
+    brackets = reward_of("close_brackets")
+    assert brackets("", "])\n        return", {"answer": "])"}) == 1.0
+    assert brackets("", "])  \n", {"answer": "])"}) == 1.0  # trailing spaces do not count
+    assert brackets("", "])", {"answer": "])"}) == pytest.approx(2 / 3)  # the line goes on
+    assert brackets("", "]))\n", {"answer": "])"}) == pytest.approx(2 / 3)
+    assert brackets("", ")]\n", {"answer": "])"}) == 0.0
     assert reward_of("json:dumps") is json.dumps
+
+
+def test_close_brackets_rows_close_their_line_exactly(tmp_path):
+    """Each generated prompt with its answer is a line of Python that parses, and without the
+    answer's last bracket it does not; prompts are distinct, depths 1 to 3 in turn."""
+    import ast
+
+    from eqllm.train.rewards import write_close_brackets
+
+    write_close_brackets(tmp_path / "rows.jsonl", n=60, seed=3)
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert len({r["prompt"] for r in rows}) == 60
+    assert [len(r["answer"]) for r in rows[:6]] == [1, 2, 3, 1, 2, 3]
+    for r in rows:
+        ast.parse(r["prompt"] + r["answer"])
+        with pytest.raises(SyntaxError):
+            ast.parse(r["prompt"] + r["answer"][:-1])
+
+
+def test_held_out_prompts_are_split_and_scored_greedily(tmp_path):
+    """data.val_fraction of the prompts are held out (seeded, disjoint from training);
+    val_reward is the mean reward of each one's greedy completion generated alone, and
+    val_accuracy the share with the full reward."""
+    from eqllm.data import Tokenizer
+    from eqllm.data.prompts import prepare_prompts
+    from eqllm.generation import generate
+    from eqllm.recipe import Recipe
+    from eqllm.train.post import GrpoRun
+
+    tok = Tokenizer.bytes()
+    rows = [{"prompt": f"{n}>", "answer": str(n)[::-1]} for n in range(10, 30)]
+    file = tmp_path / "prompts.jsonl"
+    file.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    data = prepare_prompts(file, tok, val_fraction=0.25, seed=1)
+    assert (len(data.prompts), len(data.val_prompts)) == (15, 5)
+    held = {r["prompt"] for r in data.val_examples}
+    assert held.isdisjoint(r["prompt"] for r in data.examples)
+    assert held | {r["prompt"] for r in data.examples} == {r["prompt"] for r in rows}
+    assert [tok.encode(r["prompt"]) for r in data.val_examples] == data.val_prompts
+    assert held == {r["prompt"] for r in prepare_prompts(file, tok, val_fraction=0.25, seed=1)
+                    .val_examples}  # fmt: skip
+    assert prepare_prompts(file, tok).val_prompts == []
+
+    model = eqllm.zoo.create(
+        "llama-nano", d_model=32, n_layers=2, attention={"n_heads": 2, "n_kv_heads": 1},
+        mlp={"d_ff": 64}, vocab_size=tok.vocab_size, key=jax.random.key(2),
+    )  # fmt: skip
+    recipe = Recipe.from_dict(
+        {
+            "model": {"variant": "llama-nano", "init_from": str(tmp_path)},
+            "finetune": {"method": "full"},
+            "rl": {"data": str(file), "reward": "json:loads", "group_size": 2,
+                   "max_new_tokens": 3},
+            "data": {"seq_len": 16, "val_fraction": 0.25},
+            "train": {"batch_size": 4, "steps": 1},
+        }
+    )  # fmt: skip
+
+    def reward(prompt, completion, example):  # graded, and 1.0 for some completions
+        return float(len(completion) >= 2) if prompt.startswith("1") else len(completion) / 6
+
+    run = GrpoRun(recipe, data, None, tmp_path, write=False)
+    run.reward = reward
+    metrics = run.evaluate(model)  # chunks of 4: the last one padded
+    expected = []
+    for prompt, example in zip(data.val_prompts, data.val_examples, strict=True):
+        new = generate(model, prompt, max_new_tokens=3, key=jax.random.key(0), temperature=0.0,
+                       stop_tokens=(tok.eot_id,))  # fmt: skip
+        text = tok.decode([int(t) for t in new if t != tok.eot_id])
+        expected.append(reward(example["prompt"], text, example))
+    assert metrics["val_reward"] == pytest.approx(np.mean(expected), abs=1e-7)
+    assert metrics["val_accuracy"] == pytest.approx(np.mean(np.asarray(expected) >= 1))

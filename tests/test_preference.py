@@ -280,3 +280,85 @@ def test_simpo_and_conservative_dpo_equal_trl_cpo(hf_pair, kind, smoothing):
     ours, grads = _our_loss_and_grads(hf_pair, objective)
     assert abs(ours - losses.mean().item()) < 1e-5
     _compare_grads(policy, grads)
+
+
+BINARIZED = [  # the columns of UltraFeedback-binarized: the responses repeat the prompt turn
+    {
+        "question": q,
+        "good": [{"role": "user", "content": q}, {"role": "assistant", "content": good}],
+        "bad": [{"role": "user", "content": q}, {"role": "assistant", "content": bad}],
+        "score": i,
+    }
+    for i, (q, good, bad) in enumerate(
+        [
+            ("Square x.", "return x * x\n", "return x + x\n"),
+            ("Add a and b.", "return a + b\n", "return a - b\n"),
+            ("Negate y.", "return -y\n", "return y\n"),
+            ("Halve z.", "return z / 2\n", "return z * 2\n"),
+        ]
+    )
+]
+
+
+@pytest.fixture(scope="module")
+def binarized(tmp_path_factory):
+    """The same pairs as JSONL and as Hugging Face datasets the test writes with `datasets`:
+    a DatasetDict saved to disk (train/test), a parquet file, a folder of data files."""
+    import datasets
+
+    root = tmp_path_factory.mktemp("hf")
+    (root / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in BINARIZED) + "\n")
+    ds = datasets.Dataset.from_list(BINARIZED)
+    datasets.DatasetDict({"train_prefs": ds, "test_prefs": ds.select([0])}).save_to_disk(
+        root / "saved"
+    )
+    ds.to_parquet(str(root / "pairs.parquet"))
+    (root / "files" / "data").mkdir(parents=True)  # the hub's layout of a split's shards
+    ds.to_parquet(str(root / "files" / "data" / "train_prefs-00000-of-00001.parquet"))
+    return root
+
+
+@pytest.mark.parametrize("source", ["saved", "pairs.parquet", "hf:files"])
+def test_pairs_from_a_hugging_face_dataset_equal_the_jsonl_ones(binarized, source):
+    tok = Tokenizer.bytes()
+    fields = ("question", "good", "bad")
+    args = dict(seq_len=64, val_fraction=0.25, seed=3, fields=fields)
+    expected = prepare_preferences(binarized / "pairs.jsonl", tok, **args)
+    spec = "hf:" + str(binarized / "files") if source == "hf:files" else binarized / source
+    data = prepare_preferences(spec, tok, **args, split="train_prefs")
+    for name in ("rows", "mask", "rejected", "rejected_mask", "val_rows", "val_rejected"):
+        np.testing.assert_array_equal(getattr(data, name), getattr(expected, name))
+    assert data.meta["train_pairs"] == 3 and data.meta["val_pairs"] == 1
+    prompt, chosen, _ = read_pairs(binarized / "saved", split="test_prefs", fields=fields)[0]
+    assert prompt == [{"role": "user", "content": "Square x."}]  # the repeated turn dropped
+    assert chosen == [{"role": "assistant", "content": "return x * x\n"}]
+
+
+def test_bad_dataset_splits_and_columns_are_named(binarized):
+    with pytest.raises(DataError, match=r"has splits \['test_prefs', 'train_prefs'\], not 'train'"):
+        read_pairs(binarized / "saved")
+    with pytest.raises(DataError, match=r"saved \(train_prefs\) row 0: missing field.*"
+                       r"preference.prompt_field.*the record has \['bad', 'good'"):  # fmt: skip
+        read_pairs(binarized / "saved", split="train_prefs")
+
+
+def test_recipe_reads_preference_data_from_a_dataset(binarized):
+    from eqllm.recipe import Recipe, RecipeError
+    from eqllm.train.post import prepare_rows
+
+    values = {
+        "model": {"variant": "llama-nano", "init_from": str(binarized)},
+        "finetune": {"method": "lora"},
+        "preference": {"data": str(binarized / "saved"), "split": "train_prefs",
+                       "prompt_field": "question", "chosen_field": "good",
+                       "rejected_field": "bad"},
+        "data": {"seq_len": 64, "val_fraction": 0.25},
+        "train": {"steps": 1, "batch_size": 2},
+    }  # fmt: skip
+    data = prepare_rows(Recipe.from_dict(values), Tokenizer.bytes(), None)
+    assert data.meta["train_pairs"] == 3
+    values["preference"]["data"] = str(binarized / "missing")
+    with pytest.raises(RecipeError, match="preference.data=.*missing' does not exist"):
+        Recipe.from_dict(values)
+    values["preference"]["data"] = "hf:someone/prefs"  # not checked before loading: no network
+    assert Recipe.from_dict(values).preference.data == "hf:someone/prefs"

@@ -1,9 +1,11 @@
-"""Preference data: JSONL pairs of a prompt with a chosen and a rejected response.
+"""Preference data: pairs of a prompt with a chosen and a rejected response.
 
-A record holds `prompt`, `chosen` and `rejected`, each a string or a list of chat messages
-(`{"role": ..., "content": ...}`), the shape of the common `*_binarized` preference sets: a
-string prompt is one user turn, a string response one assistant turn, and a response list that
-repeats the prompt's messages first (as UltraFeedback-binarized's do) has them dropped.
+A record holds `prompt`, `chosen` and `rejected` (or the columns `fields` names), each a string
+or a list of chat messages (`{"role": ..., "content": ...}`), the shape of the common
+`*_binarized` preference sets: a string prompt is one user turn, a string response one
+assistant turn, and a response list that repeats the prompt's messages first (as
+UltraFeedback-binarized's do) has them dropped. The records come from a JSONL file (or a JSON
+list) or from a split of a Hugging Face dataset (`eqllm.data.records.read_dataset`).
 
 Each side is rendered with the model's chat template (`eqllm.data.instruct.ChatFormat`): the
 prompt up to the generation prompt, then the response, which ends in the end-of-sequence id.
@@ -14,31 +16,35 @@ prompt that leaves no response token in the window is refused, naming the line.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from eqllm.data.errors import DataError
 from eqllm.data.instruct import ChatFormat, InstructionData, Messages, as_messages, pad_rows
-from eqllm.data.records import read_records
+from eqllm.data.records import is_dataset, read_dataset, read_records
 from eqllm.data.tokenizer import Tokenizer
 
 FIELDS = ("prompt", "chosen", "rejected")
 
 
-def to_pair(record, where: str) -> tuple[Messages, Messages, Messages]:
-    """(prompt, chosen, rejected) messages of one record; DataError naming `where` if bad."""
+def to_pair(
+    record, where: str, fields: tuple[str, str, str] = FIELDS
+) -> tuple[Messages, Messages, Messages]:
+    """(prompt, chosen, rejected) messages of one record, read from its `fields` (prompt,
+    chosen, rejected); DataError naming `where` if bad."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: a pair must be a JSON object, got {type(record).__name__}")
-    missing = [k for k in FIELDS if k not in record]
+    missing = [k for k in fields if k not in record]
     if missing:
+        names = ", ".join(f"preference.{k}_field" for k in FIELDS)
         raise DataError(
-            f"{where}: missing field(s) {missing}; a preference pair needs 'prompt', 'chosen' "
-            "and 'rejected' (strings or lists of chat messages)"
+            f"{where}: missing field(s) {missing}; a preference pair needs a prompt, a chosen "
+            f"and a rejected response (strings or lists of chat messages): set {names} to the "
+            f"columns that hold them (the record has {sorted(record)})"
         )
+    record = {k: record[f] for k, f in zip(FIELDS, fields, strict=True)}
     prompt = as_messages(record["prompt"], "prompt", where, "user")
     sides = []
     for field in ("chosen", "rejected"):
@@ -58,9 +64,18 @@ def to_pair(record, where: str) -> tuple[Messages, Messages, Messages]:
     return prompt, sides[0], sides[1]
 
 
-def read_pairs(path: str | os.PathLike) -> list[tuple[Messages, Messages, Messages]]:
-    """The pairs of a JSONL file (or a JSON list); DataError naming the line and the field."""
-    return [to_pair(r, w) for r, w in read_records(path, "preference data", "preference pairs")]
+def read_pairs(
+    source: str | os.PathLike, *, split: str = "train", fields: tuple[str, str, str] = FIELDS
+) -> list[tuple[Messages, Messages, Messages]]:
+    """The pairs of a JSONL file (or a JSON list) or of a dataset's `split` (see the module
+    docstring); DataError naming the line or row and the field."""
+    return [to_pair(r, w, fields) for r, w in _records(source, split)]
+
+
+def _records(source: str | os.PathLike, split: str) -> list[tuple[object, str]]:
+    if is_dataset(source):
+        return read_dataset(source, split, "preference pairs")
+    return read_records(source, "preference data", "preference pairs")
 
 
 def encode_response(
@@ -138,18 +153,19 @@ def prepare_preferences(
     template: str | None = None,
     val_fraction: float = 0.0,
     seed: int = 0,
+    split: str = "train",
+    fields: tuple[str, str, str] = FIELDS,
 ) -> PreferenceData:
-    """Read, format, tokenize and pad the pairs of `path` (see the module docstring)."""
+    """Read, format, tokenize and pad the pairs of `path` (a JSONL file or a dataset's
+    `split`, columns `fields`; see the module docstring)."""
     chat = ChatFormat(tokenizer, template)
-    pairs = read_pairs(path)
-    file = Path(path).expanduser()
-    lines = _line_numbers(file)
     encoded = []
-    for i, (prompt, chosen, rejected) in enumerate(pairs):
+    for record, where in _records(path, split):
+        prompt, chosen, rejected = to_pair(record, where, fields)
         sides = [encode_response(chat, prompt, side) for side in (chosen, rejected)]
         if sides[0][2] >= seq_len:
             raise DataError(
-                f"{file} {lines[i]}: the prompt has {sides[0][2]} tokens and leaves no response "
+                f"{where}: the prompt has {sides[0][2]} tokens and leaves no response "
                 f"token within data.seq_len={seq_len}; raise data.seq_len or shorten the prompt"
             )
         encoded.append([s[:2] for s in sides])
@@ -176,11 +192,3 @@ def prepare_preferences(
         val_rejected=val_rej,
         val_rejected_mask=val_rej_mask,
     )
-
-
-def _line_numbers(file: Path) -> list[str]:
-    """'line N' (JSONL) or 'example i' (JSON) for each pair, in order."""
-    if file.suffix == ".json":
-        return [f"example {i}" for i in range(len(json.loads(file.read_text())))]
-    text = file.read_text(encoding="utf-8").splitlines()
-    return [f"line {n}" for n, line in enumerate(text, 1) if line.strip()]

@@ -29,7 +29,7 @@ from eqllm.recipe.sections import (
     TrainSpec,
     WeightStage,
 )
-from eqllm.recipe.spec import RUN_LENGTH, Recipe, finetune_data_path
+from eqllm.recipe.spec import RUN_LENGTH, Recipe, finetune_data_path, preference_data_source
 
 __all__ = [
     "RUN_LENGTH",
@@ -50,6 +50,7 @@ __all__ = [
     "WeightStage",
     "TrainSpec",
     "finetune_data_path",
+    "preference_data_source",
     "load_recipe",
     "parse_value",
     "recipe_names",

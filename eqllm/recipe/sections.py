@@ -182,10 +182,15 @@ class FinetuneSpec:
 class PreferenceSpec:
     """Preference optimisation of the `model.init_from` weights (docs/post-training.md).
 
-    data: a JSONL file of pairs (`prompt`, `chosen`, `rejected`: strings or chat messages);
-        "" for none. Looked up like finetune.data. Needs finetune.method "lora" (the reference
-        is the base with the adapters off) or "full" (reference log-probabilities computed once
-        before training, cached in the run folder).
+    data: a JSONL file of pairs (`prompt`, `chosen`, `rejected`: strings or chat messages),
+        looked up like finetune.data; or a Hugging Face dataset: "hf:NAME" (a hub id or a local
+        folder of data files, through `datasets.load_dataset`), a folder written by
+        `save_to_disk`, or a .parquet / .arrow file; "" for none. Needs finetune.method "lora"
+        (the reference is the base with the adapters off) or "full" (reference
+        log-probabilities computed once before training, cached in the run folder).
+    split: the dataset's split to read (datasets only).
+    prompt_field, chosen_field, rejected_field: the columns (or JSON keys) holding the prompt
+        and the two responses.
     loss: "dpo", "ipo" or "simpo".
     beta: the losses' inverse temperature (IPO's tau).
     label_smoothing: conservative DPO's (and SimPO's) probability that a label is flipped.
@@ -193,6 +198,10 @@ class PreferenceSpec:
     """
 
     data: Str = ""
+    split: Str = "train"
+    prompt_field: Str = "prompt"
+    chosen_field: Str = "chosen"
+    rejected_field: Str = "rejected"
     loss: PreferenceLoss = "dpo"
     beta: Annotated[Float, Field(gt=0)] = 0.1
     label_smoothing: Annotated[Float, Field(ge=0, lt=0.5)] = 0.0

@@ -282,10 +282,11 @@ def _check_finetune(recipe: Recipe) -> None:
                 f"finetune.data={f.data!r} and preference.data={p.data!r}: a run trains one "
                 "objective; leave one of them empty"
             )
-        if finetune_data_path(p.data) is None:
+        if preference_data_source(p.data) is None:
             raise RecipeError(
                 f"preference.data={p.data!r} does not exist (in the working directory or among "
-                "eqllm's shipped recipes); point it at a JSONL file of preference pairs"
+                "eqllm's shipped recipes); point it at a JSONL file of preference pairs, a "
+                "dataset folder or file, or 'hf:NAME'"
             )
     if f.method != "none" and not recipe.model.init_from:
         raise RecipeError(
@@ -299,6 +300,16 @@ def _check_finetune(recipe: Recipe) -> None:
             f"finetune.data={f.data!r} does not exist (in the working directory or among "
             "eqllm's shipped recipes); point it at a JSON/JSONL file of examples"
         )
+
+
+def preference_data_source(spec: str) -> str | Path | None:
+    """What preference.data reads: "hf:NAME" as it is, a dataset folder, else a file (found
+    like finetune.data); None when there is none."""
+    if spec.startswith("hf:"):
+        return spec
+    if Path(spec).expanduser().is_dir():
+        return Path(spec).expanduser()
+    return finetune_data_path(spec)
 
 
 def finetune_data_path(spec: str) -> Path | None:

@@ -15,7 +15,9 @@ DAPO's asymmetric clip.) The loss averages l_t over the completion tokens:
 - "constant": the sum / (completions x max_new_tokens) (Dr. GRPO: no length bias).
 
 All log-probabilities are the training forward's (`eqllm.train.objectives.token_logps`): the
-sampling-time numbers differ slightly, so the ratios would not be exact.
+sampling-time numbers differ slightly, so the ratios would not be exact. They are those of the
+distribution the rollouts were sampled from, softmax(logits / temperature), as TRL computes
+them: the policy, the old policy and the reference alike.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from eqllm.model import CausalLM
-from eqllm.train.objectives import token_logps
+from eqllm.train.objectives import routed_logps, with_balance
 
 NORMALIZATIONS = ("sequence", "token", "constant")
 
@@ -100,9 +102,10 @@ class Grpo:
     kl_coef: float = 0.0
     normalization: str = "sequence"
     max_new_tokens: int = 16
+    temperature: float = 1.0  # the rollouts' sampling temperature
 
     def __call__(self, model: CausalLM, batch) -> tuple[Float[Array, ""], dict[str, Array]]:
-        logps = token_logps(model, batch["tokens"])
+        logps, balance = routed_logps(model, batch["tokens"], self.temperature)
         old = batch.get("old_logps", jax.lax.stop_gradient(logps))
         loss, parts = grpo_loss(
             logps,
@@ -118,4 +121,4 @@ class Grpo:
         )
         parts["reward_mean"] = batch["rewards"].mean()
         parts["completion_length"] = batch["mask"].sum(-1).astype(jnp.float32).mean()
-        return loss, parts
+        return with_balance(model, loss, parts, balance)  # a mixture of experts' aux loss

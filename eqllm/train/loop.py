@@ -201,6 +201,9 @@ def _train(
     )
     try:
         with _Signals() as signals:
+            if state.step == 0 and setup.post is not None and recipe.train.eval_every:
+                with meter.paused():  # the starting model on held-out data: the curve's origin
+                    _held_out(setup, state, model, bar)
             if state.step < total:
                 with meter.loading():
                     batch = setup.batch(state.step, model)
@@ -347,14 +350,19 @@ def _log_train(setup: RunSetup, state: RunState, meter: Throughput, metrics, bar
     meter.next_window()
 
 
-def _evaluate(setup: RunSetup, state: RunState, model, bar) -> None:
-    """Validation loss and bits per byte during training (one metrics row)."""
-    seq_len, data = setup.recipe.data.seq_len, setup.data
+def _held_out(setup: RunSetup, state: RunState, model, bar) -> None:
+    """A post-training objective's metrics on held-out data (one metrics row), if any."""
     held_out = setup.post.evaluate(model) if setup.post is not None else {}
-    if held_out:  # a post-training objective's metrics on held-out data
+    if held_out:
         tokens = state.step * setup.tokens_per_step
         setup.log.log({"step": state.step, "tokens": tokens, **held_out})
         bar.write(f"step {state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in held_out.items()))
+
+
+def _evaluate(setup: RunSetup, state: RunState, model, bar) -> None:
+    """Validation loss and bits per byte during training (one metrics row)."""
+    seq_len, data = setup.recipe.data.seq_len, setup.data
+    _held_out(setup, state, model, bar)
     if data.val.shape[0] <= seq_len:
         return
     vloss, _ = evaluate_tokens(

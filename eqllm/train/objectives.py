@@ -13,6 +13,10 @@ into micro-batches along it):
   the batch ("ref").
 - `eqllm.train.grpo.Grpo`: the clipped GRPO surrogate with a k3 KL penalty on rollouts.
 
+On a mixture of experts the preference and GRPO losses add `router_aux_loss_coef` times the
+load-balancing loss of the policy's forward, as pretraining does (`with_balance`), and report
+its "aux_loss" and "expert_load".
+
 Preference losses, with pi and ref the summed log-probabilities of a response's tokens, |y|
 its length, and delta = [pi(y_w) - ref(y_w)] - [pi(y_l) - ref(y_l)]:
 
@@ -37,16 +41,47 @@ from jaxtyping import Array, Bool, Float, Int
 
 from eqllm import lora
 from eqllm.model import CausalLM
+from eqllm.nn import expert_load, load_balancing_loss
 
 PREFERENCE_LOSSES = ("dpo", "ipo", "simpo")
 
 
+def routed_logps(
+    model: CausalLM, tokens: Int[Array, "batch window"], temperature: float = 1.0
+) -> tuple[Float[Array, "batch window-1"], dict[str, Array]]:
+    """`token_logps` and, for a mixture of experts, the forward's load balance: {"aux_loss"
+    (the load-balancing loss over all layers, before its coefficient), "expert_load"}; {} for
+    a dense model. Every token is routed, padding included, as in pretraining."""
+    logits, router_logits = model.routed(tokens[:, :-1])  # (batch, seq, vocab), fp32
+    if temperature != 1.0:
+        logits = logits / temperature
+    logps = -optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    if router_logits is None:
+        return logps, {}
+    k = model.config.moe.experts_per_token
+    balance = {
+        "aux_loss": load_balancing_loss(router_logits, k),
+        "expert_load": expert_load(router_logits, k)[0],
+    }
+    return logps, balance
+
+
 def token_logps(
-    model: CausalLM, tokens: Int[Array, "batch window"]
+    model: CausalLM, tokens: Int[Array, "batch window"], temperature: float = 1.0
 ) -> Float[Array, "batch window-1"]:
-    """log p(tokens[:, t + 1] | tokens[:, :t + 1]) in fp32: the training forward's numbers."""
-    logits = model(tokens[:, :-1])  # (batch, seq, vocab), fp32
-    return -optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    """log p(tokens[:, t + 1] | tokens[:, :t + 1]) in fp32: the training forward's numbers.
+    With `temperature`, those of the distribution sampling draws from: softmax(logits / T)."""
+    return routed_logps(model, tokens, temperature)[0]
+
+
+def with_balance(
+    model: CausalLM, loss: Float[Array, ""], parts: dict, balance: dict
+) -> tuple[Float[Array, ""], dict]:
+    """A mixture of experts' objective: `loss` plus `router_aux_loss_coef` times the
+    load-balancing loss of the policy's forward (as pretraining adds it), its parts added."""
+    if not balance:
+        return loss, parts
+    return loss + model.config.moe.aux_loss_coef * balance["aux_loss"], {**parts, **balance}
 
 
 def sequence_logps(
@@ -125,27 +160,30 @@ class Preference:
     label_smoothing: float = 0.0
     gamma: float = 0.0
 
-    def scores(self, model: CausalLM, batch) -> tuple[Array, Array | None, Array]:
-        """(policy, reference, lengths), each [pairs, 2]."""
+    def scores(self, model: CausalLM, batch) -> tuple[Array, Array | None, Array, dict]:
+        """(policy, reference, lengths), each [pairs, 2], and the policy forward's load
+        balance (`routed_logps`: {} for a dense model)."""
         tokens, mask = batch["tokens"], batch["mask"]
         pairs = tokens.shape[0]
         flat_tokens = tokens.reshape(2 * pairs, -1)  # chosen and rejected of a pair side by side
         flat_mask = mask.reshape(2 * pairs, -1)
-        policy = sequence_logps(model, flat_tokens, flat_mask).reshape(pairs, 2)
+        logps, balance = routed_logps(model, flat_tokens)
+        policy = jnp.sum(jnp.where(flat_mask, logps, 0.0), axis=-1).reshape(pairs, 2)
         lengths = mask.sum(-1).astype(jnp.float32)
         if self.kind == "simpo":
-            return policy, None, lengths
+            return policy, None, lengths, balance
         if "ref" in batch:
-            return policy, batch["ref"], lengths
+            return policy, batch["ref"], lengths, balance
         if not lora.adapters(model):
             raise ValueError("a preference batch without 'ref' needs a model with LoRA adapters")
         base = lora.disabled(model)
         ref = jax.lax.stop_gradient(sequence_logps(base, flat_tokens, flat_mask).reshape(pairs, 2))
-        return policy, ref, lengths
+        return policy, ref, lengths, balance
 
     def __call__(self, model: CausalLM, batch) -> tuple[Float[Array, ""], dict[str, Array]]:
-        policy, ref, lengths = self.scores(model, batch)
-        return preference_loss(
+        """The loss (plus a mixture of experts' load-balancing term) and its metrics."""
+        policy, ref, lengths, balance = self.scores(model, batch)
+        loss, parts = preference_loss(
             self.kind,
             policy,
             ref,
@@ -154,12 +192,13 @@ class Preference:
             label_smoothing=self.label_smoothing,
             gamma=self.gamma,
         )
+        return with_balance(model, loss, parts, balance)
 
 
 @eqx.filter_jit
 def preference_eval(objective: Preference, model: CausalLM, batch) -> dict[str, Array]:
     """Per pair ([pairs] each), without a gradient: the objective's loss and metrics."""
-    policy, ref, lengths = objective.scores(model, batch)
+    policy, ref, lengths, _ = objective.scores(model, batch)
     ref = jnp.zeros_like(policy) if ref is None else ref  # simpo reads no reference
 
     def one(p, r, n):

@@ -19,8 +19,9 @@ from eqllm import lora
 from eqllm.data.instruct import prepare_instructions
 from eqllm.data.preference import PreferenceData, prepare_preferences
 from eqllm.data.prompts import PromptData, prepare_prompts
+from eqllm.generation import generate_batch
 from eqllm.model import CausalLM
-from eqllm.recipe import Recipe, finetune_data_path
+from eqllm.recipe import Recipe, finetune_data_path, preference_data_source
 from eqllm.train.grpo import Grpo
 from eqllm.train.objectives import Preference, preference_eval, reference_logps, token_logps
 from eqllm.train.rewards import reward_of
@@ -106,7 +107,9 @@ class GrpoRun:
             kl_coef=r.kl_coef,
             normalization=r.normalization,
             max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
         )
+        self.eos = data.tokenizer.eot_id
         self._group: int | None = None
         self._batch: dict | None = None
 
@@ -137,30 +140,62 @@ class GrpoRun:
         )
         tokens = jnp.asarray(batch["tokens"])
         if r.inner_updates > 1:  # the policy that sampled, for the ratios of later updates
-            batch["old_logps"] = np.asarray(_token_logps(model, tokens))
+            batch["old_logps"] = np.asarray(_token_logps(model, tokens, r.temperature))
         if r.kl_coef > 0:
             ref = lora.disabled(model) if self.reference is None else self.reference
-            batch["ref_logps"] = np.asarray(_token_logps(ref, tokens))
+            batch["ref_logps"] = np.asarray(_token_logps(ref, tokens, r.temperature))
         self._group, self._batch = group, batch
         if self.write and r.inner_updates > 1:
             np.savez(self.file, group=group, **batch)
         return dict(batch)
 
     def evaluate(self, model: CausalLM) -> dict[str, float]:
-        return {}  # the reward of each batch of rollouts is the metric (reward_mean)
+        """val_reward (the mean reward of greedy completions of the held-out prompts) and
+        val_accuracy (the share of them scoring 1 or more: the full reward of the built-in
+        ones); empty without held-out prompts."""
+        prompts, n = self.data.val_prompts, len(self.data.val_prompts)
+        if not n:
+            return {}
+        size = min(self.recipe.eval.batch_size or self.recipe.train.batch_size, n)
+        rewards = []
+        for start in range(0, n, size):
+            chunk = prompts[start : start + size]
+            chunk = chunk + [chunk[-1]] * (size - len(chunk))  # one shape: one compilation
+            out = generate_batch(
+                model,
+                chunk,
+                max_new_tokens=self.recipe.rl.max_new_tokens,
+                key=jax.random.key(0),  # unused: greedy
+                temperature=0.0,
+                stop_tokens=(self.data.tokenizer.eot_id,),
+            )
+            for i, new in enumerate(out[: min(size, n - start)]):
+                text = self.data.tokenizer.decode([int(t) for t in new if t != self.eos])
+                example = self.data.val_examples[start + i]
+                prompt = self.data.tokenizer.decode(prompts[start + i])
+                rewards.append(float(self.reward(prompt, text, example)))
+        rewards = np.asarray(rewards)
+        return {"val_reward": float(rewards.mean()), "val_accuracy": float((rewards >= 1).mean())}
 
 
 def prepare_rows(recipe: Recipe, tokenizer, template):
     """The examples of finetune.data, preference.data or rl.data, tokenized."""
     d = recipe.data
     if recipe.rl.data:
-        return prepare_prompts(finetune_data_path(recipe.rl.data), tokenizer, template=template)
-    path = finetune_data_path(recipe.finetune.data or recipe.preference.data)
-    split = dict(seq_len=d.seq_len, template=template, val_fraction=d.val_fraction)
-    if recipe.preference.data:
-        return prepare_preferences(path, tokenizer, **split, seed=d.split_seed)
+        path = finetune_data_path(recipe.rl.data)
+        held = dict(val_fraction=d.val_fraction, seed=d.split_seed)
+        return prepare_prompts(path, tokenizer, template=template, **held)
+    common = dict(seq_len=d.seq_len, template=template, val_fraction=d.val_fraction)
+    p = recipe.preference
+    if p.data:
+        source = preference_data_source(p.data)
+        fields = (p.prompt_field, p.chosen_field, p.rejected_field)
+        return prepare_preferences(
+            source, tokenizer, **common, seed=d.split_seed, split=p.split, fields=fields
+        )
+    path = finetune_data_path(recipe.finetune.data)
     return prepare_instructions(
-        path, tokenizer, **split, seed=d.split_seed, pack=recipe.finetune.pack
+        path, tokenizer, **common, seed=d.split_seed, pack=recipe.finetune.pack
     )
 
 

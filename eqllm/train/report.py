@@ -214,7 +214,8 @@ def write_objective_plot(out_dir: Path) -> Path | None:
     from eqllm.train.post import OBJECTIVE_METRICS
 
     rows = read_metrics(out_dir)
-    names = [*OBJECTIVE_METRICS, "val_preference_accuracy", "val_reward_margin"]
+    names = [*OBJECTIVE_METRICS, "val_preference_accuracy", "val_reward_margin", "val_reward"]
+    names += ["val_accuracy"]
     series = {k: [(r["step"], r[k]) for r in rows if k in r] for k in names}
     series = {k: v for k, v in series.items() if v}
     if not series:

@@ -6,7 +6,7 @@
   (both stripped), else 0.0. The answer is group 1 of `pattern` when it matches (its last
   match), else the completion's first line.
 - "format": 1.0 when the regular expression `pattern` matches the completion (`re.search`).
-- "reverse_digits": the toy task of the grpo-quickstart recipe (see `reverse_digits`).
+- "close_brackets": the toy task of the grpo-quickstart recipe (see `close_brackets`).
 - "module:function": any importable callable with that signature.
 """
 
@@ -23,7 +23,7 @@ import numpy as np
 from eqllm.recipe import RecipeError
 
 Reward = Callable[[str, str, dict], float]
-BUILT_IN = ("exact_match", "format", "reverse_digits")
+BUILT_IN = ("exact_match", "format", "close_brackets")
 
 
 def extract_answer(completion: str, pattern: str = "") -> str:
@@ -37,12 +37,20 @@ def extract_answer(completion: str, pattern: str = "") -> str:
     return completion.strip().split("\n", 1)[0].strip() if completion.strip() else ""
 
 
-def reverse_digits(prompt: str, completion: str, example: dict) -> float:
-    """The share of `example["answer"]`'s characters the completion has in the same place
-    (what follows the answer's length is not scored): 1.0 for the digits reversed."""
-    target = str(example["answer"])
-    got = completion.lstrip(" ")[: len(target)]
-    return sum(a == b for a, b in zip(got, target, strict=False)) / max(len(target), 1)
+def close_brackets(prompt: str, completion: str, example: dict) -> float:
+    """The share of `example["answer"]` (the brackets that close the prompt's line, innermost
+    first, e.g. "])") followed by the line's end that the completion has in the same place:
+    1.0 for exactly the closing brackets, then a newline; partial credit for a right start.
+    """
+    target = str(example["answer"]) + "\n"
+    line, newline, _ = completion.partition("\n")
+    got = line.rstrip(" ") + newline
+    right = 0
+    for a, b in zip(got, target, strict=False):
+        if a != b:
+            break
+        right += 1
+    return right / len(target)
 
 
 def reward_of(spec: str, pattern: str = "", answer_field: str = "answer") -> Reward:
@@ -54,8 +62,8 @@ def reward_of(spec: str, pattern: str = "", answer_field: str = "answer") -> Rew
             raise RecipeError('rl.reward="format" needs rl.pattern, a regular expression')
         compiled = re.compile(pattern)
         return lambda p, c, ex: float(compiled.search(c) is not None)
-    if spec == "reverse_digits":
-        return reverse_digits
+    if spec == "close_brackets":
+        return close_brackets
     module, _, name = spec.partition(":")
     if not module or not name:
         raise RecipeError(f"rl.reward={spec!r} is not one of {list(BUILT_IN)} or 'module:function'")
@@ -68,10 +76,40 @@ def reward_of(spec: str, pattern: str = "", answer_field: str = "answer") -> Rew
     return function
 
 
-def write_reverse_digits(path: str | Path, n: int = 2000, *, digits: int = 3, seed: int = 0):
-    """The grpo-quickstart data: `n` rows {"prompt": "x = 472\\ny = ", "answer": "274"}."""
+_NAMES = (
+    "count value name size path data item key index timeout parent child buffer offset width "
+    "height label level state mode owner target source result total limit order page text line "
+    "file node"
+).split()
+_FUNCTIONS = "len max min sum abs int str list sorted tuple repr format".split()
+_OPERATORS = (" + ", " - ", " * ", ", ")
+
+
+def close_brackets_example(rng: np.random.Generator, depth: int) -> dict:
+    """One line of Python left open `depth` brackets deep (calls, subscripts, parentheses):
+    {"prompt": "size = len(items[offset + (count", "answer": ")])"}."""
+    line, closers = "", []
+    for level in range(depth):
+        if level:
+            line += rng.choice(_NAMES) + rng.choice(_OPERATORS)
+        kind = rng.integers(3)
+        if kind == 0:
+            line, closers = line + rng.choice(_FUNCTIONS) + "(", [*closers, ")"]
+        elif kind == 1:
+            line, closers = line + rng.choice(_NAMES) + "[", [*closers, "]"]
+        else:
+            line, closers = line + "(", [*closers, ")"]
+    line += rng.choice(_NAMES) if rng.random() < 0.7 else str(rng.integers(10))
+    return {"prompt": f"{rng.choice(_NAMES)} = {line}", "answer": "".join(reversed(closers))}
+
+
+def write_close_brackets(path: str | Path, n: int = 2000, *, max_depth: int = 3, seed: int = 0):
+    """The grpo-quickstart data: `n` distinct rows of `close_brackets_example`, depths 1 to
+    `max_depth` in turn."""
     rng = np.random.default_rng(seed)
+    rows: dict[str, dict] = {}  # by prompt: no prompt twice, so a held-out split is unseen
+    while len(rows) < n:
+        row = close_brackets_example(rng, 1 + len(rows) % max_depth)
+        rows.setdefault(row["prompt"], row)
     with open(path, "w") as f:
-        for _ in range(n):
-            number = "".join(str(d) for d in rng.integers(0, 10, digits))
-            f.write(json.dumps({"prompt": f"x = {number}\ny = ", "answer": number[::-1]}) + "\n")
+        f.writelines(json.dumps(row) + "\n" for row in rows.values())
