@@ -169,6 +169,7 @@ def test_close_brackets_rows_close_their_line_exactly(tmp_path):
             ast.parse(r["prompt"] + r["answer"][:-1])
 
 
+@pytest.mark.slow  # a run with evaluations, then greedy generation per held-out prompt
 def test_held_out_prompts_are_split_and_scored_greedily(tmp_path):
     """data.val_fraction of the prompts are held out (seeded, disjoint from training);
     val_reward is the mean reward of each one's greedy completion generated alone, and
