@@ -103,3 +103,27 @@ def test_coordcheck_command_writes_json_and_plot(tmp_path):
         text=True,
     )
     assert bad.returncode == 2 and "--widths" in bad.stderr
+
+
+def test_a_depth_check_takes_one_width(monkeypatch):
+    """Over depth the width is fixed, so one --widths value is enough (two are needed over
+    width); the options reach coord_check as given."""
+    from eqllm.cli import build_parser
+    from eqllm.commands import coordcheck as command
+
+    seen = {}
+
+    def fake(variant, parametrization, **kw):
+        seen.update(kw, variant=variant, parametrization=parametrization)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(command, "coord_check", fake)
+    argv = ["coordcheck", "llama-nano", "--parametrization", "completep", "--widths", "64"]
+    args = build_parser().parse_args([*argv, "--depths", "2,4", "--init-std", "0.1"])
+    with pytest.raises(SystemExit):
+        args.func(args)
+    assert (seen["widths"], seen["depths"], seen["init_std"]) == ((64,), (2, 4), 0.1)
+    assert (seen["batch"], seen["seq_len"], seen["seeds"], seen["zero_readout"]) == (2, 8, 3, False)
+    args = build_parser().parse_args(argv)
+    with pytest.raises(EqllmError, match="--widths '64' must be two or more"):
+        args.func(args)

@@ -17,21 +17,21 @@ from eqllm.bench.coordcheck import coord_check, plot_coord_check
 from eqllm.errors import EqllmError
 
 
-def _sizes(text: str, flag: str) -> tuple[int, ...]:
+def _sizes(text: str, flag: str, least: int = 2) -> tuple[int, ...]:
     try:
         sizes = tuple(int(v) for v in text.split(","))
     except ValueError:
         sizes = ()
-    if len(sizes) < 2 or min(sizes) < 1 or len(set(sizes)) != len(sizes):
-        raise EqllmError(
-            f"{flag} {text!r} must be two or more distinct positive integers, e.g. 64,128"
-        )
+    if len(sizes) < least or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+        what = "two or more distinct positive integers" if least > 1 else "positive integers"
+        raise EqllmError(f"{flag} {text!r} must be {what}, e.g. 64,128")
     return sizes
 
 
 def coordcheck_command(args: argparse.Namespace) -> int:
-    widths = _sizes(args.widths, "--widths")
     depths = _sizes(args.depths, "--depths") if args.depths else None
+    # Over depth the width is fixed: the first of --widths (one is enough).
+    widths = _sizes(args.widths, "--widths", least=1 if depths else 2)
     for flag, value in (("--steps", args.steps), ("--batch", args.batch), ("--seeds", args.seeds)):
         if value < 1:
             raise EqllmError(f"{flag} {value} must be at least 1")
