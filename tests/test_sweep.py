@@ -153,3 +153,41 @@ def test_a_killed_sweep_resumes_where_it_stopped(env):
         if "grad_norm" in json.loads(line)
     ]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_jobs_split_the_visible_gpus(monkeypatch):
+    from eqllm.sweep.runner import device_groups
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert device_groups(2) == ["0,1", "2,3"]
+    assert device_groups(3) == ["0", "1", "2"]  # the fourth is left idle, not shared
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert device_groups(2) is None  # fewer GPUs than jobs: the workers share what there is
+
+
+@pytest.mark.slow
+def test_jobs_run_points_in_worker_processes_at_once(env, monkeypatch):
+    import eqllm.sweep.runner as runner
+
+    live, most = [], []
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            live.append(self)
+            most.append(sum(p.poll() is None for p in live))
+
+    monkeypatch.setattr(runner.subprocess, "Popen", Recorded)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    lrs = write_sweep(env, "jobs", '[grid]\n"optim.lr" = [0.003, 0.006, 0.012]\n')
+    out = env / "runs" / "jobs"
+    assert run_sweep(load_sweep(lrs), out, jobs=2, echo=lambda *a: None) is None
+    assert len(live) == 3 and max(most) == 2  # two workers at once, a third after one ended
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["point"] for r in rows] == ["000", "001", "002"]
+    assert not any(r["diverged"] for r in rows)
+    # A worker's point is the point run in this process.
+    one = write_sweep(env, "one", '[grid]\n"optim.lr" = [0.006]\n')
+    assert run_sweep(load_sweep(one), env / "runs" / "one", echo=lambda *a: None) is None
+    alone = json.loads((env / "runs" / "one" / "results.jsonl").read_text().splitlines()[0])
+    assert alone["loss"] == pytest.approx(rows[1]["loss"], rel=1e-5)

@@ -13,12 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from eqllm import zoo
 from eqllm.config import ModelConfig
+from eqllm.errors import EqllmError
 from eqllm.model import CausalLM
 from eqllm.recipe import OptimSpec
 from eqllm.train.optim import make_optimizer, schedule
@@ -114,16 +116,31 @@ def coord_check(
     depths: tuple[int, ...] | None = None,
     steps: int = 5,
     lr: float = 1e-2,
-    batch: int = 8,
-    seq_len: int = 64,
+    batch: int = 2,
+    seq_len: int = 8,
     vocab_size: int = 256,
+    seeds: int = 3,
     seed: int = 0,
+    init_std: float | None = None,
+    zero_readout: bool = False,
 ) -> CoordCheck:
     """Train each size `steps` Adam steps (no warmup, no clipping, no decay) on one fixed
-    random batch and record `activations` after every step."""
+    random batch and record `activations` after every step; each mean |activation| is the
+    average over `seeds` runs (initialisation and batch drawn from seed, seed + 1, ...).
+
+    The batch is small on purpose: muP's limit holds the batch fixed as the width grows, and an
+    update's effect on a layer's output only reaches its large-width size once the width is
+    well above the number of distinct tokens (`batch * seq_len`); with more tokens than width
+    the update acts like a random matrix and every slope sits below 0 (docs/scaling-laws.md).
+
+    `init_std` replaces the variant's (a std far below 1 / sqrt(base width) leaves every layer's
+    output to its updates, whose large-width size is reached only at larger widths);
+    `zero_readout` starts the LM head at zero, as microsoft/mup's examples do, which removes the
+    logits' initial part (it shrinks as 1 / sqrt(width) under muP, correctly, but dominates the
+    logits of a few steps at small widths). An untied head is needed for it.
+    """
     axis = "depth" if depths else "width"
     sizes = tuple(depths) if depths else tuple(widths)
-    tokens = jax.random.randint(jax.random.key(seed), (batch, seq_len), 0, vocab_size)
     spec = OptimSpec(lr=lr, warmup_steps=0, schedule="constant", weight_decay=0.0, clip_norm=0.0)
     measure = jax.jit(lambda model, t: activations(model, t)[0])
     table: dict[str, list[list[float]]] = {}
@@ -138,17 +155,29 @@ def coord_check(
             vocab_size=vocab_size,
             seq_len=seq_len,
         )
-        model = CausalLM(cfg, key=jax.random.key(seed))
-        optimizer = make_optimizer(spec, steps, model)
-        step = TrainStep(optimizer, schedule(spec, steps))
-        state = init_opt_state(optimizer, model)
-        rows: dict[str, list[float]] = {}
-        for _ in range(steps):
-            model, state, _ = step(model, state, tokens)
-            for name, value in measure(model, tokens).items():
-                rows.setdefault(name, []).append(float(value))
+        if init_std is not None:
+            cfg = cfg.replace(init_std=init_std)
+        if zero_readout and cfg.tie_embeddings:
+            raise EqllmError(
+                f"zero_readout with {variant} (tie_embeddings = true) would zero the embedding; "
+                "check an untied variant or leave the head's initialisation as it is"
+            )
+        rows: dict[str, np.ndarray] = {}
+        step = None
+        for s in range(seed, seed + seeds):
+            model = CausalLM(cfg, key=jax.random.key(s))
+            if zero_readout:
+                model = eqx.tree_at(lambda m: m.lm_head.weight, model, model.lm_head.weight * 0)
+            tokens = jax.random.randint(jax.random.key(s), (batch, seq_len), 0, vocab_size)
+            if step is None:  # one optimizer and compiled step per size, shared by its seeds
+                step = TrainStep(make_optimizer(spec, steps, model), schedule(spec, steps))
+            state = init_opt_state(step.optimizer, model)
+            for t in range(steps):
+                model, state, _ = step(model, state, tokens)
+                for name, value in measure(model, tokens).items():
+                    rows.setdefault(name, np.zeros(steps))[t] += float(value) / seeds
         for name, values in rows.items():
-            table.setdefault(name, []).append(values)
+            table.setdefault(name, []).append(list(values))
     x = np.log2(np.asarray(sizes, np.float64))
     means = {k: np.asarray(v) for k, v in table.items()}
     slopes = {
@@ -171,6 +200,7 @@ def plot_coord_check(result: CoordCheck, path: Path, title: str) -> Path:
         for name, values in result.means.items():
             ax.plot(result.sizes, values[:, s], "o-", ms=3, label=name)
         ax.set(xscale="log", yscale="log", title=f"after step {s + 1}", xlabel=result.axis)
+        ax.minorticks_off()  # the sizes label the axis, not log-scale minor ticks
         ax.set_xticks(result.sizes, [str(v) for v in result.sizes])
     axes[0][0].set_ylabel("mean |activation|")
     axes[0][-1].legend(fontsize=6)

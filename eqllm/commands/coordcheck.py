@@ -1,5 +1,6 @@
 """`eqllm coordcheck VARIANT --parametrization sp|mup|completep --widths 64,128,256,512
-[--depths 2,4,8,16] [--steps 5] [--json]`: the coordinate check of a parametrization.
+[--depths 2,4,8,16] [--steps 5] [--seeds 3] [--init-std S] [--zero-readout] [--json]`: the
+coordinate check of a parametrization.
 
 Writes coord_check.png (in --out, default the working directory) and prints the slope of
 log2 mean |activation| against log2 width (or depth) per layer and step; `--json` prints
@@ -16,23 +17,26 @@ from eqllm.bench.coordcheck import coord_check, plot_coord_check
 from eqllm.errors import EqllmError
 
 
-def _sizes(text: str, flag: str) -> tuple[int, ...]:
+def _sizes(text: str, flag: str, least: int = 2) -> tuple[int, ...]:
     try:
         sizes = tuple(int(v) for v in text.split(","))
     except ValueError:
         sizes = ()
-    if len(sizes) < 2 or min(sizes) < 1 or len(set(sizes)) != len(sizes):
-        raise EqllmError(
-            f"{flag} {text!r} must be two or more distinct positive integers, e.g. 64,128"
-        )
+    if len(sizes) < least or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+        what = "two or more distinct positive integers" if least > 1 else "positive integers"
+        raise EqllmError(f"{flag} {text!r} must be {what}, e.g. 64,128")
     return sizes
 
 
 def coordcheck_command(args: argparse.Namespace) -> int:
-    widths = _sizes(args.widths, "--widths")
     depths = _sizes(args.depths, "--depths") if args.depths else None
-    if args.steps < 1:
-        raise EqllmError(f"--steps {args.steps} must be at least 1")
+    # Over depth the width is fixed: the first of --widths (one is enough).
+    widths = _sizes(args.widths, "--widths", least=1 if depths else 2)
+    for flag, value in (("--steps", args.steps), ("--batch", args.batch), ("--seeds", args.seeds)):
+        if value < 1:
+            raise EqllmError(f"{flag} {value} must be at least 1")
+    if args.init_std is not None and args.init_std <= 0:
+        raise EqllmError(f"--init-std {args.init_std} must be positive, e.g. 0.1")
     result = coord_check(
         args.variant,
         args.parametrization,
@@ -40,7 +44,11 @@ def coordcheck_command(args: argparse.Namespace) -> int:
         depths=depths,
         steps=args.steps,
         lr=args.lr,
+        batch=args.batch,
         seq_len=args.seq_len,
+        seeds=args.seeds,
+        init_std=args.init_std,
+        zero_readout=args.zero_readout,
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -67,7 +75,13 @@ def add_parser(commands) -> None:
     p.add_argument("--depths", default=None, help="n_layers values (at the first width) instead")
     p.add_argument("--steps", type=int, default=5, help="Adam steps per size")
     p.add_argument("--lr", type=float, default=1e-2, help="the (base) learning rate")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=2, help="sequences in the fixed batch")
+    p.add_argument("--seq-len", type=int, default=8, help="tokens per sequence")
+    p.add_argument("--seeds", type=int, default=3, help="runs averaged per size")
+    p.add_argument("--init-std", type=float, default=None, help="init std instead of the variant's")
+    p.add_argument(
+        "--zero-readout", action="store_true", help="start the LM head at zero (untied head)"
+    )
     p.add_argument("--out", default=".", help="folder for coord_check.png")
     p.add_argument("--json", action="store_true", help="print the slopes as JSON")
     p.set_defaults(func=coordcheck_command)
