@@ -13,6 +13,7 @@ from eqllm.nn.linear import (
     param_info,
     quantize,
 )
+from eqllm.nn.mla import LatentCache, MultiHeadLatentAttention
 from eqllm.nn.mlp import MLP, GatedMLP
 from eqllm.nn.moe import MoE, expert_load, load_balancing_loss
 from eqllm.nn.norm import LayerNorm, RMSNorm
@@ -27,9 +28,11 @@ __all__ = [
     "GatedMLP",
     "Int8Linear",
     "KVCache",
+    "LatentCache",
     "LayerNorm",
     "Linear",
     "MoE",
+    "MultiHeadLatentAttention",
     "ParamInfo",
     "RMSNorm",
     "RopeScaling",

@@ -32,14 +32,21 @@ from eqllm.train.pipeline import Pipeline
 
 
 def _layer_grad_norms(grads) -> Float[Array, " layers"]:
-    """L2 norm of each layer's gradient: the stacked blocks' leaves reduced over all but axis 0."""
-    leaves = [g for g in jax.tree.leaves(grads.blocks) if g is not None]
-    # Summed over the other axes in place: reshaping a split array to (layers, -1) would make
-    # XLA gather every layer's whole gradient (under fsdp) just for this metric.
-    squares = [
-        jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim))) for g in leaves
-    ]
-    return jnp.sqrt(sum(squares))
+    """L2 norm of each layer's gradient: the stacked blocks' leaves reduced over all but axis 0
+    (a dense prefix's layers first)."""
+
+    def norms(stack):
+        leaves = [g for g in jax.tree.leaves(stack) if g is not None]
+        # Summed over the other axes in place: reshaping a split array to (layers, -1) would
+        # make XLA gather every layer's whole gradient (under fsdp) just for this metric.
+        squares = [
+            jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim))) for g in leaves
+        ]
+        return jnp.sqrt(sum(squares))
+
+    if getattr(grads, "dense_blocks", None) is None:
+        return norms(grads.blocks)
+    return jnp.concatenate([norms(grads.dense_blocks), norms(grads.blocks)])
 
 
 def training_loss(
