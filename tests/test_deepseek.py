@@ -11,12 +11,17 @@ import json
 import types
 from pathlib import Path
 
+import equinox as eqx
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
 import eqllm
+from eqllm.train.step import TrainStep, init_opt_state
 from tests.conftest import cached_logits
 from tests.test_hub import DIMS, _hf_logits, _logits
 
@@ -179,3 +184,42 @@ def test_total_and_active_parameters_equal_transformers(name, total):
     assert eqllm.zoo.param_count(name) == count == total
     assert eqllm.zoo.active_param_count(name) == count - idle
     assert eqllm.zoo.config(name) == eqllm.hub.from_hf_config(PUBLISHED[name])
+
+
+# Auxiliary-loss-free balancing ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_correction_bias_moves_load_toward_balance():
+    """A router with zero weights and a correction bias skewed to experts 0 and 1 sends every
+    token there; each step moves the bias by u * sign(mean load - load) (closed form: -u for
+    the two loaded experts, +u for the six idle ones), with a learning rate of 0 so that only
+    the bias moves, until the idle experts win: with u = 0.04 from 0.3, after the fourth step."""
+    u, skew = 0.04, 0.3
+    cfg = eqllm.zoo.config(
+        "deepseek_v3-nano", vocab_size=64, d_model=32, max_seq_len=32, moe={"bias_update_speed": u}
+    )
+    model = eqllm.CausalLM(cfg, key=jax.random.key(0))
+    router = model.blocks.mlp.router.weight
+    start = jnp.zeros((3, 8)).at[:, :2].set(skew)
+    model = eqx.tree_at(
+        lambda m: (m.blocks.mlp.router.weight, m.blocks.mlp.score_bias),
+        model,
+        (jnp.zeros_like(router), start),
+    )
+    optimizer = optax.sgd(0.0)
+    step = TrainStep(optimizer, lambda count: 0.0)
+    state = init_opt_state(optimizer, model)
+    tokens = np.random.default_rng(0).integers(0, 64, (4, 17))
+    loads, biases = [], []
+    for _ in range(5):
+        model, state, metrics = step(model, state, tokens)
+        loads.append(np.asarray(metrics["expert_load"]))
+        biases.append(np.asarray(model.blocks.mlp.score_bias))
+    skewed = np.tile([0.5, 0.5, 0, 0, 0, 0, 0, 0], (3, 1))
+    for k in range(4):  # the first four steps still choose experts 0 and 1
+        np.testing.assert_array_equal(loads[k], skewed)
+        expected = np.tile([skew - u * (k + 1)] * 2 + [u * (k + 1)] * 6, (3, 1))
+        np.testing.assert_allclose(biases[k], expected, atol=1e-6)
+    assert (loads[4][:, :2] == 0).all()  # then the idle experts take the tokens
+    np.testing.assert_array_equal(np.asarray(model.blocks.mlp.router.weight), 0.0)

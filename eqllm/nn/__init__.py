@@ -15,7 +15,7 @@ from eqllm.nn.linear import (
 )
 from eqllm.nn.mla import LatentCache, MultiHeadLatentAttention
 from eqllm.nn.mlp import MLP, GatedMLP
-from eqllm.nn.moe import MoE, expert_load, load_balancing_loss
+from eqllm.nn.moe import MoE, balanced_bias, chosen_load, expert_load, load_balancing_loss
 from eqllm.nn.norm import LayerNorm, RMSNorm
 from eqllm.nn.rope import RopeScaling, RotaryEmbedding, rope_frequencies, rope_inv_freq
 
@@ -40,6 +40,8 @@ __all__ = [
     "attention_mask",
     "dot_product_attention",
     "fused_attention",
+    "balanced_bias",
+    "chosen_load",
     "expert_load",
     "load_balancing_loss",
     "param_info",

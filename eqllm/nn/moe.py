@@ -210,8 +210,7 @@ class MoE(eqx.Module):
     ) -> tuple[Float[Array, "rows experts"], Float[Array, "rows k"], Int[Array, "rows k"]]:
         """Router logits (compute dtype), the top-k weights (compute dtype) and expert ids."""
         logits = self.router(x)
-        plain = self.scoring == "softmax" and self.score_bias is None and self.n_groups is None
-        if plain:
+        if self.plain_routing:
             probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # fp32, over all experts
             weights, experts = jax.lax.top_k(probs, self.top_k)
             if self.normalize:
@@ -221,6 +220,18 @@ class MoE(eqx.Module):
         if self.routed_scale != 1.0:
             weights = weights * self.routed_scale
         return logits, weights.astype(x.dtype), experts
+
+    @property
+    def plain_routing(self) -> bool:
+        """Softmax over all experts, top k, no bias or groups (every family but DeepSeek)."""
+        return self.scoring == "softmax" and self.score_bias is None and self.n_groups is None
+
+    def choices(self, logits: Float[Array, "rows experts"]) -> Int[Array, "rows k"]:
+        """The experts each row's router logits choose (as `route` chooses them)."""
+        logits = logits.astype(jnp.float32)
+        if self.plain_routing:
+            return jax.lax.top_k(jax.nn.softmax(logits, axis=-1), self.top_k)[1]
+        return self._choose(logits)[1]
 
     def _choose(self, logits):
         """DeepSeek's selection: scores, plus the correction bias, limited to the best groups;
@@ -311,6 +322,32 @@ def expert_load(
     rows = jnp.maximum(m.sum(), 1.0)
     assigned = jnp.einsum("lte,t->le", counts, m) / (rows * top_k)
     return assigned, jnp.einsum("lte,t->le", probs, m) / rows
+
+
+def chosen_load(
+    moe: MoE, router_logits: Float[Array, "layers *rows experts"]
+) -> Float[Array, "layers experts"]:
+    """Per layer of a stacked `moe` (arrays with a leading layers axis): the fraction of token
+    assignments each expert receives under the layer's own routing (DeepSeek's correction bias
+    and groups included); each row sums to 1."""
+    n_experts = router_logits.shape[-1]
+
+    def one(layer: MoE, logits):
+        experts = layer.choices(logits.reshape(-1, n_experts))
+        counts = jax.nn.one_hot(experts, n_experts, dtype=jnp.float32).sum((0, 1))
+        return counts / counts.sum()
+
+    return eqx.filter_vmap(one)(moe, router_logits)
+
+
+def balanced_bias(
+    bias: Float[Array, "layers experts"], load: Float[Array, "layers experts"], speed: float
+) -> Float[Array, "layers experts"]:
+    """Auxiliary-loss-free balancing (DeepSeek-V3 report, section 2.1.2): each expert's
+    correction bias moves by `speed` toward equal load, up where the expert got less than the
+    mean load, down where it got more: bias + speed * sign(mean(load) - load)."""
+    step = speed * jnp.sign(load.mean(-1, keepdims=True) - load)
+    return (bias + step).astype(bias.dtype)
 
 
 def load_balancing_loss(
