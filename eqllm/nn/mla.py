@@ -188,6 +188,14 @@ class MultiHeadLatentAttention(eqx.Module):
         self.v_head_dim, self.interleaved, self.absorb = v_head_dim, interleaved, absorb
         self.scale = qk_dim**-0.5 if scale is None else scale
 
+    def with_absorb(self, absorb: bool) -> MultiHeadLatentAttention:
+        """The same weights, decoding absorbed (True) or expanded (False)."""
+        new = object.__new__(type(self))
+        for name, value in vars(self).items():
+            object.__setattr__(new, name, value)
+        object.__setattr__(new, "absorb", absorb)
+        return new
+
     def _rotate(self, x, positions):
         if self.interleaved:  # pairs (0, 1), (2, 3), ... -> halves (0, 2, ...), (1, 3, ...)
             x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
