@@ -223,3 +223,15 @@ def test_the_correction_bias_moves_load_toward_balance():
         np.testing.assert_allclose(biases[k], expected, atol=1e-6)
     assert (loads[4][:, :2] == 0).all()  # then the idle experts take the tokens
     np.testing.assert_array_equal(np.asarray(model.blocks.mlp.router.weight), 0.0)
+
+
+def test_zoo_show_sizes_deepseek_v3_per_device(capsys):
+    from eqllm.cli import main
+
+    assert main(["zoo", "show", "deepseek-v3", "--mesh", "fsdp=8,tensor=8"]) == 0
+    out = capsys.readouterr().out
+    assert "dense_blocks.mlp.gate.weight" in out and "blocks.mlp.score_bias" in out
+    # 671,026,419,200 fp32 parameters split evenly over 64 devices would be 39.06 GiB; what is
+    # split over one axis only (the latents' projections) or replicated (norms) adds a little.
+    per_device = float(out.split("parameters per device: ")[1].split(" GiB")[0])
+    assert 671_026_419_200 * 4 / 64 / 2**30 < per_device < 1.1 * 671_026_419_200 * 4 / 64 / 2**30
