@@ -2,7 +2,9 @@
 
 The architecture is GPT-2's (Radford et al., 2019) generalised by `ModelConfig` switches to
 Llama (Touvron et al., 2023), Mistral, Qwen2/3, Gemma 1/2/3, Phi-3, OLMo 2, SmolLM3 and the
-mixtures of experts Mixtral, Qwen2-MoE, OLMoE and Qwen3-MoE (a sparse MoE in place of each MLP).
+mixtures of experts Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE, gpt-oss and DeepSeek-V2/V3 (a sparse MoE
+in place of each MLP; DeepSeek's first layers dense, a second stack `dense_blocks`, and its
+attention latent).
 The layers are one Block whose arrays carry a leading `layers` axis, so compile time does not
 grow with depth; what differs between layers (windowed or global attention, and with it the RoPE
 base; rotary or NoPE) is a per-layer flag scanned alongside the weights.

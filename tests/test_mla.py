@@ -229,12 +229,13 @@ def test_cached_decoding_from_latents_equals_the_full_forward(v3_attention, abso
 
 
 def test_latent_cache_is_smaller_than_grouped_query_attention():
-    """Per token and layer: kv_lora_rank + rope numbers against 2 * kv_heads * head_dim."""
-    latent = LatentCache.empty(1, 512, 64)
-    gqa = KVCache.empty(1, 128, 192)  # DeepSeek-V3's heads as multi-head attention
-    nbytes = lambda c: sum(a.nbytes for a in (c.latent, c.rope_key) if True)  # noqa: E731
-    assert nbytes(latent) == (512 + 64) * 4
-    assert gqa.k.nbytes + gqa.v.nbytes == 2 * 128 * 192 * 4
+    """Per token and layer, DeepSeek-V3's sizes: the latent cache holds kv_lora_rank + rope
+    numbers (576), multi-head attention's cache keys and values of every head (128 x 192)."""
+    latent = LatentCache.empty(10, 512, 64)
+    gqa = KVCache.empty(10, 128, 192)
+    per_token = (latent.latent.nbytes + latent.rope_key.nbytes) // 10
+    assert per_token == (512 + 64) * 4
+    assert (gqa.k.nbytes + gqa.v.nbytes) // 10 == 2 * 128 * 192 * 4 > 85 * per_token
 
 
 # Routing ----------------------------------------------------------------------------------------
