@@ -16,7 +16,7 @@ from eqllm.train import TrainStep, init_opt_state, make_optimizer, schedule
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 
 SPEC = OptimSpec(lr=1e-2, warmup_steps=0, eps=1e-3)  # see test_train_mesh.py
-SMALL = dict(vocab_size=96, d_model=64, max_seq_len=32, n_layers=3)
+SMALL = dict(vocab_size=96, d_model=64, max_seq_len=32, n_layers=2)
 CONFIGS = {
     "deepseek_v3": eqllm.zoo.config(
         "deepseek_v3-nano",
