@@ -21,6 +21,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 import eqllm
+from eqllm.recipe import load_recipe
 from eqllm.train.step import TrainStep, init_opt_state
 from tests.conftest import cached_logits
 from tests.test_hub import DIMS, _hf_logits, _logits
@@ -239,7 +240,9 @@ def test_zoo_show_sizes_deepseek_v3_per_device(capsys):
 def test_the_nano_trains_and_generates_on_a_cpu():
     """deepseek_v3-nano: the loss falls over a few steps of its own batch, the correction bias
     moves, and eqllm.generate decodes from the latent cache."""
-    model = eqllm.zoo.create("deepseek_v3-nano", key=jax.random.key(0))
+    recipe = load_recipe("deepseek_v3-nano")
+    model = eqllm.CausalLM(recipe.model_config(), key=jax.random.key(0))
+    assert model.config.moe.bias_update_speed == 0.001
     tokens = np.random.default_rng(0).integers(0, 4096, (4, 33))
     optimizer = optax.adam(3e-3)
     step = TrainStep(optimizer, lambda count: 3e-3)
