@@ -2,7 +2,9 @@
 
 The architecture is GPT-2's (Radford et al., 2019) generalised by `ModelConfig` switches to
 Llama (Touvron et al., 2023), Mistral, Qwen2/3, Gemma 1/2/3, Phi-3, OLMo 2, SmolLM3 and the
-mixtures of experts Mixtral, Qwen2-MoE, OLMoE and Qwen3-MoE (a sparse MoE in place of each MLP).
+mixtures of experts Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE, gpt-oss and DeepSeek-V2/V3 (a sparse MoE
+in place of each MLP; DeepSeek's first layers dense, a second stack `dense_blocks`, and its
+attention latent).
 The layers are one Block whose arrays carry a leading `layers` axis, so compile time does not
 grow with depth; what differs between layers (windowed or global attention, and with it the RoPE
 base; rotary or NoPE) is a per-layer flag scanned alongside the weights.
@@ -24,6 +26,7 @@ from eqllm.nn import (
     Block,
     Embedding,
     KVCache,
+    LatentCache,
     LayerNorm,
     Linear,
     RMSNorm,
@@ -32,7 +35,7 @@ from eqllm.nn import (
 from eqllm.nn.linear import is_param_info
 from eqllm.parametrization import role_multipliers, scales
 from eqllm.stack import REMAT_POLICIES as REMAT_POLICIES  # re-exported: the remat names
-from eqllm.stack import dtype_of, layer_flag, layer_flags, make_block, make_norm, run_blocks
+from eqllm.stack import dtype_of, layer_flag, layer_flags, make_block, make_norm, run_stacks
 
 # ModelConfig fields that change how the model runs, not what it computes.
 EXECUTION_FIELDS = ("scan_layers", "remat", "compute_dtype", "attention.kernel", "moe.impl")
@@ -56,6 +59,9 @@ class CausalLM(eqx.Module):
     final_norm: RMSNorm | LayerNorm
     lm_head: Linear | None  # None when tied to `embed`
     config: ModelConfig = eqx.field(static=True)
+    # The first moe.dense_layers layers of a mixture of experts with a dense MLP (DeepSeek's
+    # first_k_dense_replace), stacked alike; None otherwise. `blocks` holds the rest.
+    dense_blocks: Block | None = None
 
     def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
         parts = _initial_parts(config, key)
@@ -65,6 +71,7 @@ class CausalLM(eqx.Module):
         self.final_norm = parts["final_norm"]
         self.lm_head = parts["lm_head"]
         self.config = config
+        self.dense_blocks = parts["dense_blocks"]
 
     def with_config(self, **changes) -> CausalLM:
         """The same weights under changed execution settings (EXECUTION_FIELDS, as dotted keys
@@ -134,8 +141,8 @@ class CausalLM(eqx.Module):
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
         model = cast_floating(self, dtype_of(cfg.compute_dtype))  # the one compute-dtype cast
         x = model.embed_inputs(tokens, positions)
-        x, router_logits = run_blocks(
-            model.blocks, x, None if in_order else positions, cfg, segment_ids
+        x, router_logits = run_stacks(
+            model.dense_blocks, model.blocks, x, None if in_order else positions, cfg, segment_ids
         )
         return model.final_norm(x), router_logits
 
@@ -170,7 +177,7 @@ class CausalLM(eqx.Module):
     # stacked arrays at every decode step, 3-4x slower than reading them in place (gpt2-small).
     # Compile time of cached inference therefore grows with depth; training is unaffected.
 
-    def init_cache(self, length: int) -> tuple[KVCache, ...]:
+    def init_cache(self, length: int) -> tuple[KVCache | LatentCache, ...]:
         """An empty KV cache for one sequence of up to `length` positions, one per layer.
 
         Each layer's cache has `min(length, max_seq_len)` slots, `sliding_window` at most in a
@@ -180,6 +187,10 @@ class CausalLM(eqx.Module):
         cfg = self.config
         dtype = dtype_of(cfg.compute_dtype)
         full = min(length, cfg.max_seq_len)
+        a = cfg.attention
+        if a.kind == "mla":  # the latent and the rotary key only
+            latent = LatentCache.empty(full, a.kv_lora_rank, a.qk_rope_head_dim, dtype)
+            return (latent,) * cfg.n_layers
         window, kv_heads = cfg.attention.sliding_window, cfg.attention.n_kv_heads
         local = KVCache.empty(min(full, window or full), kv_heads, cfg.head_dim, dtype)
         world = KVCache.empty(full, kv_heads, cfg.head_dim, dtype)
@@ -191,23 +202,28 @@ class CausalLM(eqx.Module):
         Pass them to `prefill` / `decode` called in a compiled loop: sliced inside the loop, every
         layer's weights were copied at every step (halving decode speed on CPU, gpt2-small).
         """
-        cfg = self.config
-        params, static = eqx.partition(self.blocks, eqx.is_array)
-        params = cast_floating(params, dtype_of(cfg.compute_dtype))
-        return tuple(
-            eqx.combine(jax.tree.map(lambda a, i=i: a[i], params), static)
-            for i in range(cfg.n_layers)
-        )
+        dtype = dtype_of(self.config.compute_dtype)
+        layers = []
+        for stack in (self.dense_blocks, self.blocks):
+            if stack is None:
+                continue
+            params, static = eqx.partition(stack, eqx.is_array)
+            params = cast_floating(params, dtype)
+            n = jax.tree.leaves(params)[0].shape[0]
+            layers += [
+                eqx.combine(jax.tree.map(lambda a, i=i: a[i], params), static) for i in range(n)
+            ]
+        return tuple(layers)
 
     @jax.named_scope("eqllm.CausalLM.prefill")
     def prefill(
         self,
         tokens: Int[Array, " seq"],
         positions: Int[Array, " seq"],
-        cache: tuple[KVCache, ...],
+        cache: tuple[KVCache | LatentCache, ...],
         *,
         layers: tuple[Block, ...] | None = None,
-    ) -> tuple[Float[Array, " vocab"], tuple[KVCache, ...]]:
+    ) -> tuple[Float[Array, " vocab"], tuple[KVCache | LatentCache, ...]]:
         """Write a chunk of a sequence into `cache`; the logits (fp32) after its last token.
 
         Arguments:
@@ -238,10 +254,10 @@ class CausalLM(eqx.Module):
         self,
         token: Int[Array, ""],
         position: Int[Array, ""],
-        cache: tuple[KVCache, ...],
+        cache: tuple[KVCache | LatentCache, ...],
         *,
         layers: tuple[Block, ...] | None = None,
-    ) -> tuple[Float[Array, " vocab"], tuple[KVCache, ...]]:
+    ) -> tuple[Float[Array, " vocab"], tuple[KVCache | LatentCache, ...]]:
         """Feed one token at `position` after those in `cache`: `prefill` of a chunk of one."""
         return self.prefill(token[None], position[None], cache, layers=layers)
 
@@ -256,6 +272,7 @@ def _initial_parts(config: ModelConfig, key: PRNGKeyArray) -> dict:
     dtype = dtype_of(config.param_dtype)
     k_embed, k_pos, k_blocks, k_head, k_init = jax.random.split(key, 5)
     block_keys = jax.random.split(k_blocks, config.n_layers)
+    dense = 0 if config.moe is None else config.moe.dense_layers
     parts = {
         "embed": Embedding(
             config.vocab_size, config.d_model, axes=("vocab", "d_model"), key=k_embed, dtype=dtype
@@ -271,7 +288,12 @@ def _initial_parts(config: ModelConfig, key: PRNGKeyArray) -> dict:
             if config.positions.kind == "learned"
             else None
         ),
-        "blocks": eqx.filter_vmap(lambda k: make_block(config, k))(block_keys),
+        "blocks": eqx.filter_vmap(lambda k: make_block(config, k))(block_keys[dense:]),
+        "dense_blocks": (
+            eqx.filter_vmap(lambda k: make_block(config, k, dense=True))(block_keys[:dense])
+            if dense
+            else None
+        ),
         "lm_head": (
             None
             if config.tie_embeddings

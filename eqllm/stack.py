@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Callable, Iterator
 
 import equinox as eqx
@@ -28,6 +29,7 @@ from eqllm.nn import (
     GatedMLP,
     LayerNorm,
     MoE,
+    MultiHeadLatentAttention,
     RMSNorm,
     RopeScaling,
     RotaryEmbedding,
@@ -102,6 +104,8 @@ def make_rope(config: ModelConfig) -> RotaryEmbedding | None:
         if s.kind == "longrope" and s.factor is None:  # transformers' default for Phi-3
             values["factor"] = config.max_seq_len / s.original_max_seq_len
         scaling = RopeScaling(**values)
+    if config.attention.kind == "mla":  # only the qk_rope_head_dim part rotates
+        return RotaryEmbedding(config.rotary_dim, pos.theta, scaling=scaling)
     return RotaryEmbedding(
         config.head_dim,
         pos.theta,
@@ -111,17 +115,44 @@ def make_rope(config: ModelConfig) -> RotaryEmbedding | None:
     )
 
 
-def make_block(config: ModelConfig, key: PRNGKeyArray) -> Block:
-    """One Transformer block as `config` describes it."""
-    dtype = dtype_of(config.param_dtype)
-    k_attn, k_mlp = jax.random.split(key)
+def mla_scale(config: ModelConfig) -> float:
+    """Latent attention's softmax scale: 1 / sqrt(qk head size), times the square of YaRN's
+    mscale(factor, mscale_all_dim) where the RoPE scaling sets mscale_all_dim (transformers'
+    `yarn_apply_mscale` for DeepSeek)."""
+    scale = config.head_dim**-0.5
+    s = config.positions.scaling
+    if s is not None and s.mscale_all_dim and s.factor > 1:
+        m = 0.1 * s.mscale_all_dim * math.log(s.factor) + 1.0
+        scale = scale * m * m
+    return scale
+
+
+def make_attention(config: ModelConfig, key: PRNGKeyArray, dtype):
+    """The attention layer of a block: grouped-query or latent (`attention.kind`)."""
     a, norms = config.attention, config.norms
+    if a.kind == "mla":
+        return MultiHeadLatentAttention(
+            config.d_model,
+            a.n_heads,
+            kv_lora_rank=a.kv_lora_rank,
+            qk_nope_head_dim=a.qk_nope_head_dim,
+            qk_rope_head_dim=a.qk_rope_head_dim,
+            v_head_dim=a.v_head_dim,
+            q_lora_rank=a.q_lora_rank,
+            bias=a.qkv_bias,
+            rope=make_rope(config),
+            interleaved=a.rope_interleave,
+            scale=mla_scale(config),
+            norm_eps=1e-6,  # transformers' latent norms keep their default eps, not rms_norm_eps
+            key=key,
+            dtype=dtype,
+        )
     scalar = a.query_pre_attn_scalar
     s = scales(config)
     scale = None if scalar is None else scalar**-0.5
     if s.attention != 1.0:  # muP: scores ~ 1 / head_dim when head_dim grows with width
         scale = (config.head_dim**-0.5 if scale is None else scale) * s.attention
-    attn = Attention(
+    return Attention(
         config.d_model,
         a.n_heads,
         n_kv_heads=a.n_kv_heads,
@@ -138,10 +169,20 @@ def make_block(config: ModelConfig, key: PRNGKeyArray) -> Block:
         softcap=a.softcap,
         sinks=a.sinks,
         kernel=attention_kernel(config),
-        key=k_attn,
+        key=key,
         dtype=dtype,
     )
-    if (moe := config.moe) is not None:
+
+
+def make_block(config: ModelConfig, key: PRNGKeyArray, *, dense: bool = False) -> Block:
+    """One Transformer block as `config` describes it (`dense`: with the dense MLP even in a
+    mixture of experts, one of its first `moe.dense_layers` layers)."""
+    dtype = dtype_of(config.param_dtype)
+    k_attn, k_mlp = jax.random.split(key)
+    norms = config.norms
+    s = scales(config)
+    attn = make_attention(config, k_attn, dtype)
+    if (moe := config.moe) is not None and not dense:
         mlp = MoE(
             config.d_model,
             config.expert_d_ff,
@@ -154,6 +195,13 @@ def make_block(config: ModelConfig, key: PRNGKeyArray) -> Block:
             activation=moe.activation,
             swiglu_alpha=moe.swiglu_alpha,
             swiglu_limit=moe.swiglu_limit,
+            shared_gated=moe.shared_gated,
+            scoring=moe.scoring,
+            score_bias=moe.score_bias,
+            n_groups=moe.n_groups,
+            topk_groups=moe.topk_groups,
+            group_score=moe.group_score,
+            routed_scale=moe.routed_scale,
             key=k_mlp,
             dtype=dtype,
         )
@@ -192,16 +240,22 @@ def run_blocks(
     positions: Int[Array, "*batch seq"] | None,
     config: ModelConfig,
     segment_ids: Int[Array, "*batch seq"] | None = None,
+    first: int = 0,
 ) -> tuple[Float[Array, "*batch seq d_model"], Float[Array, "layers *batch seq experts"] | None]:
     """Apply the stacked blocks in order: `lax.scan` or an unrolled Python loop (see below).
 
     `positions` None means 0..seq-1 (see `Attention.__call__`); `segment_ids` (None: one
     segment) keep every layer's attention inside each packed document. A model whose layers differ
     (`layer_flags`) scans the flags alongside the weights: one compiled body for every layer.
-    Returns the output and, for a mixture of experts, every layer's router logits (else None).
+    `first`: the model's index of the stack's first layer (a mixture of experts after a dense
+    prefix). Returns the output and, for a mixture of experts, every layer's router logits
+    (else None).
     """
     params, static = eqx.partition(blocks, eqx.is_array)
-    local, rotate = layer_flags(config)
+    n_layers = jax.tree.leaves(params)[0].shape[0]
+    local, rotate = (
+        None if f is None else f[first : first + n_layers] for f in layer_flags(config)
+    )
     xs = (params, _traced(local), _traced(rotate))
 
     hook = _LAYER_HOOK.get()
@@ -223,11 +277,28 @@ def run_blocks(
     if config.scan_layers or config.remat != "none":
         return jax.lax.scan(step, x, xs)
     router_logits = []
-    for i in range(config.n_layers):  # each layer's flags are known here: Python bools
+    for i in range(n_layers):  # each layer's flags are known here: Python bools
         flags = (layer_flag(local, i), layer_flag(rotate, i))
         x, logits = step(x, (jax.tree.map(lambda a, i=i: a[i], params), *flags))
         router_logits.append(logits)
-    return x, None if config.moe is None else jnp.stack(router_logits)
+    return x, None if router_logits[0] is None else jnp.stack(router_logits)
+
+
+def run_stacks(
+    dense_blocks: Block | None,
+    blocks: Block,
+    x: Float[Array, "*batch seq d_model"],
+    positions: Int[Array, "*batch seq"] | None,
+    config: ModelConfig,
+    segment_ids: Int[Array, "*batch seq"] | None = None,
+) -> tuple[Float[Array, "*batch seq d_model"], Float[Array, "layers *batch seq experts"] | None]:
+    """`run_blocks` over a dense prefix (`moe.dense_layers` layers, None: none) and then the
+    main stack: two scanned segments, each one compiled body. The router logits are those of
+    the main stack's layers."""
+    if dense_blocks is not None:
+        x, _ = run_blocks(dense_blocks, x, positions, config, segment_ids)
+    first = 0 if dense_blocks is None else config.moe.dense_layers
+    return run_blocks(blocks, x, positions, config, segment_ids, first)
 
 
 def layer_flags(config: ModelConfig) -> tuple[np.ndarray | None, np.ndarray | None]:

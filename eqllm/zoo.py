@@ -99,7 +99,7 @@ def param_count(name_or_config: str | ModelConfig) -> int:
 
 def active_param_count(name_or_config: str | ModelConfig) -> int:
     """Parameters one token uses: all of them, less the routed experts it does not reach
-    (n_experts - experts_per_token of them per layer, in a mixture of experts)."""
+    (n_experts - experts_per_token of them in each layer with experts)."""
     cfg = config(name_or_config) if isinstance(name_or_config, str) else name_or_config
     total = param_count(cfg)
     if cfg.moe is None:
@@ -107,7 +107,7 @@ def active_param_count(name_or_config: str | ModelConfig) -> int:
     idle = cfg.moe.n_experts - cfg.moe.experts_per_token
     d, f = cfg.d_model, cfg.expert_d_ff
     per_expert = 3 * d * f + (2 * f + d if cfg.moe.bias else 0)  # gate, up, down (+ biases)
-    return total - cfg.n_layers * idle * per_expert
+    return total - (cfg.n_layers - cfg.moe.dense_layers) * idle * per_expert
 
 
 def human_count(n: int) -> str:

@@ -116,6 +116,9 @@ def test_param_count_equals_transformers(name):
     with torch.device("meta"):
         hf_model = transformers.AutoModelForCausalLM.from_config(hf_config)
     expected = sum(p.numel() for p in hf_model.parameters())
+    # DeepSeek-V3's correction biases are checkpoint buffers; eqllm counts them as arrays.
+    buffers = hf_model.named_buffers()
+    expected += sum(b.numel() for n, b in buffers if n.endswith("_correction_bias"))
     assert eqllm.zoo.param_count(name) == expected
     for special in ("bos_token_id", "eos_token_id"):  # GPT-2's 50256 is not in a small vocab
         token_id = getattr(hf_config, special, None)

@@ -157,7 +157,14 @@ class ModelConfig:
             object.__setattr__(self, "attention", attn)
         if pos.kind == "rope":
             even = self.rotary_dim % 2 == 0 and self.rotary_dim > 0
-            if pos.fraction == 1:
+            if pos.fraction == 1 and attn.kind == "mla":
+                require(
+                    even,
+                    "ModelConfig.attention.qk_rope_head_dim",
+                    attn.qk_rope_head_dim,
+                    "must be even with rotary positions",
+                )
+            elif pos.fraction == 1:
                 require(
                     even,
                     "ModelConfig.attention.head_dim",
@@ -193,6 +200,12 @@ class ModelConfig:
         )
         if self.moe is not None:
             require(
+                self.moe.dense_layers < self.n_layers,
+                "ModelConfig.moe.dense_layers",
+                self.moe.dense_layers,
+                f"must be < n_layers={self.n_layers} (some layers must have the experts)",
+            )
+            require(
                 self.mlp.kind == "swiglu",
                 "ModelConfig.mlp.kind",
                 self.mlp.kind,
@@ -211,7 +224,9 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """The dims of each head that RoPE rotates (the leading ones; the rest pass through)."""
+        """The dims of each head RoPE rotates (the leading ones; latent: qk_rope_head_dim)."""
+        if self.attention.kind == "mla":
+            return self.attention.qk_rope_head_dim
         return int(self.attention.head_dim * self.positions.fraction)
 
     def local_layers(self) -> tuple[bool, ...]:
@@ -299,12 +314,22 @@ class ModelConfig:
         a = self.attention
         d, h, kv, q = self.d_model, a.n_heads, a.n_kv_heads, a.head_dim
         attn = d * q * (h + 2 * kv) + h * q * d
-        mlp = (3 if self.mlp.kind in ("swiglu", "geglu") else 2) * d * self.mlp.d_ff
+        if a.kind == "mla":
+            rank = a.q_lora_rank
+            query = d * h * q if rank is None else d * rank + rank * h * q
+            latent = d * (a.kv_lora_rank + a.qk_rope_head_dim)
+            expand = a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim)
+            attn = query + latent + expand + h * a.v_head_dim * d
+        mlp = dense = (3 if self.mlp.kind in ("swiglu", "geglu") else 2) * d * self.mlp.d_ff
+        dense_layers = 0
         if (moe := self.moe) is not None:
-            shared = 3 * d * moe.shared_d_ff + d if moe.shared_d_ff else 0
+            gate = d if moe.shared_gated else 0
+            shared = 3 * d * moe.shared_d_ff + gate if moe.shared_d_ff else 0
             mlp = d * moe.n_experts + 3 * d * self.expert_d_ff * moe.experts_per_token + shared
+            dense_layers = moe.dense_layers
         head = d * self.vocab_size
-        matmul_params = self.n_layers * (attn + mlp) + head
+        sparse_layers = self.n_layers - dense_layers
+        matmul_params = self.n_layers * attn + sparse_layers * mlp + dense_layers * dense + head
         return 6.0 * matmul_params + self.attention_flops_per_token(seq_len)
 
     def attention_flops_per_token(self, seq_len: int | None = None) -> float:

@@ -30,8 +30,9 @@ PositionKind = Literal["learned", "rope"]
 RopeScalingKind = Literal["linear", "llama3", "yarn", "longrope", "dynamic"]
 QKNorm = Literal["head", "whole"]
 AttentionKernel = Literal["auto", "xla", "cudnn"]
-MoEImpl = Literal["dense", "ragged"]
-ExpertActivation = Literal["swiglu", "clamped_swiglu"]
+AttentionKind = Literal["gqa", "mla"]
+# The latent attention sizes: set exactly when attention.kind is "mla" (q_lora_rank optional).
+MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 _group = validated(STRICT, config_error)
 
@@ -52,6 +53,14 @@ class AttentionConfig:
     (gpt-oss's attention sinks: probability mass with no value). `kernel`: "xla" computes
     attention in the model, "cudnn" uses cuDNN's fused
     kernel, "auto" the fused kernel where it can run (see `eqllm.attention_backend`).
+
+    `kind` "gqa": the attention above; "mla": DeepSeek's multi-head latent attention
+    (`eqllm.nn.mla`), keys and values from a shared `kv_lora_rank` latent, per-head
+    `qk_nope_head_dim` and rotated `qk_rope_head_dim` query/key parts and `v_head_dim` values,
+    queries through a `q_lora_rank` latent (None: projected directly), `rope_interleave`:
+    rotated dims in interleaved pairs (DeepSeek's checkpoints). head_dim is then
+    qk_nope_head_dim + qk_rope_head_dim, `qkv_bias` and `out_bias` (equal) bias q_a/kv_a/o, and
+    n_kv_heads equals n_heads.
     """
 
     PATH: ClassVar[str] = "ModelConfig.attention"
@@ -68,10 +77,43 @@ class AttentionConfig:
     query_pre_attn_scalar: Positive | None = None
     sinks: bool = False
     kernel: AttentionKernel = "auto"
+    kind: AttentionKind = "gqa"
+    q_lora_rank: Positive | None = None
+    kv_lora_rank: Positive | None = None
+    qk_nope_head_dim: Positive | None = None
+    qk_rope_head_dim: Positive | None = None
+    v_head_dim: Positive | None = None
+    rope_interleave: bool = False
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
+        mla = self.kind == "mla"
+        for name in (*MLA_FIELDS, "q_lora_rank", "rope_interleave"):
+            value = getattr(self, name)
+            if not mla:
+                require(value in (None, False), f"{self.PATH}.{name}", value, "needs kind='mla'")
+            elif name in MLA_FIELDS:
+                require(value is not None, f"{self.PATH}.{name}", value, "must be set for 'mla'")
+        if mla:
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            if self.head_dim is None:
+                object.__setattr__(self, "head_dim", qk)
+            plain = {
+                "head_dim": qk,
+                "n_kv_heads": self.n_heads,
+                "out_bias": self.qkv_bias,
+                "qk_norm": None,
+                "softcap": None,
+                "sliding_window": None,
+                "query_pre_attn_scalar": None,
+                "sinks": False,
+            }
+            for name, wanted in plain.items():
+                value = getattr(self, name)
+                require(
+                    value == wanted, f"{self.PATH}.{name}", value, f"must be {wanted} with 'mla'"
+                )
         require(
             self.n_heads % self.n_kv_heads == 0,
             f"{self.PATH}.n_kv_heads",
@@ -254,56 +296,6 @@ class MLPConfig:
 
 @typing.no_type_check
 @_group
-class MoEConfig:
-    """A sparse mixture of experts in place of every block's MLP.
-
-    `n_experts` routed SwiGLU experts of hidden size `d_ff` (None: mlp.d_ff), `experts_per_token`
-    of them per token, their top-k router probabilities renormalised when `norm_topk_prob`;
-    `shared_d_ff` adds Qwen-MoE's gated shared expert; `aux_loss_coef` weighs the load-balancing
-    loss in training; `impl` picks how the experts are computed ("dense": every expert on every
-    token, fastest on CPU; "ragged": grouped matmul), same values. `bias`: biases on the router
-    and every expert's projections (gpt-oss). `activation`: "swiglu" (silu(gate) * up) or
-    "clamped_swiglu" (gpt-oss: g = min(gate, swiglu_limit), (clip(up, +-swiglu_limit) + 1) *
-    g * sigmoid(swiglu_alpha * g)); `swiglu_alpha` and `swiglu_limit` are set exactly when the
-    activation is clamped.
-    """
-
-    PATH: ClassVar[str] = "ModelConfig.moe"
-
-    n_experts: Positive
-    experts_per_token: Positive = 2
-    d_ff: Positive | None = None
-    norm_topk_prob: bool = True
-    shared_d_ff: Positive | None = None
-    aux_loss_coef: Annotated[float, Field(ge=0)] = 0.0
-    impl: MoEImpl = "dense"
-    bias: bool = False
-    activation: ExpertActivation = "swiglu"
-    swiglu_alpha: PositiveFloat | None = None
-    swiglu_limit: PositiveFloat | None = None
-
-    def __post_init__(self) -> None:
-        require(
-            self.experts_per_token <= self.n_experts,
-            f"{self.PATH}.experts_per_token",
-            self.experts_per_token,
-            f"must be <= n_experts={self.n_experts}",
-        )
-        clamped = self.activation == "clamped_swiglu"
-        for name in ("swiglu_alpha", "swiglu_limit"):
-            value = getattr(self, name)
-            require(
-                (value is not None) == clamped,
-                f"{self.PATH}.{name}",
-                value,
-                "must be set for activation='clamped_swiglu'"
-                if clamped
-                else "is only read by activation='clamped_swiglu'",
-            )
-
-
-@typing.no_type_check
-@_group
 class NormsConfig:
     """The norms: `kind`, `eps`, `plus_one` (Gemma's (1 + w) RMSNorm scale), `bias` (LayerNorm
     only), `pre` (a norm before each sublayer) and `post` (one on each sublayer's output before
@@ -332,6 +324,8 @@ class NormsConfig:
             "is only defined for kind='rmsnorm'",
         )
 
+
+from eqllm.config.experts import MoEConfig  # noqa: E402  (it uses the helpers above)
 
 # The groups ModelConfig holds, by field name.
 GROUPS: dict[str, type] = {

@@ -83,6 +83,8 @@ class Family:
         defaults: config.json values that transformers' config class assumes where a file
             leaves the key out (published files rely on them: Gemma 3's text_config names no
             head counts); a key the file sets, even to null, keeps the file's value.
+        skip_extra_layers: checkpoints may hold layers numbered from num_hidden_layers on
+            (DeepSeek's multi-token-prediction layers), which import skips with a message.
     """
 
     name: str
@@ -98,6 +100,7 @@ class Family:
     check: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: {}
     layouts: tuple[tuple[Row, ...], ...] = ()
     defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    skip_extra_layers: bool = False
 
     @property
     def embed_name(self) -> str:
@@ -125,12 +128,21 @@ PLAIN = {
     "mlp.gelu": "tanh",
     "attention.sinks": False,
     "positions.nope_every": None,
+    "attention.kind": "gqa",
     **DENSE,
 }
 
 # The plain experts every mixture family but gpt-oss has: no biases, SwiGLU. A MoE family adds
 # these to its `fixed`, so export refuses gpt-oss's experts for the others.
-PLAIN_EXPERTS = {"moe.bias": False, "moe.activation": "swiglu"}
+PLAIN_EXPERTS = {
+    "moe.bias": False,
+    "moe.activation": "swiglu",
+    "moe.scoring": "softmax",
+    "moe.score_bias": False,
+    "moe.n_groups": None,
+    "moe.routed_scale": 1.0,
+    "moe.dense_layers": 0,
+}
 
 # The Llama block the Llama-layout families start from: RMSNorm before each sublayer, SwiGLU,
 # rotary positions, no QK-norm, no embedding scale; each family adds what it fixes besides.

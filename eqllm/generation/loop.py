@@ -15,7 +15,7 @@ from jaxtyping import Array, Bool, Float, Int, Key
 
 from eqllm.generation.sampling import Sampling, sample_token
 from eqllm.model import CausalLM, cast_floating, dtype_of
-from eqllm.nn import Block, KVCache
+from eqllm.nn import Block, KVCache, LatentCache
 
 NO_TOKEN = -1  # fills the output after a row has stopped
 
@@ -28,7 +28,7 @@ class DecodeState(eqx.Module):
     rows that produced a stop token. `step` counts sampling steps, `limit` is max_new_tokens.
     """
 
-    cache: tuple[KVCache, ...]  # one per layer, each with a leading batch axis
+    cache: tuple[KVCache | LatentCache, ...]  # one per layer, each with a leading batch axis
     token: Int[Array, " batch"]
     position: Int[Array, " batch"]
     present: Bool[Array, "batch vocab"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -46,7 +47,15 @@ from eqllm.hub.folders import (
 )
 from eqllm.hub.gguf import folder_to_gguf, gguf_to_folder, is_gguf
 from eqllm.hub.mxfp4 import dequantize
-from eqllm.hub.tables import BUFFERS, TIED_HEAD, fused_order, indices, rows_for, tensor_name
+from eqllm.hub.tables import (
+    BUFFERS,
+    TIED_HEAD,
+    fused_order,
+    indices,
+    layer_span,
+    rows_for,
+    tensor_name,
+)
 from eqllm.model import CausalLM, dtype_of
 
 log = logging.getLogger("eqllm.hub")
@@ -183,9 +192,10 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
         order = fused_order(
             row, [t.shape[lead + row.axis] for t in targets], config.at("attention.n_heads")
         )
-        for index in indices(row, config.n_layers, config.at("moe.n_experts")):
+        first, n_layers = layer_span(row, config)
+        for index in indices(row, n_layers, config.at("moe.n_experts")):
             slots = [b[index] for b in buffers]
-            name = tensor_name(row, index)
+            name = tensor_name(row, index, first)
             tensor = quantized(name)
             if tensor is not None:
                 if tensor.shape != expected:
@@ -223,6 +233,17 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
     if config.tie_embeddings:
         _check_tied_head(reader, arrays["embed.weight"], used)
     extra = sorted(n for n in set(reader.tensors) - used if not BUFFERS.match(n))
+    beyond = [n for n in extra if _layer_of(n, prefix) >= config.n_layers]
+    if beyond and families.get(config.family).skip_extra_layers:
+        layers = sorted({_layer_of(n, prefix) for n in beyond})
+        log.warning(
+            "skipping %d tensors of layers %s past num_hidden_layers=%d (multi-token "
+            "prediction, which eqllm does not use)",
+            len(beyond),
+            layers,
+            config.n_layers,
+        )
+        extra = [n for n in extra if n not in beyond]
     if extra:
         shown = ", ".join(f"{n!r} ({reader.tensors[n].file.name})" for n in extra[:5])
         more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
@@ -231,6 +252,12 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
             f"config.json does not: {shown}{more}; config.json and weights disagree"
         )
     return jax.tree_util.tree_unflatten(treedef, [arrays[p] for p in leaves])
+
+
+def _layer_of(name: str, prefix: str) -> int:
+    """The layer number in a tensor name ("model.layers.61.mlp..." -> 61; -1 outside layers)."""
+    match = re.match(rf"(?:{re.escape(prefix)})?layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else -1
 
 
 def _check_tied_head(reader: TensorReader, embed: jax.Array, used: set[str]) -> None:
@@ -296,14 +323,15 @@ def save_pretrained(
     def plan(row: Row, index: tuple[int, ...]) -> None:
         lead = int(row.layered) + int(row.per_expert)
         shapes = [leaves[p].shape[lead:] for p in row.eqllm]
-        name = tensor_name(row, index)
+        name = tensor_name(row, index, layer_span(row, config)[0])
         planned.append(PlannedTensor(name, _hf_shape(row, shapes), target, make(row, index)))
 
-    every = {row: indices(row, config.n_layers, config.at("moe.n_experts")) for row in rows}
+    spans = {row: layer_span(row, config) for row in rows}
+    every = {row: indices(row, spans[row][1], config.at("moe.n_experts")) for row in rows}
     for i in range(config.n_layers):  # layer-major order, as transformers writes
         for row in rows:
             for index in every[row] if row.layered else []:
-                if index[0] == i:
+                if index[0] + spans[row][0] == i:
                     plan(row, index)
     for row in rows:
         if not row.layered:

@@ -42,9 +42,22 @@ def indices(row: Row, n_layers: int, n_experts: int | None) -> list[tuple[int, .
     return [(*i, j) for i in layers for j in range(n_experts or 0)]
 
 
-def tensor_name(row: Row, index: tuple[int, ...]) -> str:
-    """The tensor's name at leading indices `index` (see `indices`)."""
+def layer_span(row: Row, config) -> tuple[int, int]:
+    """(first layer, layers) of the stack a layered row fills: a mixture of experts' dense
+    prefix (`dense_blocks`, layers 0 .. moe.dense_layers - 1) or the main stack (`blocks`,
+    the rest); (0, n_layers) for a model without a prefix."""
+    prefix = config.at("moe.dense_layers") or 0
+    if row.eqllm[0].startswith("dense_blocks."):
+        return 0, prefix
+    return prefix, config.n_layers - prefix
+
+
+def tensor_name(row: Row, index: tuple[int, ...], first: int = 0) -> str:
+    """The tensor's name at leading indices `index` (see `indices`) of a stack whose first
+    layer is the model's layer `first`."""
     named = dict(zip(("i", "j") if row.layered else ("j",), index, strict=False))
+    if row.layered:
+        named["i"] += first
     return row.hf.format(**named)
 
 

@@ -13,8 +13,9 @@ from eqllm.nn.linear import (
     param_info,
     quantize,
 )
+from eqllm.nn.mla import LatentCache, MultiHeadLatentAttention
 from eqllm.nn.mlp import MLP, GatedMLP
-from eqllm.nn.moe import MoE, expert_load, load_balancing_loss
+from eqllm.nn.moe import MoE, balanced_bias, chosen_load, expert_load, load_balancing_loss
 from eqllm.nn.norm import LayerNorm, RMSNorm
 from eqllm.nn.rope import RopeScaling, RotaryEmbedding, rope_frequencies, rope_inv_freq
 
@@ -27,9 +28,11 @@ __all__ = [
     "GatedMLP",
     "Int8Linear",
     "KVCache",
+    "LatentCache",
     "LayerNorm",
     "Linear",
     "MoE",
+    "MultiHeadLatentAttention",
     "ParamInfo",
     "RMSNorm",
     "RopeScaling",
@@ -37,6 +40,8 @@ __all__ = [
     "attention_mask",
     "dot_product_attention",
     "fused_attention",
+    "balanced_bias",
+    "chosen_load",
     "expert_load",
     "load_balancing_loss",
     "param_info",

@@ -9,6 +9,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from eqllm.nn.attention import Attention
 from eqllm.nn.kv_cache import KVCache
+from eqllm.nn.mla import LatentCache, MultiHeadLatentAttention
 from eqllm.nn.mlp import MLP, GatedMLP
 from eqllm.nn.moe import MoE
 from eqllm.nn.norm import LayerNorm, RMSNorm
@@ -30,7 +31,7 @@ class Block(eqx.Module):
 
     Attributes:
         attn_norm: the norm applied before attention (None: none).
-        attn: the self-attention layer.
+        attn: the self-attention layer (grouped-query or latent).
         mlp_norm: the norm applied before the feed-forward layer (None: none).
         mlp: the feed-forward layer (a mixture of experts in a sparse model).
         attn_post_norm: the norm applied to attention's output before it is added to the
@@ -43,7 +44,7 @@ class Block(eqx.Module):
     """
 
     attn_norm: Norm | None
-    attn: Attention
+    attn: Attention | MultiHeadLatentAttention
     mlp_norm: Norm | None
     mlp: MLP | GatedMLP | MoE
     attn_post_norm: Norm | None = None
@@ -93,10 +94,10 @@ class Block(eqx.Module):
         self,
         x: Float[Array, "seq d_model"],
         positions: Int[Array, " seq"],
-        cache: KVCache,
+        cache: KVCache | LatentCache,
         local: Bool[Array, ""] | bool | None = None,
         rotate: Bool[Array, ""] | bool | None = None,
-    ) -> tuple[Float[Array, "seq d_model"], KVCache]:
+    ) -> tuple[Float[Array, "seq d_model"], KVCache | LatentCache]:
         """The block on a chunk of new positions, attending to `cache` (see Attention.cached).
 
         Experts are computed densely here: generation runs this under `jax.vmap`, which the

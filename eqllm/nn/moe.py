@@ -35,6 +35,8 @@ from eqllm.nn.mlp import GatedMLP, gated
 
 MoEImpl = Literal["dense", "ragged"]
 ExpertActivation = Literal["swiglu", "clamped_swiglu"]
+Scoring = Literal["softmax", "sigmoid"]
+GroupScore = Literal["max", "top2_sum"]
 
 
 def clamped_swiglu(
@@ -76,8 +78,16 @@ def _unplaced(x, axes):
 
 class MoE(eqx.Module):
     """sum over the top-k experts e of w_e * down_e(silu(gate_e(x)) * up_e(x)), plus
-    sigmoid(shared_gate(x)) * shared(x) where there is a shared expert; gpt-oss's experts use
-    `clamped_swiglu` in place of silu(gate) * up and biases on the router and the experts.
+    sigmoid(shared_gate(x)) * shared(x) where there is a shared expert (shared(x) alone when it
+    is ungated, DeepSeek's); gpt-oss's experts use `clamped_swiglu` in place of silu(gate) * up
+    and biases on the router and the experts.
+
+    DeepSeek's routing (V2: softmax, V3: sigmoid scores) may restrict each token to the
+    `topk_groups` best of `n_groups` equal groups of experts (a group scored by its best
+    expert, "max", V2, or its best two summed, "top2_sum", V3), choose by the scores plus a
+    correction bias (`score_bias`, V3's e_score_correction_bias: selection only, the weights
+    are the scores themselves, and no gradient reaches it) and multiply the weights by
+    `routed_scale`.
 
     Arguments:
         d_model: input and output size.
@@ -91,6 +101,14 @@ class MoE(eqx.Module):
         bias: biases on the router and on every expert's projections (gpt-oss).
         activation: "swiglu" (silu(gate) * up) or "clamped_swiglu" (`clamped_swiglu`, which
             reads `swiglu_alpha` and `swiglu_limit`).
+        shared_gated: the shared expert's output passes through a sigmoid gate (Qwen-MoE);
+            False adds it as it is (DeepSeek).
+        scoring: "softmax" over all experts or an independent "sigmoid" per expert.
+        score_bias: a correction bias added to the scores for choosing only (zeros at first).
+        n_groups: experts split into this many groups (None: no group limit).
+        topk_groups: groups each token may choose from.
+        group_score: how a group is scored, "max" or "top2_sum".
+        routed_scale: multiplies the routed weights.
     """
 
     router: Linear  # (n_experts, d_model)
@@ -99,12 +117,18 @@ class MoE(eqx.Module):
     down: ExpertLinear  # (n_experts, d_model, d_ff)
     shared: GatedMLP | None
     shared_gate: Linear | None  # (1, d_model)
+    score_bias: Float[Array, " experts"] | None
     top_k: int = eqx.field(static=True)
     normalize: bool = eqx.field(static=True)
     impl: MoEImpl = eqx.field(static=True)
     activation: ExpertActivation = eqx.field(static=True)
     swiglu_alpha: float | None = eqx.field(static=True)
     swiglu_limit: float | None = eqx.field(static=True)
+    scoring: Scoring = eqx.field(static=True)
+    n_groups: int | None = eqx.field(static=True)
+    topk_groups: int | None = eqx.field(static=True)
+    group_score: GroupScore = eqx.field(static=True)
+    routed_scale: float = eqx.field(static=True)
 
     def __init__(
         self,
@@ -120,6 +144,13 @@ class MoE(eqx.Module):
         activation: ExpertActivation = "swiglu",
         swiglu_alpha: float | None = None,
         swiglu_limit: float | None = None,
+        shared_gated: bool = True,
+        scoring: Scoring = "softmax",
+        score_bias: bool = False,
+        n_groups: int | None = None,
+        topk_groups: int | None = None,
+        group_score: GroupScore = "max",
+        routed_scale: float = 1.0,
         key: PRNGKeyArray,
         dtype=jnp.float32,
     ):
@@ -134,6 +165,15 @@ class MoE(eqx.Module):
             raise ValueError("MoE swiglu_alpha/swiglu_limit are only read by 'clamped_swiglu'")
         if activation not in ("swiglu", "clamped_swiglu"):
             raise ValueError(f"MoE activation must be 'swiglu' or 'clamped_swiglu': {activation!r}")
+        if scoring not in ("softmax", "sigmoid") or group_score not in ("max", "top2_sum"):
+            raise ValueError(f"MoE scoring={scoring!r}, group_score={group_score!r} unknown")
+        if (n_groups is None) != (topk_groups is None):
+            raise ValueError("MoE n_groups and topk_groups are set together")
+        if n_groups is not None and (n_experts % n_groups or not 0 < topk_groups <= n_groups):
+            raise ValueError(
+                f"MoE n_groups={n_groups} must divide n_experts={n_experts} and topk_groups="
+                f"{topk_groups} lie in [1, n_groups]"
+            )
         kr, kg, ku, kd, ks, kz = jax.random.split(key, 6)
         expert = dict(use_bias=bias, dtype=dtype)
         self.router = Linear(
@@ -148,9 +188,13 @@ class MoE(eqx.Module):
         self.shared, self.shared_gate = None, None
         if shared_d_ff is not None:
             self.shared = GatedMLP(d_model, shared_d_ff, key=ks, dtype=dtype)
-            self.shared_gate = Linear(d_model, 1, axes=(None, "d_model"), key=kz, dtype=dtype)
+            if shared_gated:
+                self.shared_gate = Linear(d_model, 1, axes=(None, "d_model"), key=kz, dtype=dtype)
+        self.score_bias = jnp.zeros(n_experts, jnp.float32) if score_bias else None
         self.top_k, self.normalize, self.impl = top_k, normalize, impl
         self.activation, self.swiglu_alpha, self.swiglu_limit = activation, *clamped
+        self.scoring, self.n_groups, self.topk_groups = scoring, n_groups, topk_groups
+        self.group_score, self.routed_scale = group_score, routed_scale
 
     def _act(self, gate, up):
         if self.activation == "swiglu":
@@ -166,11 +210,54 @@ class MoE(eqx.Module):
     ) -> tuple[Float[Array, "rows experts"], Float[Array, "rows k"], Int[Array, "rows k"]]:
         """Router logits (compute dtype), the top-k weights (compute dtype) and expert ids."""
         logits = self.router(x)
-        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # fp32, over all experts
-        weights, experts = jax.lax.top_k(probs, self.top_k)
-        if self.normalize:
-            weights = weights / weights.sum(-1, keepdims=True)
+        if self.plain_routing:
+            probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # fp32, over all experts
+            weights, experts = jax.lax.top_k(probs, self.top_k)
+            if self.normalize:
+                weights = weights / weights.sum(-1, keepdims=True)
+        else:
+            weights, experts = self._choose(logits.astype(jnp.float32))
+        if self.routed_scale != 1.0:
+            weights = weights * self.routed_scale
         return logits, weights.astype(x.dtype), experts
+
+    @property
+    def plain_routing(self) -> bool:
+        """Softmax over all experts, top k, no bias or groups (every family but DeepSeek)."""
+        return self.scoring == "softmax" and self.score_bias is None and self.n_groups is None
+
+    def choices(self, logits: Float[Array, "rows experts"]) -> Int[Array, "rows k"]:
+        """The experts each row's router logits choose (as `route` chooses them)."""
+        logits = logits.astype(jnp.float32)
+        if self.plain_routing:
+            return jax.lax.top_k(jax.nn.softmax(logits, axis=-1), self.top_k)[1]
+        return self._choose(logits)[1]
+
+    def _choose(self, logits):
+        """DeepSeek's selection: scores, plus the correction bias, limited to the best groups;
+        the weights are the scores of the chosen experts."""
+        if self.scoring == "softmax":
+            scores = jax.nn.softmax(logits, axis=-1)
+        else:
+            scores = jax.nn.sigmoid(logits)
+        choice = scores
+        if self.score_bias is not None:
+            choice = choice + jax.lax.stop_gradient(self.score_bias.astype(jnp.float32))
+        if self.n_groups is not None:
+            grouped = choice.reshape(*choice.shape[:-1], self.n_groups, -1)  # (T, groups, E/G)
+            if self.group_score == "max":
+                group = grouped.max(-1)
+            else:
+                group = jax.lax.top_k(grouped, 2)[0].sum(-1)
+            _, best = jax.lax.top_k(group, self.topk_groups)
+            keep = jax.nn.one_hot(best, self.n_groups, dtype=jnp.bool_).any(-2)  # (T, groups)
+            keep = jnp.broadcast_to(keep[..., None], grouped.shape).reshape(choice.shape)
+            choice = jnp.where(keep, choice, -jnp.inf)
+        _, experts = jax.lax.top_k(jax.lax.stop_gradient(choice), self.top_k)
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
+        if self.normalize:
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        return weights, experts
 
     def _dense(self, x, weights, experts):
         place = _PLACEMENT.get() or _unplaced
@@ -209,7 +296,9 @@ class MoE(eqx.Module):
         logits, weights, experts = self.route(flat)
         compute = self._dense if (impl or self.impl) == "dense" else self._ragged
         out = compute(flat, weights, experts)
-        if self.shared is not None:
+        if self.shared is not None and self.shared_gate is None:
+            out = out + self.shared(flat)
+        elif self.shared is not None:
             out = out + jax.nn.sigmoid(self.shared_gate(flat)) * self.shared(flat)
         return out.reshape(x.shape), logits.reshape(*x.shape[:-1], -1)
 
@@ -233,6 +322,32 @@ def expert_load(
     rows = jnp.maximum(m.sum(), 1.0)
     assigned = jnp.einsum("lte,t->le", counts, m) / (rows * top_k)
     return assigned, jnp.einsum("lte,t->le", probs, m) / rows
+
+
+def chosen_load(
+    moe: MoE, router_logits: Float[Array, "layers *rows experts"]
+) -> Float[Array, "layers experts"]:
+    """Per layer of a stacked `moe` (arrays with a leading layers axis): the fraction of token
+    assignments each expert receives under the layer's own routing (DeepSeek's correction bias
+    and groups included); each row sums to 1."""
+    n_experts = router_logits.shape[-1]
+
+    def one(layer: MoE, logits):
+        experts = layer.choices(logits.reshape(-1, n_experts))
+        counts = jax.nn.one_hot(experts, n_experts, dtype=jnp.float32).sum((0, 1))
+        return counts / counts.sum()
+
+    return eqx.filter_vmap(one)(moe, router_logits)
+
+
+def balanced_bias(
+    bias: Float[Array, "layers experts"], load: Float[Array, "layers experts"], speed: float
+) -> Float[Array, "layers experts"]:
+    """Auxiliary-loss-free balancing (DeepSeek-V3 report, section 2.1.2): each expert's
+    correction bias moves by `speed` toward equal load, up where the expert got less than the
+    mean load, down where it got more: bias + speed * sign(mean(load) - load)."""
+    step = speed * jnp.sign(load.mean(-1, keepdims=True) - load)
+    return (bias + step).astype(bias.dtype)
 
 
 def load_balancing_loss(

@@ -18,7 +18,7 @@ from jaxtyping import Array, Bool, Float, Int, Key
 
 from eqllm.generation import Sampling, sample_token
 from eqllm.model import CausalLM, cast_floating, dtype_of
-from eqllm.nn import KVCache
+from eqllm.nn import KVCache, LatentCache
 from eqllm.serve.placement import place_weights, state_shardings
 
 TOP_LOGPROBS = 5  # OpenAI's completions API allows at most 5 alternatives per token
@@ -32,7 +32,7 @@ class SlotState(eqx.Module):
     `eqllm.generate`); `present` marks tokens of its prompt and output (repetition penalty).
     """
 
-    cache: tuple[KVCache, ...]
+    cache: tuple[KVCache | LatentCache, ...]
     token: Int[Array, " slots"]
     position: Int[Array, " slots"]
     present: Bool[Array, "slots vocab"]

@@ -160,7 +160,7 @@ def sharding_table(config: ModelConfig, mesh: AxisSizes) -> list[str]:
     return lines
 
 
-def _human_bytes(n: float) -> str:
+def _human_bytes(n: int | float) -> str:
     for unit in ("GiB", "MiB", "KiB"):
         size = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10}[unit]
         if n >= size:

@@ -45,7 +45,11 @@ def model_param_info(model):
         return dataclasses.replace(info, axes=("layers", *info.axes[1:]))
 
     stacked = jax.tree.map(named, infos.blocks, is_leaf=is_param_info)
-    return eqx.tree_at(lambda m: m.blocks, infos, stacked)
+    infos = eqx.tree_at(lambda m: m.blocks, infos, stacked)
+    if infos.dense_blocks is None:
+        return infos
+    dense = jax.tree.map(named, infos.dense_blocks, is_leaf=is_param_info)
+    return eqx.tree_at(lambda m: m.dense_blocks, infos, dense)
 
 
 def named_params(model) -> list[tuple[str, Any, tuple[str | None, ...]]]:

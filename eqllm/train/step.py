@@ -25,21 +25,28 @@ from eqllm.errors import EqllmError
 from eqllm.eval.loss import check_token_range, masked_mean
 from eqllm.lora import trainable, with_dropout_keys
 from eqllm.model import CausalLM
-from eqllm.nn import expert_load, load_balancing_loss
+from eqllm.nn import balanced_bias, chosen_load, expert_load, load_balancing_loss
 from eqllm.sharding import fsdp_gather, shardings_like_params
 from eqllm.stack import each_layer
 from eqllm.train.pipeline import Pipeline
 
 
 def _layer_grad_norms(grads) -> Float[Array, " layers"]:
-    """L2 norm of each layer's gradient: the stacked blocks' leaves reduced over all but axis 0."""
-    leaves = [g for g in jax.tree.leaves(grads.blocks) if g is not None]
-    # Summed over the other axes in place: reshaping a split array to (layers, -1) would make
-    # XLA gather every layer's whole gradient (under fsdp) just for this metric.
-    squares = [
-        jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim))) for g in leaves
-    ]
-    return jnp.sqrt(sum(squares))
+    """L2 norm of each layer's gradient: the stacked blocks' leaves reduced over all but axis 0
+    (a dense prefix's layers first)."""
+
+    def norms(stack):
+        leaves = [g for g in jax.tree.leaves(stack) if g is not None]
+        # Summed over the other axes in place: reshaping a split array to (layers, -1) would
+        # make XLA gather every layer's whole gradient (under fsdp) just for this metric.
+        squares = [
+            jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim))) for g in leaves
+        ]
+        return jnp.sqrt(sum(squares))
+
+    if getattr(grads, "dense_blocks", None) is None:
+        return norms(grads.blocks)
+    return jnp.concatenate([norms(grads.dense_blocks), norms(grads.blocks)])
 
 
 def training_loss(
@@ -64,8 +71,25 @@ def training_loss(
     # marks the targets that are scored, not tokens to leave out of the balance.
     k = model.config.moe.experts_per_token
     aux = load_balancing_loss(router_logits, k)
-    parts = {"ce": ce, "aux_loss": aux, "expert_load": expert_load(router_logits, k)[0]}
+    moe = model.blocks.mlp
+    plain = moe.plain_routing
+    load = expert_load(router_logits, k)[0] if plain else chosen_load(moe, router_logits)
+    parts = {"ce": ce, "aux_loss": aux, "expert_load": load}
     return ce + model.config.moe.aux_loss_coef * aux, parts
+
+
+def _balance(params, load, finite, config):
+    """DeepSeek's auxiliary-loss-free balancing, outside the gradient: after the update, each
+    layer's correction bias moves by moe.bias_update_speed toward equal expert load (this
+    step's load; a dropped, non-finite step leaves it)."""
+    moe = config.moe
+    if moe is None or not moe.bias_update_speed or load is None:
+        return params
+    bias = getattr(getattr(getattr(params, "blocks", None), "mlp", None), "score_bias", None)
+    if bias is None:  # not trained here (adapters only)
+        return params
+    moved = jnp.where(finite, balanced_bias(bias, load, moe.bias_update_speed), bias)
+    return eqx.tree_at(lambda p: p.blocks.mlp.score_bias, params, moved)
 
 
 def _step_count(opt_state) -> Int[Array, ""]:
@@ -301,6 +325,7 @@ class TrainStep:
         keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
         new_params = jax.tree.map(keep, new_params, params)
         new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+        new_params = _balance(new_params, parts.get("expert_load"), finite, model.config)
         if shardings is not None:  # keep everything where it was placed
             new_params = jax.lax.with_sharding_constraint(new_params, shardings)
             new_opt_state = jax.lax.with_sharding_constraint(

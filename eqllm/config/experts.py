@@ -1,0 +1,118 @@
+"""The mixture-of-experts group of ModelConfig (`ModelConfig.moe`)."""
+
+from __future__ import annotations
+
+import typing
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import Field
+
+from eqllm.config.validation import (
+    STRICT,
+    Positive,
+    PositiveFloat,
+    config_error,
+    require,
+    validated,
+)
+
+MoEImpl = Literal["dense", "ragged"]
+ExpertActivation = Literal["swiglu", "clamped_swiglu"]
+Scoring = Literal["softmax", "sigmoid"]
+GroupScore = Literal["max", "top2_sum"]
+
+_group = validated(STRICT, config_error)
+
+
+@typing.no_type_check
+@_group
+class MoEConfig:
+    """A sparse mixture of experts in place of every block's MLP.
+
+    `n_experts` routed SwiGLU experts of hidden size `d_ff` (None: mlp.d_ff), `experts_per_token`
+    of them per token, their top-k router probabilities renormalised when `norm_topk_prob`;
+    `shared_d_ff` adds Qwen-MoE's gated shared expert; `aux_loss_coef` weighs the load-balancing
+    loss in training; `impl` picks how the experts are computed ("dense": every expert on every
+    token, fastest on CPU; "ragged": grouped matmul), same values. `bias`: biases on the router
+    and every expert's projections (gpt-oss). `activation`: "swiglu" (silu(gate) * up) or
+    "clamped_swiglu" (gpt-oss: g = min(gate, swiglu_limit), (clip(up, +-swiglu_limit) + 1) *
+    g * sigmoid(swiglu_alpha * g)); `swiglu_alpha` and `swiglu_limit` are set exactly when the
+    activation is clamped.
+
+    DeepSeek's settings: `shared_gated` False adds the shared expert without Qwen's gate
+    (shared_d_ff = n_shared_experts * moe_intermediate_size); `scoring` "softmax" (V2) or
+    "sigmoid" (V3) router scores; `score_bias`: V3's e_score_correction_bias, added to the
+    scores to choose experts and not to weigh them, moved after each training step by
+    `bias_update_speed` toward equal load (0: left as it is) outside the gradient;
+    `n_groups` / `topk_groups`: each token chooses among the best topk_groups of n_groups
+    groups of experts, a group scored by `group_score` ("max": V2, "top2_sum": V3);
+    `routed_scale` multiplies the routed weights; the first `dense_layers` layers have a dense
+    MLP of mlp.d_ff instead of experts.
+    """
+
+    PATH: ClassVar[str] = "ModelConfig.moe"
+
+    n_experts: Positive
+    experts_per_token: Positive = 2
+    d_ff: Positive | None = None
+    norm_topk_prob: bool = True
+    shared_d_ff: Positive | None = None
+    aux_loss_coef: Annotated[float, Field(ge=0)] = 0.0
+    impl: MoEImpl = "dense"
+    bias: bool = False
+    activation: ExpertActivation = "swiglu"
+    swiglu_alpha: PositiveFloat | None = None
+    swiglu_limit: PositiveFloat | None = None
+    shared_gated: bool = True
+    scoring: Scoring = "softmax"
+    score_bias: bool = False
+    bias_update_speed: Annotated[float, Field(ge=0)] = 0.0
+    n_groups: Positive | None = None
+    topk_groups: Positive | None = None
+    group_score: GroupScore = "max"
+    routed_scale: PositiveFloat = 1.0
+    dense_layers: Annotated[int, Field(ge=0)] = 0
+
+    def __post_init__(self) -> None:
+        require(
+            (self.n_groups is None) == (self.topk_groups is None),
+            f"{self.PATH}.topk_groups",
+            self.topk_groups,
+            f"must be set exactly when n_groups is (n_groups={self.n_groups})",
+        )
+        if self.n_groups is not None:
+            require(
+                self.n_experts % self.n_groups == 0,
+                f"{self.PATH}.n_groups",
+                self.n_groups,
+                f"must divide n_experts={self.n_experts}",
+            )
+            require(
+                self.topk_groups <= self.n_groups,
+                f"{self.PATH}.topk_groups",
+                self.topk_groups,
+                f"must be <= n_groups={self.n_groups}",
+            )
+        require(
+            self.bias_update_speed == 0 or self.score_bias,
+            f"{self.PATH}.bias_update_speed",
+            self.bias_update_speed,
+            "needs score_bias=true (it moves the correction bias)",
+        )
+        require(
+            self.experts_per_token <= self.n_experts,
+            f"{self.PATH}.experts_per_token",
+            self.experts_per_token,
+            f"must be <= n_experts={self.n_experts}",
+        )
+        clamped = self.activation == "clamped_swiglu"
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            value = getattr(self, name)
+            require(
+                (value is not None) == clamped,
+                f"{self.PATH}.{name}",
+                value,
+                "must be set for activation='clamped_swiglu'"
+                if clamped
+                else "is only read by activation='clamped_swiglu'",
+            )

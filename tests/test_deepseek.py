@@ -1,0 +1,257 @@
+"""DeepSeek-V3 and V2 against transformers' DeepseekV3ForCausalLM / DeepseekV2ForCausalLM:
+logits both ways on tiny perturbed models (a dense first layer, query compression on and off,
+group-limited routing on and off, the correction bias perturbed, YaRN's mscale), cached decoding
+from the latent cache equal to the full forward, multi-token-prediction layers skipped on import,
+scanned == unrolled, and the published sizes' total and active parameters counted by transformers
+on the meta device.
+"""
+
+import dataclasses
+import json
+import types
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+
+import eqllm
+from eqllm.recipe import load_recipe
+from eqllm.train.step import TrainStep, init_opt_state
+from tests.conftest import cached_logits
+from tests.test_hub import DIMS, _hf_logits, _logits
+
+transformers = pytest.importorskip("transformers")
+
+TOKENS = np.random.default_rng(0).integers(0, DIMS["vocab_size"], 120)
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+}
+MLA = dict(
+    num_key_value_heads=4,
+    kv_lora_rank=12,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=6,
+    v_head_dim=10,
+    moe_intermediate_size=16,
+    n_routed_experts=8,
+    num_experts_per_tok=3,
+    n_shared_experts=2,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    rope_parameters=YARN,
+)
+SPECS = {
+    # query latent, 4 groups of which 2 are kept, sigmoid scores with a correction bias
+    "v3": dict(model_type="deepseek_v3", q_lora_rank=16, n_group=4, topk_group=2,
+               routed_scaling_factor=2.5, **MLA),
+    # direct queries, softmax greedy top-k, not renormalised
+    "v2": dict(model_type="deepseek_v2", q_lora_rank=None, topk_method="greedy",
+               routed_scaling_factor=1.5, **MLA),
+}  # fmt: skip
+
+
+def _hf_model(spec: dict):
+    spec = {**DIMS, **spec}
+    config = transformers.AutoConfig.for_model(spec.pop("model_type"), **spec)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # every weight drawn (fused experts start as torch.empty)
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if p.dtype.is_floating_point and "inv_freq" not in name:
+                noise = 0.2 * torch.randn(p.shape, generator=g)
+                p.copy_(1 + noise if "norm" in name else noise)
+    return model
+
+
+@pytest.fixture(scope="module", params=["v3", pytest.param("v2", marks=pytest.mark.slow)])
+def pair(request, tmp_path_factory):
+    hf = _hf_model(SPECS[request.param])
+    folder = tmp_path_factory.mktemp(f"hf-deepseek-{request.param}")
+    hf.save_pretrained(folder)
+    model = eqllm.hub.from_pretrained(folder)
+    ref = _hf_logits(hf, TOKENS)
+    return types.SimpleNamespace(name=request.param, hf=hf, folder=folder, model=model, ref=ref)
+
+
+def test_import_reads_the_family(pair):
+    cfg = pair.model.config
+    a, moe = cfg.attention, cfg.moe
+    assert (a.kind, a.kv_lora_rank, a.qk_rope_head_dim, a.v_head_dim) == ("mla", 12, 6, 10)
+    assert (moe.dense_layers, moe.shared_d_ff, moe.shared_gated) == (1, 32, False)
+    assert pair.model.dense_blocks is not None and pair.model.blocks.mlp.router.weight.shape[0] == 2
+    if pair.name == "v3":
+        assert (a.q_lora_rank, a.rope_interleave, moe.scoring, moe.score_bias) == (
+            16, True, "sigmoid", True)  # fmt: skip
+        assert (moe.n_groups, moe.topk_groups, moe.routed_scale) == (4, 2, 2.5)
+        bias = pair.model.blocks.mlp.score_bias
+        assert np.abs(np.asarray(bias)).max() > 0.05  # the perturbed correction bias was read
+    else:
+        assert (a.q_lora_rank, moe.scoring, moe.n_groups, moe.norm_topk_prob) == (
+            None, "softmax", None, False)  # fmt: skip
+
+
+def test_import_gives_transformers_logits(pair):
+    np.testing.assert_allclose(_logits(pair.model, TOKENS), pair.ref, atol=1e-4, rtol=0)
+
+
+def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
+    eqllm.hub.save_pretrained(pair.model, tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert type(reloaded) is type(pair.hf)
+    theirs = dict(pair.hf.state_dict())
+    for name, p in reloaded.state_dict().items():  # the same tensors as the original
+        np.testing.assert_array_equal(p.numpy(), theirs[name].numpy(), name)
+    np.testing.assert_allclose(_hf_logits(reloaded.eval(), TOKENS), pair.ref, atol=1e-5, rtol=0)
+    assert eqllm.hub.from_pretrained(tmp_path).config == pair.model.config
+
+
+def test_cached_decoding_from_latents_equals_the_full_forward(pair):
+    cached = cached_logits(pair.model, TOKENS[:40], 24)
+    np.testing.assert_allclose(cached, pair.ref[23:39], atol=1e-4, rtol=0)
+    cache = pair.model.init_cache(40)
+    assert cache[0].latent.shape == (40, 12) and cache[0].rope_key.shape == (40, 6)
+
+
+@pytest.mark.slow
+def test_scanned_equals_unrolled(pair):
+    unrolled = pair.model.with_config(scan_layers=False)
+    np.testing.assert_allclose(_logits(unrolled, TOKENS), _logits(pair.model, TOKENS), atol=1e-5)
+
+
+def test_multi_token_prediction_layers_are_skipped_with_a_message(pair, tmp_path, caplog):
+    hf = json.loads((pair.folder / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "num_nextn_predict_layers": 1}))
+    tensors = load_file(pair.folder / "model.safetensors")
+    last = f"model.layers.{hf['num_hidden_layers'] - 1}."
+    extra = {k.replace(last, "model.layers.3."): v for k, v in tensors.items() if last in k}
+    extra["model.layers.3.eh_proj.weight"] = np.zeros((32, 64), np.float32)
+    save_file({**tensors, **extra}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = eqllm.hub.from_pretrained(tmp_path)
+    assert "skipping" in caplog.text and "layers [3]" in caplog.text
+    np.testing.assert_allclose(_logits(model, TOKENS[:30]), pair.ref[:30], atol=1e-4, rtol=0)
+
+
+def test_other_families_refuse_latent_attention_and_deepseek_routing_on_export():
+    mla = dataclasses.asdict(eqllm.zoo.config("deepseek_v3-nano").attention)
+    cfg = eqllm.zoo.config("llama-nano").replace(attention=mla)
+    with pytest.raises(eqllm.ConfigError, match="attention.kind"):
+        eqllm.hub.to_hf_config(cfg)
+    routed = eqllm.zoo.config("qwen3_moe-nano").replace(moe={"scoring": "sigmoid"})
+    with pytest.raises(eqllm.ConfigError, match="moe.scoring"):
+        eqllm.hub.to_hf_config(routed)
+
+
+# Published sizes ------------------------------------------------------------------------------
+
+PUBLISHED = {
+    name: json.loads((Path(__file__).parent / "data" / "hf_configs" / f"{name}.json").read_text())
+    for name in ("deepseek-v3", "deepseek-v2-lite")
+}
+
+
+@pytest.mark.parametrize(
+    "name, total", [("deepseek-v3", 671_026_419_200), ("deepseek-v2-lite", 15_706_484_224)]
+)
+def test_total_and_active_parameters_equal_transformers(name, total):
+    """Total: transformers' parameters and its correction-bias buffers on the meta device (the
+    multi-token-prediction layer is not built). Active: that, less the routed experts a token
+    does not reach, (n_experts - k) / n_experts of each mixture layer's experts."""
+    hf_config = dict(PUBLISHED[name])
+    hf_config.pop("quantization_config", None)  # the fp8 storage: the same parameters
+    config = transformers.AutoConfig.for_model(**hf_config)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(config)
+    count = sum(p.numel() for p in hf.parameters())
+    count += sum(b.numel() for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias"))
+    experts = [layer.mlp.experts for layer in hf.model.layers if hasattr(layer.mlp, "experts")]
+    idle = sum(sum(p.numel() for p in e.parameters()) for e in experts)
+    idle = idle * (config.n_routed_experts - config.num_experts_per_tok) // config.n_routed_experts
+    assert eqllm.zoo.param_count(name) == count == total
+    assert eqllm.zoo.active_param_count(name) == count - idle
+    assert eqllm.zoo.config(name) == eqllm.hub.from_hf_config(PUBLISHED[name])
+
+
+# Auxiliary-loss-free balancing ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_correction_bias_moves_load_toward_balance():
+    """A router with zero weights and a correction bias skewed to experts 0 and 1 sends every
+    token there; each step moves the bias by u * sign(mean load - load) (closed form: -u for
+    the two loaded experts, +u for the six idle ones), with a learning rate of 0 so that only
+    the bias moves, until the idle experts win: with u = 0.04 from 0.3, after the fourth step."""
+    u, skew = 0.04, 0.3
+    cfg = eqllm.zoo.config(
+        "deepseek_v3-nano", vocab_size=64, d_model=32, max_seq_len=32, moe={"bias_update_speed": u}
+    )
+    model = eqllm.CausalLM(cfg, key=jax.random.key(0))
+    router = model.blocks.mlp.router.weight
+    start = jnp.zeros((3, 8)).at[:, :2].set(skew)
+    model = eqx.tree_at(
+        lambda m: (m.blocks.mlp.router.weight, m.blocks.mlp.score_bias),
+        model,
+        (jnp.zeros_like(router), start),
+    )
+    optimizer = optax.sgd(0.0)
+    step = TrainStep(optimizer, lambda count: 0.0)
+    state = init_opt_state(optimizer, model)
+    tokens = np.random.default_rng(0).integers(0, 64, (4, 17))
+    loads, biases = [], []
+    for _ in range(5):
+        model, state, metrics = step(model, state, tokens)
+        loads.append(np.asarray(metrics["expert_load"]))
+        biases.append(np.asarray(model.blocks.mlp.score_bias))
+    skewed = np.tile([0.5, 0.5, 0, 0, 0, 0, 0, 0], (3, 1))
+    for k in range(4):  # the first four steps still choose experts 0 and 1
+        np.testing.assert_array_equal(loads[k], skewed)
+        expected = np.tile([skew - u * (k + 1)] * 2 + [u * (k + 1)] * 6, (3, 1))
+        np.testing.assert_allclose(biases[k], expected, atol=1e-6)
+    assert (loads[4][:, :2] == 0).all()  # then the idle experts take the tokens
+    np.testing.assert_array_equal(np.asarray(model.blocks.mlp.router.weight), 0.0)
+
+
+def test_zoo_show_sizes_deepseek_v3_per_device(capsys):
+    from eqllm.cli import main
+
+    assert main(["zoo", "show", "deepseek-v3", "--mesh", "fsdp=8,tensor=8"]) == 0
+    out = capsys.readouterr().out
+    assert "dense_blocks.mlp.gate.weight" in out and "blocks.mlp.score_bias" in out
+    # 671,026,419,200 fp32 parameters split evenly over 64 devices would be 39.06 GiB; what is
+    # split over one axis only (the latents' projections) or replicated (norms) adds a little.
+    per_device = float(out.split("parameters per device: ")[1].split(" GiB")[0])
+    assert 671_026_419_200 * 4 / 64 / 2**30 < per_device < 1.1 * 671_026_419_200 * 4 / 64 / 2**30
+
+
+@pytest.mark.slow
+def test_the_nano_trains_and_generates_on_a_cpu():
+    """deepseek_v3-nano: the loss falls over a few steps of its own batch, the correction bias
+    moves, and eqllm.generate decodes from the latent cache."""
+    recipe = load_recipe("deepseek_v3-nano")
+    model = eqllm.CausalLM(recipe.model_config(), key=jax.random.key(0))
+    assert model.config.moe.bias_update_speed == 0.001
+    tokens = np.random.default_rng(0).integers(0, 4096, (4, 33))
+    optimizer = optax.adam(3e-3)
+    step = TrainStep(optimizer, lambda count: 3e-3)
+    state = init_opt_state(optimizer, model)
+    losses = []
+    for _ in range(5):
+        model, state, metrics = step(model, state, tokens)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0] - 0.5
+    assert np.abs(np.asarray(model.blocks.mlp.score_bias)).max() > 0
+    out = eqllm.generate(model, tokens[0, :8], max_new_tokens=6, key=jax.random.key(1))
+    assert np.asarray(out).shape[-1] >= 6
