@@ -13,6 +13,7 @@ base; rotary or NoPE) is a per-layer flag scanned alongside the weights.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import equinox as eqx
 import jax
@@ -214,6 +215,28 @@ class CausalLM(eqx.Module):
                 eqx.combine(jax.tree.map(lambda a, i=i: a[i], params), static) for i in range(n)
             ]
         return tuple(layers)
+
+    def without_stacks(self) -> CausalLM:
+        """The model with its stacked blocks removed (None): what stays beside `layers()` when
+        only the sliced layers are kept."""
+        return eqx.tree_at(
+            lambda m: (m.dense_blocks, m.blocks), self, (None, None), is_leaf=lambda x: x is None
+        )
+
+    def with_layers(self, layers: Sequence[Block]) -> CausalLM:
+        """The model with its stacks rebuilt from `layers` as `layers()` slices them (the dense
+        prefix first): the inverse, for a call that needs the stacked form."""
+        prefix = self.config.moe.dense_layers if self.config.moe is not None else 0
+
+        def stack(part):
+            return jax.tree.map(lambda *a: jnp.stack(a), *part) if part else None
+
+        return eqx.tree_at(
+            lambda m: (m.dense_blocks, m.blocks),
+            self,
+            (stack(layers[:prefix]), stack(layers[prefix:])),
+            is_leaf=lambda x: x is None,
+        )
 
     @jax.named_scope("eqllm.CausalLM.prefill")
     def prefill(

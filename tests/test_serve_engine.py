@@ -158,3 +158,23 @@ def test_bad_requests_and_a_full_queue(model):
         engine.submit([1], Params(max_tokens=1), lambda e: None)
     with pytest.raises(ServeError, match="max_len"):
         Engine(model, max_len=10_000)
+
+
+def test_latent_attention_and_a_dense_prefix_serve_as_generate_does():
+    """DeepSeek's layout (a dense first layer, then experts; latent attention with its latent
+    cache): the engine slices both stacks into layers, decodes as `eqllm.generate` does, and
+    restacks them for the prompt scores."""
+    cfg = eqllm.zoo.config("deepseek_v3-nano", vocab_size=97, d_model=32, max_seq_len=64)
+    assert cfg.moe.dense_layers == 1 and cfg.attention.kind == "mla"
+    model = eqllm.CausalLM(cfg, key=jax.random.key(5))
+    engine = Engine(model, max_batch=2, max_len=48, prefill_chunk=16, max_queue=4)
+    prompt = [3, 14, 15, 92, 65, 35, 89]
+    scored, events = _submit(engine, prompt, max_tokens=0, prompt_logprobs=True)
+    [(tokens, reason)] = _drain(engine, [_submit(engine, prompt, max_tokens=6, temperature=0.0)])
+    want = eqllm.generate(model, prompt, max_new_tokens=6, key=jax.random.key(0), temperature=0)
+    assert tokens == np.asarray(want).tolist() and reason == "length"
+    _drain(engine, [(scored, queue.Queue())])
+    scores = events.get()
+    logits = jax.nn.log_softmax(model(jnp.asarray(prompt)), axis=-1)
+    wanted = [float(logits[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
+    np.testing.assert_allclose(scores.logprobs[1:], wanted, atol=1e-5)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 
-import equinox as eqx
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -62,11 +61,24 @@ def place_weights(model, layers: tuple, mesh: Mesh):
     """The sliced `layers` (`CausalLM.layers()`) and `model` without its stacked blocks, placed by
     the rules; a layer's arrays are split as the stacked ones are, less the `layers` axis."""
     shardings = param_shardings(model, mesh)
-    per_layer = jax.tree.map(
-        lambda s: NamedSharding(mesh, PartitionSpec(*s.spec[1:])), shardings.blocks
+
+    def sliced(stack):  # one layer's shardings: the stack's, less the `layers` axis
+        return jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(*s.spec[1:])), stack)
+
+    per_layer = [
+        sliced(where)
+        for stack, where in (
+            (model.dense_blocks, shardings.dense_blocks),
+            (model.blocks, shardings.blocks),
+        )
+        if stack is not None
+        for _ in range(jax.tree.leaves(stack)[0].shape[0])
+    ]
+    layers = tuple(
+        jax.tree.map(jax.device_put, layer, where)
+        for layer, where in zip(layers, per_layer, strict=True)
     )
-    layers = tuple(jax.tree.map(jax.device_put, layer, per_layer) for layer in layers)
-    model, shardings = (eqx.tree_at(lambda m: m.blocks, t, None) for t in (model, shardings))
+    model, shardings = model.without_stacks(), shardings.without_stacks()
     return jax.tree.map(jax.device_put, model, shardings), layers
 
 

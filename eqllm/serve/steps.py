@@ -143,8 +143,7 @@ def prompt_logprobs(
     """Per position i of a right-padded prompt: the log-probability of token i + 1 after the
     first i + 1 tokens, and the most likely alternatives there (the full forward, in fp32)."""
     model, layers = fixed
-    blocks = jax.tree.map(lambda *a: jnp.stack(a), *layers)  # the stack, for this call only
-    model = eqx.tree_at(lambda m: m.blocks, model, blocks, is_leaf=lambda x: x is None)
+    model = model.with_layers(layers)  # the stacks, for this call only
     logits = model(tokens, positions).astype(jnp.float32)
     targets = jnp.concatenate([tokens[1:], tokens[:1]])  # the last row is not used
     return jax.vmap(_sampled)(logits, targets)
@@ -164,7 +163,7 @@ def compiled(model: CausalLM, traces: dict[str, int], mesh: Mesh | None = None):
     model = cast_floating(model, dtype_of(model.config.compute_dtype))
     layers = model.layers()
     if mesh is None:
-        model = eqx.tree_at(lambda m: m.blocks, model, None)
+        model = model.without_stacks()
     else:
         model, layers = place_weights(model, layers, mesh)
     params, static = eqx.partition((model, layers), eqx.is_array)
