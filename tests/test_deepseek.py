@@ -8,7 +8,6 @@ on the meta device.
 
 import dataclasses
 import json
-import types
 from pathlib import Path
 
 import equinox as eqx
@@ -24,7 +23,8 @@ import eqllm
 from eqllm.recipe import load_recipe
 from eqllm.train.step import TrainStep, init_opt_state
 from tests.conftest import cached_logits
-from tests.test_hub import DIMS, _hf_logits, _logits
+from tests.hf_parity import hf_logits, logits, saved_pair
+from tests.test_hub import DIMS
 
 transformers = pytest.importorskip("transformers")
 
@@ -64,6 +64,7 @@ SPECS = {
 
 
 def _hf_model(spec: dict):
+    """A perturbed tiny DeepSeek: buffers too (the correction bias), norms around 1."""
     spec = {**DIMS, **spec}
     config = transformers.AutoConfig.for_model(spec.pop("model_type"), **spec)
     torch.manual_seed(0)
@@ -81,10 +82,7 @@ def _hf_model(spec: dict):
 def pair(request, tmp_path_factory):
     hf = _hf_model(SPECS[request.param])
     folder = tmp_path_factory.mktemp(f"hf-deepseek-{request.param}")
-    hf.save_pretrained(folder)
-    model = eqllm.hub.from_pretrained(folder)
-    ref = _hf_logits(hf, TOKENS)
-    return types.SimpleNamespace(name=request.param, hf=hf, folder=folder, model=model, ref=ref)
+    return saved_pair(hf, folder, TOKENS, name=request.param)
 
 
 def test_import_reads_the_family(pair):
@@ -105,7 +103,7 @@ def test_import_reads_the_family(pair):
 
 
 def test_import_gives_transformers_logits(pair):
-    np.testing.assert_allclose(_logits(pair.model, TOKENS), pair.ref, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(logits(pair.model, TOKENS), pair.ref, atol=1e-4, rtol=0)
 
 
 def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
@@ -115,7 +113,7 @@ def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
     theirs = dict(pair.hf.state_dict())
     for name, p in reloaded.state_dict().items():  # the same tensors as the original
         np.testing.assert_array_equal(p.numpy(), theirs[name].numpy(), name)
-    np.testing.assert_allclose(_hf_logits(reloaded.eval(), TOKENS), pair.ref, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(hf_logits(reloaded.eval(), TOKENS), pair.ref, atol=1e-5, rtol=0)
     assert eqllm.hub.from_pretrained(tmp_path).config == pair.model.config
 
 
@@ -129,7 +127,7 @@ def test_cached_decoding_from_latents_equals_the_full_forward(pair):
 @pytest.mark.slow
 def test_scanned_equals_unrolled(pair):
     unrolled = pair.model.with_config(scan_layers=False)
-    np.testing.assert_allclose(_logits(unrolled, TOKENS), _logits(pair.model, TOKENS), atol=1e-5)
+    np.testing.assert_allclose(logits(unrolled, TOKENS), logits(pair.model, TOKENS), atol=1e-5)
 
 
 def test_multi_token_prediction_layers_are_skipped_with_a_message(pair, tmp_path, caplog):
@@ -142,7 +140,7 @@ def test_multi_token_prediction_layers_are_skipped_with_a_message(pair, tmp_path
     save_file({**tensors, **extra}, tmp_path / "model.safetensors", metadata={"format": "pt"})
     model = eqllm.hub.from_pretrained(tmp_path)
     assert "skipping" in caplog.text and "layers [3]" in caplog.text
-    np.testing.assert_allclose(_logits(model, TOKENS[:30]), pair.ref[:30], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(logits(model, TOKENS[:30]), pair.ref[:30], atol=1e-4, rtol=0)
 
 
 def test_other_families_refuse_latent_attention_and_deepseek_routing_on_export():
