@@ -20,6 +20,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 import eqllm
+from eqllm.hub import CheckpointError
 from eqllm.recipe import load_recipe
 from eqllm.train.step import TrainStep, init_opt_state
 from tests.conftest import cached_logits
@@ -141,6 +142,18 @@ def test_multi_token_prediction_layers_are_skipped_with_a_message(pair, tmp_path
     model = eqllm.hub.from_pretrained(tmp_path)
     assert "skipping" in caplog.text and "layers [3]" in caplog.text
     np.testing.assert_allclose(logits(model, TOKENS[:30]), pair.ref[:30], atol=1e-4, rtol=0)
+
+
+def test_the_fp8_release_is_refused_with_the_cast_to_make(pair, tmp_path):
+    """DeepSeek-V3 as published stores fp8 weights with a `weight_scale_inv` per 128 x 128
+    block: refused by name, with the cast that makes it loadable."""
+    (tmp_path / "config.json").write_text((pair.folder / "config.json").read_text())
+    tensors = load_file(pair.folder / "model.safetensors")
+    scale = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+    tensors[scale] = np.ones((1, 1), np.float32)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"weight_scale_inv.*fp8_cast_bf16\.py"):
+        eqllm.hub.from_pretrained(tmp_path)
 
 
 def test_other_families_refuse_latent_attention_and_deepseek_routing_on_export():

@@ -158,6 +158,13 @@ def _layout(config: ModelConfig, leaves, reader: TensorReader) -> list[Row]:
 
 
 def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
+    scaled = next((n for n in reader.tensors if n.endswith(".weight_scale_inv")), None)
+    if scaled is not None:  # DeepSeek-V3's release: fp8 weights in 128 x 128 scaled blocks
+        raise CheckpointError(
+            f"{reader.tensors[scaled].file.name}: tensor {scaled!r} scales fp8 block-quantized "
+            "weights, which eqllm does not read; cast the checkpoint to bf16 first (DeepSeek's "
+            "inference/fp8_cast_bf16.py) and load that folder"
+        )
     leaves, treedef = skeleton(config)
     rows = _layout(config, leaves, reader)
     prefix = families.get(config.family).prefix
