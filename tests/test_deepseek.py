@@ -235,6 +235,31 @@ def test_the_correction_bias_moves_load_toward_balance():
     np.testing.assert_array_equal(np.asarray(model.blocks.mlp.router.weight), 0.0)
 
 
+def test_the_sequence_wise_balance_loss_equals_the_reports_equations():
+    """moe.balance_loss = "sequence" against a NumPy transcription of the DeepSeek-V3 report's
+    equations 17-20 on random router logits, with a perturbed correction bias choosing the
+    experts: per sequence f_i = E / (k T) * (tokens choosing i), P_i = the mean of the scores
+    normalised over experts, the loss sum_i f_i P_i, averaged over sequences and layers."""
+    moe_cfg = {"n_groups": None, "topk_groups": None, "balance_loss": "sequence"}
+    cfg = eqllm.zoo.config("deepseek_v3-nano", vocab_size=64, d_model=32, moe=moe_cfg)
+    moe = eqllm.CausalLM(cfg, key=jax.random.key(0)).blocks.mlp
+    n, k, seq = cfg.moe.n_experts, cfg.moe.experts_per_token, 9
+    rng = np.random.default_rng(0)
+    bias = rng.normal(0, 0.3, moe.score_bias.shape).astype(np.float32)
+    moe = eqx.tree_at(lambda m: m.score_bias, moe, jnp.asarray(bias))
+    router = rng.normal(size=(bias.shape[0], 2, seq, n)).astype(np.float32)
+    got = eqllm.nn.sequence_balance_loss(moe, jnp.asarray(router))
+    scores = 1 / (1 + np.exp(-router))
+    chosen = np.argsort(-(scores + bias[:, None, None]), -1)[..., :k]
+    f = (chosen[..., None] == np.arange(n)).any(-2).sum(2) * n / (k * seq)
+    p = (scores / scores.sum(-1, keepdims=True)).mean(2)
+    np.testing.assert_allclose(got, (f * p).sum(-1).mean(), rtol=1e-6)
+    grad = jax.grad(lambda r: eqllm.nn.sequence_balance_loss(moe, r))(jnp.asarray(router))
+    assert np.isfinite(grad).all() and np.abs(grad).max() > 0  # it trains the router
+    with pytest.raises(eqllm.ConfigError, match="balance_loss"):
+        eqllm.zoo.config("deepseek_v3-nano", moe={"balance_loss": "global"})
+
+
 def test_zoo_show_sizes_deepseek_v3_per_device(capsys):
     from eqllm.cli import main
 

@@ -20,6 +20,7 @@ MoEImpl = Literal["dense", "ragged"]
 ExpertActivation = Literal["swiglu", "clamped_swiglu"]
 Scoring = Literal["softmax", "sigmoid"]
 GroupScore = Literal["max", "top2_sum"]
+BalanceLoss = Literal["switch", "sequence"]
 
 _group = validated(STRICT, config_error)
 
@@ -47,7 +48,9 @@ class MoEConfig:
     `n_groups` / `topk_groups`: each token chooses among the best topk_groups of n_groups
     groups of experts, a group scored by `group_score` ("max": V2, "top2_sum": V3);
     `routed_scale` multiplies the routed weights; the first `dense_layers` layers have a dense
-    MLP of mlp.d_ff instead of experts.
+    MLP of mlp.d_ff instead of experts. `balance_loss`: what aux_loss_coef weighs, "switch"
+    (transformers' load-balancing loss over all of a batch's tokens) or "sequence" (DeepSeek-V3's
+    sequence-wise balance loss, under each layer's own routing).
     """
 
     PATH: ClassVar[str] = "ModelConfig.moe"
@@ -72,6 +75,7 @@ class MoEConfig:
     group_score: GroupScore = "max"
     routed_scale: PositiveFloat = 1.0
     dense_layers: Annotated[int, Field(ge=0)] = 0
+    balance_loss: BalanceLoss = "switch"
 
     def __post_init__(self) -> None:
         require(

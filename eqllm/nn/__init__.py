@@ -15,7 +15,15 @@ from eqllm.nn.linear import (
 )
 from eqllm.nn.mla import LatentCache, MultiHeadLatentAttention
 from eqllm.nn.mlp import MLP, GatedMLP
-from eqllm.nn.moe import MoE, balanced_bias, chosen_load, expert_load, load_balancing_loss
+from eqllm.nn.moe import (
+    MoE,
+    balance_loss,
+    balanced_bias,
+    chosen_load,
+    expert_load,
+    load_balancing_loss,
+    sequence_balance_loss,
+)
 from eqllm.nn.norm import LayerNorm, RMSNorm
 from eqllm.nn.rope import RopeScaling, RotaryEmbedding, rope_frequencies, rope_inv_freq
 
@@ -44,6 +52,8 @@ __all__ = [
     "chosen_load",
     "expert_load",
     "load_balancing_loss",
+    "balance_loss",
+    "sequence_balance_loss",
     "param_info",
     "quantize",
     "rope_frequencies",

@@ -362,3 +362,37 @@ def load_balancing_loss(
     n_experts = router_logits.shape[-1]
     # Every layer has the same tokens, so the means over all layers are means of the per-layer ones.
     return n_experts * top_k * jnp.sum(assigned.mean(0) * probs.mean(0))
+
+
+def sequence_balance_loss(
+    moe: MoE, router_logits: Float[Array, "layers batch seq experts"]
+) -> Float[Array, ""]:
+    """DeepSeek-V3's sequence-wise balance loss (report, eqs. 17-20), without its coefficient:
+    per sequence and layer, sum_i f_i P_i, f_i = E / (k T) times the tokens that chose expert i
+    under the layer's own routing (correction bias and groups included), P_i the mean over
+    the sequence of expert i's score normalised over the experts; averaged over sequences and
+    layers. Equal load and equal scores give 1."""
+    n_experts = router_logits.shape[-1]
+
+    def one(layer: MoE, logits):  # (batch, seq, experts)
+        batch, seq = logits.shape[:2]
+        experts = layer.choices(logits.reshape(-1, n_experts)).reshape(batch, seq, -1)
+        hits = jax.nn.one_hot(experts, n_experts, dtype=jnp.float32).sum((1, 2))  # (batch, E)
+        f = hits * n_experts / (experts.shape[-1] * seq)
+        logits = logits.astype(jnp.float32)
+        scores = jax.nn.sigmoid(logits) if layer.scoring == "sigmoid" else jax.nn.softmax(logits)
+        p = (scores / scores.sum(-1, keepdims=True)).mean(1)  # (batch, E)
+        return jnp.sum(f * p, -1).mean()
+
+    return eqx.filter_vmap(one)(moe, router_logits).mean()
+
+
+def balance_loss(
+    moe: MoE, router_logits: Float[Array, "layers batch seq experts"], kind: str, top_k: int
+) -> Float[Array, ""]:
+    """The load-balancing loss a mixture of experts trains with (`ModelConfig.moe.balance_loss`),
+    without its coefficient: "switch" (`load_balancing_loss`) or "sequence"
+    (`sequence_balance_loss`) over the stacked expert layers `moe`."""
+    if kind == "sequence":
+        return sequence_balance_loss(moe, router_logits)
+    return load_balancing_loss(router_logits, top_k)

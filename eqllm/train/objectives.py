@@ -41,7 +41,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from eqllm import lora
 from eqllm.model import CausalLM
-from eqllm.nn import expert_load, load_balancing_loss
+from eqllm.nn import balance_loss, expert_load
 
 PREFERENCE_LOSSES = ("dpo", "ipo", "simpo")
 
@@ -60,7 +60,7 @@ def routed_logps(
         return logps, {}
     k = model.config.moe.experts_per_token
     balance = {
-        "aux_loss": load_balancing_loss(router_logits, k),
+        "aux_loss": balance_loss(model.blocks.mlp, router_logits, model.config.moe.balance_loss, k),
         "expert_load": expert_load(router_logits, k)[0],
     }
     return logps, balance

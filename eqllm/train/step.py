@@ -25,7 +25,7 @@ from eqllm.errors import EqllmError
 from eqllm.eval.loss import check_token_range, masked_mean
 from eqllm.lora import trainable, with_dropout_keys
 from eqllm.model import CausalLM
-from eqllm.nn import balanced_bias, chosen_load, expert_load, load_balancing_loss
+from eqllm.nn import balance_loss, balanced_bias, chosen_load, expert_load
 from eqllm.sharding import fsdp_gather, shardings_like_params
 from eqllm.stack import each_layer
 from eqllm.train.pipeline import Pipeline
@@ -58,8 +58,9 @@ def training_loss(
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """What training minimises: the mean next-token cross entropy, plus, for a mixture of
     experts, `router_aux_loss_coef` times the load-balancing loss over all layers (as
-    transformers adds it). Returns it with its parts: "ce" and, with experts, "aux_loss" and
-    "expert_load" (per layer, the fraction of token assignments each expert received).
+    transformers adds it, or DeepSeek-V3's sequence-wise one: moe.balance_loss). Returns it
+    with its parts: "ce" and, with experts, "aux_loss" and "expert_load" (per layer, the
+    fraction of token assignments each expert received).
     `positions` and `segment_ids` (of the inputs `batch[:, :-1]`) go to the model as they are."""
     # (batch, seq, vocab), fp32
     logits, router_logits = model.routed(batch[:, :-1], positions, segment_ids)
@@ -70,8 +71,8 @@ def training_loss(
     # Every token is routed, padding included (the batches hold no padding); the loss mask
     # marks the targets that are scored, not tokens to leave out of the balance.
     k = model.config.moe.experts_per_token
-    aux = load_balancing_loss(router_logits, k)
     moe = model.blocks.mlp
+    aux = balance_loss(moe, router_logits, model.config.moe.balance_loss, k)
     plain = moe.plain_routing
     load = expert_load(router_logits, k)[0] if plain else chosen_load(moe, router_logits)
     parts = {"ce": ce, "aux_loss": aux, "expert_load": load}
