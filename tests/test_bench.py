@@ -31,6 +31,9 @@ def test_flops_per_token_hand_count():
     assert g.flops_per_token(100) == 6 * (4 * (4 * 128 * 128 + 2 * 128 * 512) + 128 * 4096) + (
         12 * 4 * 4 * 32 * 100
     )
+    # DeepSeek-V3's latent attention: query/key heads of 128 + 64, values of 128, 128 heads.
+    ds = eqllm.zoo.config("deepseek-v3")
+    assert ds.attention_flops_per_token(4096) == 6 * 61 * 128 * (192 + 128) * 4096
 
 
 def test_mfu_formula():

@@ -333,12 +333,15 @@ class ModelConfig:
         return 6.0 * matmul_params + self.attention_flops_per_token(seq_len)
 
     def attention_flops_per_token(self, seq_len: int | None = None) -> float:
-        """12 * L * H * Q * T: attention scores and weighted sums, forward (4) and backward (8),
-        T being `seq_len` (default: max_seq_len) capped by the sliding window where it applies."""
+        """6 * L * H * (Q + V) * T: attention scores (query/key size Q) and weighted sums (value
+        size V), forward (2) and backward (4); 12 * L * H * Q * T where values are as wide as
+        keys (all but latent attention). T is `seq_len` (default: max_seq_len), capped by the
+        sliding window where it applies."""
         full = seq_len or self.max_seq_len
         window = self.attention.sliding_window
         t = sum(min(full, window) if w else full for w in self.local_layers()) / self.n_layers
-        return 12.0 * self.n_layers * self.attention.n_heads * self.head_dim * t
+        values = self.attention.v_head_dim if self.attention.kind == "mla" else self.head_dim
+        return 6.0 * self.n_layers * self.attention.n_heads * (self.head_dim + values) * t
 
 
 def field_names() -> list[str]:
