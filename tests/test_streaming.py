@@ -322,3 +322,35 @@ def test_resume_after_sigkill(tmp_path, bpe, monkeypatch):
         assert (resumed.path / f"{split}.bin").read_bytes() == (
             whole.path / f"{split}.bin"
         ).read_bytes()
+
+
+RSS_CHILD = """
+import resource, sys
+from eqllm.data import DataSource, prepare
+prepare(DataSource.jsonl(sys.argv[1]), "bytes", cache_dir=sys.argv[2], val_fraction=0.01,
+        shard_bytes=1_000_000, progress=False)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB on Linux
+"""
+
+
+@pytest.mark.slow
+def test_peak_resident_memory_does_not_grow_with_the_corpus(tmp_path):
+    """The peak resident memory of a process tokenizing 2 MB and then 40 MB of JSONL (the byte
+    tokenizer, so that the time goes to reading and writing): 38 MB more text adds less than
+    8 MB, so neither the text nor its tokens are ever held whole."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+    def peak(megabytes: int) -> int:
+        corpus = _corpus(tmp_path / f"{megabytes}.jsonl", megabytes)
+        cache = tmp_path / f"cache-{megabytes}"
+        run = [sys.executable, "-c", RSS_CHILD, str(corpus), str(cache)]
+        out = subprocess.run(run, capture_output=True, text=True, env=env, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return int(out.stdout.split()[-1]) * 1024
+
+    small, big = peak(2), peak(40)
+    assert big - small < 8_000_000, f"peak RSS {small / 1e6:.1f} MB -> {big / 1e6:.1f} MB"
