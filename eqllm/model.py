@@ -31,10 +31,8 @@ from eqllm.nn import (
     LayerNorm,
     Linear,
     RMSNorm,
-    param_info,
 )
-from eqllm.nn.linear import is_param_info
-from eqllm.parametrization import role_multipliers, scales
+from eqllm.parametrization import init_weights, scales
 from eqllm.stack import REMAT_POLICIES as REMAT_POLICIES  # re-exported: the remat names
 from eqllm.stack import dtype_of, layer_flag, layer_flags, make_block, make_norm, run_stacks
 
@@ -367,38 +365,6 @@ def cast_floating(tree, dtype):
         return x
 
     return jax.tree.map(cast, tree)
-
-
-def init_weights(tree, config: ModelConfig, key: PRNGKeyArray):
-    """The one place where initial weights are chosen (GPT-2 scheme, as in nanoGPT).
-
-    Walks the layers' own metadata (`eqllm.nn.param_info`), so any tree of eqllm layers works:
-    - weights with role "normal" (embeddings, q/k/v, MLP inputs, the head) ~ N(0, init_std):
-      small enough that logits start near uniform, large enough to break symmetry;
-    - weights with role "residual" (attention out, MLP down) ~ N(0, init_std / sqrt(2 L)): each
-      of the 2L residual branches adds variance, this keeps the stream's variance O(1) in depth;
-    - biases 0; every other array (norm scales: 1, or 0 in Gemma's (1 + w) form) keeps the
-      value its layer gave it, which starts the layer as the identity.
-
-    Under muP / CompleteP (`eqllm.parametrization`) hidden matrices' std is divided by
-    sqrt(width ratio), and CompleteP's residual role uses base_n_layers instead of n_layers.
-    """
-    s = scales(config)
-    layers = s.residual_init_layers
-    std = {"normal": config.init_std, "residual": config.init_std / math.sqrt(2 * layers)}
-    infos, treedef = jax.tree.flatten(param_info(tree), is_leaf=is_param_info)
-    arrays = treedef.flatten_up_to(tree)
-    keys = jax.random.split(key, len(arrays))
-
-    def draw(k, x, info):
-        if info.init == "zeros":
-            return jnp.zeros_like(x)
-        if info.init is None:
-            return x
-        sigma = std[info.init] * role_multipliers(s, info.role).init
-        return (sigma * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
-
-    return jax.tree.unflatten(treedef, list(map(draw, keys, arrays, infos)))
 
 
 def param_count(model_or_shapes) -> int:

@@ -26,7 +26,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import jax
+import jax.numpy as jnp
+from jaxtyping import PRNGKeyArray
+
 from eqllm.config import ModelConfig
+from eqllm.nn import param_info
+from eqllm.nn.linear import is_param_info
 
 
 @dataclass(frozen=True)
@@ -83,3 +89,35 @@ def role_multipliers(s: Scales, role: str) -> Multipliers:
     # optax's AdamW decays by lr x weight_decay: with lr / m the decay must be x m, or the
     # hidden weights' decay per step would shrink with width.
     return Multipliers(init=1.0 / math.sqrt(m), lr=1.0 / m, eps=eps, decay=m)
+
+
+def init_weights(tree, config: ModelConfig, key: PRNGKeyArray):
+    """The one place where initial weights are chosen (GPT-2 scheme, as in nanoGPT).
+
+    Walks the layers' own metadata (`eqllm.nn.param_info`), so any tree of eqllm layers works:
+    - weights with role "normal" (embeddings, q/k/v, MLP inputs, the head) ~ N(0, init_std):
+      small enough that logits start near uniform, large enough to break symmetry;
+    - weights with role "residual" (attention out, MLP down) ~ N(0, init_std / sqrt(2 L)): each
+      of the 2L residual branches adds variance, this keeps the stream's variance O(1) in depth;
+    - biases 0; every other array (norm scales: 1, or 0 in Gemma's (1 + w) form) keeps the
+      value its layer gave it, which starts the layer as the identity.
+
+    Under muP / CompleteP (`eqllm.parametrization`) hidden matrices' std is divided by
+    sqrt(width ratio), and CompleteP's residual role uses base_n_layers instead of n_layers.
+    """
+    s = scales(config)
+    layers = s.residual_init_layers
+    std = {"normal": config.init_std, "residual": config.init_std / math.sqrt(2 * layers)}
+    infos, treedef = jax.tree.flatten(param_info(tree), is_leaf=is_param_info)
+    arrays = treedef.flatten_up_to(tree)
+    keys = jax.random.split(key, len(arrays))
+
+    def draw(k, x, info):
+        if info.init == "zeros":
+            return jnp.zeros_like(x)
+        if info.init is None:
+            return x
+        sigma = std[info.init] * role_multipliers(s, info.role).init
+        return (sigma * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
+
+    return jax.tree.unflatten(treedef, list(map(draw, keys, arrays, infos)))

@@ -23,8 +23,9 @@ from eqllm.errors import EqllmError
 
 # The logical axis names of eqllm's layers; `eqllm.sharding` maps each to mesh axes.
 Axis = Literal["vocab", "d_model", "heads", "kv_heads", "d_ff", "positions", "expert"]
-# How a weight starts (see `eqllm.model.init_weights`): "normal" draws N(0, std); "residual"
-# draws N(0, std / sqrt(2 * layers)) for projections that write into the residual stream.
+# How a weight starts (see `eqllm.parametrization.init_weights`): "normal" draws N(0, std);
+# "residual" draws N(0, std / sqrt(2 * layers)) for projections that write into the residual
+# stream.
 InitRole = Literal["normal", "residual"]
 # How a parameter scales with width (muP, eqllm.parametrization), from its axes alone: "hidden"
 # when input and output grow with the width, "readout" when only the input does (the LM head),
@@ -88,8 +89,8 @@ class Linear(eqx.Module):
         key: PRNGKeyArray,
         dtype=jnp.float32,
     ):
-        # Placeholder values: `eqllm.model.init_weights` draws the real ones by `init`; a layer
-        # used on its own gets a small normal draw that is already usable.
+        # Placeholder values: `eqllm.parametrization.init_weights` draws the real ones by
+        # `init`; a layer used on its own gets a small normal draw that is already usable.
         self.weight = (0.02 * jax.random.normal(key, (out_features, in_features))).astype(dtype)
         self.bias = jnp.zeros(out_features, dtype) if use_bias else None
         self.axes = axes
