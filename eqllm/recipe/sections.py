@@ -215,7 +215,7 @@ class RLSpec:
 
     data: a JSONL file of rows with a `prompt` (a string, continued as it is, or chat messages,
         rendered with the chat template) and any other fields, handed to the reward; "" for none.
-    reward: "exact_match", "format", "reverse_digits" or "module:function" (eqllm.train.rewards).
+    reward: "exact_match", "format", "close_brackets" or "module:function" (eqllm.train.rewards).
     pattern: the regular expression of "format", or the answer's extraction for "exact_match".
     answer_field: the row field "exact_match" compares with.
     group_size: completions sampled per prompt; train.batch_size counts completions.
