@@ -1,6 +1,7 @@
 """Progress off a terminal: a plain line every N steps, never a carriage-return redraw."""
 
 import io
+import re
 
 from tqdm.auto import tqdm
 
@@ -53,17 +54,19 @@ def test_disabled_writes_nothing_and_a_terminal_gets_tqdm():
 
 def test_tokenizing_to_a_log_file_writes_a_line_per_tenth(tmp_path, capsys):
     """eqllm.data.prepare off a terminal (stderr captured here): plain lines, at most one per
-    tenth of the bytes, ending at the total."""
+    tenth of the bytes, ending at the total. Progress moves shard by shard, so the corpus is
+    cut into shards of about 2 kB (a dozen)."""
     from eqllm.data import DataSource, prepare
 
     folder = tmp_path / "docs"
     folder.mkdir()
     for i in range(40):
         (folder / f"{i}.txt").write_text(f"document {i} " * 50)
-    prepare(DataSource.files(folder), "bytes", cache_dir=tmp_path / "cache", chunk_bytes=1000)
+    cache = tmp_path / "cache"
+    prepare(DataSource.files(folder), "bytes", cache_dir=cache, chunk_bytes=1000, shard_bytes=2000)
     err = capsys.readouterr().err
     assert "\r" not in err
     lines = [line for line in err.splitlines() if line.startswith("tokenizing")]
     assert 2 <= len(lines) <= 11
-    done, total = lines[-1].split()[4].split("/")  # "tokenizing (bytes, vocab 257) n/total B"
+    done, total = re.search(r"\) (\d+)/(\d+) B", lines[-1]).groups()  # "...) n/total B"
     assert done == total
