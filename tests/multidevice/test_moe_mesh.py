@@ -29,8 +29,10 @@ CFG = DENSE.replace(
 SPEC = OptimSpec(lr=1e-2, warmup_steps=0, eps=1e-3)  # see test_train_mesh.py
 
 
-def train(mesh=None, impl="dense", **overrides):
-    model = eqllm.CausalLM(CFG.replace(**{"moe.impl": impl}, **overrides), key=jax.random.key(0))
+def train(cfg, mesh=None):
+    """Two AdamW steps of a mixture of experts from seed 0 (on `mesh`, or on one device): the
+    trained model and each step's (loss, aux_loss)."""
+    model = eqllm.CausalLM(cfg, key=jax.random.key(0))
     shardings = None
     if mesh is not None:
         shardings = param_shardings(model, mesh)
@@ -50,7 +52,7 @@ def train(mesh=None, impl="dense", **overrides):
 
 @pytest.fixture(scope="module")
 def reference():
-    return train()  # dense and grouped experts compute the same values (tests/test_moe.py)
+    return train(CFG)  # dense and grouped experts compute the same values (tests/test_moe.py)
 
 
 # dense: expert-parallel (8 x 32 tokens, 2 x 128 < 3 x 4 x 32); ragged: experts gathered
@@ -62,7 +64,7 @@ def reference():
 def test_expert_sharded_training_equals_single_device(reference, impl, overrides):
     ref_model, ref_losses = reference
     mesh = make_mesh(MeshConfig.parse("data=2,fsdp=4"))
-    model, losses = train(mesh, impl, **overrides)
+    model, losses = train(CFG.replace(**{"moe.impl": impl}, **overrides), mesh)
     spec = model.blocks.mlp.gate.weight.sharding.spec
     assert spec[1] == "fsdp"  # each device holds one expert
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
