@@ -160,6 +160,7 @@ def test_bad_requests_and_a_full_queue(model):
         Engine(model, max_len=10_000)
 
 
+@pytest.mark.slow  # its own engine compiled for a second model: 25 s
 def test_latent_attention_and_a_dense_prefix_serve_as_generate_does():
     """DeepSeek's layout (a dense first layer, then experts; latent attention with its latent
     cache): the engine slices both stacks into layers, decodes as `eqllm.generate` does, and
