@@ -7,43 +7,37 @@ exception is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import warnings
 
-from eqllm.commands import (
-    analyze,
-    bench,
-    convert,
-    coordcheck,
-    fit,
-    generate,
-    run,
-    serve,
-    sweep,
-    zoo,
-)
-from eqllm.commands import eval as eval_
 from eqllm.errors import EqllmError
 from eqllm.hostmem import configure_process
 
+# The subcommands, in the order `eqllm --help` lists them; each is a module of eqllm.commands.
+COMMANDS = (
+    "zoo",
+    "convert",
+    "generate",
+    "run",
+    "eval",
+    "bench",
+    "analyze",
+    "coordcheck",
+    "sweep",
+    "fit",
+    "serve",
+)
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand, or of `command` alone: importing a command's module
+    imports what it runs (scipy for fit, FastAPI for serve, ...), seconds that a one-off
+    `eqllm generate` should not pay before its first token."""
     parser = argparse.ArgumentParser(prog="eqllm", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    for command in (
-        zoo,
-        convert,
-        generate,
-        run,
-        eval_,
-        bench,
-        analyze,
-        coordcheck,
-        sweep,
-        fit,
-        serve,
-    ):
-        command.add_parser(commands)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in COMMANDS if command is None else (command,):
+        importlib.import_module(f"eqllm.commands.{name}").add_parser(subparsers)
     return parser
 
 
@@ -54,7 +48,9 @@ def _print_warning(message, category, filename, lineno, file=None, line=None) ->
 def main(argv: list[str] | None = None) -> int:
     configure_process()  # first: before any command starts JAX's CPU backend
     warnings.showwarning = _print_warning  # one line each, like the errors
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    args = build_parser(command).parse_args(argv)
     try:
         return args.func(args)
     except EqllmError as e:
