@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import logging
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -89,7 +90,6 @@ def run(args: argparse.Namespace) -> int:
         chat_format=chat_format_of(args.model, tokenizer),
         api_key=args.api_key,
     )
-    log.info("ready: model %r on http://%s:%d/v1", name, args.host, args.port)
     config = uvicorn.Config(
         create_app(service),
         host=args.host,
@@ -101,9 +101,20 @@ def run(args: argparse.Namespace) -> int:
     # again for the handler in place before it: a no-op one, so a clean shutdown exits 0.
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, lambda *_: None)
-    uvicorn.Server(config).run()
+    server = uvicorn.Server(config)
+    ready = f"ready: model {name!r} on http://{args.host}:{args.port}/v1"
+    threading.Thread(target=_announce, args=(server, log, ready), daemon=True).start()
+    server.run()
     log.info("stopped")
     return 0
+
+
+def _announce(server: uvicorn.Server, log: logging.Logger, line: str) -> None:
+    """Log `line` once the server listens: a client that connects on "ready" is answered."""
+    while not server.started and not server.should_exit:
+        time.sleep(0.02)
+    if server.started:
+        log.info("%s", line)
 
 
 def add_parser(commands) -> None:
