@@ -73,6 +73,22 @@ def test_published_config_json_has_transformers_parameter_count(name):
     assert eqllm.zoo.param_count(name) == expected
 
 
+def _rms_norm_sizes() -> list[str]:
+    classes = {
+        name: transformers.AutoConfig.for_model(_published(name)["model_type"]) for name in SOURCES
+    }
+    return sorted(name for name, config in classes.items() if hasattr(config, "rms_norm_eps"))
+
+
+@pytest.mark.parametrize("name", _rms_norm_sizes())
+def test_config_json_without_rms_norm_eps_reads_transformers_default(name):
+    """A config.json may leave `rms_norm_eps` to its config class (OLMoE-1B-7B-0924's does), whose
+    default is 1e-5 for some families and 1e-6 for others."""
+    hf = {k: v for k, v in _published(name).items() if k != "rms_norm_eps"}
+    default = transformers.AutoConfig.for_model(hf["model_type"]).rms_norm_eps
+    assert eqllm.hub.from_hf_config(hf).norms.eps == default
+
+
 def test_bookkeeping_covers_transformers_pretrained_config():
     """Every field transformers' PretrainedConfig defines for all models is metadata."""
     fields = {f.name for f in dataclasses.fields(transformers.PretrainedConfig)}

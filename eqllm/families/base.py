@@ -298,8 +298,10 @@ def llama_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def llama_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """The ModelConfig fields every Llama-layout family reads from config.json."""
+def llama_from_hf(hf: dict[str, Any], eps: float = 1e-6) -> dict[str, Any]:
+    """The ModelConfig fields every Llama-layout family reads from config.json. `eps` is the
+    `rms_norm_eps` of the family's transformers config class, which a config.json may leave out
+    (OLMoE-1B-7B-0924's does)."""
     d = need(hf, "hidden_size")
     n_heads = need(hf, "num_attention_heads")
     return {
@@ -312,7 +314,7 @@ def llama_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "attention.head_dim": hf.get("head_dim") or d // n_heads,
         "mlp.d_ff": need(hf, "intermediate_size"),
         "max_seq_len": hf.get("max_position_embeddings", 2048),
-        "norms.eps": hf.get("rms_norm_eps", 1e-6),
+        "norms.eps": hf.get("rms_norm_eps", eps),
     }
 
 

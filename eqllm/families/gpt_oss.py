@@ -116,7 +116,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
             f"num_experts_per_tok={per_token}"
         )
     return {
-        **llama_from_hf(hf),
+        **llama_from_hf(hf, eps=1e-5),
         **moe_from_hf(hf, _DEFAULTS),
         **attention_bias_from_hf(hf),
         "attention.sliding_window": need(hf, "sliding_window"),

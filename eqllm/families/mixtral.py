@@ -45,7 +45,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     refuse(hf, "hidden_act", ("silu",))
     refuse(hf, "router_jitter_noise", (0, 0.0, None))
     return {
-        **llama_from_hf(hf),
+        **llama_from_hf(hf, eps=1e-5),
         **moe_from_hf(hf, _DEFAULTS),
         "moe.n_experts": hf.get("num_local_experts", 8),
         "attention.sliding_window": hf.get("sliding_window"),

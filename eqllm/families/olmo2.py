@@ -48,7 +48,7 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
 def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     refuse(hf, "hidden_act", ("silu",))
     return {
-        **llama_from_hf(hf),
+        **llama_from_hf(hf, eps=1e-5),
         **attention_bias_from_hf(hf),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }

@@ -51,7 +51,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     refuse(hf, "hidden_act", ("silu",))
     refuse(hf, "clip_qkv", (None,))
     return {
-        **llama_from_hf(hf),
+        **llama_from_hf(hf, eps=1e-5),
         **moe_from_hf(hf, _DEFAULTS),
         **attention_bias_from_hf(hf),
         "moe.n_experts": hf.get("num_experts", 64),

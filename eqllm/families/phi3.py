@@ -91,7 +91,9 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
             f"rope scaling {scaling or rope} in config.json is not supported for Phi-3; "
             "transformers' Phi3 applies 'longrope' only"
         )
-    fields = llama_from_hf({**hf, "rope_parameters": rope, "rope_scaling": scaling or None})
+    fields = llama_from_hf(
+        {**hf, "rope_parameters": rope, "rope_scaling": scaling or None}, eps=1e-5
+    )
     return {
         **fields,
         "positions.fraction": float(fraction),
