@@ -54,7 +54,9 @@ def setup_compile_cache(setting: str) -> Path | None:
     path = Path(setting).expanduser() if setting else cache_root() / "jax"
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    # Every program, however quick to compile: the first token of `eqllm generate` needs about
+    # a dozen small ones (under 0.1 s each), which a threshold would compile again each run.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
 
