@@ -1,10 +1,12 @@
 """A continuous-batching engine: many requests share one compiled decode step over fixed slots.
 
 A request waits in a bounded queue until a slot is free, then its prompt is written into the
-slot's KV cache a chunk at a time (`prefill_chunk`), one chunk between two decode steps of the
-running requests, so a long prompt never stalls them for more than a chunk. Once prefilled, the
-slot joins the batch decoded by `decode_step`; it leaves the batch when its request stops (a stop
-token, `max_tokens`, the context limit, or a cancel) and the next request takes it.
+slot's KV cache between two decode steps of the running requests, at most `prefill_chunk` prompt
+tokens per round (one long prompt's chunk, or several short prompts), so prompts never stall
+the running requests for more than a chunk, and many short ones join in few rounds. Once
+prefilled, the slot joins the batch decoded by `decode_step`; it leaves the batch when its
+request stops (a stop token, `max_tokens`, the context limit, or a cancel) and the next request
+takes it.
 
 Shapes never depend on a request: the slot count and cache length are fixed at start-up and a
 prompt chunk is left-padded to a power-of-two bucket, so every compiled shape is known up front
@@ -236,8 +238,9 @@ class Engine:
                     self._wake.wait(timeout=0.1)
 
     def step(self) -> None:
-        """One round: free cancelled slots, admit waiting requests, run one prefill chunk and
-        one decode step (each only if some slot needs it)."""
+        """One round: free cancelled slots, admit waiting requests, prefill up to one chunk's
+        worth of prompt tokens (`prefill_chunk`, over as many prompts as it covers, the least
+        advanced first) and run one decode step (each only if some slot needs it)."""
         for request in self._slots:
             if request is not None and request.cancelled:
                 self._finish(request, "stop")
@@ -249,9 +252,12 @@ class Engine:
                     continue
                 request.slot = self._slots.index(None)
                 self._slots[request.slot] = request
-        pending = [r for r in self._slots if r is not None and r.cursor < len(r.prompt)]
-        if pending:
-            self._prefill(min(pending, key=lambda r: r.cursor))  # the least advanced first
+        budget = self.chunks[-1]  # prompt tokens per round: short prompts share one chunk
+        while budget > 0:
+            pending = [r for r in self._slots if r is not None and r.cursor < len(r.prompt)]
+            if not pending:
+                break
+            budget -= self._prefill(min(pending, key=lambda r: r.cursor), budget)
         active = np.array([r is not None and r.cursor == len(r.prompt) for r in self._slots])
         if active.any():
             self._decode(active)
@@ -273,15 +279,17 @@ class Engine:
         ):
             self._finish(request, "length")
 
-    def _prefill(self, request: Request) -> None:
+    def _prefill(self, request: Request, limit: int) -> int:
+        """Write the next (at most `limit`) prompt tokens of `request` into its slot; returns
+        how many (0 when it only had its prompt scored)."""
         p, prompt = request.params, request.prompt
         if request.cursor == 0 and p.prompt_logprobs:
             self._score(request)
             if p.max_tokens == 0:
                 self._finish(request, "length")
-                return
+                return 0
         start = request.cursor
-        n = min(self.chunks[-1], len(prompt) - start)
+        n = min(limit, len(prompt) - start)
         width = _bucket(n, self.chunks)
         tokens = np.zeros(width, np.int32)
         positions = np.full(width, -1, np.int32)
@@ -305,6 +313,7 @@ class Engine:
             for name, array in self._settings.items():
                 array[request.slot] = getattr(settings, name)
             self._emit(request, *_one(out))
+        return n
 
     def _decode(self, active: np.ndarray) -> None:
         self._state, out = self._steps["decode"](self._state, active, self._batch_settings())
