@@ -191,3 +191,12 @@ def test_jobs_run_points_in_worker_processes_at_once(env, monkeypatch):
     assert run_sweep(load_sweep(one), env / "runs" / "one", echo=lambda *a: None) is None
     alone = json.loads((env / "runs" / "one" / "results.jsonl").read_text().splitlines()[0])
     assert alone["loss"] == pytest.approx(rows[1]["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "recipes" / "sweeps").glob("*.toml")), ids=str)
+def test_shipped_sweep_files_load_with_every_point_checked(path):
+    """The sweep files the studies of docs/scaling-laws.md run: each point's recipe is valid."""
+    sweep = load_sweep(path)
+    assert sweep.points and all(p.settings for p in sweep.points)
+    widths = {sweep.point_recipe(p).model.overrides["d_model"] for p in sweep.points}
+    assert len(widths) > 1  # every shipped study spans several widths

@@ -1,0 +1,178 @@
+"""The two studies of docs/scaling-laws.md: run (or resume) their sweeps, then write their pages.
+
+    PYTHONPATH=. python benchmarks/studies.py mutransfer [--jobs 2]
+    PYTHONPATH=. python benchmarks/studies.py scaling [--jobs 2]
+
+`mutransfer` runs recipes/sweeps/mutransfer.toml into runs/mutransfer (SP and muP, widths 64-512,
+learning rates 2^-14 to 2^-4) and writes docs/experiments/mutransfer.md: each width's best
+learning rate and loss per parametrization, how far the best learning rate moves across the
+widths, and the whole grid of losses. `scaling` runs recipes/sweeps/scaling.toml into
+runs/scaling (IsoFLOP sizes at three budgets, written by benchmarks/scaling_sweep.py with the
+muP learning rate the first study found best at the base width) and writes
+docs/experiments/scaling_laws.md: both fits of `eqllm fit` on every budget, and on all but the
+largest with the prediction of the largest. Finished points are not run again, so a rerun after
+an interruption resumes, and a rerun of a finished study only rewrites its page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+
+from eqllm.scaling import describe, fit_points, plot_fit, read_results
+from eqllm.sweep import load_sweep, run_sweep
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs" / "experiments"
+
+
+def run(name: str, jobs: int) -> tuple[Path, list[dict], float, int]:
+    """Run (or resume) recipes/sweeps/<name>.toml into runs/<name>: its rows, the wall seconds
+    and how many points this call ran."""
+    sweep = load_sweep(ROOT / "recipes" / "sweeps" / f"{name}.toml")
+    out = ROOT / "runs" / name
+    before = sum((out / p.name / "result.json").is_file() for p in sweep.points)
+    start = time.perf_counter()
+    stopped = run_sweep(sweep, out, jobs=jobs)
+    if stopped:
+        raise SystemExit(f"the {name} sweep stopped: {stopped}; run the same command again")
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    return out, rows, time.perf_counter() - start, len(rows) - before
+
+
+def machine() -> str:
+    return f"{os.cpu_count()} CPU threads, {jax.devices()[0].platform}, jax {jax.__version__}"
+
+
+def timing(rows: list[dict], wall: float, ran: int, jobs: int) -> str:
+    points = sum(r["seconds"] for r in rows) / 60
+    if ran == len(rows):
+        return f"wall time {wall / 60:.1f} minutes, {jobs} points at a time ({points:.1f} in all)"
+    return f"the points' own wall times add up to {points:.1f} minutes ({jobs} at a time)"
+
+
+def mutransfer(jobs: int) -> None:
+    out, rows, wall, ran = run("mutransfer", jobs)
+    grid: dict[tuple[str, int], dict[int, dict]] = defaultdict(dict)
+    for r in rows:
+        grid[r["parametrization"], r["d_model"]][round(math.log2(r["lr"]))] = r
+    exponents = sorted({e for cells in grid.values() for e in cells})
+    lines = [
+        "# muTransfer: the best learning rate across widths, SP against muP",
+        "",
+        "Regenerate: `PYTHONPATH=. python benchmarks/studies.py mutransfer --jobs 2` (runs or "
+        "resumes `eqllm sweep recipes/sweeps/mutransfer.toml --out runs/mutransfer`, then "
+        "writes this page). What it shows and why: [Scaling laws](../scaling-laws.md#the-studies).",
+        "",
+        f"- machine: {machine()}",
+        f"- {timing(rows, wall, ran, jobs)}",
+        f"- each point: {rows[0]['steps']} steps, {rows[0]['tokens']:,} tokens, "
+        f"{rows[0]['n_layers']} layers; the loss is the final validation loss",
+        "",
+        "| parametrization | d_model | params | best lr | best loss | diverged |",
+        "|---|---|---|---|---|---|",
+    ]
+    best: dict[str, list[tuple[int, int, float]]] = defaultdict(list)
+    for (param, width), cells in sorted(grid.items()):
+        finished = {e: r for e, r in cells.items() if r["loss"] is not None}
+        e_best = min(finished, key=lambda e: finished[e]["loss"])
+        loss = finished[e_best]["loss"]
+        best[param].append((width, e_best, loss))
+        diverged = sum(r["diverged"] for r in cells.values())
+        params = next(iter(cells.values()))["params"]
+        lines.append(
+            f"| {param} | {width} | {params:,} | 2^{e_best} | {loss:.4f} | {diverged} of "
+            f"{len(cells)} |"
+        )
+    lines += ["", "How far the best learning rate moves from the narrowest to the widest:", ""]
+    for param, entries in best.items():
+        es = [e for _, e, _ in entries]
+        losses = [loss for _, _, loss in entries]
+        lines.append(
+            f"- {param}: best lr 2^{es[0]} at d_model {entries[0][0]}, 2^{es[-1]} at "
+            f"{entries[-1][0]}: a range of {max(es) - min(es)} octave(s) over the widths; best "
+            f"loss {losses[0]:.4f} to {losses[-1]:.4f}"
+        )
+    header = " | ".join(f"2^{e}" for e in exponents)
+    lines += [
+        "",
+        "Final validation loss of every point (- : diverged, stopped early):",
+        "",
+        f"| parametrization | d_model | {header} |",
+        "|---|---|" + "---|" * len(exponents),
+    ]
+    for (param, width), cells in sorted(grid.items()):
+        values = [
+            "" if e not in cells else "-" if cells[e]["loss"] is None else f"{cells[e]['loss']:.3f}"
+            for e in exponents
+        ]
+        lines.append(f"| {param} | {width} | " + " | ".join(values) + " |")
+    shutil.copy(out / "lr_transfer.png", DOCS / "mutransfer_lr_transfer.png")
+    lines += ["", "![loss against log2 learning rate per width](mutransfer_lr_transfer.png)", ""]
+    (DOCS / "mutransfer.md").write_text("\n".join(lines))
+    print(f"wrote {DOCS / 'mutransfer.md'}")
+
+
+def scaling(jobs: int) -> None:
+    out, rows, wall, ran = run("scaling", jobs)
+    points = read_results(out / "results.jsonl")
+    every = fit_points(points)
+    held = fit_points(points, holdout_largest=True)
+    for path in plot_fit(points, every, out):
+        shutil.copy(path, DOCS / f"scaling_{path.name}")
+    (out / "fits.json").write_text(json.dumps({"all": every, "holdout": held}, indent=2))
+    lines = [
+        "# Scaling laws fitted on this machine",
+        "",
+        "Regenerate: `PYTHONPATH=. python benchmarks/studies.py scaling --jobs 2` (runs or "
+        "resumes `eqllm sweep recipes/sweeps/scaling.toml --out runs/scaling`, fits "
+        "`eqllm fit runs/scaling/results.jsonl` with and without `--holdout-largest`, then "
+        "writes this page). What it can and cannot say: "
+        "[Scaling laws](../scaling-laws.md#the-studies).",
+        "",
+        f"- machine: {machine()}",
+        f"- {timing(rows, wall, ran, jobs)}",
+        f"- every run: muP, learning rate {rows[0]['lr']!r} (tuned at the base width), "
+        f"{rows[0]['n_layers']} layers, a cosine schedule over its own steps",
+        "",
+        "| budget (FLOPs) | d_model | params | steps | tokens | tokens / param | loss |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (float(f"{r['flops']:.1e}"), r["params"])):
+        loss = "diverged" if r["loss"] is None else f"{r['loss']:.4f}"
+        lines.append(
+            f"| {r['flops']:.2e} | {r['d_model']} | {r['params']:,} | {r['steps']} | "
+            f"{r['tokens']:,} | {r['tokens'] / r['params']:.1f} | {loss} |"
+        )
+    lines += ["", "Fitted on every budget (`eqllm fit runs/scaling/results.jsonl`):", "", "```"]
+    lines += describe(every)
+    lines += ["```", "", "Fitted without the largest budget, which it then predicts "]
+    lines[-1] += "(`eqllm fit runs/scaling/results.jsonl --holdout-largest`):"
+    lines += ["", "```", *describe(held), "```", ""]
+    lines += [
+        "![IsoFLOP profiles and approach 2](scaling_fit_isoflop.png)",
+        "![approach 3 against the measured losses](scaling_fit_law.png)",
+        "",
+    ]
+    (DOCS / "scaling_laws.md").write_text("\n".join(lines))
+    print(f"wrote {DOCS / 'scaling_laws.md'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("study", choices=("mutransfer", "scaling"))
+    parser.add_argument("--jobs", type=int, default=2, help="points at once (default 2)")
+    args = parser.parse_args()
+    {"mutransfer": mutransfer, "scaling": scaling}[args.study](args.jobs)
+
+
+if __name__ == "__main__":
+    main()
