@@ -23,6 +23,49 @@ import eqllm  # noqa: E402
 
 pytest_plugins = ["ci_strict"]  # with CI=true a skip fails (tests/ci_strict.py)
 
+# Checks repeated over every family, stack or case that cost the default run the most: it keeps
+# each one's first case and leaves the others to the slow set (`python -m pytest -m slow`, which
+# CI runs too), so every kind of check still runs by default within the suite's time budget.
+FIRST_CASE_ONLY = {
+    "tests/reliability/test_checkpoint_faults.py::test_damaged_checkpoint_falls_back_loudly_and_is_kept",
+    "tests/reliability/test_checkpoint_faults.py::test_failed_save_is_a_clear_error_and_the_previous_checkpoint_survives",
+    "tests/test_attention_backend.py::test_each_attention_feature_gives_the_models_logits_through_the_fused_arguments",
+    "tests/test_attention_backend.py::test_fused_arguments_give_the_models_attention",
+    "tests/test_generate.py::test_cached_decode_matches_full_forward",
+    "tests/test_generate.py::test_greedy_equals_argmax_chain",
+    "tests/test_gguf.py::test_import_equals_transformers_loader",
+    "tests/test_gpt_oss.py::test_other_families_refuse_gpt_oss_settings_on_export",
+    "tests/test_grpo.py::test_one_update_without_clipping_is_reinforce_with_a_group_baseline",
+    "tests/test_harness_chat.py::test_chat_formatted_requests_equal_hf",
+    "tests/test_hub.py::test_import_gives_transformers_logits",
+    "tests/test_lora.py::test_adapter_saved_by_eqllm_loads_in_peft_and_merges",
+    "tests/test_model.py::test_batch_call_equals_vmap_and_one_by_one",
+    "tests/test_model.py::test_scanned_equals_unrolled",
+    "tests/test_model.py::test_shapes_and_dtypes",
+    "tests/test_moe.py::test_grouped_experts_equal_dense_ones",
+    "tests/test_nn.py::test_in_order_attention_equals_full_masked_attention",
+    "tests/test_packing.py::test_document_mask_step_trains_on_each_document_alone",
+    "tests/test_packing.py::test_packed_loss_equals_padded_loss",
+    "tests/test_parametrization.py::test_base_size_equals_sp_bit_for_bit",
+    "tests/test_preference.py::test_dpo_and_ipo_loss_and_gradient_equal_trl",
+    "tests/test_quantize.py::test_every_linear_is_quantized_and_equals_its_dequantized_weights",
+    "tests/test_rope_scaling.py::test_cached_decoding_equals_the_full_forward",
+    "tests/test_rope_scaling.py::test_import_and_export_equal_transformers",
+    "tests/test_segments.py::test_packed_documents_have_their_logits_alone",
+    "tests/test_train.py::test_resume_at_the_last_step_finishes_the_run_folder",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m 'not slow'` deselects
+def pytest_collection_modifyitems(config, items):
+    seen = set()
+    for item in items:
+        test = item.nodeid.split("[")[0]
+        if test in FIRST_CASE_ONLY and test in seen:
+            item.add_marker(pytest.mark.slow)
+        seen.add(test)
+
+
 TINY = {
     "vocab_size": 97,
     "d_model": 32,

@@ -186,6 +186,7 @@ def test_bench_mesh_cli(tmp_path, capsys):
     assert "devices" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_vs_torch_tiny():
     pytest.importorskip("transformers")
     results = run_bench(

@@ -16,6 +16,7 @@ from eqllm.errors import EqllmError
 from eqllm.model import CausalLM
 
 
+@pytest.mark.slow
 def test_the_walk_computes_the_models_logits():
     cfg = sized_config(
         "llama-nano",

@@ -235,6 +235,7 @@ def test_the_correction_bias_moves_load_toward_balance():
     np.testing.assert_array_equal(np.asarray(model.blocks.mlp.router.weight), 0.0)
 
 
+@pytest.mark.slow
 def test_the_sequence_wise_balance_loss_equals_the_reports_equations():
     """moe.balance_loss = "sequence" against a NumPy transcription of the DeepSeek-V3 report's
     equations 17-20 on random router logits, with a perturbed correction bias choosing the

@@ -225,6 +225,7 @@ def test_lora_run_reports_before_and_after_and_converts(lora_run, capsys):
     assert cli.main(argv) == 0
 
 
+@pytest.mark.slow
 def test_lora_dropout_acts_in_training_steps_only(jsonl):
     base = eqllm.zoo.create(
         "llama-nano",

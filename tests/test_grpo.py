@@ -94,6 +94,7 @@ def test_group_of_equal_rewards_has_no_advantage():
     np.testing.assert_allclose(group_advantages(np.array([1, 1, 0, 1.0]), 2), expected, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_rollouts_are_deterministic_for_a_seed_and_train():
     from eqllm.data import Tokenizer
     from eqllm.recipe import OptimSpec

@@ -149,6 +149,7 @@ def test_eval_tasks_command_writes_json_and_table(folder, results, tmp_path, cap
     assert saved["acc,none"] == results["hf"]["results"]["eqllm_toy_cloze"]["acc,none"]
 
 
+@pytest.mark.slow
 def test_eval_tasks_command_errors(folder, capsys, monkeypatch):
     assert cli_main(["eval", str(folder), "--tasks", "eqllm_toy_nope"]) == 2
     assert "unknown task(s) ['eqllm_toy_nope']" in capsys.readouterr().err

@@ -116,6 +116,7 @@ def strip_checksums(ckpt):
             path.write_text(json.dumps(meta))
 
 
+@pytest.mark.slow
 def test_checkpoint_without_checksums_is_refused_unless_forced(env, tmp_path):
     _, recipe, expected = env
     out = copy_run(env, tmp_path)
@@ -237,6 +238,7 @@ def test_changed_recipe_on_resume_lists_the_differences(
         assert "even with --force" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_force_accepts_a_longer_run(env, tmp_path):
     _, recipe, expected = env
     out = copy_run(env, tmp_path)
@@ -265,6 +267,7 @@ def _non_finite_at(monkeypatch, calls):
     monkeypatch.setattr(TrainStep, "__call__", patched)
 
 
+@pytest.mark.slow
 def test_skip_nonfinite_skips_up_to_k_steps(env, tmp_path, monkeypatch, capsys):
     root, recipe, _ = env
     _non_finite_at(monkeypatch, {4, 7})
@@ -282,6 +285,7 @@ def test_skip_nonfinite_skips_up_to_k_steps(env, tmp_path, monkeypatch, capsys):
     assert "(1 of train.skip_nonfinite=2)" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_one_more_nonfinite_step_than_allowed_stops_the_run(env, tmp_path, monkeypatch, capsys):
     _, recipe, _ = env
     _non_finite_at(monkeypatch, {4, 7})
