@@ -193,7 +193,9 @@ def test_jobs_run_points_in_worker_processes_at_once(env, monkeypatch):
     assert alone["loss"] == pytest.approx(rows[1]["loss"], rel=1e-5)
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "recipes" / "sweeps").glob("*.toml")), ids=str)
+@pytest.mark.parametrize(
+    "path", sorted((REPO / "recipes" / "sweeps").glob("*.toml")), ids=lambda p: p.name
+)
 def test_shipped_sweep_files_load_with_every_point_checked(path):
     """The sweep files the studies of docs/scaling-laws.md run: each point's recipe is valid."""
     sweep = load_sweep(path)
