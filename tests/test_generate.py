@@ -275,6 +275,41 @@ def test_filters_never_sample_outside_allowed_set(kw, allowed):
     assert seen == allowed  # inside the set, and every allowed token does occur
 
 
+FILTER_CASES = [
+    {"temperature": 0.7, "top_k": 50},
+    {"top_p": 0.9},
+    {"temperature": 1.3, "top_p": 0.5},
+    {"min_p": 0.05},
+    {"temperature": 0.8, "top_k": 200, "top_p": 0.95, "min_p": 0.02},
+]
+
+
+def test_filters_match_transformers_warpers():
+    """The allowed set equals transformers' temperature -> top-k -> top-p -> min-p warpers on
+    a 5,000-token vocabulary; and one call over rows with their own settings equals one call
+    per row."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    logits = 3 * jax.random.normal(jax.random.key(0), (len(FILTER_CASES), 5000))
+    for row, kw in zip(logits, FILTER_CASES, strict=True):
+        warpers = [transformers.TemperatureLogitsWarper(kw.get("temperature", 1.0))]
+        if "top_k" in kw:
+            warpers.append(transformers.TopKLogitsWarper(kw["top_k"]))
+        if "top_p" in kw:
+            warpers.append(transformers.TopPLogitsWarper(kw["top_p"]))
+        if "min_p" in kw:
+            warpers.append(transformers.MinPLogitsWarper(kw["min_p"]))
+        scores = torch.from_numpy(np.array(row))[None]
+        for warper in warpers:
+            scores = warper(None, scores)
+        expected = np.isfinite(scores[0].numpy())
+        assert 1 < expected.sum() < 5000  # every filter case cuts something
+        assert (np.isfinite(filter_logits(row, sampling(**kw))) == expected).all(), kw
+    per_row = [filter_logits(row, sampling(**kw)) for row, kw in zip(logits, FILTER_CASES)]
+    rows = jax.tree.map(lambda *a: jnp.stack(a), *[sampling(**kw) for kw in FILTER_CASES])
+    np.testing.assert_array_equal(filter_logits(logits, rows), jnp.stack(per_row))
+
+
 def test_low_temperature_matches_greedy():
     keys = jax.random.split(jax.random.key(0), 4000)
     for temperature in (1e-3, 0.0):

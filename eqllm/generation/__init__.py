@@ -15,6 +15,7 @@ from eqllm.generation.sampling import (
     filter_logits,
     penalize_repetition,
     sample_token,
+    sample_tokens,
     sampling,
 )
 
@@ -29,6 +30,7 @@ __all__ = [
     "generate_batch",
     "penalize_repetition",
     "sample_token",
+    "sample_tokens",
     "sampling",
     "stream",
 ]

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Key
 
-from eqllm.generation.sampling import Sampling, sample_token
+from eqllm.generation.sampling import Sampling, sample_tokens
 from eqllm.model import CausalLM, cast_floating, dtype_of
 from eqllm.nn import Block, KVCache, LatentCache
 
@@ -48,7 +48,7 @@ def _sample_into(
     """Sample every row's next token into the state; rows already done emit NO_TOKEN."""
     batch = logits.shape[0]
     keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(state.keys, state.step)
-    token = jax.vmap(sample_token, in_axes=(0, 0, 0, None))(logits, keys, state.present, settings)
+    token = sample_tokens(logits, keys, state.present, settings)
     live = ~state.done
     stopped = live & jnp.any(token[:, None] == stop[None, :], axis=-1)
     emitted = jnp.where(live, token, NO_TOKEN)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, Key
 
-from eqllm.generation import Sampling, sample_token
+from eqllm.generation import Sampling, sample_token, sample_tokens
 from eqllm.model import CausalLM, cast_floating, dtype_of
 from eqllm.nn import KVCache, LatentCache
 from eqllm.serve.placement import place_weights, state_shardings
@@ -119,7 +119,7 @@ def decode_step(
         state.token, position, state.cache
     )
     keys = jax.vmap(jax.random.fold_in)(state.keys, state.step)
-    token = jax.vmap(sample_token)(logits, keys, state.present, settings)
+    token = sample_tokens(logits, keys, state.present, settings)
     out = jax.vmap(_sampled)(logits, token)
     state = eqx.tree_at(
         lambda s: (s.cache, s.token, s.position, s.present, s.step),
