@@ -305,7 +305,9 @@ def test_filters_match_transformers_warpers():
         expected = np.isfinite(scores[0].numpy())
         assert 1 < expected.sum() < 5000  # every filter case cuts something
         assert (np.isfinite(filter_logits(row, sampling(**kw))) == expected).all(), kw
-    per_row = [filter_logits(row, sampling(**kw)) for row, kw in zip(logits, FILTER_CASES)]
+    per_row = [
+        filter_logits(row, sampling(**kw)) for row, kw in zip(logits, FILTER_CASES, strict=True)
+    ]
     rows = jax.tree.map(lambda *a: jnp.stack(a), *[sampling(**kw) for kw in FILTER_CASES])
     np.testing.assert_array_equal(filter_logits(logits, rows), jnp.stack(per_row))
 

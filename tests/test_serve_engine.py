@@ -60,10 +60,16 @@ def _prompts(n, seed=0):
     return [rng.integers(0, 97, size=int(rng.integers(1, 40))).tolist() for _ in range(n)]
 
 
+TRACED = {"prefill": 1, "decode": 2, "score": 3}  # by the warm-up: one per listed shape
+
+
 def test_the_compiled_shapes_are_listed(engine):
-    assert engine.shapes()[0] == f"decode: {SLOTS} slots x {LENGTH} positions"
+    assert engine.shapes()[:2] == [
+        f"decode: 1 slots x {LENGTH} positions",
+        f"decode: {SLOTS} slots x {LENGTH} positions",
+    ]
     assert engine.chunks == [16]
-    assert engine.traces == {"prefill": 1, "decode": 1, "score": 3}
+    assert engine.traces == TRACED
 
 
 def test_a_seeded_request_equals_generate_alone_and_among_30_others(model, engine):
@@ -86,7 +92,7 @@ def test_a_seeded_request_equals_generate_alone_and_among_30_others(model, engin
     refs = eqllm.generate_batch(model, _prompts(30), max_new_tokens=21, key=keys, temperature=1.0)
     got = [tokens for tokens, _ in together[:13] + together[14:]]
     assert got == [ref[: 5 + i % 17].tolist() for i, ref in enumerate(refs)]
-    assert engine.traces == {"prefill": 1, "decode": 1, "score": 3}  # nothing recompiled
+    assert engine.traces == TRACED  # nothing recompiled
 
 
 def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(engine):
@@ -101,6 +107,30 @@ def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(engine):
         assert long[0].cursor in (16, 32, 40)
     assert produced == [1, 1, 1] and long[0].cursor == 40
     _drain(engine, [short, long])
+
+
+def test_decode_runs_only_the_slots_and_positions_in_use(model):
+    """One request decodes on the first slot alone; a reply that grows past 128 positions moves
+    to the next length, windowed (ring) and global layers alike, and equals `eqllm.generate`;
+    a second request in a higher slot runs every slot up to it."""
+    cfg = TINY_CONFIGS["gemma2"].replace(max_seq_len=200)  # a window of 5 in every other layer
+    model = eqllm.CausalLM(cfg, key=jax.random.key(7))
+    engine = Engine(model, max_batch=8, max_len=200, prefill_chunk=64)
+    assert (engine.decode_slots, engine.decode_lengths) == ([1, 4, 8], [128, 200])
+    used = []
+    decode = engine._steps["decode"]
+    engine._steps["decode"] = lambda *a, **sizes: used.append(sizes) or decode(*a, **sizes)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, 97, 110)]
+    settings = dict(temperature=0.9, top_p=0.95)
+    want = eqllm.generate(model, prompt, max_new_tokens=40, key=jax.random.key(9), **settings)
+    [(tokens, _)] = _drain(engine, [_submit(engine, prompt, max_tokens=40, seed=9, **settings)])
+    assert tokens == want.tolist()
+    assert {u["slots"] for u in used} == {1}
+    assert [u["length"] for u in used] == [128] * 18 + [200] * 21  # position 128 from step 19
+    used.clear()
+    runs = [_submit(engine, [4, 5, 6], max_tokens=3, temperature=0) for _ in range(2)]
+    _drain(engine, runs)
+    assert {u["slots"] for u in used} == {4} and {u["length"] for u in used} == {128}
 
 
 def test_requests_join_leave_and_reuse_slots(engine):

@@ -45,13 +45,13 @@ from eqllm.serve.steps import compiled, empty_state
 log = logging.getLogger("eqllm.serve")
 
 
-def chunk_buckets(chunk: int) -> list[int]:
-    """The padded prefill chunk widths: powers of two from 16 up to `chunk`."""
-    widths, w = [], MIN_BUCKET
-    while w < chunk:
-        widths.append(w)
-        w *= 2
-    return [*widths, chunk]
+def buckets(first: int, last: int, factor: int = 2) -> list[int]:
+    """`first`, `first * factor`, ... below `last`, then `last`: the sizes a shape takes."""
+    sizes, size = [], first
+    while size < last:
+        sizes.append(size)
+        size *= factor
+    return [*sizes, last]
 
 
 def _bucket(n: int, widths: Sequence[int]) -> int:
@@ -96,8 +96,15 @@ class Engine:
             check_mesh(cfg, mesh, max_batch)
         self.model, self.mesh = model, mesh
         self.max_batch, self.max_len, self.max_queue = max_batch, max_len, max_queue
-        self.chunks = chunk_buckets(min(prefill_chunk, 1 << (max_len - 1).bit_length()))
-        self.scores = chunk_buckets(1 << (max_len - 1).bit_length())
+        self.chunks = buckets(MIN_BUCKET, min(prefill_chunk, 1 << (max_len - 1).bit_length()))
+        self.scores = buckets(MIN_BUCKET, 1 << (max_len - 1).bit_length())
+        # A decode step runs the first b slots and reads the first n cache positions, b and n
+        # the smallest of these sizes that cover every active slot: one client does not pay
+        # for 32 slots, nor a short reply for the whole context. (Slots split over `data`
+        # replicas always run whole, so that each replica keeps its share.)
+        split = mesh is not None and mesh.shape["data"] > 1
+        self.decode_slots = [max_batch] if split else buckets(1, max_batch, 4)
+        self.decode_lengths = buckets(min(128, max_len), max_len, 4)
         self.traces: dict[str, int] = {}
         # The weights the steps run on, as placed: (model without its blocks, sliced layers).
         self._steps, self.weights = compiled(model, self.traces, mesh)
@@ -125,7 +132,6 @@ class Engine:
 
     def shapes(self) -> list[str]:
         """Every compiled shape the engine uses, one line each."""
-        b, n = self.max_batch, self.max_len
         on = (
             ""
             if self.mesh is None
@@ -133,7 +139,7 @@ class Engine:
             + ",".join(f"{k}={v}" for k, v in self.mesh.shape.items() if k in ("data", "tensor"))
         )
         return (
-            [f"decode: {b} slots x {n} positions{on}"]
+            [f"decode: {b} slots x {n} positions{on}" for b, n in self._decode_shapes()]
             + [f"prefill chunk: {w} tokens" for w in self.chunks]
             + [f"prompt scoring: {w} tokens" for w in self.scores]
         )
@@ -152,12 +158,20 @@ class Engine:
                 jax.random.key(0),
                 sampling(1.0),
             )
-        self._state, out = self._steps["decode"](
-            self._state, np.zeros(self.max_batch, bool), self._batch_settings()
-        )
+        for slots, length in self._decode_shapes():
+            self._state, out = self._steps["decode"](
+                self._state,
+                np.zeros(slots, bool),
+                self._batch_settings(slots),
+                slots=slots,
+                length=length,
+            )
         for width in self.scores:
             self._steps["score"](np.zeros(width, np.int32), np.arange(width, dtype=np.int32))
         jax.block_until_ready(out)
+
+    def _decode_shapes(self) -> list[tuple[int, int]]:
+        return [(b, n) for b in self.decode_slots for n in self.decode_lengths]
 
     # Requests ------------------------------------------------------------------------------------
 
@@ -316,7 +330,18 @@ class Engine:
         return n
 
     def _decode(self, active: np.ndarray) -> None:
-        self._state, out = self._steps["decode"](self._state, active, self._batch_settings())
+        slots = _bucket(int(np.flatnonzero(active)[-1]) + 1, self.decode_slots)
+        # the token fed to slot i sits at position len(prompt) + produced - 1
+        longest = max(
+            len(self._slots[i].prompt) + self._slots[i].produced for i in np.flatnonzero(active)
+        )
+        self._state, out = self._steps["decode"](
+            self._state,
+            active[:slots],
+            self._batch_settings(slots),
+            slots=slots,
+            length=_bucket(longest, self.decode_lengths),
+        )
         tokens, logprobs, top_tokens, top_logprobs = map(np.asarray, _fields(out))
         for slot in np.flatnonzero(active):
             request = self._slots[slot]
@@ -341,10 +366,11 @@ class Engine:
         ]
         request.sink(PromptScores((None, *logprobs[:n].tolist()), (None, *tops)))
 
-    def _batch_settings(self):
+    def _batch_settings(self, slots: int):
         # One value per slot: built from the leaves, since Sampling's fields are scalars.
         structure = jax.tree.structure(sampling())
-        return jax.tree.unflatten(structure, [jnp.asarray(v) for v in self._settings.values()])
+        leaves = [jnp.asarray(v[:slots]) for v in self._settings.values()]
+        return jax.tree.unflatten(structure, leaves)
 
 
 def _fields(out):

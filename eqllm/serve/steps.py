@@ -109,29 +109,37 @@ def decode_step(
     state: SlotState,
     active: Bool[Array, " slots"],
     settings: Sampling,
+    *,
+    slots: int,
+    length: int,
 ) -> tuple[SlotState, Sampled]:
-    """Feed every active slot its last token and sample the next; other slots are untouched
-    (their position is -1 for this step, so nothing is written to their cache)."""
+    """Feed every active slot among the first `slots` its last token and sample the next; other
+    slots are untouched (their position is -1 for this step, so nothing is written to their
+    cache). Attention reads the first `length` cache positions only: every active slot's
+    positions lie below it (a ring cache shorter than `length` is read whole)."""
     model, layers = fixed
-    slots, vocab = state.present.shape
-    position = jnp.where(active, state.position, -1)
+    vocab = state.present.shape[1]
+    part = jax.tree.map(lambda a: a[:slots], state)
+    cache = jax.tree.map(lambda a: a[:, :length], part.cache)
+    position = jnp.where(active, part.position, -1)
     logits, cache = jax.vmap(lambda t, p, c: model.decode(t, p, c, layers=layers))(
-        state.token, position, state.cache
+        part.token, position, cache
     )
-    keys = jax.vmap(jax.random.fold_in)(state.keys, state.step)
-    token = sample_tokens(logits, keys, state.present, settings)
+    keys = jax.vmap(jax.random.fold_in)(part.keys, part.step)
+    token = sample_tokens(logits, keys, part.present, settings)
     out = jax.vmap(_sampled)(logits, token)
+    present = part.present.at[jnp.arange(slots), jnp.where(active, token, vocab)].set(
+        True, mode="drop"
+    )
     state = eqx.tree_at(
         lambda s: (s.cache, s.token, s.position, s.present, s.step),
         state,
         (
-            cache,
-            jnp.where(active, token, state.token),
-            state.position + active,
-            state.present.at[jnp.arange(slots), jnp.where(active, token, vocab)].set(
-                True, mode="drop"
-            ),
-            state.step + active,
+            jax.tree.map(lambda a, c: a.at[:slots, : c.shape[1]].set(c), state.cache, cache),
+            state.token.at[:slots].set(jnp.where(active, token, part.token)),
+            state.position.at[:slots].add(active),
+            state.present.at[:slots].set(present),
+            state.step.at[:slots].add(active),
         ),
     )
     return state, out
@@ -168,21 +176,21 @@ def compiled(model: CausalLM, traces: dict[str, int], mesh: Mesh | None = None):
         model, layers = place_weights(model, layers, mesh)
     params, static = eqx.partition((model, layers), eqx.is_array)
 
-    def wrap(name, fn, donate):
-        def run(params, *args):
+    def wrap(name, fn, donate, static_names=()):
+        def run(params, *args, **sizes):
             traces[name] = traces.get(name, 0) + 1  # runs only while tracing
-            out = fn(eqx.combine(params, static), *args)
+            out = fn(eqx.combine(params, static), *args, **sizes)
             if mesh is not None and donate:  # (state, sampled): keep the state's placement
                 state, sampled = out
                 out = jax.lax.with_sharding_constraint(state, state_shardings(state, mesh)), sampled
             return out
 
-        jitted = jax.jit(run, donate_argnums=donate)
-        return lambda *args: jitted(params, *args)
+        jitted = jax.jit(run, donate_argnums=donate, static_argnames=static_names)
+        return lambda *args, **sizes: jitted(params, *args, **sizes)
 
     steps = {
         "prefill": wrap("prefill", prefill_chunk, (1,)),
-        "decode": wrap("decode", decode_step, (1,)),
+        "decode": wrap("decode", decode_step, (1,), ("slots", "length")),
         "score": wrap("score", prompt_logprobs, ()),
     }
     return steps, (model, layers)
