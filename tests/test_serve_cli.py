@@ -39,8 +39,8 @@ def test_serve_lists_shapes_then_drains_on_sigterm_and_exits_0(tmp_path):
             time.sleep(0.5)
         assert any("ready" in line for line in lines), "".join(lines)
         log = "".join(lines)
-        assert "decode: 2 slots x 64 positions" in log and "prefill chunk: 16 tokens" in log
-        assert log.index("prefill chunk") < log.index("ready")
+        assert "decode: 2 slots x 64 positions" in log and "prefill: 1 prompts x 16 tokens" in log
+        assert log.index("prefill: ") < log.index("ready")
         assert f"127.0.0.1:{port}" in log
         body = {"model": "model", "prompt": [5], "max_tokens": 60, "stream": True}
         body["ignore_eos"] = True

@@ -133,6 +133,28 @@ def test_decode_runs_only_the_slots_and_positions_in_use(model):
     assert {u["slots"] for u in used} == {4} and {u["length"] for u in used} == {128}
 
 
+def test_prompts_prefilled_together_sample_as_generate_does(model):
+    """With a 64-token budget, short prompts share prefill calls (4 rows of 16 tokens, 2 of 32)
+    and still give `eqllm.generate`'s tokens; padding rows write nothing."""
+    engine = Engine(model, max_batch=8, max_len=LENGTH, prefill_chunk=64)
+    assert engine.prefill_rows == {16: [1, 4], 32: [1, 2], 64: [1]}
+    calls = []
+    prefill = engine._steps["prefill"]
+    engine._steps["prefill"] = lambda state, slots, *a: (
+        calls.append(slots) or prefill(state, slots, *a)
+    )
+    prompts = _prompts(12, seed=1)
+    runs = [
+        _submit(engine, p, max_tokens=6, seed=i, temperature=1.0) for i, p in enumerate(prompts)
+    ]
+    got = [tokens for tokens, _ in _drain(engine, runs)]
+    keys = jax.vmap(jax.random.key)(np.arange(12))
+    refs = eqllm.generate_batch(model, prompts, max_new_tokens=6, key=keys, temperature=1.0)
+    assert got == [ref.tolist() for ref in refs]
+    assert max(int((slots < 8).sum()) for slots in calls) > 1  # several prompts in one call
+    assert any((slots == 8).any() for slots in calls)  # and a call with padding rows
+
+
 def test_requests_join_leave_and_reuse_slots(engine):
     runs = [_submit(engine, [7, 8, 9], max_tokens=2 + i, temperature=0) for i in range(6)]
     # 4 join; their 3-token prompts share one 16-token chunk, so all 4 are prefilled (1 token

@@ -98,6 +98,11 @@ class Engine:
         self.max_batch, self.max_len, self.max_queue = max_batch, max_len, max_queue
         self.chunks = buckets(MIN_BUCKET, min(prefill_chunk, 1 << (max_len - 1).bit_length()))
         self.scores = buckets(MIN_BUCKET, 1 << (max_len - 1).bit_length())
+        # A prefill call writes a chunk of `width` tokens for each of up to prefill_chunk // width
+        # prompts at once (their rows padded to 1, 4, 16, ... of them).
+        self.prefill_rows = {
+            w: buckets(1, min(max_batch, self.chunks[-1] // w), 4) for w in self.chunks
+        }
         # A decode step runs the first b slots and reads the first n cache positions, b and n
         # the smallest of these sizes that cover every active slot: one client does not pay
         # for 32 slots, nor a short reply for the whole context. (Slots split over `data`
@@ -140,24 +145,14 @@ class Engine:
         )
         return (
             [f"decode: {b} slots x {n} positions{on}" for b, n in self._decode_shapes()]
-            + [f"prefill chunk: {w} tokens" for w in self.chunks]
+            + [f"prefill: {r} prompts x {w} tokens" for w, r in self._prefill_shapes()]
             + [f"prompt scoring: {w} tokens" for w in self.scores]
         )
 
     def warm(self) -> None:
-        """Compile every shape in `shapes()` (on slot 0, which the next request resets)."""
-        for width in self.chunks:
-            tokens = np.zeros(width, np.int32)
-            self._state, _ = self._steps["prefill"](
-                self._state,
-                np.int32(0),
-                tokens,
-                np.arange(width, dtype=np.int32),
-                np.bool_(True),
-                np.bool_(True),
-                jax.random.key(0),
-                sampling(1.0),
-            )
+        """Compile every shape in `shapes()` (decoding no slot, prefilling padding only)."""
+        for width, rows in self._prefill_shapes():  # padding rows only: nothing is written
+            self._run_prefill([], width, rows)
         for slots, length in self._decode_shapes():
             self._state, out = self._steps["decode"](
                 self._state,
@@ -169,6 +164,9 @@ class Engine:
         for width in self.scores:
             self._steps["score"](np.zeros(width, np.int32), np.arange(width, dtype=np.int32))
         jax.block_until_ready(out)
+
+    def _prefill_shapes(self) -> list[tuple[int, int]]:
+        return [(w, r) for w in self.chunks for r in self.prefill_rows[w]]
 
     def _decode_shapes(self) -> list[tuple[int, int]]:
         return [(b, n) for b in self.decode_slots for n in self.decode_lengths]
@@ -266,12 +264,12 @@ class Engine:
                     continue
                 request.slot = self._slots.index(None)
                 self._slots[request.slot] = request
-        budget = self.chunks[-1]  # prompt tokens per round: short prompts share one chunk
+        budget = self.chunks[-1]  # prompt tokens per round, over as many prompts as it covers
         while budget > 0:
             pending = [r for r in self._slots if r is not None and r.cursor < len(r.prompt)]
             if not pending:
                 break
-            budget -= self._prefill(min(pending, key=lambda r: r.cursor), budget)
+            budget -= self._prefill(sorted(pending, key=lambda r: r.cursor), budget)
         active = np.array([r is not None and r.cursor == len(r.prompt) for r in self._slots])
         if active.any():
             self._decode(active)
@@ -293,41 +291,70 @@ class Engine:
         ):
             self._finish(request, "length")
 
-    def _prefill(self, request: Request, limit: int) -> int:
-        """Write the next (at most `limit`) prompt tokens of `request` into its slot; returns
-        how many (0 when it only had its prompt scored)."""
-        p, prompt = request.params, request.prompt
-        if request.cursor == 0 and p.prompt_logprobs:
-            self._score(request)
-            if p.max_tokens == 0:
-                self._finish(request, "length")
+    def _prefill(self, pending: list[Request], limit: int) -> int:
+        """Write the next chunk of as many `pending` prompts as one call takes (the first's
+        chunk sets the width; the others' chunks are cut to it), at most `limit` tokens in all;
+        returns how many (0 when a request only had its prompt scored)."""
+        first = pending[0]
+        if not first.scored:
+            self._score(first)
+            if first.params.max_tokens == 0:
+                self._finish(first, "length")
                 return 0
-        start = request.cursor
-        n = min(limit, len(prompt) - start)
-        width = _bucket(n, self.chunks)
-        tokens = np.zeros(width, np.int32)
-        positions = np.full(width, -1, np.int32)
-        tokens[width - n :] = prompt[start : start + n]
-        positions[width - n :] = np.arange(start, start + n)
-        request.cursor = start + n
-        last = request.cursor == len(prompt)
-        settings = sampling(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty)
-        seed = secrets.randbits(63) if p.seed is None else p.seed
+        width = _bucket(min(limit, len(first.prompt) - first.cursor), self.chunks)
+        chunks = []
+        for request in pending[: self.prefill_rows[width][-1]]:
+            n = min(width, limit, len(request.prompt) - request.cursor)
+            if n == 0 or not request.scored:
+                break  # out of budget, or its prompt is scored first (next call)
+            chunks.append((request, n))
+            limit -= n
+        results = self._run_prefill(chunks, width, _bucket(len(chunks), self.prefill_rows[width]))
+        for (request, _), result in zip(chunks, results, strict=True):
+            if result is not None:
+                self._emit(request, *result)
+        return sum(n for _, n in chunks)
+
+    def _run_prefill(self, chunks: list[tuple[Request, int]], width: int, rows: int) -> list:
+        """One prefill call: the next `n` prompt tokens of each (request, n), left-padded to
+        `width`, in `rows` rows (the rest padding); per request, its first token (token,
+        logprob, top alternatives) once its prompt is in, else None."""
+        slots = np.full(rows, self.max_batch, np.int32)  # out of range: padding, not written
+        tokens = np.zeros((rows, width), np.int32)
+        positions = np.full((rows, width), -1, np.int32)
+        first, last = np.zeros(rows, bool), np.zeros(rows, bool)
+        keys, settings = [jax.random.key(0)] * rows, [sampling(1.0)] * rows
+        for i, (request, n) in enumerate(chunks):
+            p, start = request.params, request.cursor
+            slots[i] = request.slot
+            tokens[i, width - n :] = request.prompt[start : start + n]
+            positions[i, width - n :] = np.arange(start, start + n)
+            request.cursor = start + n
+            first[i], last[i] = start == 0, request.cursor == len(request.prompt)
+            keys[i] = jax.random.key(secrets.randbits(63) if p.seed is None else p.seed)
+            settings[i] = sampling(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty)
+            if last[i]:
+                for name, array in self._settings.items():
+                    array[request.slot] = getattr(settings[i], name)
         self._state, out = self._steps["prefill"](
             self._state,
-            np.int32(request.slot),
+            slots,
             tokens,
             positions,
-            np.bool_(start == 0),
-            np.bool_(last),
-            jax.random.key(seed),
-            settings,
+            first,
+            last,
+            jnp.stack(keys),
+            jax.tree.map(lambda *a: jnp.stack(a), *settings),
         )
-        if last:
-            for name, array in self._settings.items():
-                array[request.slot] = getattr(settings, name)
-            self._emit(request, *_one(out))
-        return n
+        if not last.any():
+            return [None] * len(chunks)
+        tokens, logprobs, top_tokens, top_logprobs = map(np.asarray, _fields(out))
+        return [
+            (int(tokens[i]), float(logprobs[i]), _top(top_tokens[i], top_logprobs[i]))
+            if last[i]
+            else None
+            for i in range(len(chunks))
+        ]
 
     def _decode(self, active: np.ndarray) -> None:
         slots = _bucket(int(np.flatnonzero(active)[-1]) + 1, self.decode_slots)
@@ -347,10 +374,11 @@ class Engine:
             request = self._slots[slot]
             if request is None or request.cancelled:
                 continue
-            top = tuple(zip(top_tokens[slot].tolist(), top_logprobs[slot].tolist(), strict=True))
+            top = _top(top_tokens[slot], top_logprobs[slot])
             self._emit(request, int(tokens[slot]), float(logprobs[slot]), top)
 
     def _score(self, request: Request) -> None:
+        request.scored = True
         prompt = request.prompt
         width = _bucket(len(prompt), self.scores)
         tokens = np.zeros(width, np.int32)
@@ -360,10 +388,7 @@ class Engine:
         out = self._steps["score"](tokens, positions)
         _, logprobs, top_tokens, top_logprobs = map(np.asarray, _fields(out))
         n = len(prompt) - 1
-        tops = [
-            tuple(zip(top_tokens[i].tolist(), top_logprobs[i].tolist(), strict=True))
-            for i in range(n)
-        ]
+        tops = [_top(top_tokens[i], top_logprobs[i]) for i in range(n)]
         request.sink(PromptScores((None, *logprobs[:n].tolist()), (None, *tops)))
 
     def _batch_settings(self, slots: int):
@@ -377,7 +402,5 @@ def _fields(out):
     return out.token, out.logprob, out.top_tokens, out.top_logprobs
 
 
-def _one(out):
-    token, logprob, top_tokens, top_logprobs = map(np.asarray, _fields(out))
-    top = tuple(zip(top_tokens.tolist(), top_logprobs.tolist(), strict=True))
-    return int(token), float(logprob), top
+def _top(tokens: np.ndarray, logprobs: np.ndarray) -> tuple:
+    return tuple(zip(tokens.tolist(), logprobs.tolist(), strict=True))

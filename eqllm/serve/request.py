@@ -73,6 +73,7 @@ class Request:
         self.slot: int | None = None
         self.cursor = 0  # prompt tokens already in the cache
         self.produced = 0
+        self.scored = not params.prompt_logprobs  # its PromptScores sent (or none asked for)
 
     def cancel(self) -> None:
         """Stop the request at the next step and free its slot (thread-safe)."""

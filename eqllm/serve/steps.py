@@ -4,7 +4,7 @@ the log-probabilities of a prompt (for `echo`).
 The slots' KV caches and per-slot decode state are one `SlotState`, allocated once and donated
 to every step, so it is updated in place. A step only ever sees fixed shapes: the slot count,
 the cache length, and a prompt chunk or scored prompt padded to a bucket. The model's own
-`prefill` / `decode` do the forward and `eqllm.generation.sample_token` the sampling, so a
+`prefill` / `decode` do the forward and `eqllm.generation.sample_tokens` the sampling, so a
 request samples exactly as `eqllm.generate` does with the same key.
 """
 
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, Key
 
-from eqllm.generation import Sampling, sample_token, sample_tokens
+from eqllm.generation import Sampling, sample_tokens
 from eqllm.model import CausalLM, cast_floating, dtype_of
 from eqllm.nn import KVCache, LatentCache
 from eqllm.serve.placement import place_weights, state_shardings
@@ -71,42 +71,50 @@ def _sampled(logits: Float[Array, " vocab"], token: Int[Array, ""]) -> Sampled:
 def prefill_chunk(
     fixed,
     state: SlotState,
-    slot: Int[Array, ""],
-    tokens: Int[Array, " chunk"],
-    positions: Int[Array, " chunk"],
-    first: Bool[Array, ""],
-    last: Bool[Array, ""],
-    key: Key[Array, ""],
+    slots: Int[Array, " rows"],
+    tokens: Int[Array, "rows chunk"],
+    positions: Int[Array, "rows chunk"],
+    first: Bool[Array, " rows"],
+    last: Bool[Array, " rows"],
+    keys: Key[Array, " rows"],
     settings: Sampling,
 ) -> tuple[SlotState, Sampled]:
-    """Write one left-padded chunk of a prompt into `slot`'s cache (emptied first when `first`);
-    after the `last` chunk, sample the request's first token with `key` and arm the slot."""
+    """Write one left-padded chunk of a prompt into each row's slot (emptied first when `first`);
+    after a prompt's `last` chunk, sample its first token with its key and arm the slot. A row
+    whose slot is out of range (max_batch) is padding: nothing of it is written."""
     model, layers = fixed
     vocab = model.config.vocab_size
     emptied = tuple(
         eqx.tree_at(
             lambda c: c.positions,
             c,
-            c.positions.at[slot].set(jnp.where(first, -1, c.positions[slot])),
+            c.positions.at[slots].set(
+                jnp.where(first[:, None], -1, c.positions[slots]), mode="drop"
+            ),
         )
         for c in state.cache
     )
-    cache = jax.tree.map(lambda a: a[slot], emptied)
-    logits, cache = model.prefill(tokens, positions, cache, layers=layers)
-    present = jnp.where(first, False, state.present[slot])
-    present = present.at[jnp.where(positions >= 0, tokens, vocab)].set(True, mode="drop")
-    token = sample_token(logits, jax.random.fold_in(key, 0), present, settings)
-    out = _sampled(logits, token)
-    present = jnp.where(last, present.at[token].set(True), present)
+    cache = jax.tree.map(lambda a: a[slots], emptied)
+    logits, cache = jax.vmap(lambda t, p, c: model.prefill(t, p, c, layers=layers))(
+        tokens, positions, cache
+    )
+    rows = jnp.arange(slots.shape[0])[:, None]
+    present = jnp.where(first[:, None], False, state.present[slots])
+    present = present.at[rows, jnp.where(positions >= 0, tokens, vocab)].set(True, mode="drop")
+    token = sample_tokens(logits, jax.vmap(jax.random.fold_in)(keys, 0 * slots), present, settings)
+    out = jax.vmap(_sampled)(logits, token)
+    present = present.at[rows[:, 0], jnp.where(last, token, vocab)].set(True, mode="drop")
+
+    def put(array, value):
+        return array.at[slots].set(value, mode="drop")
+
     state = SlotState(
-        cache=_write_rows(
-            emptied, jax.tree.map(lambda a: a[None], cache), slot[None], positions[None], token
-        ),
-        token=state.token.at[slot].set(jnp.where(last, token, 0)),
-        position=state.position.at[slot].set(jnp.max(positions) + 1),
-        present=state.present.at[slot].set(present),
-        keys=state.keys.at[slot].set(key),
-        step=state.step.at[slot].set(1),
+        cache=_write_rows(emptied, cache, slots, positions, token),
+        token=put(state.token, jnp.where(last, token, 0)),
+        position=put(state.position, jnp.max(positions, axis=1) + 1),
+        present=put(state.present, present),
+        keys=put(state.keys, keys),
+        step=put(state.step, jnp.ones_like(slots)),
     )
     return state, out
 
