@@ -312,6 +312,14 @@ def test_filters_match_transformers_warpers():
     np.testing.assert_array_equal(filter_logits(logits, rows), jnp.stack(per_row))
 
 
+def test_draws_follow_the_distribution():
+    draws = _draws(
+        LOGITS, jax.random.split(jax.random.key(1), 20000), jnp.zeros(7, bool), sampling()
+    )
+    frequencies = np.bincount(np.asarray(draws), minlength=7) / 20000
+    np.testing.assert_allclose(frequencies, np.exp(LOGITS), atol=0.01)  # 3 sigma at p = 0.4
+
+
 def test_low_temperature_matches_greedy():
     keys = jax.random.split(jax.random.key(0), 4000)
     for temperature in (1e-3, 0.0):

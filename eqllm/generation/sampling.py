@@ -164,7 +164,17 @@ def sample_tokens(
 
     def sample(_):
         filtered = filter_logits(logits, settings)
-        return jax.vmap(jax.random.categorical)(keys, filtered).astype(greedy.dtype)
+        return jax.vmap(_draw)(keys, filtered).astype(greedy.dtype)
 
     sampled = jax.lax.cond(jnp.any(settings.temperature > 0), sample, lambda _: greedy, None)
     return jnp.where(settings.temperature == 0, greedy, sampled).astype(jnp.int32)
+
+
+def _draw(key: PRNGKeyArray, logits: Float[Array, " vocab"]) -> Int[Array, ""]:
+    """A token drawn with probability softmax(logits), by inverting the cumulative distribution
+    at one uniform number. `jax.random.categorical` draws a Gumbel number per token instead: on
+    CPU that cost 90 ms a step for 64 rows of a 49k vocabulary."""
+    probs = jax.nn.softmax(logits)
+    cdf = jnp.cumsum(probs)
+    index = jnp.sum(cdf <= jax.random.uniform(key) * cdf[-1])  # the first with cdf above it
+    return jnp.where(index < logits.shape[-1], index, jnp.argmax(probs))  # (float rounding)
