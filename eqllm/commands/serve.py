@@ -127,7 +127,9 @@ def add_parser(commands) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=32, help="requests decoded together")
     p.add_argument("--max-len", type=int, default=None, help="prompt + output tokens per request")
-    p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per chunk")
+    p.add_argument(
+        "--prefill-chunk", type=int, default=128, help="prompt tokens prefilled per round"
+    )
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights")

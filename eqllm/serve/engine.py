@@ -65,7 +65,9 @@ class Engine:
         model: the language model (any family, any dtype, quantized or not).
         max_batch: slots, i.e. requests decoded together.
         max_len: positions per slot (prompt + output); at most the model's context.
-        prefill_chunk: prompt tokens written per chunk, a power of two >= 16.
+        prefill_chunk: prompt tokens prefilled per round (between two decode steps), a power
+            of two >= 16: one prompt's chunk of up to that many (and at most `max_len`), or
+            chunks of several prompts at once.
         max_queue: requests allowed to wait for a slot; more raise QueueFull.
         mesh: a device mesh (`eqllm.serve.placement.serving_mesh`) to split the weights and
             the KV cache over `tensor` and the slots over `data`; None: one device.
@@ -96,12 +98,13 @@ class Engine:
             check_mesh(cfg, mesh, max_batch)
         self.model, self.mesh = model, mesh
         self.max_batch, self.max_len, self.max_queue = max_batch, max_len, max_queue
+        self.prefill_chunk = prefill_chunk
         self.chunks = buckets(MIN_BUCKET, min(prefill_chunk, 1 << (max_len - 1).bit_length()))
         self.scores = buckets(MIN_BUCKET, 1 << (max_len - 1).bit_length())
         # A prefill call writes a chunk of `width` tokens for each of up to prefill_chunk // width
         # prompts at once (their rows padded to 1, 4, 16, ... of them).
         self.prefill_rows = {
-            w: buckets(1, min(max_batch, self.chunks[-1] // w), 4) for w in self.chunks
+            w: buckets(1, min(max_batch, prefill_chunk // w), 4) for w in self.chunks
         }
         # A decode step runs the first b slots and reads the first n cache positions, b and n
         # the smallest of these sizes that cover every active slot: one client does not pay
@@ -264,7 +267,7 @@ class Engine:
                     continue
                 request.slot = self._slots.index(None)
                 self._slots[request.slot] = request
-        budget = self.chunks[-1]  # prompt tokens per round, over as many prompts as it covers
+        budget = self.prefill_chunk  # prompt tokens per round, over as many prompts as it covers
         while budget > 0:
             pending = [r for r in self._slots if r is not None and r.cursor < len(r.prompt)]
             if not pending:
