@@ -16,6 +16,7 @@ thread; results reach each request through the callback it was submitted with.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import threading
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from eqllm.generation import GenerationError, sampling
+from eqllm.generation import GenerationError, Sampling, sampling
 from eqllm.generation.api import MIN_BUCKET
 from eqllm.model import CausalLM
 from eqllm.serve.placement import check_mesh, state_shardings
@@ -120,16 +121,7 @@ class Engine:
         if mesh is not None:
             self._state = jax.device_put(self._state, state_shardings(self._state, mesh))
         self._slots: list[Request | None] = [None] * max_batch
-        self._settings = {
-            name: np.zeros(max_batch, dtype)
-            for name, dtype in (
-                ("temperature", np.float32),
-                ("top_k", np.int32),
-                ("top_p", np.float32),
-                ("min_p", np.float32),
-                ("repetition_penalty", np.float32),
-            )
-        }
+        self._settings = _greedy(max_batch)  # each slot's sampling settings
         self.cancelled = 0  # requests stopped by a cancel (a client that went away)
         self._waiting: deque[Request] = deque()
         self._wake = threading.Condition()
@@ -160,7 +152,7 @@ class Engine:
             self._state, out = self._steps["decode"](
                 self._state,
                 np.zeros(slots, bool),
-                self._batch_settings(slots),
+                _stack({name: values[:slots] for name, values in self._settings.items()}),
                 slots=slots,
                 length=length,
             )
@@ -281,6 +273,8 @@ class Engine:
         self.cancelled += request.cancelled
         if request.slot is not None and self._slots[request.slot] is request:
             self._slots[request.slot] = None
+            for name, values in _greedy(1).items():  # an idle slot runs no filter
+                self._settings[name][request.slot] = values[0]
         request.sink(Finished(reason, len(request.prompt), request.produced))
 
     def _emit(self, request: Request, token: int, logprob: float, top) -> None:
@@ -326,7 +320,8 @@ class Engine:
         tokens = np.zeros((rows, width), np.int32)
         positions = np.full((rows, width), -1, np.int32)
         first, last = np.zeros(rows, bool), np.zeros(rows, bool)
-        keys, settings = [jax.random.key(0)] * rows, [sampling(1.0)] * rows
+        keys = [jax.random.key(0)] * rows
+        settings = _greedy(rows)
         for i, (request, n) in enumerate(chunks):
             p, start = request.params, request.cursor
             slots[i] = request.slot
@@ -335,25 +330,19 @@ class Engine:
             request.cursor = start + n
             first[i], last[i] = start == 0, request.cursor == len(request.prompt)
             keys[i] = jax.random.key(secrets.randbits(63) if p.seed is None else p.seed)
-            settings[i] = sampling(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty)
-            if last[i]:
-                for name, array in self._settings.items():
-                    array[request.slot] = getattr(settings[i], name)
+            chosen = sampling(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty)
+            for name, values in settings.items():
+                values[i] = getattr(chosen, name)
+                if last[i]:  # its decode settings from now on
+                    self._settings[name][request.slot] = values[i]
         self._state, out = self._steps["prefill"](
-            self._state,
-            slots,
-            tokens,
-            positions,
-            first,
-            last,
-            jnp.stack(keys),
-            jax.tree.map(lambda *a: jnp.stack(a), *settings),
+            self._state, slots, tokens, positions, first, last, jnp.stack(keys), _stack(settings)
         )
         if not last.any():
             return [None] * len(chunks)
-        tokens, logprobs, top_tokens, top_logprobs = map(np.asarray, _fields(out))
+        out = jax.device_get(out)
         return [
-            (int(tokens[i]), float(logprobs[i]), _top(top_tokens[i], top_logprobs[i]))
+            (int(out.token[i]), float(out.logprob[i]), _top(out.top_tokens[i], out.top_logprobs[i]))
             if last[i]
             else None
             for i in range(len(chunks))
@@ -368,17 +357,17 @@ class Engine:
         self._state, out = self._steps["decode"](
             self._state,
             active[:slots],
-            self._batch_settings(slots),
+            _stack({name: values[:slots] for name, values in self._settings.items()}),
             slots=slots,
             length=_bucket(longest, self.decode_lengths),
         )
-        tokens, logprobs, top_tokens, top_logprobs = map(np.asarray, _fields(out))
+        out = jax.device_get(out)
         for slot in np.flatnonzero(active):
             request = self._slots[slot]
             if request is None or request.cancelled:
                 continue
-            top = _top(top_tokens[slot], top_logprobs[slot])
-            self._emit(request, int(tokens[slot]), float(logprobs[slot]), top)
+            top = _top(out.top_tokens[slot], out.top_logprobs[slot])
+            self._emit(request, int(out.token[slot]), float(out.logprob[slot]), top)
 
     def _score(self, request: Request) -> None:
         request.scored = True
@@ -388,21 +377,23 @@ class Engine:
         positions = np.full(width, -1, np.int32)
         tokens[: len(prompt)] = prompt
         positions[: len(prompt)] = np.arange(len(prompt))
-        out = self._steps["score"](tokens, positions)
-        _, logprobs, top_tokens, top_logprobs = map(np.asarray, _fields(out))
+        out = jax.device_get(self._steps["score"](tokens, positions))
         n = len(prompt) - 1
-        tops = [_top(top_tokens[i], top_logprobs[i]) for i in range(n)]
-        request.sink(PromptScores((None, *logprobs[:n].tolist()), (None, *tops)))
-
-    def _batch_settings(self, slots: int):
-        # One value per slot: built from the leaves, since Sampling's fields are scalars.
-        structure = jax.tree.structure(sampling())
-        leaves = [jnp.asarray(v[:slots]) for v in self._settings.values()]
-        return jax.tree.unflatten(structure, leaves)
+        tops = [_top(out.top_tokens[i], out.top_logprobs[i]) for i in range(n)]
+        request.sink(PromptScores((None, *out.logprob[:n].tolist()), (None, *tops)))
 
 
-def _fields(out):
-    return out.token, out.logprob, out.top_tokens, out.top_logprobs
+def _greedy(rows: int) -> dict[str, np.ndarray]:
+    """Sampling settings for `rows` rows, by field: greedy, every filter off."""
+    off = jax.device_get(sampling(0.0))
+    return {f.name: np.full(rows, getattr(off, f.name)) for f in dataclasses.fields(off)}
+
+
+def _stack(settings: dict[str, np.ndarray]) -> Sampling:
+    """Sampling settings with one value per row (built from the leaves: `Sampling`'s fields are
+    checked scalars), in the order of `_greedy`'s fields."""
+    leaves = [jnp.asarray(values) for values in settings.values()]
+    return jax.tree.unflatten(jax.tree.structure(sampling()), leaves)
 
 
 def _top(tokens: np.ndarray, logprobs: np.ndarray) -> tuple:
