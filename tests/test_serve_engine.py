@@ -134,8 +134,9 @@ def test_decode_runs_only_the_slots_and_positions_in_use(model):
 
 
 def test_prompts_prefilled_together_sample_as_generate_does(model):
-    """With a 64-token budget, short prompts share prefill calls (4 rows of 16 tokens, 2 of 32)
-    and still give `eqllm.generate`'s tokens; padding rows write nothing."""
+    """Short prompts share prefill calls (up to 4 rows of 16 tokens, 2 of 32) and still give
+    `eqllm.generate`'s tokens; padding rows write nothing. While no request decodes, a round
+    prefills every prompt with a slot, whatever the budget (64 tokens)."""
     engine = Engine(model, max_batch=8, max_len=LENGTH, prefill_chunk=64)
     assert engine.prefill_rows == {16: [1, 4], 32: [1, 2], 64: [1]}
     calls = []
@@ -144,15 +145,22 @@ def test_prompts_prefilled_together_sample_as_generate_does(model):
         calls.append(slots) or prefill(state, slots, *a)
     )
     prompts = _prompts(12, seed=1)
+    assert sum(len(p) for p in prompts[:8]) > 64
     runs = [
         _submit(engine, p, max_tokens=6, seed=i, temperature=1.0) for i, p in enumerate(prompts)
     ]
+    engine.step()
+    assert [r.produced for r, _ in runs] == [2] * 8 + [0] * 4  # first token, then one decoded
     got = [tokens for tokens, _ in _drain(engine, runs)]
     keys = jax.vmap(jax.random.key)(np.arange(12))
     refs = eqllm.generate_batch(model, prompts, max_new_tokens=6, key=keys, temperature=1.0)
     assert got == [ref.tolist() for ref in refs]
     assert max(int((slots < 8).sum()) for slots in calls) > 1  # several prompts in one call
-    assert any((slots == 8).any() for slots in calls)  # and a call with padding rows
+    calls.clear()  # two short prompts alone: one call of 4 rows, 2 of them padding
+    want = eqllm.generate(model, [5, 6], max_new_tokens=6, key=jax.random.key(3), temperature=1.0)
+    pair = [_submit(engine, [5, 6], max_tokens=6, seed=3, temperature=1.0) for _ in range(2)]
+    assert [tokens for tokens, _ in _drain(engine, pair)] == [want.tolist()] * 2
+    assert [int((slots == 8).sum()) for slots in calls] == [2]
 
 
 def test_requests_join_leave_and_reuse_slots(engine):

@@ -245,9 +245,10 @@ class Engine:
                     self._wake.wait(timeout=0.1)
 
     def step(self) -> None:
-        """One round: free cancelled slots, admit waiting requests, prefill up to one chunk's
-        worth of prompt tokens (`prefill_chunk`, over as many prompts as it covers, the least
-        advanced first) and run one decode step (each only if some slot needs it)."""
+        """One round: free cancelled slots, admit waiting requests, prefill up to
+        `prefill_chunk` prompt tokens (all of them while no request is decoding; over as many
+        prompts as they cover, the least advanced first) and run one decode step (each only if
+        some slot needs it)."""
         for request in self._slots:
             if request is not None and request.cancelled:
                 self._finish(request, "stop")
@@ -259,7 +260,10 @@ class Engine:
                     continue
                 request.slot = self._slots.index(None)
                 self._slots[request.slot] = request
-        budget = self.prefill_chunk  # prompt tokens per round, over as many prompts as it covers
+        # Prompt tokens this round, over as many prompts as they cover: the budget keeps the
+        # running requests' next tokens from waiting; with none running, every prompt goes in.
+        running = any(r is not None and r.cursor == len(r.prompt) for r in self._slots)
+        budget = self.prefill_chunk if running else sum(len(r.prompt) for r in self._slots if r)
         while budget > 0:
             pending = [r for r in self._slots if r is not None and r.cursor < len(r.prompt)]
             if not pending:
@@ -298,7 +302,7 @@ class Engine:
             if first.params.max_tokens == 0:
                 self._finish(first, "length")
                 return 0
-        width = _bucket(min(limit, len(first.prompt) - first.cursor), self.chunks)
+        width = _bucket(min(limit, len(first.prompt) - first.cursor, self.chunks[-1]), self.chunks)
         chunks = []
         for request in pending[: self.prefill_rows[width][-1]]:
             n = min(width, limit, len(request.prompt) - request.cursor)
