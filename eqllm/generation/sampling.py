@@ -147,6 +147,8 @@ def sample_token(
     settings: Sampling,
 ) -> Int[Array, ""]:
     """One next token: repetition penalty, then argmax (temperature 0) or a filtered sample."""
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):  # a raw uint32 key
+        key = jax.random.wrap_key_data(key)
     return sample_tokens(logits[None], key[None], present[None], settings)[0]
 
 
@@ -173,7 +175,7 @@ def sample_tokens(
 def _draw(key: PRNGKeyArray, logits: Float[Array, " vocab"]) -> Int[Array, ""]:
     """A token drawn with probability softmax(logits), by inverting the cumulative distribution
     at one uniform number. `jax.random.categorical` draws a Gumbel number per token instead: on
-    CPU that cost 90 ms a step for 64 rows of a 49k vocabulary."""
+    CPU that took 60 ms for 64 rows of a 49k vocabulary, this 14 ms."""
     probs = jax.nn.softmax(logits)
     cdf = jnp.cumsum(probs)
     index = jnp.sum(cdf <= jax.random.uniform(key) * cdf[-1])  # the first with cdf above it
