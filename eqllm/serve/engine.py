@@ -16,7 +16,6 @@ thread; results reach each request through the callback it was submitted with.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import secrets
 import threading
@@ -28,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from eqllm.generation import GenerationError, Sampling, sampling
+from eqllm.generation import GenerationError, sampling
 from eqllm.generation.api import MIN_BUCKET
 from eqllm.model import CausalLM
 from eqllm.serve.placement import check_mesh, state_shardings
@@ -41,6 +40,7 @@ from eqllm.serve.request import (
     ServeError,
     Token,
 )
+from eqllm.serve.settings import RowSettings
 from eqllm.serve.steps import compiled, empty_state
 
 log = logging.getLogger("eqllm.serve")
@@ -121,7 +121,7 @@ class Engine:
         if mesh is not None:
             self._state = jax.device_put(self._state, state_shardings(self._state, mesh))
         self._slots: list[Request | None] = [None] * max_batch
-        self._settings = _greedy(max_batch)  # each slot's sampling settings
+        self._settings = RowSettings(max_batch)  # each slot's sampling settings
         self.cancelled = 0  # requests stopped by a cancel (a client that went away)
         self._waiting: deque[Request] = deque()
         self._wake = threading.Condition()
@@ -152,7 +152,7 @@ class Engine:
             self._state, out = self._steps["decode"](
                 self._state,
                 np.zeros(slots, bool),
-                _stack({name: values[:slots] for name, values in self._settings.items()}),
+                self._settings.stacked(slots),
                 slots=slots,
                 length=length,
             )
@@ -277,8 +277,7 @@ class Engine:
         self.cancelled += request.cancelled
         if request.slot is not None and self._slots[request.slot] is request:
             self._slots[request.slot] = None
-            for name, values in _greedy(1).items():  # an idle slot runs no filter
-                self._settings[name][request.slot] = values[0]
+            self._settings.reset(request.slot)  # an idle slot runs no filter
         request.sink(Finished(reason, len(request.prompt), request.produced))
 
     def _emit(self, request: Request, token: int, logprob: float, top) -> None:
@@ -325,7 +324,7 @@ class Engine:
         positions = np.full((rows, width), -1, np.int32)
         first, last = np.zeros(rows, bool), np.zeros(rows, bool)
         keys = [jax.random.key(0)] * rows
-        settings = _greedy(rows)
+        settings = RowSettings(rows)
         for i, (request, n) in enumerate(chunks):
             p, start = request.params, request.cursor
             slots[i] = request.slot
@@ -335,12 +334,11 @@ class Engine:
             first[i], last[i] = start == 0, request.cursor == len(request.prompt)
             keys[i] = jax.random.key(secrets.randbits(63) if p.seed is None else p.seed)
             chosen = sampling(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty)
-            for name, values in settings.items():
-                values[i] = getattr(chosen, name)
-                if last[i]:  # its decode settings from now on
-                    self._settings[name][request.slot] = values[i]
+            settings.set(i, chosen)
+            if last[i]:  # its decode settings from now on
+                self._settings.set(request.slot, chosen)
         self._state, out = self._steps["prefill"](
-            self._state, slots, tokens, positions, first, last, jnp.stack(keys), _stack(settings)
+            self._state, slots, tokens, positions, first, last, jnp.stack(keys), settings.stacked()
         )
         if not last.any():
             return [None] * len(chunks)
@@ -361,7 +359,7 @@ class Engine:
         self._state, out = self._steps["decode"](
             self._state,
             active[:slots],
-            _stack({name: values[:slots] for name, values in self._settings.items()}),
+            self._settings.stacked(slots),
             slots=slots,
             length=_bucket(longest, self.decode_lengths),
         )
@@ -385,19 +383,6 @@ class Engine:
         n = len(prompt) - 1
         tops = [_top(out.top_tokens[i], out.top_logprobs[i]) for i in range(n)]
         request.sink(PromptScores((None, *out.logprob[:n].tolist()), (None, *tops)))
-
-
-def _greedy(rows: int) -> dict[str, np.ndarray]:
-    """Sampling settings for `rows` rows, by field: greedy, every filter off."""
-    off = jax.device_get(sampling(0.0))
-    return {f.name: np.full(rows, getattr(off, f.name)) for f in dataclasses.fields(off)}
-
-
-def _stack(settings: dict[str, np.ndarray]) -> Sampling:
-    """Sampling settings with one value per row (built from the leaves: `Sampling`'s fields are
-    checked scalars), in the order of `_greedy`'s fields."""
-    leaves = [jnp.asarray(values) for values in settings.values()]
-    return jax.tree.unflatten(jax.tree.structure(sampling()), leaves)
 
 
 def _top(tokens: np.ndarray, logprobs: np.ndarray) -> tuple:
