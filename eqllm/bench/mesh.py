@@ -16,8 +16,6 @@ can be measured) and read two ways:
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 import time
 from typing import Any
 
@@ -25,7 +23,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from eqllm.bench.hlo import Program, gathered, tally
 from eqllm.config import ModelConfig
+from eqllm.lora import trainable
 from eqllm.model import CausalLM
 from eqllm.recipe import OptimSpec
 from eqllm.sharding import (
@@ -37,8 +37,6 @@ from eqllm.sharding import (
 )
 from eqllm.train.optim import make_optimizer
 from eqllm.train.step import TrainStep
-
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 @dataclasses.dataclass
@@ -71,84 +69,38 @@ class MeshResult:
         return {**dataclasses.asdict(self), "total_bytes": self.total_bytes}
 
 
-def count_collectives(hlo: str) -> tuple[dict[str, int], dict[str, int]]:
-    """(per layer, per step) counts of each collective kind in optimised HLO text.
-
-    "Per layer" counts the ops in while-loop bodies (the scanned layers, forward and backward);
-    "per step" multiplies every computation's ops by the trip counts of the loops around it.
-    """
-    return _collectives(hlo, lambda line, kind: 1)
-
-
-def collective_bytes(hlo: str) -> tuple[dict[str, int], dict[str, int]]:
-    """(per layer, per step) bytes of each collective kind's results (see `count_collectives`);
-    an async `-start` op counts its results, not the operands its tuple repeats."""
-
-    def size(line: str, kind: str) -> int:
-        shapes = _result_shapes(line, kind)
-        return sum(_DTYPE_BYTES.get(t, 4) * math.prod(d) for t, d in shapes)
-
-    return _collectives(hlo, size)
-
-
-def gathered_shapes(hlo: str) -> list[tuple[int, ...]]:
-    """The distinct shapes (per device, after the gather) that the HLO's all-gathers produce."""
-    found = set()
-    for line in hlo.splitlines():
-        if _OP["all-gather"].search(line):
-            found |= {d for _, d in _result_shapes(line, "all-gather")}
-    return sorted(found)
-
-
-_DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "s16": 2, "u16": 2}
-_DTYPE_BYTES |= {"s8": 1, "u8": 1, "pred": 1}
-# "kind(" or "kind-start(" as the op, not "%kind.12" as an operand
-_OP = {kind: re.compile(rf"(?<![\w%.\-]){kind}(-start)?\(") for kind in KINDS}
-
-
-def _result_shapes(line: str, kind: str) -> list[tuple[str, tuple[int, ...]]]:
-    op = _OP[kind].search(line)
-    result = line[line.index("=") + 1 : op.start()]  # "%x = f32[8,4]{1,0} all-gather(...)"
-    shapes = [
-        (t, tuple(int(n) for n in dims.split(",") if n))
-        for t, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", result)
-    ]
-    if op.group(1):  # -start: (operands..., results...)
-        shapes = shapes[len(shapes) // 2 :]
-    return shapes
-
-
-def _collectives(hlo: str, measure) -> tuple[dict[str, int], dict[str, int]]:
-    calls: dict[str, tuple[str, int]] = {}  # body -> (computation holding the loop, trips)
-    ops: dict[str, dict[str, int]] = {}
-    computation = ""
-    for line in hlo.splitlines():
-        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) ", line)
-        if header and line.rstrip().endswith("{"):
-            computation = header.group(1)
-            ops[computation] = dict.fromkeys(KINDS, 0)
-            continue
-        body = re.search(r"\bwhile\(.*body=%?([\w.\-]+)", line)
-        if body:
-            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-            calls[body.group(1)] = (computation, int(trips.group(1)) if trips else 1)
-        for kind in KINDS:
-            if _OP[kind].search(line):
-                ops[computation][kind] += measure(line, kind)
-
-    def trips(name: str) -> int:
-        parent = calls.get(name)
-        return 1 if parent is None else parent[1] * trips(parent[0])
-
-    per_layer = {k: sum(ops[c][k] for c in ops if c in calls) for k in KINDS}
-    per_step = {k: sum(ops[c][k] * trips(c) for c in ops) for k in KINDS}
-    return per_layer, per_step
-
-
 def _abstract(tree, shardings):
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
     )
+
+
+@dataclasses.dataclass
+class AbstractState:
+    """A model and its optimizer state as `jax.ShapeDtypeStruct`s placed on a mesh by the
+    sharding rules: what a training step compiles against without allocating anything."""
+
+    model: Any
+    opt_state: Any
+    optimizer: Any  # the optax transformation
+    shardings: Any  # the parameters' NamedShardings (eqllm.sharding.param_shardings)
+
+
+def abstract_state(shapes, mesh, optim: OptimSpec, total_steps: int) -> AbstractState:
+    """`shapes` (a model's `eqx.filter_eval_shape`) placed on `mesh`, with the AdamW state of
+    `optim` for its trainable arrays (`eqllm.lora.trainable`: all of them, or the adapters)
+    placed like their parameters, as `eqllm run` places them."""
+    shardings = param_shardings(shapes, mesh)
+    model = _abstract(shapes, shardings)
+    # make_optimizer reads the weight-decay mask and the parameter groups from dtypes, ranks
+    # and the modules' metadata only: stand-ins suffice
+    stand_ins = jax.tree.map(lambda x: jnp.zeros((1,) * len(x.shape), x.dtype), shapes)
+    optimizer = make_optimizer(optim, total_steps, stand_ins)
+    spec = trainable(stand_ins)
+    params = eqx.filter(model, spec)
+    state = eqx.filter_eval_shape(optimizer.init, params)
+    state = _abstract(state, shardings_like_params(state, params, eqx.filter(shardings, spec)))
+    return AbstractState(model, state, optimizer, shardings)
 
 
 def mesh_bench(
@@ -157,24 +109,16 @@ def mesh_bench(
     """Compile `config`'s training step on the mesh `mesh_text` ("fsdp=8") and measure it."""
     mesh = make_mesh(MeshConfig.parse(mesh_text))
     shapes = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0))
-    shardings = param_shardings(shapes, mesh)
-    model = _abstract(shapes, shardings)
-    # make_optimizer reads the weight-decay mask from dtypes and ranks only: stand-ins suffice
-    stand_ins = jax.tree.map(lambda x: jnp.zeros((1,) * len(x.shape), x.dtype), shapes)
-    optimizer = make_optimizer(OptimSpec(), 1000, eqx.filter(stand_ins, eqx.is_inexact_array))
-    trainable = jax.tree.map(lambda x: jnp.issubdtype(x.dtype, jnp.inexact), shapes)
-    params = eqx.filter(model, trainable)
-    state = eqx.filter_eval_shape(optimizer.init, params)
-    state = _abstract(state, shardings_like_params(state, params, eqx.filter(shardings, trainable)))
-    step = TrainStep(optimizer, lambda _: 1e-3, param_shardings=shardings)
+    state = abstract_state(shapes, mesh, OptimSpec(), 1000)
+    step = TrainStep(state.optimizer, lambda _: 1e-3, param_shardings=state.shardings)
     tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=batch_sharding(mesh))
     t0 = time.perf_counter()
-    compiled = step.lower(model, state, tokens).compile()
+    compiled = step.lower(state.model, state.opt_state, tokens).compile()
     compile_s = time.perf_counter() - t0
     memory = compiled.memory_analysis()
-    hlo = compiled.as_text()
-    per_layer, per_step = count_collectives(hlo)
-    per_layer_bytes, per_step_bytes = collective_bytes(hlo)
+    found = Program(compiled.as_text()).collectives()
+    per_layer, per_step = tally(found, lambda c: 1)
+    per_layer_bytes, per_step_bytes = tally(found, lambda c: c.result_bytes)
     return MeshResult(
         variant=variant,
         mesh=",".join(f"{k}={v}" for k, v in mesh.shape.items() if v > 1) or "one device",
@@ -190,7 +134,7 @@ def mesh_bench(
         per_step=per_step,
         per_layer_bytes=per_layer_bytes,
         per_step_bytes=per_step_bytes,
-        gathered_shapes=gathered_shapes(hlo),
+        gathered_shapes=gathered(found),
     )
 
 
