@@ -24,6 +24,8 @@ import ctypes.util
 import os
 import sys
 
+from eqllm.tpu_runtime import quiet_tpu_probe
+
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8  # glibc <malloc.h>
 _SETTINGS = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1))
 
@@ -43,8 +45,11 @@ def configure_process() -> bool:
     """Tune this process for eqllm's workloads: call it once, before the first JAX computation.
 
     It keeps freed host memory mapped for reuse (`keep_freed_memory`, see the module docstring:
-    ~15% faster CPU training steps, at the cost of keeping the peak host memory mapped). The
-    `eqllm` command calls it first thing; `import eqllm` does not. Returns whether the settings
-    took effect (False off glibc/Linux, or with EQLLM_KEEP_HOST_MEMORY=0).
+    ~15% faster CPU training steps, at the cost of keeping the peak host memory mapped), and
+    with libtpu installed on a machine without a TPU, keeps JAX's probe of the TPU backend
+    quiet (`eqllm.tpu_runtime.quiet_tpu_probe`). The `eqllm` command calls it first thing;
+    `import eqllm` does not. Returns whether the malloc settings took effect (False off
+    glibc/Linux, or with EQLLM_KEEP_HOST_MEMORY=0).
     """
+    quiet_tpu_probe()
     return keep_freed_memory()

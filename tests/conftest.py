@@ -21,6 +21,9 @@ jax.config.update("jax_enable_compilation_cache", False)
 
 import eqllm  # noqa: E402
 
+# libtpu (the `tpu` extra) is installed for `eqllm plan`: keep JAX's TPU probe quiet here.
+eqllm.configure_process()
+
 pytest_plugins = ["ci_strict"]  # with CI=true a skip fails (tests/ci_strict.py)
 
 # Checks repeated over every family, stack or case that cost the default run the most: it keeps
