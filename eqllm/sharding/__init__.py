@@ -15,6 +15,7 @@ from eqllm.sharding.memory import (
     check_fits,
     device_memory_bytes,
     estimate_memory,
+    human_bytes,
     per_device_bytes,
     sharding_table,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "device_memory_bytes",
     "estimate_memory",
     "fsdp_gather",
+    "human_bytes",
     "logical_axes",
     "make_mesh",
     "param_shardings",

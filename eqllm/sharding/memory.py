@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 
@@ -79,9 +80,8 @@ def estimate_memory(
     its own layers, scaled by the bubble's idle ticks (see the comment below). It is an
     estimate: XLA may fuse or keep more.
     """
-    shapes = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0))
-    params = per_device_bytes(shapes, mesh)
-    opt = optimizer_states * per_device_bytes(_as_fp32(shapes), mesh)
+    params, fp32 = _parameter_bytes(config.replace(remat="none"), tuple(sizes_of(mesh).items()))
+    opt = optimizer_states * fp32
     sizes = sizes_of(mesh)
     t = sizes["tensor"]
     batch_split = sizes["data"] * sizes["fsdp"]
@@ -100,6 +100,14 @@ def estimate_memory(
         layers = n_layers * 2 * s * b * h * width + per_layer
     logits = 2 * s * b * config.vocab_size * 4 / (t if config.vocab_size % t == 0 else 1)
     return MemoryEstimate(params, params, opt, int(layers + logits))
+
+
+@functools.lru_cache(maxsize=256)
+def _parameter_bytes(config: ModelConfig, sizes: tuple[tuple[str, int], ...]) -> tuple[int, int]:
+    """(bytes of the parameters per device, the same in fp32): a search asks for many meshes of
+    one model."""
+    shapes = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0))
+    return per_device_bytes(shapes, dict(sizes)), per_device_bytes(_as_fp32(shapes), dict(sizes))
 
 
 def _as_fp32(shapes):
@@ -147,20 +155,21 @@ def sharding_table(config: ModelConfig, mesh: AxisSizes) -> list[str]:
                 str(tuple(leaf.shape)),
                 str(axes),
                 str(tuple(spec)),
-                _human_bytes(math.prod(shard) * np.dtype(leaf.dtype).itemsize),
+                human_bytes(math.prod(shard) * np.dtype(leaf.dtype).itemsize),
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     total = per_device_bytes(shapes, sizes)
     lines.append(
-        f"parameters per device: {_human_bytes(total)}; with fp32 AdamW moments and "
-        f"gradients: {_human_bytes(4 * total)}"
+        f"parameters per device: {human_bytes(total)}; with fp32 AdamW moments and "
+        f"gradients: {human_bytes(4 * total)}"
     )
     return lines
 
 
-def _human_bytes(n: int | float) -> str:
+def human_bytes(n: int | float) -> str:
+    """`n` bytes as "1.50 GiB", "12.00 MiB", "3.00 KiB" or "7 B"."""
     for unit in ("GiB", "MiB", "KiB"):
         size = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10}[unit]
         if n >= size:

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from eqllm import lora
 from eqllm.model import CausalLM
+from eqllm.sharding.tpu import CHIPS as TPU_CHIPS
 
 # Dense bf16 peak FLOP/s per device (not the "with sparsity" figures).
 PEAK_FLOPS = {
@@ -39,12 +40,8 @@ PEAK_FLOPS = {
     "V100": 125e12,
     "RTX 4090": 165e12,
     "RTX 3090": 71e12,
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v6 lite": 918e12,
-    "TPU v6e": 918e12,
+    # TPUs by the device kind JAX reports ("TPU v5" is a v5p), from the one table of TPU chips
+    **{chip.device_kind: chip.peak_flops for chip in TPU_CHIPS.values()},
 }
 
 
