@@ -32,7 +32,10 @@ PUBLISHED = [
     "gpt2-xl",
     "llama2-7b",
     "llama2-13b",
+    "llama2-70b",
     "llama3-8b",
+    "llama3.1-70b",
+    "llama3.1-405b",
     "llama3.2-1b",
     "llama3.2-3b",
     "tinyllama-1.1b",
@@ -133,6 +136,9 @@ def test_published_sizes_match_their_release():
     assert eqllm.zoo.param_count("smollm2-135m") == 134_515_008
     assert eqllm.zoo.param_count("llama2-7b") == 6_738_415_616
     assert eqllm.zoo.param_count("llama3-8b") == 8_030_261_248
+    assert eqllm.zoo.param_count("llama2-70b") == 68_976_648_192
+    assert eqllm.zoo.param_count("llama3.1-70b") == 70_553_706_496
+    assert eqllm.zoo.param_count("llama3.1-405b") == 405_853_388_800
     assert eqllm.zoo.param_count("qwen3-8b") == 8_190_735_360
     assert eqllm.zoo.param_count("gemma2-2b") == 2_614_341_888
     assert eqllm.zoo.param_count("gemma2-9b") == 9_241_705_984
