@@ -306,6 +306,21 @@ class TrainSpec:
 
 @typing.no_type_check  # pydantic checks the fields
 @section
+class PlanSpec:
+    """The TPU slice the recipe is sized for: `eqllm plan RECIPE` compiles its step there
+    (with train.batch_size, data.seq_len, [mesh] and train.remat as they are).
+
+    topology: a Cloud TPU slice name ("v5p-128": 64 chips, "v5e-256", "v6e-64") or a JAX
+        topology name ("v5p:4x4x4"); "" for none.
+    slices: how many such slices the run spans, joined over the data-center network.
+    """
+
+    topology: Str = ""
+    slices: Positive = 1
+
+
+@typing.no_type_check  # pydantic checks the fields
+@section
 class EvalSpec:
     """Evaluation during and after training.
 

@@ -21,6 +21,7 @@ from eqllm.recipe.sections import (
     FinetuneSpec,
     ModelSpec,
     OptimSpec,
+    PlanSpec,
     PreferenceSpec,
     RLSpec,
     SourceSpec,
@@ -29,6 +30,7 @@ from eqllm.recipe.sections import (
 )
 from eqllm.resources import data_dir
 from eqllm.sharding import MeshConfig, MeshError
+from eqllm.sharding.tpu import TopologyError, parse_slice
 
 # The length of training: exactly one is given; setting one replaces the others.
 RUN_LENGTH = ("train.steps", "train.tokens", "train.tokens_per_param")
@@ -59,6 +61,7 @@ class Recipe:
     preference: PreferenceSpec = Field(default_factory=PreferenceSpec)
     rl: RLSpec = Field(default_factory=RLSpec)
     mesh: Annotated[MeshConfig, BeforeValidator(_strict_mesh)] = Field(default_factory=MeshConfig)
+    plan: PlanSpec = Field(default_factory=PlanSpec)
     name: Str = ""
     description: Str = ""
 
@@ -196,6 +199,7 @@ class Recipe:
                 "are marked: set data.document_mask=true (or finetune.pack for finetune.data)"
             )
         _check_finetune(self)
+        _check_plan(self)
         _check_tokenizer(d.tokenizer)
         _check_source(d.source, "data.source")
         labels = set()
@@ -235,6 +239,20 @@ _ADAPTER = TypeAdapter(Recipe)
 def _get(recipe: Recipe, path: str) -> Any:
     section, key = path.split(".")
     return getattr(getattr(recipe, section), key)
+
+
+def _check_plan(recipe: Recipe) -> None:
+    """plan.topology names a TPU slice, and a [mesh] without -1 covers its chips."""
+    p = recipe.plan
+    if not p.topology:
+        return
+    try:
+        chips = parse_slice(p.topology, p.slices).chips
+        recipe.mesh.resolve(chips)
+    except TopologyError as e:
+        raise RecipeError(f"plan.topology={p.topology!r}: {e}") from None
+    except MeshError as e:
+        raise RecipeError(f"mesh for plan.topology={p.topology!r} ({chips} chips): {e}") from None
 
 
 def _check_rl(recipe: Recipe) -> None:

@@ -157,15 +157,8 @@ def place_on_mesh(recipe: Recipe, model: CausalLM):
     """
     mesh = make_mesh(recipe.mesh)
     check_divisible(model.config, mesh)
+    check_batch_split(recipe, mesh)
     t = recipe.train
-    split = mesh.shape["data"] * mesh.shape["fsdp"]
-    micro = t.batch_size // t.grad_accum // t.microbatches
-    if micro % split:
-        raise RecipeError(
-            f"train.batch_size={t.batch_size} / grad_accum={t.grad_accum} / microbatches="
-            f"{t.microbatches} = {micro} rows per micro-batch do not split over data*fsdp="
-            f"{split} devices; make it a multiple of {split}"
-        )
     estimate = estimate_memory(
         model.config,
         mesh,
@@ -178,6 +171,19 @@ def place_on_mesh(recipe: Recipe, model: CausalLM):
     if mesh.size == 1:  # one device: nothing to place (and no new shardings to trace against)
         return mesh, model, None
     return mesh, shard_model(model, mesh), param_shardings(model, mesh)
+
+
+def check_batch_split(recipe: Recipe, mesh) -> None:
+    """Refuse a batch whose micro-batches do not split over the mesh's data and fsdp axes."""
+    t = recipe.train
+    split = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = t.batch_size // t.grad_accum // t.microbatches
+    if micro % split:
+        raise RecipeError(
+            f"train.batch_size={t.batch_size} / grad_accum={t.grad_accum} / microbatches="
+            f"{t.microbatches} = {micro} rows per micro-batch do not split over data*fsdp="
+            f"{split} devices; make it a multiple of {split}"
+        )
 
 
 def pipeline_of(recipe: Recipe, mesh) -> Pipeline | None:
