@@ -22,6 +22,7 @@ COMMANDS = (
     "run",
     "eval",
     "bench",
+    "plan",
     "analyze",
     "coordcheck",
     "sweep",

@@ -1,0 +1,212 @@
+"""The training step `eqllm run` would run for a recipe, compiled for TPU devices from shapes.
+
+`compile_recipe` builds what `eqllm.train.setup.start_run` builds (the recipe's model with its
+dtypes, remat and adapters, its AdamW and schedule, the mesh, gradient accumulation, the
+pipeline, donation) with every array a `jax.ShapeDtypeStruct`, compiles it with the TPU
+compiler and reads what the compiler knows: memory per chip by part, FLOPs and bytes accessed,
+and the collectives of the optimised program. An out-of-memory refusal is a result, not an
+error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eqllm.bench.hlo import Collective, Program
+from eqllm.bench.mesh import AbstractState, abstract_state
+from eqllm.config import ConfigError, ModelConfig
+from eqllm.data import Tokenizer
+from eqllm.model import CausalLM, param_count
+from eqllm.recipe import Recipe, RecipeError
+from eqllm.sharding import batch_sharding, check_divisible, make_mesh
+from eqllm.train.mfu import step_flops
+from eqllm.train.optim import schedule
+from eqllm.train.setup import check_batch_split, pipeline_of, with_adapters
+from eqllm.train.step import TrainStep
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes per chip: the parameters, optimizer state and batch the step takes (arguments),
+    what it returns (outputs), its temporaries (activations, gradients, gathered weights) and
+    the outputs written into donated arguments (aliased), from the compiler's buffer
+    assignment; `peak` is the compiler's own peak of the program."""
+
+    params: int
+    optimizer: int
+    batch: int
+    arguments: int
+    outputs: int
+    temporaries: int
+    aliased: int
+    peak: int
+
+
+@dataclasses.dataclass
+class CompiledStep:
+    """What the TPU compiler says about one recipe's step on one mesh (per chip).
+
+    `refusal` holds the compiler's out-of-memory message when it refused the program (then
+    `memory` is None); `needed` is the bytes it said the program needs, where it said so.
+    FLOPs and bytes accessed are XLA's cost analysis scaled from one pass through each loop
+    body to the loops' trip counts (`eqllm.bench.hlo.Program.loop_factor`).
+    """
+
+    compile_s: float
+    mesh: dict[str, int]
+    devices: list  # the mesh's devices in order: replica groups index them
+    memory: Memory | None = None
+    refusal: str = ""
+    needed: int | None = None
+    flops: float = 0.0
+    bytes_accessed: float = 0.0
+    xla_flops: float = 0.0
+    xla_bytes: float = 0.0
+    collectives: list[Collective] = dataclasses.field(default_factory=list)
+    hlo: str = ""  # the optimised program, as text
+    model_flops: float = 0.0  # the model's FLOPs per step, all chips (eqllm.train.mfu)
+    hardware_flops: float = 0.0  # the same with remat's recomputation
+
+
+def model_config(recipe: Recipe) -> ModelConfig:
+    """The model `eqllm run` builds for `recipe`: a model trained from scratch is sized to its
+    tokenizer (the byte tokenizer's ids, or data.bpe_vocab_size for a BPE it trains); a
+    published tokenizer is not downloaded to plan, so the variant's vocab_size stands for it."""
+    tokenizer = recipe.data.tokenizer
+    vocab = {"bytes": Tokenizer.bytes().vocab_size, "bpe": recipe.bpe_vocab_size()}.get(tokenizer)
+    return recipe.model_config(vocab_size=vocab)
+
+
+def lower_train_step(recipe: Recipe, mesh) -> tuple[jax.stages.Lowered, AbstractState, CausalLM]:
+    """The recipe's training step on `mesh`, lowered from shapes (see the module docstring);
+    with its abstract arguments and the model's shapes."""
+    config = model_config(recipe)
+    shapes = eqx.filter_eval_shape(
+        lambda: with_adapters(recipe, CausalLM(config, key=jax.random.key(recipe.train.seed)))
+    )
+    total = recipe.total_steps(param_count(shapes))
+    state = abstract_state(shapes, mesh, recipe.optim, total)
+    # The end-of-text id only marks where documents open: any id compiles the same program.
+    document_token = 0 if recipe.data.document_mask else None
+    step = TrainStep(
+        state.optimizer,
+        schedule(recipe.optim, total),
+        grad_accum=recipe.train.grad_accum,
+        param_shardings=state.shardings,
+        batch_sharding=batch_sharding(mesh),
+        dropout_seed=recipe.train.seed,
+        pipeline=pipeline_of(recipe, mesh),
+        document_token=document_token,
+        reset_positions=recipe.data.reset_positions,
+    )
+    window = (recipe.train.batch_size, recipe.data.seq_len + 1)
+    tokens = jax.ShapeDtypeStruct(window, jnp.int32, sharding=batch_sharding(mesh))
+    return step.lower(state.model, state.opt_state, tokens), state, shapes
+
+
+def check_recipe(recipe: Recipe, mesh) -> None:
+    """Refuse, in one line each, what `eqllm run` would refuse on this mesh, before compiling."""
+    if recipe.preference.data or recipe.rl.data:
+        which = "preference.data" if recipe.preference.data else "rl.data"
+        raise RecipeError(
+            f"{which}: eqllm plan compiles the language-model step (pretraining, continued "
+            "pretraining, finetune.data); plan the same model without it"
+        )
+    config = model_config(recipe)
+    if config.attention.kernel == "cudnn":
+        raise ConfigError(
+            "attention.kernel='cudnn' cannot compile for TPU (cuDNN is NVIDIA's); set "
+            "model.overrides.attention.kernel to 'xla' or 'auto'"
+        )
+    check_divisible(config, mesh)
+    check_batch_split(recipe, mesh)
+    pipeline = pipeline_of(recipe, mesh)
+    if pipeline is not None:
+        pipeline.check(config, recipe.train.batch_size // recipe.train.grad_accum)
+
+
+def compile_recipe(recipe: Recipe, devices: list) -> CompiledStep:
+    """Compile `recipe`'s step for `devices` (a TPU slice's, in order) and read it."""
+    mesh = make_mesh(recipe.mesh, devices)
+    check_recipe(recipe, mesh)
+    lowered, state, shapes = lower_train_step(recipe, mesh)
+    flops = step_flops(shapes, recipe.data.seq_len)
+    tokens = recipe.train.batch_size * recipe.data.seq_len
+    result = CompiledStep(
+        compile_s=0.0,
+        mesh={k: int(v) for k, v in mesh.shape.items()},
+        devices=list(mesh.devices.flat),
+        model_flops=flops.model * tokens,
+        hardware_flops=flops.hardware * tokens,
+    )
+    t0 = time.perf_counter()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        result.compile_s = time.perf_counter() - t0
+        result.refusal = _refusal(str(e))
+        result.needed = _needed_bytes(result.refusal)
+        return result
+    result.compile_s = time.perf_counter() - t0
+    memory = compiled.memory_analysis()
+    result.memory = Memory(
+        params=_per_chip(state.model),
+        optimizer=_per_chip(state.opt_state),
+        batch=4 * recipe.train.batch_size * (recipe.data.seq_len + 1) // _batch_split(mesh),
+        arguments=int(memory.argument_size_in_bytes),
+        outputs=int(memory.output_size_in_bytes),
+        temporaries=int(memory.temp_size_in_bytes),
+        aliased=int(memory.alias_size_in_bytes),
+        peak=int(memory.peak_memory_in_bytes),
+    )
+    result.hlo = compiled.as_text()
+    program = Program(result.hlo)
+    cost = compiled.cost_analysis() or {}
+    result.xla_flops = float(cost.get("flops", 0.0))
+    result.xla_bytes = float(cost.get("bytes accessed", 0.0))
+    result.flops = result.xla_flops * program.loop_factor("flops")
+    result.bytes_accessed = result.xla_bytes * program.loop_factor("bytes")
+    result.collectives = program.collectives()
+    return result
+
+
+def _batch_split(mesh) -> int:
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def _per_chip(tree) -> int:
+    """Bytes one chip holds of a tree of ShapeDtypeStructs, by their shardings."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        shape = getattr(leaf, "shape", None)
+        if sharding is None or shape is None:
+            continue
+        total += math.prod(sharding.shard_shape(shape)) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def _refusal(message: str) -> str:
+    """The compiler's out-of-memory sentence, without the stack of buffers that follows it."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    first = next((line for line in lines if "RESOURCE_EXHAUSTED" in line), lines[0])
+    return first[first.index("RESOURCE_EXHAUSTED") :].rstrip(":. ")
+
+
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _needed_bytes(refusal: str) -> int | None:
+    """The first size the refusal names (what the program needs), e.g. "(318.31G)"."""
+    found = re.search(r"\(([\d.]+)([KMGT])\)?", refusal)
+    return int(float(found.group(1)) * _UNITS[found.group(2)]) if found else None

@@ -1,0 +1,296 @@
+"""`eqllm plan`: TPU slice names, the TPU-HLO collective parser, and nano models compiled by the
+real TPU compiler (libtpu, the `tpu` extra) for the smallest v5e and v5p slices."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+import eqllm
+from eqllm.bench.hlo import Program, count_collectives, tally
+from eqllm.cli import main
+from eqllm.plan import devices as plan_devices
+from eqllm.plan.plan import plan_recipe, recipe_for, with_settings
+from eqllm.plan.search import search
+from eqllm.recipe import load_recipe
+from eqllm.sharding import MeshConfig
+from eqllm.sharding.tpu import CHIPS, TopologyError, parse_slice
+from eqllm.tpu_runtime import libtpu_installed
+from tests.reliability.harness import make_corpus, tiny_recipe
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# Slice names --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, jax_name, chips",
+    [
+        # cloud names of v4 and v5p count TensorCores (two per chip); v5e and v6e count chips
+        ("v5p-8", "v5p:2x2x1", 4),
+        ("v5p-128", "v5p:4x4x4", 64),
+        ("v5p-768", "v5p:4x8x12", 384),
+        ("v5p-1024", "v5p:8x8x8", 512),
+        ("v5p-2048", "v5p:8x8x16", 1024),
+        ("v4-8", "v4:2x2x1", 4),
+        ("v4-128", "v4:4x4x4", 64),
+        ("v5e-1", "v5e:1x1", 1),
+        ("v5litepod-16", "v5e:4x4", 16),
+        ("v5e-256", "v5e:16x16", 256),
+        ("v6e-64", "v6e:8x8", 64),
+        ("v6e-256", "v6e:16x16", 256),
+        ("v5p:4x4x4", "v5p:4x4x4", 64),
+    ],
+)
+def test_cloud_names_translate_to_jax_topologies_and_chip_counts(name, jax_name, chips):
+    """The layouts are those of the Cloud TPU pages and MaxText's accelerator_to_spec_map.py."""
+    tpu = parse_slice(name)
+    assert (tpu.jax_name, tpu.chips) == (jax_name, chips)
+    assert str(chips) in tpu.describe()
+    assert parse_slice(name, slices=2).chips == 2 * chips
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("v9-8", "unknown TPU topology 'v9-8'"),
+        ("v5p-7", "count TensorCores"),
+        ("v5e-512", "v5e names count chips"),
+        ("v5p:3x3x3", "3-D layouts"),
+    ],
+)
+def test_bad_topology_names_say_what_is_allowed(name, message):
+    with pytest.raises(TopologyError, match=message):
+        parse_slice(name)
+
+
+def test_every_chip_figure_names_its_source():
+    for chip in CHIPS.values():
+        assert chip.source.startswith("https://") and chip.peak_flops > 1e14
+
+
+# The TPU-HLO parser ---------------------------------------------------------------------------
+
+# The forms the TPU compiler writes (abridged from a v5p compile of a scanned llama): an async
+# all-gather split into start/done fusions, another continued over two fusions (the same
+# channel_id), an all-reduce-scatter fusion, all inside a while loop whose trip count is in its
+# condition; one all-reduce outside it with iota replica groups.
+TPU_HLO = (ROOT / "tests" / "data" / "hlo" / "tpu_collectives.hlo").read_text()
+
+
+def test_tpu_hlo_collectives_are_counted_once_each_with_their_loop_trips():
+    per_layer, per_step = count_collectives(TPU_HLO)
+    # two all-gathers (the start/done pair, the continued one) and one reduce-scatter a trip
+    assert (per_layer["all-gather"], per_layer["reduce-scatter"], per_layer["all-reduce"]) == (
+        2,
+        1,
+        0,
+    )
+    assert (per_step["all-gather"], per_step["reduce-scatter"], per_step["all-reduce"]) == (
+        24,
+        12,
+        1,
+    )
+    found = {c.kind: c for c in Program(TPU_HLO).collectives()}
+    assert found["reduce-scatter"].result_bytes == 768 * 192 * 2  # each device's slice
+    assert found["all-gather"].group == (0, 1, 2, 3)
+    assert found["all-reduce"].group == (0, 1, 2, 3)  # [2,4]<=[8]: the first of two groups
+
+
+def test_trip_count_reads_the_counters_start_and_step():
+    hlo = TPU_HLO.replace("%step = s32[] constant(1)", "%step = s32[] constant(2)")
+    hlo = hlo.replace("%zero = s32[] constant(0)\n  %z", "%zero = s32[] constant(2)\n  %z")
+    _, per_step = count_collectives(hlo)
+    assert per_step["reduce-scatter"] == 5  # 2, 4, 6, 8, 10
+
+
+# Compiled by the TPU compiler -----------------------------------------------------------------
+
+needs_libtpu = pytest.mark.skipif(
+    not libtpu_installed(), reason="needs libtpu (pip install 'eqllm[tpu]')"
+)
+NANO = ["model.overrides.scan_layers=true", "data.seq_len=64", "train.batch_size=8"]
+NANO += ['train.precision="bfloat16"']
+
+
+def nano(variant="llama-nano", *sets):
+    recipe, _ = recipe_for(f"zoo:{variant}")
+    return load_or_set(recipe, [*NANO, *sets])
+
+
+def load_or_set(recipe, sets):
+    for item in sets:
+        key, _, value = item.partition("=")
+        recipe = recipe.replace(key, eqllm.recipe.parse_value(value))
+    return recipe
+
+
+def compiled(recipe, topology, mesh):
+    tpu = parse_slice(topology)
+    recipe = with_settings(recipe, mesh=MeshConfig.parse(mesh), topology=tpu.cloud_name)
+    return plan_recipe(recipe, tpu, plan_devices.slice_devices(tpu))
+
+
+@pytest.fixture(scope="module")
+def plans():
+    """The module's compiles, each once: a dense nano on the smallest v5e slice (one chip) and
+    on the smallest v5p slice (four) with FSDP x tensor, and a mixture of experts there."""
+    return {
+        "v5e-1": compiled(nano(), "v5e-1", "data=1"),
+        "fsdp,tensor": compiled(nano(), "v5p-8", "fsdp=2,tensor=2"),
+        "experts": compiled(nano("mixtral-nano"), "v5p-8", "fsdp=4"),
+    }
+
+
+@needs_libtpu
+def test_nano_compiles_on_the_smallest_v5e_and_v5p_slices(plans):
+    for plan in plans.values():
+        assert plan.fits and plan.headroom > 0.9
+        assert plan.step.compile_s > 0 and plan.roofline.mfu > 0
+        # the compiled FLOPs (loops at their trip counts) are those of the model's step
+        assert 0.8 < plan.step.flops * plan.tpu.chips / plan.step.model_flops < 1.5
+    assert plans["v5e-1"].tpu.chip.name == "v5e" and plans["fsdp,tensor"].tpu.chips == 4
+
+
+@needs_libtpu
+def test_compiled_memory_agrees_with_the_analytic_estimate_within_a_factor_of_two(plans):
+    for plan in plans.values():
+        assert 0.5 < plan.estimated_bytes / plan.peak < 2.0, plan.to_dict()["memory"]
+    one = plans["v5e-1"].step.memory
+    # AdamW's two fp32 moments are twice the fp32 parameters
+    assert abs(one.optimizer - 2 * one.params) <= 64
+
+
+@needs_libtpu
+def test_fsdp_gathers_and_reduce_scatters_tensor_all_reduces_in_tpu_hlo(plans):
+    per_layer, per_step = tally(plans["fsdp,tensor"].step.collectives, lambda c: 1)
+    assert per_layer["all-gather"] > 0 and per_layer["reduce-scatter"] > 0  # FSDP, per layer
+    # tensor parallelism: the row-parallel products' partial sums, summed over the tensor pair
+    assert per_layer["all-reduce"] + per_layer["reduce-scatter"] > 0
+    assert "tensor" in plans["fsdp,tensor"].roofline.comm_by_axes
+    assert "fsdp" in plans["fsdp,tensor"].roofline.comm_by_axes
+    assert per_step["all-gather"] >= plans["fsdp,tensor"].recipe.model_config().n_layers
+
+
+@needs_libtpu
+def test_expert_parallelism_moves_tokens_not_expert_weights_in_tpu_hlo(plans):
+    """eqllm's expert parallelism (experts split over fsdp, computed densely) all-gathers each
+    layer's tokens over the fsdp group and reduce-scatters the combined outputs, and never
+    gathers the expert weights. It dispatches no tokens with all-to-alls (that is not
+    implemented): the layer's one all-to-all moves an array of the router's size (experts x
+    d_model), not tokens."""
+    plan = plans["experts"]
+    config = plan.recipe.model_config()
+    e, f, d = config.moe.n_experts, config.expert_d_ff, config.d_model
+    gathers = [c for c in plan.step.collectives if c.kind == "all-gather"]
+    gathered = {dims for c in gathers for _, dims in c.shapes}
+    assert not gathered & {(e, f, d), (e, d, f), (1, e, f, d), (1, e, d, f)}
+    tokens = plan.recipe.train.batch_size * plan.recipe.data.seq_len
+    assert any(dims[-1] == d and tokens in dims for dims in gathered)
+    per_layer, _ = tally(plan.step.collectives, lambda c: 1)
+    assert per_layer["reduce-scatter"] > 0
+    in_layers = [c for c in plan.step.collectives if c.kind == "all-to-all" and c.calls]
+    assert all(c.result_bytes <= 2 * e * d for c in in_layers)
+
+
+@needs_libtpu
+def test_auto_finds_a_plan_that_fits_and_eqllm_run_takes_it(tmp_path):
+    corpus = make_corpus(tmp_path)
+    recipe = tiny_recipe(tmp_path, corpus, steps=2, eval_every=0, checkpoint_every=0)
+    tpu = parse_slice("v5e-4")
+    found = search(recipe, tpu, plan_devices.slice_devices(tpu), max_compiles=1)
+    assert found.best is not None and found.best.fits and found.best.headroom >= 0.1
+    assert len(found.plans) == 1 and found.considered >= len(found.candidates) > 1
+    path = tmp_path / "planned.toml"
+    path.write_text(found.best.recipe.to_toml())
+    planned = load_recipe(path)
+    assert planned.plan.topology == "v5e-4" and planned.mesh.resolve(4)
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "JAX_PLATFORMS": "cpu",
+        "EQLLM_CACHE": str(tmp_path / "cache"),
+    }
+    run = subprocess.run(
+        [sys.executable, "-m", "eqllm.cli", "run", str(path), "--out", str(tmp_path / "run")],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert any(json.loads(r).get("step") == 2 for r in rows)
+
+
+# The command line -----------------------------------------------------------------------------
+
+
+@needs_libtpu
+def test_a_model_too_large_for_the_slice_gets_the_nothing_fits_message(capsys):
+    assert main(["plan", "zoo:llama3-8b", "--topology", "v5e-4", "--mesh", "auto"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("eqllm: error: nothing fits: no plan of llama3-8b") and "\n" not in err
+    assert "v5e-4 (v5e:2x2, 4 chips)" in err and "the estimate says v5e-" in err
+
+
+@needs_libtpu
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--topology", "v5e-3"], "v5e names count chips"),
+        (["--topology", "v5p-8", "--mesh", "fsdp=3"], "needs 3 devices but 4"),
+        (["--topology", "v5p-8", "--mesh", "tensor=4"], "tensor=4 does not divide"),
+        (["--topology", "v5p-8", "--mesh", "fsdp=4", "--batch", "6"], "do not split over"),
+        (["--topology", "v5p-8", "--mesh", "expert=4"], "no expert axis"),
+        (
+            ["--topology", "v5e-1", "--set", 'model.overrides.attention.kernel="cudnn"'],
+            "cannot compile for TPU",
+        ),
+    ],
+)
+def test_bad_input_is_one_line(capsys, argv, message):
+    assert main(["plan", "zoo:llama-nano", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after "compiling ..."
+    assert err.startswith("eqllm: error:") and message in err
+
+
+def test_without_libtpu_plan_prints_the_install_command(capsys, monkeypatch):
+    monkeypatch.setattr(plan_devices, "libtpu_installed", lambda: False)
+    assert main(["plan", "zoo:llama-nano", "--topology", "v5e-1"]) == 2
+    err = capsys.readouterr().err
+    assert f'pip install "jax[tpu]=={jax.__version__}"' in err
+
+
+def test_tpu_probe_is_quiet_and_tests_see_the_cpu():
+    """With libtpu installed on this machine, starting JAX prints nothing and gives the CPU."""
+    code = "import eqllm; eqllm.configure_process(); import jax; print(jax.devices()[0].platform)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.strip() == "cpu" and out.stderr == ""
+
+
+# At real size, on the recipes' own slices ------------------------------------------------------
+
+
+@pytest.mark.slow
+@needs_libtpu
+@pytest.mark.parametrize("name", ["llama3-8b", "mixtral-8x7b", "deepseek-v3"])
+def test_large_recipes_compile_and_fit_on_their_slices(name):
+    """A dense model, a mixture of experts and DeepSeek-V3 (latent attention, 256 experts) at
+    their published sizes, compiled by the TPU compiler on the slice their [plan] names (minutes
+    each; DeepSeek-V3 on 512 chips the longest: docs/experiments/at_scale.md)."""
+    recipe = load_recipe(name)
+    tpu = parse_slice(recipe.plan.topology, recipe.plan.slices)
+    plan = plan_recipe(recipe, tpu, plan_devices.slice_devices(tpu))
+    assert plan.fits and plan.headroom >= 0.1, plan.to_dict()
+    per_layer, _ = tally(plan.step.collectives, lambda c: 1)
+    assert per_layer["all-gather"] > 0  # FSDP gathers each layer's weights in the layer loop
