@@ -229,6 +229,13 @@ def test_auto_finds_a_plan_that_fits_and_eqllm_run_takes_it(tmp_path):
     assert any(json.loads(r).get("step") == 2 for r in rows)
 
 
+@needs_libtpu
+def test_several_slices_are_described_slice_by_slice():
+    devices = plan_devices.slice_devices(parse_slice("v5p-8", slices=2))
+    assert len(devices) == 8 and {d.slice_index for d in devices} == {0, 1}
+    assert [d.slice_index for d in devices] == sorted(d.slice_index for d in devices)
+
+
 # The command line -----------------------------------------------------------------------------
 
 

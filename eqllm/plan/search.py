@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import math
 import time
 from collections.abc import Callable
 
@@ -78,7 +77,7 @@ def candidates(recipe: Recipe, tpu: TpuSlice) -> tuple[int, list[Candidate]]:
     for sizes in _splits(config, tpu.chips):
         pipeline, data, fsdp, tensor = sizes
         split = data * fsdp
-        for remat, grad_accum in itertools.product(REMATS, _powers_of_two(batch)):
+        for remat, grad_accum in itertools.product(REMATS, _divisors(batch)):
             for microbatches in (1,) if pipeline == 1 else (pipeline, 2 * pipeline, 4 * pipeline):
                 rows = batch // grad_accum
                 if batch % grad_accum or rows % microbatches or (rows // microbatches) % split:
@@ -200,8 +199,8 @@ def _splits(config: ModelConfig, chips: int):
             yield pipeline, rest // fsdp, fsdp, tensor
 
 
-def _powers_of_two(n: int) -> list[int]:
-    return [2**i for i in range(int(math.log2(n)) + 1) if n % 2**i == 0]
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _step_time(config, remat, axes, grad_accum, microbatches, batch, seq, tpu):

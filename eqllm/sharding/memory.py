@@ -75,8 +75,8 @@ def estimate_memory(
     Parameters, gradients and `optimizer_states` fp32 moments (AdamW: 2) follow the sharding
     rules. Activations follow Korthikanti et al. (2022), eq. 2 and its tensor-parallel form,
     per layer and micro-batch: s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes at 16 bits, scaled to the
-    compute dtype's width, plus the fp32 logits and their gradient; with remat only each layer's
-    input (2*s*b*h at 16 bits) is kept, plus one layer's working set. A pipeline stage counts
+    compute dtype's width, plus the fp32 logits and their gradient; with remat each layer keeps
+    what its policy saves (`_kept`: its input under "full"), plus one layer's working set. A pipeline stage counts
     its own layers, scaled by the bubble's idle ticks (see the comment below). It is an
     estimate: XLA may fuse or keep more.
     """
@@ -97,9 +97,24 @@ def estimate_memory(
     if config.remat == "none":
         layers = n_layers * per_layer
     else:
-        layers = n_layers * 2 * s * b * h * width + per_layer
+        layers = n_layers * _kept(config, s, b, t) * width + per_layer
     logits = 2 * s * b * config.vocab_size * 4 / (t if config.vocab_size % t == 0 else 1)
     return MemoryEstimate(params, params, opt, int(layers + logits))
+
+
+def _kept(config: ModelConfig, s: int, b: int, t: int) -> float:
+    """Bytes (at 16 bits) one layer keeps for the backward pass under its remat policy: its
+    input ("full"); with it the outputs of the unbatched matrix products, q/k/v/o and the MLP's
+    ("dots_no_batch"); with those the attention's batched products too, the scores and their
+    weighted sum ("dots")."""
+    h, a = config.d_model, config.attention.n_heads
+    kept = 2 * s * b * h
+    if config.remat in ("dots", "dots_no_batch"):
+        kv = config.attention.n_kv_heads * config.head_dim
+        kept += 2 * s * b * (h / t + 2 * kv / t + h + 2 * config.mlp.d_ff / t + h)
+    if config.remat == "dots":
+        kept += 2 * b * a * s * s / t + 2 * s * b * h / t
+    return kept
 
 
 @functools.lru_cache(maxsize=256)
