@@ -1,0 +1,242 @@
+"""The zoo at the scales it names, from the real TPU compiler: writes docs/experiments/at_scale.md.
+
+    python benchmarks/at_scale.py                    # every section; resumes where it stopped
+    python benchmarks/at_scale.py --only recipes     # the recipe table alone (prints it too)
+    python benchmarks/at_scale.py --write            # rewrite the page from the results file
+
+Each point is one `eqllm plan ... --json` run in its own process (niced, one at a time, with a
+time limit): a recipe on its [plan] slice, a published size on a v5p slice sized for it, one
+model against chip count (8 to 1,024 chips) and against depth, and MaxText's published
+configurations. Results go to docs/experiments/at_scale.json as each point finishes, with the
+point's wall time and peak host memory, so a killed run resumes at the next point; a point that
+fails (killed, out of time) is kept with what stopped it and not retried unless --redo names
+it. The page is written from that file alone. Needs libtpu (`pip install "eqllm[tpu]"`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "experiments" / "at_scale.json"
+PAGE = ROOT / "docs" / "experiments" / "at_scale.md"
+COMMAND = "python benchmarks/at_scale.py"
+HLO = Path(os.environ.get("EQLLM_CACHE", Path.home() / ".cache" / "eqllm")) / "at_scale_hlo"
+
+# MaxText's measured MFU (docs/reference/models/tiering.md of AI-Hypercomputer/maxtext at
+# e591f30cb) and the tuning each row points to (benchmarks/maxtext_*_model_configs.py): model,
+# chips, per-chip batch, sequence, remat, sharding. llama3.1-8b is eqllm's llama3-8b (the same
+# shapes; only the rope frequencies differ).
+MAXTEXT = [
+    # id, zoo name, slice, per-chip batch, seq, MaxText MFU, MaxText's config and tuning
+    ("v6e-llama2-70b", "llama2-70b", "v6e-256", 4, 4096, 0.438,
+     "trillium llama2-70b-4096: fsdp_transpose=-1, remat full, flash attention"),
+    ("v6e-llama3.1-8b", "llama3-8b", "v6e-256", 4, 8192, 0.4546,
+     "trillium llama3_1-8b-8192: fsdp=-1, remat custom (decoder input, q/k/v/out offloaded "
+     "to host), flash attention"),
+    ("v6e-llama3.1-70b", "llama3.1-70b", "v6e-256", 5, 8192, 0.5033,
+     "trillium llama3_1-70b-8192 (92e59fd L959): fsdp=-1, remat custom (decoder input, q/k/v "
+     "offloaded), flash attention"),
+    ("v6e-llama3.1-405b", "llama3.1-405b", "v6e-256", 1, 8192, 0.3855,
+     "trillium llama3-1-405b-8192-fsdp-dcn (5e6a7ca L723): fsdp=64 x tensor=4 (x2 over DCN "
+     "in the config), remat custom with offload, flash attention"),
+    ("v6e-mixtral-8x7b", "mixtral-8x7b", "v6e-256", 12, 4096, 0.3523,
+     "trillium mixtral_8x7b_dropless: fsdp=-1, remat full, megablox grouped matmul"),
+    ("v5p-llama2-70b", "llama2-70b", "v5p-1024", 4, 4096, 0.654,
+     "v5p llama2_70b_v5p_128 (92e59fd L156): fsdp=-1, remat save_dot_except_mlpwi"),
+]  # fmt: skip
+# The v5p Mixtral row of tiering.md (256 chips, 52.56%) links to a tpu-recipes page whose
+# tuning is not in the maxtext repository; it is left out rather than guessed.
+
+
+def points() -> list[dict]:
+    """Every point of the page: id, section, and the `eqllm plan` arguments."""
+    from eqllm.recipe import load_recipe, recipe_names
+
+    found = []
+    for name in recipe_names():
+        if load_recipe(name).plan.topology:
+            found.append({"id": f"recipe:{name}", "section": "recipes", "args": [name]})
+    # Published sizes below the recipes' billion, on the smallest v5p slice, zoo defaults.
+    for name in ("gpt2-small", "smollm2-360m", "qwen2.5-0.5b"):
+        args = [f"zoo:{name}", "--topology", "v5p-8", "--batch", "16", "--seq", "2048"]
+        found.append({"id": f"size:{name}", "section": "sizes", "args": args})
+    # One model against chip count: llama3-8b, FSDP over every chip, one 4,096-token sequence
+    # per chip, remat full.
+    for chips in (8, 16, 32, 64, 128, 256, 512, 1024):
+        args = ["zoo:llama3-8b", "--topology", f"v5p-{2 * chips}", "--mesh", f"fsdp={chips}"]
+        args += ["--batch", str(chips), "--seq", "4096", "--remat", "full"]
+        found.append({"id": f"chips:{chips}", "section": "chips", "args": args})
+    # The same at 64 chips against depth (32 layers is the chips:64 point).
+    for layers in (8, 128):
+        args = ["zoo:llama3-8b", "--topology", "v5p-128", "--mesh", "fsdp=64", "--batch", "64"]
+        args += ["--seq", "4096", "--remat", "full", "--set", f"model.overrides.n_layers={layers}"]
+        found.append({"id": f"depth:{layers}", "section": "depth", "args": args})
+    for key, name, topology, per_chip, seq, _, _ in MAXTEXT:  # noqa: B007
+        from eqllm.sharding.tpu import parse_slice
+
+        chips = parse_slice(topology).chips
+        args = [f"zoo:{name}", "--topology", topology, "--mesh", "auto", "--batch"]
+        args += [str(per_chip * chips), "--seq", str(seq), "--max-compiles", "1"]
+        found.append({"id": f"maxtext:{key}", "section": "maxtext", "args": args})
+    # The figures that need the most time last but one: one model against chips first, then
+    # the largest recipe (whether it compiles here at all), MaxText's configurations, the rest.
+    order = {"chips": 0, "recipe:deepseek-v3": 1, "maxtext": 2, "recipes": 3, "depth": 4}
+    return sorted(found, key=lambda p: order.get(p["id"], order.get(p["section"], 5)))
+
+
+def run_point(point: dict, timeout: float) -> dict:
+    """`eqllm plan ARGS --json` in a niced child process: its result, wall time and peak host
+    memory (VmHWM, read while it runs, so a child killed for memory still has its figure)."""
+    argv = ["nice", "-n", "10", sys.executable, "-m", "eqllm.cli", "plan", *point["args"]]
+    argv.append("--json")
+    if "auto" not in point["args"]:  # kept outside the repository, to re-read the program
+        HLO.mkdir(parents=True, exist_ok=True)
+        argv += ["--dump-hlo", str(HLO / f"{point['id'].replace(':', '_')}.hlo")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    t0, load, peak = time.time(), os.getloadavg()[0], 0
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(argv, stdout=out, stderr=err, env=env, text=True)
+        status: int | str | None = None
+        while status is None:
+            try:
+                status = child.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                peak = max(peak, _peak_rss(child.pid))
+                if time.time() - t0 > timeout:
+                    child.kill()
+                    child.wait()
+                    status = "timeout"
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    row = {
+        "id": point["id"],
+        "section": point["section"],
+        "command": "eqllm plan " + shlex.join(point["args"]),
+        "wall_s": round(time.time() - t0, 1),
+        "load_before": round(load, 2),
+        "peak_rss_bytes": peak,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "exit": status,
+    }
+    if status in (0, 1) and stdout.strip():
+        row["result"] = json.loads(stdout)
+    elif status == "timeout":
+        row["error"] = f"out of time after {timeout:.0f} s"
+    elif status == -9:
+        row["error"] = "killed by SIGKILL (out of host memory: see `dmesg`)"
+    else:
+        lines = stderr.strip().splitlines()
+        row["error"] = lines[-1][:500] if lines else f"exit {status}"
+    return row
+
+
+def _peak_rss(pid: int) -> int:
+    """Peak resident memory (bytes) of process `pid` and its children (here: the nice'd
+    python)."""
+    peak = 0
+    for proc in [pid, *_children(pid)]:
+        try:
+            for line in Path(f"/proc/{proc}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peak = max(peak, int(line.split()[1]) * 1024)
+        except OSError:
+            continue
+    return peak
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def load_results() -> dict:
+    if RESULTS.is_file():
+        return json.loads(RESULTS.read_text())
+    return {"machine": {}, "points": {}}
+
+
+def save_results(results: dict) -> None:
+    tmp = RESULTS.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=1) + "\n")
+    tmp.replace(RESULTS)  # atomic: a killed run never leaves half a file
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", nargs="*", help="sections: recipes sizes chips depth maxtext")
+    p.add_argument("--redo", nargs="*", default=[], help="point ids to run again")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per point")
+    p.add_argument("--write", action="store_true", help="only rewrite the page")
+    args = p.parse_args()
+    results = load_results()
+    import jax
+
+    results["machine"] = {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30),
+        "jax": jax.__version__,
+        "libtpu": _version("libtpu"),
+    }
+    if not args.write:
+        todo = [
+            pt
+            for pt in points()
+            if (not args.only or pt["section"] in args.only)
+            and (pt["id"] not in results["points"] or pt["id"] in args.redo)
+        ]
+        for i, point in enumerate(todo, 1):
+            command = shlex.join(point["args"])
+            print(f"[{i}/{len(todo)}] {point['id']}: eqllm plan {command}", flush=True)
+            row = run_point(point, args.timeout)
+            results["points"][point["id"]] = row
+            save_results(results)
+            print(f"  {row['wall_s']:.0f} s: {row.get('error') or _verdict(row)}", flush=True)
+    save_results(results)
+    text = write_page(results)
+    PAGE.write_text(text)
+    if args.only == ["recipes"]:
+        print(text.split("## The recipes on their slices")[1].split("\n## ")[0])
+    print(f"wrote {PAGE}")
+    return 0
+
+
+def write_page(results: dict) -> str:
+    """The page, from the results file alone."""
+    from at_scale_text import page  # the page's words, beside this script
+
+    return page(results, COMMAND, MAXTEXT)
+
+
+def _verdict(row: dict) -> str:
+    result = row["result"]
+    best = result.get("best", result) if "search" in result else result
+    if not best:
+        return "no plan fits"
+    return "fits" if best["fits"] else "does not fit"
+
+
+def _version(package: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

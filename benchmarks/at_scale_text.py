@@ -1,0 +1,250 @@
+"""The words and tables of docs/experiments/at_scale.md, written from at_scale.json alone."""
+
+from __future__ import annotations
+
+GiB = 2**30
+
+
+def page(results: dict, command: str, maxtext: list) -> str:
+    points = results["points"]
+    m = results["machine"]
+    done = [r for r in points.values() if "result" in r]
+    hours = sum(r["wall_s"] for r in points.values()) / 3600
+    dates = sorted(r["date"] for r in points.values())
+    out = [
+        "# The zoo at scale, from the TPU compiler",
+        "",
+        "Every figure on this page comes from the real TPU compiler (libtpu), run on a machine "
+        "with no TPU: `eqllm plan` compiles the training step `eqllm run` would run, from shapes "
+        "alone, for the named slice, and reads the compiler's memory analysis, its cost analysis "
+        "and the optimised program's collectives; the step times and MFU are its roofline "
+        "estimate, an upper bound ([plan.md](../plan.md) says how each is made). Nothing here "
+        "ran on a TPU.",
+        "",
+        f"Regenerate: `{command}` (it resumes where it stopped; `--only recipes` prints the "
+        "recipe table). Each point is one `eqllm plan ... --json` process, run one at a time "
+        f"under `nice`; the whole page took {hours:.1f} hours of wall time on this machine "
+        f"({m.get('cores')} cores, {m.get('memory_gib')} GiB, shared with other jobs: the "
+        "compile times below are inflated by that load, listed per point in at_scale.json), "
+        f"{len(done)} of {len(points)} points compiled, between {dates[0] if dates else '-'} "
+        f"and {dates[-1] if dates else '-'}. jax {m.get('jax')}, libtpu {m.get('libtpu')}.",
+        "",
+    ]
+    out += _recipes(points)
+    out += _sizes(points)
+    out += _chips(points)
+    out += _depth(points)
+    out += _maxtext(points, maxtext)
+    out += _failures(points)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def best(row: dict | None) -> dict | None:
+    """The plan of a point: its only plan, or the search's best (else its first)."""
+    if row is None or "result" not in row:
+        return None
+    result = row["result"]
+    if "search" in result:
+        return result["best"] or (result["search"][0] if result["search"] else None)
+    return result
+
+
+def _gib(n) -> str:
+    return "-" if n is None else f"{n / GiB:,.1f}"
+
+
+def _mesh(p: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in p["mesh"].items() if v > 1) or "one chip"
+
+
+def _mfu(p: dict) -> str:
+    r = p.get("roofline")
+    return "-" if not r else f"{r['mfu']:.0%}"
+
+
+def _fits(p: dict) -> str:
+    if p["refusal"]:
+        return "**no** (compiler: out of memory)"
+    return "yes" if p["fits"] else "**no**"
+
+
+def _kind_bytes(p: dict) -> str:
+    b = p["collective_bytes_per_step"]
+    parts = [f"{k} {v / GiB:,.1f}" for k, v in b.items() if v >= GiB / 100]
+    return ", ".join(parts) or "none"
+
+
+def _dominant(p: dict) -> str:
+    b = p["collective_bytes_per_step"]
+    kind = max(b, key=b.get)
+    return "-" if not b[kind] else kind
+
+
+def _recipes(points: dict) -> list[str]:
+    rows = [(k.split(":", 1)[1], best(r), r) for k, r in points.items() if k.startswith("recipe:")]
+    if not rows:
+        return []
+    out = [
+        "## The recipes on their slices",
+        "",
+        "Every recipe of a published model of a billion parameters or more, compiled on the slice "
+        "its `[plan]` table names, with its own batch, sequence length, mesh and remat "
+        "(`eqllm plan RECIPE`). Peak is the compiler's, per chip, against the chip's HBM; the "
+        "MFU is the roofline's upper bound; host is the compiling process's peak memory here.",
+        "",
+        "| recipe | slice (chips) | mesh | batch x seq (accum) | fits | peak GiB / HBM | headroom "
+        "| est. MFU <= | bound | compile s | host GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, p, row in sorted(rows, key=lambda t: (t[1] or {}).get("chips", 0)):
+        if p is None:
+            out.append(f"| {name} | | | | not compiled: {row.get('error')} | | | | | | |")
+            continue
+        r = p.get("roofline") or {}
+        headroom = "-" if p["headroom"] is None else f"{p['headroom']:.0%}"
+        out.append(
+            f"| {name} | {p['topology']} ({p['chips']}) | {_mesh(p)} | {p['batch']} x {p['seq']} "
+            f"({p['grad_accum']}) | {_fits(p)} | {_gib(p['peak_bytes'])} / "
+            f"{_gib(p['hbm_bytes'])} | {headroom} | {_mfu(p)} | {r.get('bound', '-')} | "
+            f"{p['compile_s']:.0f} | {_gib(row.get('peak_rss_bytes'))} |"
+        )
+    return out + [""]
+
+
+def _sizes(points: dict) -> list[str]:
+    rows = []
+    for key, row in points.items():
+        p = best(row)
+        if p is not None and (key.startswith("size:") or key.startswith("recipe:")):
+            rows.append((key.split(":", 1)[1], p))
+    if not rows:
+        return []
+    out = [
+        "## Published sizes, from 124M to DeepSeek-V3",
+        "",
+        "The same points as the recipe table (the sizes below a billion parameters with the zoo "
+        "defaults on the smallest v5p slice), by part: per chip, the parameters and AdamW state "
+        "the mesh leaves on a chip, the temporaries (activations, gradients, gathered weights), "
+        "the bytes the step's collectives move, by kind, and the roofline's step time.",
+        "",
+        "| model | slice | mesh | params GiB | optimizer GiB | temporaries GiB | collective GiB "
+        "per step (by kind) | step s >= | est. MFU <= | compiled / model FLOPs | compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, p in sorted(rows, key=lambda t: t[1]["model_flops"] / t[1]["batch"]):
+        mem = p["memory"] or {}
+        r = p.get("roofline") or {}
+        flops = p["flops_per_chip"] * p["chips"] / p["model_flops"] if p["flops_per_chip"] else 0
+        out.append(
+            f"| {name} | {p['topology']} | {_mesh(p)} | {_gib(mem.get('params'))} | "
+            f"{_gib(mem.get('optimizer'))} | {_gib(mem.get('temporaries'))} | {_kind_bytes(p)} | "
+            f"{r.get('step_s', 0):.3g} | {_mfu(p)} | {flops:.2f} | {p['compile_s']:.0f} |"
+        )
+    return out + [""]
+
+
+def _chips(points: dict) -> list[str]:
+    rows = [(int(k.split(":")[1]), best(r), r) for k, r in points.items() if k.startswith("chips:")]
+    if not rows:
+        return []
+    out = [
+        "## One model from 8 to 1,024 chips",
+        "",
+        "llama3-8b on v5p slices, FSDP over every chip, one 4,096-token sequence per chip (so "
+        "the global batch grows with the chips), remat full: "
+        "`eqllm plan zoo:llama3-8b --topology v5p-{2 x chips} --mesh fsdp={chips} --batch {chips} "
+        "--seq 4096 --remat full`.",
+        "",
+        "| chips | compile s | host GiB | params + optimizer GiB | temporaries GiB | peak GiB | "
+        "collective GiB per step (by kind) | dominant | ICI s | step s >= | est. MFU <= |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for chips, p, row in sorted(rows, key=lambda t: t[0]):
+        if p is None:
+            out.append(f"| {chips} | not compiled: {row.get('error')} | | | | | | | | | |")
+            continue
+        mem = p["memory"] or {}
+        r = p.get("roofline") or {}
+        state = (mem.get("params") or 0) + (mem.get("optimizer") or 0)
+        out.append(
+            f"| {chips} | {p['compile_s']:.0f} | {_gib(row.get('peak_rss_bytes'))} | "
+            f"{_gib(state)} | {_gib(mem.get('temporaries'))} | {_gib(p['peak_bytes'])} | "
+            f"{_kind_bytes(p)} | {_dominant(p)} | {r.get('ici_s', 0):.3g} | "
+            f"{r.get('step_s', 0):.3g} | {_mfu(p)} |"
+        )
+    return out + [""]
+
+
+def _depth(points: dict) -> list[str]:
+    rows = []
+    for key, row in points.items():
+        if key.startswith("depth:"):
+            rows.append((int(key.split(":")[1]), best(row), row))
+        if key == "chips:64":
+            rows.append((32, best(row), row))
+    if not rows:
+        return []
+    out = [
+        "## Against depth",
+        "",
+        "llama3-8b's layer at 8, 32 and 128 scanned layers, on v5p-128 (64 chips, fsdp=64, "
+        "64 x 4,096 tokens, remat full): `--set model.overrides.n_layers=N`.",
+        "",
+        "| layers | compile s | peak GiB | temporaries GiB | collective GiB per step | "
+        "step s >= |",
+        "|---|---|---|---|---|---|",
+    ]
+    for layers, p, row in sorted(rows, key=lambda t: t[0]):
+        if p is None:
+            out.append(f"| {layers} | not compiled: {row.get('error')} | | | | |")
+            continue
+        mem = p["memory"] or {}
+        total = sum(p["collective_bytes_per_step"].values())
+        step = (p.get("roofline") or {}).get("step_s", 0)
+        out.append(
+            f"| {layers} | {p['compile_s']:.0f} | {_gib(p['peak_bytes'])} | "
+            f"{_gib(mem.get('temporaries'))} | {_gib(total)} | {step:.3g} |"
+        )
+    return out + [""]
+
+
+def _maxtext(points: dict, maxtext: list) -> list[str]:
+    out = [
+        "## Beside MaxText's published runs",
+        "",
+        "MaxText publishes measured MFU for named configurations (docs/reference/models/"
+        "tiering.md of AI-Hypercomputer/maxtext; the tuning in benchmarks/maxtext_*_model_"
+        "configs.py). For each one the zoo can express, `eqllm plan zoo:MODEL --topology SLICE "
+        "--mesh auto --batch B --seq T --max-compiles 1` plans the same model, chips, global "
+        "batch and sequence with eqllm's own step. The estimate is eqllm's roofline, not tuned "
+        "to these figures; MaxText's is measured.",
+        "",
+        "| model | slice | batch x seq | MaxText: tuning | MaxText MFU (measured) | eqllm plan | "
+        "fits, peak GiB | eqllm est. MFU <= |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, name, topology, per_chip, seq, mfu, tuning in maxtext:
+        row = points.get(f"maxtext:{key}")
+        p = best(row)
+        plan = "-"
+        if p is not None:
+            plan = f"{_mesh(p)}, remat {p['remat']}, accum {p['grad_accum']}"
+        fits = "-" if p is None else f"{_fits(p)}, {_gib(p['peak_bytes'])}"
+        if row is not None and p is None:
+            fits = row.get("error", "no plan")
+        out.append(
+            f"| {name} | {topology} | {per_chip}/chip x {seq} | {tuning} | {mfu:.1%} | {plan} | "
+            f"{fits} | {'-' if p is None else _mfu(p)} |"
+        )
+    return out + [""]
+
+
+def _failures(points: dict) -> list[str]:
+    failed = [r for r in points.values() if "error" in r]
+    if not failed:
+        return []
+    out = ["## Points that did not compile here", ""]
+    for r in failed:
+        rss = f", peak host memory {_gib(r.get('peak_rss_bytes'))} GiB"
+        out.append(f"- `{r['command']}`: {r['error']} after {r['wall_s']:.0f} s{rss}")
+    return out + [""]
