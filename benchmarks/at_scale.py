@@ -67,8 +67,8 @@ def points() -> list[dict]:
         if load_recipe(name).plan.topology:
             found.append({"id": f"recipe:{name}", "section": "recipes", "args": [name]})
     # Published sizes below the recipes' billion, on the smallest v5p slice, zoo defaults.
-    for name in ("gpt2-small", "smollm2-360m", "qwen2.5-0.5b"):
-        args = [f"zoo:{name}", "--topology", "v5p-8", "--batch", "16", "--seq", "2048"]
+    for name, seq in (("gpt2-small", 1024), ("smollm2-360m", 2048), ("qwen2.5-0.5b", 2048)):
+        args = [f"zoo:{name}", "--topology", "v5p-8", "--batch", "16", "--seq", str(seq)]
         found.append({"id": f"size:{name}", "section": "sizes", "args": args})
     # One model against chip count: llama3-8b, FSDP over every chip, one 4,096-token sequence
     # per chip, remat full.
