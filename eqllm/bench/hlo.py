@@ -11,7 +11,9 @@ One parser for what CPU, GPU and TPU compilers emit (`Program`):
   the done half, marked by its `AsyncCollectiveDone` custom call, is skipped), TPU's
   continuation fusions of one async collective (clones that keep its `channel_id`) and TPU's
   all-reduce-scatter fusions (an all-reduce whose fusion keeps only the device's slice: a
-  reduce-scatter on the chip).
+  reduce-scatter on the chip). The TPU compiler also writes some reduce-scatters and
+  all-gathers as windowed einsums, rings of collective-permutes overlapped with the matrix
+  product: those stay collective-permutes, marked with the collective they implement (`ring`).
 
 XLA's own cost analysis (`compiled.cost_analysis()`) counts each loop body once, whatever its
 trip count; `Program.loop_factor` measures, from the HLO, by how much the loops multiply the
@@ -42,6 +44,9 @@ class Collective:
         runs: how many times one step runs it (the trip counts of the loops around it).
         calls: how many times one pass through its loop bodies runs it (each body once);
             0 outside any loop.
+        ring: for a collective-permute that is one step of a windowed einsum (the TPU
+            compiler's reduce-scatter or all-gather done as a ring of permutes overlapped with
+            the matrix product), the collective it implements; "" otherwise.
     """
 
     kind: str
@@ -49,6 +54,7 @@ class Collective:
     group: tuple[int, ...]
     runs: int
     calls: int
+    ring: str = ""
 
     @property
     def result_bytes(self) -> int:
@@ -110,6 +116,7 @@ class Program:
         self.runs = functools.cache(self._runs)
         self.in_loop = functools.cache(self._in_loop)
         self.fused = functools.cache(self._fused)
+        self.ring = functools.cache(self._ring)
 
     def _runs(self, comp: str, per_pass: bool = False) -> int:
         """Times one step runs `comp`; with `per_pass`, each loop body counts once."""
@@ -122,6 +129,15 @@ class Program:
 
     def _in_loop(self, comp: str) -> bool:
         return any(body or self.in_loop(c) for c, _, body, _ in self.edges.get(comp, ()))
+
+    def _ring(self, comp: str) -> str:
+        """The collective a windowed-einsum loop implements, for `comp` and what it calls: XLA's
+        SPMD partitioner names those loop bodies windowed_dot_general_body_rs (reduce-scatter)
+        and _ag (all-gather)."""
+        for suffix, kind in (("_rs", "reduce-scatter"), ("_ag", "all-gather")):
+            if f"windowed_dot_general_body{suffix}" in comp:
+                return kind
+        return next((r for c, _, _, _ in self.edges.get(comp, ()) if (r := self.ring(c))), "")
 
     def _fused(self, comp: str) -> bool:
         """Whether `comp` runs inside a fusion (its values stay on chip, not in HBM)."""
@@ -152,7 +168,9 @@ class Program:
                         # sum, which the chip runs as a reduce-scatter
                         kind = "reduce-scatter"
                         shapes = tuple(_result_shapes(root, "dynamic-slice"))
-                    found.append(Collective(kind, shapes, _replica_group(line), runs, calls))
+                    ring = self.ring(name) if kind == "collective-permute" else ""
+                    group = _replica_group(line)
+                    found.append(Collective(kind, shapes, group, runs, calls, ring))
         return found
 
     def loop_factor(self, what: str) -> float:

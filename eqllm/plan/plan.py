@@ -98,6 +98,8 @@ class Plan:
             "collectives_per_layer": per_layer,
             "collective_bytes_per_step": step_bytes,
             "collective_bytes_per_layer": layer_bytes,
+            # the collective-permute bytes that are windowed-einsum rings, by what they implement
+            "ring_bytes_per_step": rings(s.collectives),
             "roofline": None
             if r is None
             else {
@@ -109,6 +111,16 @@ class Plan:
                 "comm_by_axes": r.comm_by_axes,
             },
         }
+
+
+def rings(found: list) -> dict[str, int]:
+    """Bytes per step of the collective-permutes that are rings of a windowed einsum, by the
+    collective they implement (`eqllm.bench.hlo.Collective.ring`)."""
+    out: dict[str, int] = {}
+    for c in found:
+        if c.ring:
+            out[c.ring] = out.get(c.ring, 0) + c.result_bytes * c.runs
+    return out
 
 
 def plan_recipe(recipe: Recipe, tpu: TpuSlice, devices: list) -> Plan:

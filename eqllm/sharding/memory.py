@@ -76,9 +76,9 @@ def estimate_memory(
     rules. Activations follow Korthikanti et al. (2022), eq. 2 and its tensor-parallel form,
     per layer and micro-batch: s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes at 16 bits, scaled to the
     compute dtype's width, plus the fp32 logits and their gradient; with remat each layer keeps
-    what its policy saves (`_kept`: its input under "full"), plus one layer's working set. A pipeline stage counts
-    its own layers, scaled by the bubble's idle ticks (see the comment below). It is an
-    estimate: XLA may fuse or keep more.
+    what its policy saves (`_kept`: its input under "full"), plus one layer's working set. A
+    pipeline stage counts its own layers, scaled by the bubble's idle ticks (see the comment
+    below). It is an estimate: XLA may fuse or keep more.
     """
     params, fp32 = _parameter_bytes(config.replace(remat="none"), tuple(sizes_of(mesh).items()))
     opt = optimizer_states * fp32
