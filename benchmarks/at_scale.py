@@ -162,6 +162,52 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+def reanalyze(row: dict) -> None:
+    """Re-read a point's compiled program (its HLO, kept by the run) with the current
+    eqllm.bench.hlo and roofline: collectives, FLOPs and bytes scaled to the loop trips, and
+    the estimate, without compiling again."""
+    from eqllm.bench.hlo import Program, tally
+    from eqllm.plan import slice_devices
+    from eqllm.plan.plan import rings
+    from eqllm.plan.roofline import estimate
+    from eqllm.sharding import MeshConfig, make_mesh
+    from eqllm.sharding.tpu import parse_slice
+
+    path = HLO / f"{row['id'].replace(':', '_')}.hlo"
+    result = row.get("result")
+    if not path.is_file() or not result or not result.get("memory"):
+        return
+    program = Program(path.read_text())
+    found = program.collectives()
+    tpu = parse_slice(result["jax_topology"], result["slices"])
+    mesh = make_mesh(MeshConfig(**result["mesh"]), slice_devices(tpu))
+    devices, shape = list(mesh.devices.flat), {k: int(v) for k, v in mesh.shape.items()}
+    result["flops_per_chip"] = result["xla_flops_per_chip"] * program.loop_factor("flops")
+    result["bytes_accessed_per_chip"] = result["xla_bytes_per_chip"] * program.loop_factor("bytes")
+    result["collectives_per_layer"], result["collectives_per_step"] = tally(found, lambda c: 1)
+    layer_bytes, step_bytes = tally(found, lambda c: c.result_bytes)
+    result["collective_bytes_per_layer"] = layer_bytes
+    result["collective_bytes_per_step"] = step_bytes
+    result["ring_bytes_per_step"] = rings(found)
+    r = estimate(
+        tpu,
+        devices,
+        shape,
+        found,
+        flops=result["flops_per_chip"],
+        bytes_accessed=result["bytes_accessed_per_chip"],
+        model_flops=result["model_flops"],
+    )
+    result["roofline"] = {
+        **{k: getattr(r, k) for k in ("compute_s", "memory_s", "ici_s", "dcn_s")},
+        "step_s": r.step_s,
+        "bound": r.bound,
+        "mfu": r.mfu,
+        "mfu_serial": r.mfu_serial,
+        "comm_by_axes": r.comm_by_axes,
+    }
+
+
 def load_results() -> dict:
     if RESULTS.is_file():
         return json.loads(RESULTS.read_text())
@@ -180,6 +226,12 @@ def main() -> int:
     p.add_argument("--redo", nargs="*", default=[], help="point ids to run again")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per point")
     p.add_argument("--write", action="store_true", help="only rewrite the page")
+    p.add_argument(
+        "--reanalyze",
+        action="store_true",
+        help="re-read the kept HLO of every compiled point (collectives, FLOPs, estimate), "
+        "then rewrite the page",
+    )
     args = p.parse_args()
     results = load_results()
     import jax
@@ -191,7 +243,11 @@ def main() -> int:
         "jax": jax.__version__,
         "libtpu": _version("libtpu"),
     }
-    if not args.write:
+    if args.reanalyze:
+        for row in results["points"].values():
+            reanalyze(row)
+        save_results(results)
+    elif not args.write:
         todo = [
             pt
             for pt in points()
