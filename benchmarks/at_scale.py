@@ -168,7 +168,7 @@ def reanalyze(row: dict) -> None:
     the estimate, without compiling again."""
     from eqllm.bench.hlo import Program, tally
     from eqllm.plan import slice_devices
-    from eqllm.plan.plan import rings
+    from eqllm.plan.plan import implemented
     from eqllm.plan.roofline import estimate
     from eqllm.sharding import MeshConfig, make_mesh
     from eqllm.sharding.tpu import parse_slice
@@ -188,7 +188,7 @@ def reanalyze(row: dict) -> None:
     layer_bytes, step_bytes = tally(found, lambda c: c.result_bytes)
     result["collective_bytes_per_layer"] = layer_bytes
     result["collective_bytes_per_step"] = step_bytes
-    result["ring_bytes_per_step"] = rings(found)
+    result["implemented_bytes_per_step"] = implemented(found)
     r = estimate(
         tpu,
         devices,

@@ -68,16 +68,32 @@ def _fits(p: dict) -> str:
     return "yes" if p["fits"] else "**no**"
 
 
+def semantic(p: dict) -> dict[str, tuple[float, str]]:
+    """GiB per step by the collective carried out, with the op that carried it out where the
+    compiler wrote it as another (a windowed einsum's permutes, an all-reduce of a zero-filled
+    buffer)."""
+    out = {k: [v, ""] for k, v in p["collective_bytes_per_step"].items()}
+    for op, kinds in p.get("implemented_bytes_per_step", {}).items():
+        for kind, n in kinds.items():
+            out[op][0] -= n
+            out[kind][0] += n
+            out[kind][1] = f"as {op}s" if not out[kind][1] else out[kind][1] + f" and {op}s"
+    return {k: (v / GiB, how) for k, (v, how) in out.items()}
+
+
 def _kind_bytes(p: dict) -> str:
-    b = p["collective_bytes_per_step"]
-    parts = [f"{k} {v / GiB:,.1f}" for k, v in b.items() if v >= GiB / 100]
+    parts = [
+        f"{k} {g:,.1f}" + (f" ({how})" if how else "")
+        for k, (g, how) in semantic(p).items()
+        if g >= 0.01
+    ]
     return ", ".join(parts) or "none"
 
 
 def _dominant(p: dict) -> str:
-    b = p["collective_bytes_per_step"]
-    kind = max(b, key=b.get)
-    return "-" if not b[kind] else kind
+    by_kind = semantic(p)
+    kind = max(by_kind, key=lambda k: by_kind[k][0])
+    return "-" if by_kind[kind][0] < 0.01 else kind
 
 
 def _recipes(points: dict) -> list[str]:

@@ -13,7 +13,8 @@ One parser for what CPU, GPU and TPU compilers emit (`Program`):
   all-reduce-scatter fusions (an all-reduce whose fusion keeps only the device's slice: a
   reduce-scatter on the chip). The TPU compiler also writes some reduce-scatters and
   all-gathers as windowed einsums, rings of collective-permutes overlapped with the matrix
-  product: those stay collective-permutes, marked with the collective they implement (`ring`).
+  product, and writes all-gathers on a full torus as all-reduces of zero-filled buffers: those
+  keep their op's kind, marked with the collective they implement (`implements`).
 
 XLA's own cost analysis (`compiled.cost_analysis()`) counts each loop body once, whatever its
 trip count; `Program.loop_factor` measures, from the HLO, by how much the loops multiply the
@@ -44,9 +45,11 @@ class Collective:
         runs: how many times one step runs it (the trip counts of the loops around it).
         calls: how many times one pass through its loop bodies runs it (each body once);
             0 outside any loop.
-        ring: for a collective-permute that is one step of a windowed einsum (the TPU
-            compiler's reduce-scatter or all-gather done as a ring of permutes overlapped with
-            the matrix product), the collective it implements; "" otherwise.
+        implements: the collective this op carries out in another form, "" for none: a
+            collective-permute that is one step of a windowed einsum (the TPU compiler's
+            reduce-scatter or all-gather done as a ring of permutes overlapped with the matrix
+            product), or an all-reduce of a zero-filled buffer into which each device wrote its
+            shard (an all-gather, as the TPU compiler writes it on a full torus).
     """
 
     kind: str
@@ -54,7 +57,7 @@ class Collective:
     group: tuple[int, ...]
     runs: int
     calls: int
-    ring: str = ""
+    implements: str = ""
 
     @property
     def result_bytes(self) -> int:
@@ -168,9 +171,16 @@ class Program:
                         # sum, which the chip runs as a reduce-scatter
                         kind = "reduce-scatter"
                         shapes = tuple(_result_shapes(root, "dynamic-slice"))
-                    ring = self.ring(name) if kind == "collective-permute" else ""
+                    implements = ""
+                    if kind == "collective-permute":
+                        implements = self.ring(name)
+                    elif kind == "all-reduce" and any(
+                        "dynamic-update-slice" in arg or body.get(arg, "").find(_DUS) >= 0
+                        for arg in _operands(line, "all-reduce")
+                    ):
+                        implements = "all-gather"
                     group = _replica_group(line)
-                    found.append(Collective(kind, shapes, group, runs, calls, ring))
+                    found.append(Collective(kind, shapes, group, runs, calls, implements))
         return found
 
     def loop_factor(self, what: str) -> float:
@@ -258,6 +268,7 @@ _DTYPE_BYTES |= {"s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
 # "kind(" or "kind-start(" as the op, not "%kind.12" as an operand
 _OP = {kind: re.compile(rf"(?<![\w%.\-]){kind}(-start)?\(") for kind in KINDS}
 _ASYNC_DONE = 'custom_call_target="AsyncCollectiveDone"'
+_DUS = " dynamic-update-slice("
 _ASYNC_HALF = re.compile(r"(?<![\w%.\-])async-(done|update)\(")
 _WHILE = re.compile(r"(?<![\w%.\-])while\(.*\bbody=%?([\w.\-]+)")
 _FUSION = re.compile(r"(?<![\w%.\-])fusion\(")

@@ -98,8 +98,8 @@ class Plan:
             "collectives_per_layer": per_layer,
             "collective_bytes_per_step": step_bytes,
             "collective_bytes_per_layer": layer_bytes,
-            # the collective-permute bytes that are windowed-einsum rings, by what they implement
-            "ring_bytes_per_step": rings(s.collectives),
+            # of those bytes, the ops' that carry out another collective, by op and by that one
+            "implemented_bytes_per_step": implemented(s.collectives),
             "roofline": None
             if r is None
             else {
@@ -113,13 +113,15 @@ class Plan:
         }
 
 
-def rings(found: list) -> dict[str, int]:
-    """Bytes per step of the collective-permutes that are rings of a windowed einsum, by the
-    collective they implement (`eqllm.bench.hlo.Collective.ring`)."""
-    out: dict[str, int] = {}
+def implemented(found: list) -> dict[str, dict[str, int]]:
+    """Bytes per step of the ops that carry out another collective (a windowed einsum's ring of
+    collective-permutes, an all-gather written as an all-reduce: `Collective.implements`), by
+    op and by the collective they implement."""
+    out: dict[str, dict[str, int]] = {}
     for c in found:
-        if c.ring:
-            out[c.ring] = out.get(c.ring, 0) + c.result_bytes * c.runs
+        if c.implements:
+            by_op = out.setdefault(c.kind, {})
+            by_op[c.implements] = by_op.get(c.implements, 0) + c.result_bytes * c.runs
     return out
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from eqllm.bench.hlo import KINDS, tally
-from eqllm.plan.plan import HEADROOM, Plan, rings
+from eqllm.plan.plan import HEADROOM, Plan, implemented
 from eqllm.plan.search import Search
 from eqllm.sharding import human_bytes
 
@@ -66,10 +66,11 @@ def collectives_text(plan: Plan) -> str:
     _, counts = tally(plan.step.collectives, lambda c: 1)
     _, sizes = tally(plan.step.collectives, lambda c: c.result_bytes)
     parts = [f"{k} {counts[k]:,} ({_size(sizes[k])})" for k in KINDS if counts[k]]
-    windowed = [f"{_size(n)} of a {kind}" for kind, n in rings(plan.step.collectives).items()]
-    if windowed:  # the compiler's windowed einsums: collective-permute rings
-        parts.append("the collective-permutes being windowed-einsum rings: " + ", ".join(windowed))
-    return ", ".join(parts) or "none"
+    text = ", ".join(parts) or "none"
+    for op, kinds in implemented(plan.step.collectives).items():
+        done = ", ".join(f"{_size(n)} of {kind}s" for kind, n in kinds.items())
+        text += f"; the {op}s carry out {done}"
+    return text
 
 
 def roofline_text(plan: Plan) -> str:
