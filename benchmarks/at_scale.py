@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "experiments" / "at_scale.json"
 PAGE = ROOT / "docs" / "experiments" / "at_scale.md"
 COMMAND = "python benchmarks/at_scale.py"
+GiB = 2**30
 HLO = Path(os.environ.get("EQLLM_CACHE", Path.home() / ".cache" / "eqllm")) / "at_scale_hlo"
 
 # MaxText's measured MFU (docs/reference/models/tiering.md of AI-Hypercomputer/maxtext at
@@ -60,12 +61,15 @@ MAXTEXT = [
 
 def points() -> list[dict]:
     """Every point of the page: id, section, and the `eqllm plan` arguments."""
+    from eqllm import zoo
     from eqllm.recipe import load_recipe, recipe_names
 
-    found = []
+    found, size = [], {}
     for name in recipe_names():
-        if load_recipe(name).plan.topology:
+        recipe = load_recipe(name)
+        if recipe.plan.topology:
             found.append({"id": f"recipe:{name}", "section": "recipes", "args": [name]})
+            size[f"recipe:{name}"] = zoo.param_count(recipe.model.variant)
     # The smallest published size (the recipes start at a billion), on the smallest v5p slice,
     # zoo defaults.
     args = ["zoo:gpt2-small", "--topology", "v5p-8", "--batch", "16", "--seq", "1024"]
@@ -88,15 +92,21 @@ def points() -> list[dict]:
         args = [f"zoo:{name}", "--topology", topology, "--mesh", "auto", "--batch"]
         args += [str(per_chip * chips), "--seq", str(seq), "--max-compiles", "1"]
         found.append({"id": f"maxtext:{key}", "section": "maxtext", "args": args})
-    # The figures that need the most time last but one: one model against chips first, then
-    # the largest recipe (whether it compiles here at all), MaxText's configurations, the rest.
-    order = {"chips": 0, "recipe:deepseek-v3": 1, "maxtext": 2, "recipes": 3, "depth": 4}
-    return sorted(found, key=lambda p: order.get(p["id"], order.get(p["section"], 5)))
+    # One model against chips first, then the largest recipe (whether it compiles here at all),
+    # the other recipes largest first (those most likely to need a fix), MaxText's
+    # configurations, the rest.
+    order = {"chips": 0, "recipe:deepseek-v3": 1, "recipes": 2, "maxtext": 3, "depth": 4}
+    return sorted(
+        found,
+        key=lambda p: (order.get(p["id"], order.get(p["section"], 5)), -size.get(p["id"], 0)),
+    )
 
 
-def run_point(point: dict, timeout: float) -> dict:
+def run_point(point: dict, timeout: float, reserve: float = 1.5 * GiB) -> dict:
     """`eqllm plan ARGS --json` in a niced child process: its result, wall time and peak host
-    memory (VmHWM, read while it runs, so a child killed for memory still has its figure)."""
+    memory (VmHWM, read while it runs, so a child killed for memory still has its figure). The
+    child is stopped when the host's available memory falls below `reserve` bytes, before the
+    kernel's out-of-memory killer picks a process (on a shared machine, perhaps another's)."""
     argv = ["nice", "-n", "10", sys.executable, "-m", "eqllm.cli", "plan", *point["args"]]
     argv.append("--json")
     if "auto" not in point["args"]:  # kept outside the repository, to re-read the program
@@ -107,15 +117,18 @@ def run_point(point: dict, timeout: float) -> dict:
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         child = subprocess.Popen(argv, stdout=out, stderr=err, env=env, text=True)
         status: int | str | None = None
+        left = 0
         while status is None:
             try:
                 status = child.wait(timeout=2)
             except subprocess.TimeoutExpired:
                 peak = max(peak, _peak_rss(child.pid))
-                if time.time() - t0 > timeout:
+                available = _available()
+                if time.time() - t0 > timeout or available < reserve:
                     child.kill()
                     child.wait()
-                    status = "timeout"
+                    status = "timeout" if available >= reserve else "memory"
+                    left = available
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read(), err.read()
@@ -133,12 +146,29 @@ def run_point(point: dict, timeout: float) -> dict:
         row["result"] = json.loads(stdout)
     elif status == "timeout":
         row["error"] = f"out of time after {timeout:.0f} s"
+    elif status == "memory":
+        row["error"] = (
+            f"stopped at {peak / GiB:.1f} GiB of host memory, with {left / GiB:.1f} GiB left "
+            f"available on this {_total() / GiB:.0f} GiB machine"
+        )
     elif status == -9:
         row["error"] = "killed by SIGKILL (out of host memory: see `dmesg`)"
     else:
         lines = stderr.strip().splitlines()
         row["error"] = lines[-1][:500] if lines else f"exit {status}"
     return row
+
+
+def _available() -> int:
+    """The host's available memory (bytes), as /proc/meminfo's MemAvailable says."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 2**62
+
+
+def _total() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _peak_rss(pid: int) -> int:
@@ -225,6 +255,12 @@ def main() -> int:
     p.add_argument("--only", nargs="*", help="sections: recipes sizes chips depth maxtext")
     p.add_argument("--redo", nargs="*", default=[], help="point ids to run again")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per point")
+    p.add_argument(
+        "--reserve-gib",
+        type=float,
+        default=1.5,
+        help="stop a point when the host has less memory available than this (default 1.5)",
+    )
     p.add_argument("--write", action="store_true", help="only rewrite the page")
     p.add_argument(
         "--reanalyze",
@@ -233,13 +269,16 @@ def main() -> int:
         "then rewrite the page",
     )
     args = p.parse_args()
+    from eqllm import configure_process
+
+    configure_process()  # libtpu is installed: keep JAX's probe of a TPU backend quiet
     results = load_results()
     import jax
 
     results["machine"] = {
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
-        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30),
+        "memory_gib": round(_total() / GiB),
         "jax": jax.__version__,
         "libtpu": _version("libtpu"),
     }
@@ -257,7 +296,7 @@ def main() -> int:
         for i, point in enumerate(todo, 1):
             command = shlex.join(point["args"])
             print(f"[{i}/{len(todo)}] {point['id']}: eqllm plan {command}", flush=True)
-            row = run_point(point, args.timeout)
+            row = run_point(point, args.timeout, args.reserve_gib * GiB)
             results["points"][point["id"]] = row
             save_results(results)
             print(f"  {row['wall_s']:.0f} s: {row.get('error') or _verdict(row)}", flush=True)
