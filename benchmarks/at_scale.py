@@ -85,6 +85,10 @@ def points() -> list[dict]:
         args = ["zoo:llama3-8b", "--topology", "v5p-128", "--mesh", "fsdp=64", "--batch", "64"]
         args += ["--seq", "4096", "--remat", "full", "--set", f"model.overrides.n_layers={layers}"]
         found.append({"id": f"depth:{layers}", "section": "depth", "args": args})
+    # --mesh auto on one slice, the plan it finds written as a recipe.
+    args = ["zoo:llama3-8b", "--topology", "v5p-128", "--mesh", "auto", "--batch", "256"]
+    args += ["--seq", "8192", "--max-compiles", "2"]
+    found.append({"id": "auto:llama3-8b", "section": "auto", "args": args, "write_recipe": True})
     for key, name, topology, per_chip, seq, _, _ in MAXTEXT:  # noqa: B007
         from eqllm.sharding.tpu import parse_slice
 
@@ -96,6 +100,7 @@ def points() -> list[dict]:
     # the other recipes largest first (those most likely to need a fix), MaxText's
     # configurations, the rest.
     order = {"chips": 0, "recipe:deepseek-v3": 1, "recipes": 2, "maxtext": 3, "depth": 4}
+    order["auto"] = 4
     return sorted(
         found,
         key=lambda p: (order.get(p["id"], order.get(p["section"], 5)), -size.get(p["id"], 0)),
@@ -112,6 +117,9 @@ def run_point(point: dict, timeout: float, reserve: float = 1.5 * GiB) -> dict:
     if "auto" not in point["args"]:  # kept outside the repository, to re-read the program
         HLO.mkdir(parents=True, exist_ok=True)
         argv += ["--dump-hlo", str(HLO / f"{point['id'].replace(':', '_')}.hlo")]
+    written = Path(tempfile.mkdtemp()) / "planned.toml"
+    if point.get("write_recipe"):
+        argv += ["--write-recipe", str(written)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     t0, load, peak = time.time(), os.getloadavg()[0], 0
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -142,6 +150,10 @@ def run_point(point: dict, timeout: float, reserve: float = 1.5 * GiB) -> dict:
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "exit": status,
     }
+    if written.is_file():  # what `eqllm run` would be given on the slice
+        row["written_recipe"] = written.read_text()
+        written.unlink()
+    written.parent.rmdir()
     if status in (0, 1) and stdout.strip():
         row["result"] = json.loads(stdout)
     elif status == "timeout":
@@ -252,7 +264,7 @@ def save_results(results: dict) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", nargs="*", help="sections: recipes sizes chips depth maxtext")
+    p.add_argument("--only", nargs="*", help="sections: recipes sizes chips depth auto maxtext")
     p.add_argument("--redo", nargs="*", default=[], help="point ids to run again")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per point")
     p.add_argument(

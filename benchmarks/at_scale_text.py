@@ -34,6 +34,7 @@ def page(results: dict, command: str, maxtext: list) -> str:
     out += _sizes(points)
     out += _chips(points)
     out += _depth(points)
+    out += _auto(points)
     out += _maxtext(points, maxtext)
     out += _failures(points)
     return "\n".join(out).rstrip() + "\n"
@@ -270,6 +271,52 @@ def _depth(points: dict) -> list[str]:
             f"{_gib(mem.get('temporaries'))} | {_gib(total)} | {step:.3g} |"
         )
     return out + [""]
+
+
+def _auto(points: dict) -> list[str]:
+    rows = [(k, r) for k, r in points.items() if k.startswith("auto:")]
+    out = []
+    for _, row in rows:
+        out += ["## `--mesh auto`", "", f"`{row['command']} --write-recipe planned.toml`", ""]
+        if "result" not in row:
+            out += [f"did not finish: {row.get('error')}", ""]
+            continue
+        result = row["result"]
+        plans = sorted(result["search"], key=lambda p: -((p.get("roofline") or {}).get("mfu", -1)))
+        out += [
+            "The compiled plans, ranked by the roofline's MFU (the search prints the same table "
+            "and how many points it estimated; all ran on the same slice, batch and sequence):",
+            "",
+            "| rank | mesh | remat | grad_accum | estimate GiB | peak GiB | headroom | step s >= "
+            "| est. MFU <= | compile s |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for i, p in enumerate(plans, 1):
+            r = p.get("roofline") or {}
+            headroom = "-" if p["headroom"] is None else f"{p['headroom']:.0%}"
+            out.append(
+                f"| {i} | {_mesh(p)} | {p['remat']} | {p['grad_accum']} | "
+                f"{_gib(p['estimated_bytes'])} | {_gib(p['peak_bytes'])} | {headroom} | "
+                f"{r.get('step_s', 0):.3g} | {_mfu(p)} | {p['compile_s']:.0f} |"
+            )
+        best = result.get("best")
+        if best is None:
+            out += ["", "No compiled plan left 10% of HBM free.", ""]
+            continue
+        written = row.get("written_recipe", "")
+        tables = written[written.find("[train]") :] if "[train]" in written else written
+        out += [
+            "",
+            f"The best plan with 10% of HBM free, {_mesh(best)} with remat {best['remat']} and "
+            f"{best['grad_accum']} accumulated micro-batches, written by `--write-recipe` as a "
+            "recipe `eqllm run planned.toml` takes on the slice (its tables from [train] on):",
+            "",
+            "```toml",
+            tables.strip(),
+            "```",
+            "",
+        ]
+    return out
 
 
 def _maxtext(points: dict, maxtext: list) -> list[str]:
