@@ -325,7 +325,7 @@ def write_page(results: dict) -> str:
     """The page, from the results file alone."""
     from at_scale_text import page  # the page's words, beside this script
 
-    return page(results, COMMAND, MAXTEXT)
+    return page(results, COMMAND, MAXTEXT, points())
 
 
 def _verdict(row: dict) -> str:

@@ -5,10 +5,25 @@ from __future__ import annotations
 GiB = 2**30
 
 
-def page(results: dict, command: str, maxtext: list) -> str:
+SECTIONS = {
+    "recipes": "the recipe table",
+    "sizes": "the published sizes",
+    "chips": "chip count",
+    "depth": "depth",
+    "auto": "`--mesh auto`",
+    "maxtext": "MaxText's configurations",
+}
+
+
+def page(results: dict, command: str, maxtext: list, planned: list[dict]) -> str:
+    """The page; `planned` is every point the script defines (id and section), so that the
+    page says which sections have not run yet rather than showing them empty."""
     points = results["points"]
     m = results["machine"]
     done = [r for r in points.values() if "result" in r]
+    missing = [pt for pt in planned if pt["id"] not in points]
+    todo = {s: sum(pt["section"] == s for pt in missing) for s in SECTIONS}
+    left = ", ".join(f"{SECTIONS[s]} ({n})" for s, n in todo.items() if n)
     hours = sum(r["wall_s"] for r in points.values()) / 3600
     dates = sorted(r["date"] for r in points.values())
     out = [
@@ -30,6 +45,12 @@ def page(results: dict, command: str, maxtext: list) -> str:
         f"and {dates[-1] if dates else '-'}. jax {m.get('jax')}, libtpu {m.get('libtpu')}.",
         "",
     ]
+    if left:
+        out += [
+            f"{len(points)} of the script's {len(planned)} points have run; a section appears "
+            f"here once its points have. Not run yet: {left}.",
+            "",
+        ]
     out += _recipes(points)
     out += _sizes(points)
     out += _chips(points)
@@ -245,14 +266,15 @@ def _depth(points: dict) -> list[str]:
     for key, row in points.items():
         if key.startswith("depth:"):
             rows.append((int(key.split(":")[1]), best(row), row))
-        if key == "chips:64":
-            rows.append((32, best(row), row))
-    if not rows:
+    if not rows:  # the 32-layer point alone (chips:64) is no comparison
         return []
+    if "chips:64" in points:
+        rows.append((32, best(points["chips:64"]), points["chips:64"]))
+    layers = ", ".join(str(n) for n in sorted(n for n, _, _ in rows))
     out = [
         "## Against depth",
         "",
-        "llama3-8b's layer at 8, 32 and 128 scanned layers, on v5p-128 (64 chips, fsdp=64, "
+        f"llama3-8b's layer at {layers} scanned layers, on v5p-128 (64 chips, fsdp=64, "
         "64 x 4,096 tokens, remat full): `--set model.overrides.n_layers=N`.",
         "",
         "| layers | compile s | peak GiB | temporaries GiB | collective GiB per step | "
@@ -320,6 +342,9 @@ def _auto(points: dict) -> list[str]:
 
 
 def _maxtext(points: dict, maxtext: list) -> list[str]:
+    ran = [entry for entry in maxtext if f"maxtext:{entry[0]}" in points]
+    if not ran:
+        return []
     out = [
         "## Beside MaxText's published runs",
         "",
@@ -334,15 +359,13 @@ def _maxtext(points: dict, maxtext: list) -> list[str]:
         "fits, peak GiB | eqllm est. MFU <= |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for key, name, topology, per_chip, seq, mfu, tuning in maxtext:
-        row = points.get(f"maxtext:{key}")
+    for key, name, topology, per_chip, seq, mfu, tuning in ran:
+        row = points[f"maxtext:{key}"]
         p = best(row)
         plan = "-"
         if p is not None:
             plan = f"{_mesh(p)}, remat {p['remat']}, accum {p['grad_accum']}"
-        fits = "-" if p is None else f"{_fits(p)}, {_gib(p['peak_bytes'])}"
-        if row is not None and p is None:
-            fits = row.get("error", "no plan")
+        fits = row.get("error", "no plan") if p is None else f"{_fits(p)}, {_gib(p['peak_bytes'])}"
         out.append(
             f"| {name} | {topology} | {per_chip}/chip x {seq} | {tuning} | {mfu:.1%} | {plan} | "
             f"{fits} | {'-' if p is None else _mfu(p)} |"
