@@ -10,7 +10,7 @@ import pytest
 from eqllm.cli import main
 from eqllm.train import TrainStep, guards
 from eqllm.train import loop as loop_mod
-from eqllm.train.checkpoint import Checkpointer
+from eqllm.runs import Checkpointer
 
 from .harness import curves, make_corpus, tiny_recipe
 
