@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 import eqllm
-from eqllm.train.objectives import Grpo, group_advantages, grpo_loss
-from eqllm.train.objectives import token_logps
+from eqllm.train.objectives import Grpo, group_advantages, grpo_loss, token_logps
 
 
 def _numpy_grpo(logps, old, ref, rewards, mask, group, eps, eps_high, beta, norm, max_new):

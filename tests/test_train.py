@@ -16,10 +16,10 @@ from eqllm import CausalLM
 from eqllm.cli import main
 from eqllm.eval.evaluate import evaluate_run, heldout_of
 from eqllm.recipe import OptimSpec, Recipe
+from eqllm.runs import Checkpointer, RunFolder
 from eqllm.train import TrainStep, init_opt_state, make_optimizer, schedule
 from eqllm.train import loop as loop_mod
 from eqllm.train import report as report_mod
-from eqllm.runs import Checkpointer, RunFolder
 from tests.reliability.harness import make_corpus
 from tests.reliability.harness import tiny_recipe as harness_recipe
 

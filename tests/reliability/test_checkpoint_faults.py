@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import pytest
 
 from eqllm.cli import main
+from eqllm.runs import Checkpointer
 from eqllm.train import TrainStep, guards
 from eqllm.train import loop as loop_mod
-from eqllm.runs import Checkpointer
 
 from .harness import curves, make_corpus, tiny_recipe
 
