@@ -14,8 +14,10 @@ w = distill.ce_weight, the loss per target is
 (forward KL, the teacher's distribution as the target; T^2 keeps the gradient's scale as T
 changes). With distill.top_k = k the KL is taken over the teacher's k most likely tokens only,
 the teacher renormalised over them and the student's log-probabilities those of the whole
-vocabulary, so no [batch, seq, vocab] teacher distribution is kept. Both terms are means over
-the targets, like the language model's loss; its batches are the language model's.
+vocabulary (the form of top-k logits stored from a teacher): the target is the teacher
+truncated to its top k, so a student equal to its teacher still pays -log of the mass it puts
+on the other tokens, and no [batch, seq, vocab] teacher distribution is kept. Both terms are
+means over the targets, like the language model's loss; its batches are the language model's.
 """
 
 from __future__ import annotations
