@@ -314,7 +314,7 @@ def _check_objective(recipe: Recipe) -> None:
     needs = _NEEDS[objective]
     if needs is not None and not _get(recipe, needs):
         raise RecipeError(f"train.objective={objective!r} needs {needs}; set it")
-    for other in ("finetune.data", "preference.data", "rl.data"):
+    for other in ("finetune.data", "preference.data", "rl.data", "distill.teacher"):
         if other != needs and _get(recipe, other):
             raise RecipeError(
                 f"{other}={_get(recipe, other)!r} with train.objective={objective!r}: a run "
