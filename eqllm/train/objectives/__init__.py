@@ -49,14 +49,6 @@ def objective_class(name: str) -> type[Objective]:
     return OBJECTIVES[name]
 
 
-def all_metrics() -> tuple[str, ...]:
-    """Every objective's step and held-out metric names, each once."""
-    names: dict[str, None] = {}
-    for cls in OBJECTIVES.values():
-        names.update(dict.fromkeys((*cls.metrics, *cls.held_out)))
-    return tuple(names)
-
-
 __all__ = [
     "OBJECTIVES",
     "Distill",
@@ -66,7 +58,6 @@ __all__ = [
     "Objective",
     "Preference",
     "Run",
-    "all_metrics",
     "base_tokenizer",
     "distill_kl",
     "group_advantages",
