@@ -28,7 +28,6 @@ import jax
 from eqllm import lora
 from eqllm.errors import EqllmError
 from eqllm.eval.evaluate import evaluate_heldout
-from eqllm.eval.metrics import loss_report
 from eqllm.model import param_count
 from eqllm.progress import progress_bar
 from eqllm.recipe import Recipe
@@ -368,7 +367,7 @@ def _evaluate(setup: RunSetup, state: RunState, model, bar) -> None:
     result = evaluate_heldout(model, setup.heldout, setup.recipe)
     if "val" not in result:
         return
-    rep = loss_report(result["val"]["loss"], setup.heldout.bytes_per_token)
+    rep = {k: v for k, v in result["val"].items() if k != "tokens"}  # loss, perplexity, bpb
     per_source = {}
     for label, r in result.get("sources", {}).items():  # each source's own validation loss
         per_source |= {f"val/{label}/{k}": v for k, v in r.items() if k != "tokens"}
