@@ -42,8 +42,10 @@ class LoraLinear(eqx.Module):
 
     Arguments:
         base: the wrapped layer, frozen in LoRA training.
-        rank, alpha: the update's rank and PEFT's `lora_alpha` (scale = alpha / rank).
+        rank: the update's rank.
+        alpha: PEFT's `lora_alpha` (scale = alpha / rank).
         key: draws A as PEFT does (uniform in +-1/sqrt(in), Kaiming with a = sqrt(5)); B is zero.
+        dropout: dropout probability on the adapter's input, in training steps only.
 
     A stacked base (leading `layers` axes, as in the scanned blocks) gets stacked adapters.
     """

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import PRNGKeyArray
+from jaxtyping import PRNGKeyArray, PyTree
 
 from eqllm.config import ModelConfig, Parametrization
 from eqllm.errors import EqllmError
@@ -71,8 +71,9 @@ class Scales:
             kind: "sp", "mup" or "completep".
             n_layers: the blocks (residual branch pairs) of the model.
             d_model: its width (needed by muP and CompleteP).
-            base_d_model, base_n_layers: the width and depth at which muP / CompleteP equal SP
-                (None: the model's own); base_n_layers is read by CompleteP only.
+            base_d_model: the width at which muP / CompleteP equal SP (None: `d_model`).
+            base_n_layers: the depth at which CompleteP equals muP (None: `n_layers`); muP
+                does not read it.
             output_mult: multiplies the readout's logits (muP's tunable output multiplier).
             head_dim_grows: whether head_dim grows with the width (n_heads fixed), so that
                 attention scores take muP's 1 / head_dim; False keeps 1 / sqrt(head_dim).
@@ -139,13 +140,13 @@ def role_multipliers(s: Scales, role: str) -> Multipliers:
     return Multipliers(init=1.0 / math.sqrt(m), lr=1.0 / m, eps=eps, decay=m)
 
 
-def roles(tree):
+def roles(tree: PyTree) -> PyTree:
     """A pytree like `tree` with the width role of every array ("hidden", "readout",
     "embedding" or "vector"), from its layer's logical axes (`eqllm.nn.param_info`)."""
     return jax.tree.map(lambda info: info.role, param_info(tree), is_leaf=is_param_info)
 
 
-def multipliers(tree, s: Scales):
+def multipliers(tree: PyTree, s: Scales) -> PyTree:
     """A pytree like `tree` with the `Multipliers` of every array under scales `s`: the factors
     an optimizer applies per parameter (`eqllm.train.make_optimizer`) and `init_weights` applies
     to the init std."""
@@ -153,7 +154,7 @@ def multipliers(tree, s: Scales):
 
 
 def init_weights(
-    tree,
+    tree: PyTree,
     key: PRNGKeyArray,
     *,
     scales: Scales | None = None,
