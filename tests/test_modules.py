@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from eqllm import lora
 from eqllm.errors import EqllmError
-from eqllm.parametrization import Multipliers, init_weights, multipliers
+from eqllm.parametrization import Multipliers, Scales, init_weights, multipliers
 from eqllm.recipe import OptimSpec
 from eqllm.sharding import MeshError, check_mesh, logical_axes, per_device_bytes, spec_for
 from eqllm.train import decay_mask, make_optimizer
@@ -212,3 +212,14 @@ def test_own_model_trains_with_eqllms_step():
     assert not changed.embed.weight and not changed.head.weight
 
     own.main("data=1", steps=3)
+
+
+def test_scales_from_plain_sizes_refuse_what_they_cannot_scale():
+    assert Scales.of(n_layers=3) == Scales("sp", 1.0, 1.0, 1.0, 1.0, 1.0, 3)
+    s = Scales.of("completep", n_layers=8, d_model=256, base_d_model=64, base_n_layers=2)
+    assert (s.width, s.depth, s.readout, s.branch, s.attention) == (4.0, 4.0, 0.25, 0.25, 0.5)
+    assert s.residual_init_layers == 2
+    with pytest.raises(EqllmError, match="parametrization='mup' needs d_model"):
+        Scales.of("mup", n_layers=2)
+    with pytest.raises(EqllmError, match="n_layers=0 must be a positive integer"):
+        Scales.of(n_layers=0)
