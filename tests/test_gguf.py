@@ -1,6 +1,7 @@
 """GGUF both ways: eqllm's export read by transformers' GGUF loader, and eqllm's import of
 files the gguf package writes (every listed tensor type) equal to transformers' loader."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -164,3 +165,36 @@ def test_import_equals_transformers_loader(qtype, tokenizer, tmp_path):
     ours = _ours(eqllm.hub.from_pretrained(file), TOKENS % 256)
     theirs = _theirs(file, TOKENS % 256)
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
+
+
+SMALL = dict(
+    vocab_size=64,
+    d_model=32,
+    n_layers=2,
+    max_seq_len=256,
+    attention={"n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "sliding_window": None},
+    mlp={"d_ff": 64},
+)
+
+
+def test_a_family_says_which_architecture_it_is_written_as(tmp_path):
+    """Mistral without a sliding window is written as llama.cpp's "llama" and reads back as the
+    same model; with a window, or a family with no GGUF architecture, it is refused in words."""
+    windowless = eqllm.zoo.config("mistral-7b", **SMALL)
+    model = eqllm.CausalLM(windowless, key=jax.random.key(0))
+    eqllm.hub.save_gguf(model, tmp_path / "m.gguf", type="f32")
+    reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    assert reader.fields["general.architecture"].contents() == "llama"
+    back = eqllm.hub.from_pretrained(tmp_path / "m.gguf")
+    assert back.config.family == "llama"
+    tokens = TOKENS[:64] % 64
+    np.testing.assert_allclose(_ours(back, tokens), _ours(model, tokens), atol=1e-5)
+
+    # Refused before anything is written or computed: shapes are enough.
+    windowed = windowless.replace(attention={"sliding_window": 16})
+    windowed = eqx.filter_eval_shape(eqllm.CausalLM, windowed, key=jax.random.key(0))
+    with pytest.raises(eqllm.ConfigError, match="attention.sliding_window=16: GGUF architecture"):
+        eqllm.hub.save_gguf(windowed, tmp_path / "w.gguf")
+    gpt2 = eqx.filter_eval_shape(eqllm.zoo.create, "gpt2-nano", key=jax.random.key(0))
+    with pytest.raises(eqllm.ConfigError, match="gpt2 model has no GGUF architecture.*llama"):
+        eqllm.hub.save_gguf(gpt2, tmp_path / "g.gguf")

@@ -280,8 +280,9 @@ class TrainStep:
 
 
 def init_opt_state(optimizer: optax.GradientTransformation, model, param_shardings=None):
-    """The optimizer state for the trainable arrays of `model` (one compiled call): every
-    floating-point array, or only the LoRA adapters when it has them (`eqllm.lora.trainable`).
+    """The optimizer state for the trainable arrays of `model` (a `CausalLM` or any tree of eqllm
+    layers; one compiled call): every floating-point array, or only the LoRA adapters when it
+    has them (`eqllm.lora.trainable`).
 
     With `param_shardings` (eqllm.sharding.param_shardings), moments are placed like their
     parameters and scalars replicated: the layout the train step keeps.
