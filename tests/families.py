@@ -61,6 +61,9 @@ _MLA = {
 }
 
 
+Count = int | str  # exact, or in billions as a model card rounds it ("46.7")
+
+
 @dataclasses.dataclass(frozen=True)
 class Tiny:
     """One tiny model the contract runs over.
@@ -73,8 +76,9 @@ class Tiny:
             file with transformers' GGUF loader, or that a model without it is refused.
         lora: the Hugging Face module names peft adapts in its transformers twin, when they are
             not all of `eqllm.lora.available_targets` (None: all of them).
-        published: zoo names of released sizes -> the parameter count their release gives
-            (`int`: exact; `(total, active)` strings: billions as the model card rounds them).
+        published: zoo names of released sizes -> the parameter count their release gives: the
+            total, or (total, active); each exact (an `int`) or in billions as the model card
+            rounds them (a string, "46.7").
     """
 
     name: str
@@ -82,7 +86,7 @@ class Tiny:
     variant: bool = False
     gguf: bool = False
     lora: tuple[str, ...] | None = None
-    published: dict[str, int | tuple[str, str]] = dataclasses.field(default_factory=dict)
+    published: dict[str, Count | tuple[Count, Count]] = dataclasses.field(default_factory=dict)
 
     @property
     def family(self) -> str:
@@ -201,7 +205,7 @@ FAMILIES = [
         "mixtral",
         _zoo("mixtral-8x7b", attention={"n_kv_heads": 2}, moe={"n_experts": 4}),
         lora=_ROUTED_LORA,
-        published={"mixtral-8x7b": ("46.7", "12.9")},
+        published={"mixtral-8x7b": (46_702_792_704, "12.9")},
     ),
     # A shared expert with its gate, top-k probabilities not renormalised, q/k/v biases.
     Tiny(
@@ -239,13 +243,14 @@ FAMILIES = [
             "gpt-neox-20b": 20_554_567_680,
         },
     ),
-    # The sequential residual, half of each head rotated, another base and eps.
+    # The sequential residual; int(8 * 0.6) = 4 rotated dims (the fraction is truncated), another
+    # base, another eps.
     Tiny(
         "gpt_neox-sequential",
         _zoo(
             "pythia-nano",
             parallel_residual=False,
-            positions={"fraction": 0.5, "theta": 500.0},
+            positions={"fraction": 0.6, "theta": 500.0},
             norms={"eps": 1e-3},
         ),
         variant=True,

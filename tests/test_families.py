@@ -26,6 +26,7 @@ import warnings
 import jax
 import numpy as np
 import pytest
+from safetensors import safe_open
 
 import eqllm
 from eqllm import families, lora
@@ -80,7 +81,9 @@ def test_import_gives_transformers_logits(twin):
     model = twin.model
     assert families.for_model_type(twin.hf.config.model_type).name == twin.tiny.family
     assert model.config == twin.config  # every setting read back as it was written
-    np.testing.assert_allclose(logits(model, TOKENS), twin.ref, atol=1e-5, rtol=0)
+    ours = logits(model, TOKENS)
+    assert ours.dtype == np.float32
+    np.testing.assert_allclose(ours, twin.ref, atol=1e-5, rtol=0)
 
 
 def test_causality(twin):
@@ -93,6 +96,14 @@ def test_causality(twin):
     assert not np.allclose(a[t:], b[t:])
 
 
+def _tensor_names(folder) -> set[str]:
+    names = set()
+    for file in folder.glob("*.safetensors"):
+        with safe_open(file, framework="numpy") as f:
+            names |= set(f.keys())
+    return names
+
+
 def test_export_loads_in_transformers_with_the_same_logits(twin, tmp_path):
     """Sharded, with transformers' tensor names, loaded by transformers with the same logits
     and the very tensors of the original; eqllm reads its export back bit for bit."""
@@ -100,6 +111,8 @@ def test_export_loads_in_transformers_with_the_same_logits(twin, tmp_path):
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and all((tmp_path / s).is_file() for s in shards)
+    # The tensors transformers itself writes, by name: a tied head is not written twice.
+    assert set(index["weight_map"]) == _tensor_names(twin.folder)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     assert type(reloaded).__name__ == families.get(twin.tiny.family).architecture
     exported = hf_logits(reloaded.eval(), TOKENS)
@@ -274,8 +287,10 @@ def test_gguf_file_equals_the_model_in_transformers(twins, name, tmp_path):
 # Published parameter counts ------------------------------------------------------------------
 
 
-def _billions(count: int, figure: str) -> str:
-    """`count` in billions, rounded as `figure` is ("46.7")."""
+def _as_published(count: int, figure: int | str) -> int | str:
+    """`count` as `figure` gives it: exact (an int) or in billions, rounded as the string is."""
+    if isinstance(figure, int):
+        return count
     decimals = len(figure.split(".")[1]) if "." in figure else 0
     return f"{count / 1e9:.{decimals}f}"
 
@@ -289,12 +304,7 @@ def test_published_sizes_have_the_published_counts(name, size):
     """The zoo's count of a released size is the one its release publishes (transformers'
     count of every zoo size is tests/test_zoo.py's)."""
     figure = BY_NAME[name].published[size]
-    count = eqllm.zoo.param_count(size)
-    if isinstance(figure, int):
-        assert count == figure
-    else:
-        total, active = figure
-        assert (_billions(count, total), _billions(eqllm.zoo.active_param_count(size), active)) == (
-            total,
-            active,
-        )
+    total, active = figure if isinstance(figure, tuple) else (figure, None)
+    assert _as_published(eqllm.zoo.param_count(size), total) == total
+    if active is not None:
+        assert _as_published(eqllm.zoo.active_param_count(size), active) == active

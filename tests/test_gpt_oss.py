@@ -264,16 +264,26 @@ def test_mxfp4_blocks_that_do_not_fit_are_refused(mxfp4_pair, tmp_path):
         eqllm.hub.from_pretrained(tmp_path)
 
 
+# The first case runs by default, the others in the slow set.
 @pytest.mark.parametrize(
     "family, change",
     [
         ("llama-nano", {"attention.sinks": True}),
-        ("gemma2-nano", {"attention.sinks": True}),
-        ("qwen3_moe-nano", {"attention.sinks": True}),
-        ("qwen3_moe-nano", {"moe.bias": True}),
-        (
-            "mixtral-nano",
-            {"moe.activation": "clamped_swiglu", "moe.swiglu_alpha": 1.7, "moe.swiglu_limit": 7.0},
+        *(
+            pytest.param(*case, marks=pytest.mark.slow)
+            for case in (
+                ("gemma2-nano", {"attention.sinks": True}),
+                ("qwen3_moe-nano", {"attention.sinks": True}),
+                ("qwen3_moe-nano", {"moe.bias": True}),
+                (
+                    "mixtral-nano",
+                    {
+                        "moe.activation": "clamped_swiglu",
+                        "moe.swiglu_alpha": 1.7,
+                        "moe.swiglu_limit": 7.0,
+                    },
+                ),
+            )
         ),
     ],
 )
