@@ -49,7 +49,7 @@ def test_grpo_loss_equals_numpy(norm):
     assert 0 < float(parts["clip_fraction"]) < 1
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("temperature", [1.0, pytest.param(0.7, marks=pytest.mark.slow)])
 def test_one_update_without_clipping_is_reinforce_with_a_group_baseline(temperature):
     """With rho = 1 (one inner update) and no KL, the GRPO gradient equals that of
     -mean_i A_i mean_t log pi(o_it): REINFORCE with the group mean as baseline, pi being the

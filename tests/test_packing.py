@@ -79,8 +79,10 @@ def masked_loss(logits, targets, mask):
     return jnp.sum(jnp.where(mask, nll, 0.0)) / mask.sum()
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral"])
-@pytest.mark.parametrize("method", ["first-fit", "best-fit"])
+@pytest.mark.parametrize(
+    "family", ["llama", *(pytest.param(f, marks=pytest.mark.slow) for f in ("gpt2", "mixtral"))]
+)
+@pytest.mark.parametrize("method", ["first-fit", pytest.param("best-fit", marks=pytest.mark.slow)])
 def test_packed_loss_equals_padded_loss(family, method):
     """Same examples, packed with segment ids and restarting positions or padded one per row:
     the same mean loss over the response targets, through the train step."""
@@ -114,7 +116,11 @@ def documents_of(row, eot):
     return list(zip(starts, [*starts[1:], len(row)], strict=True))
 
 
-@pytest.mark.parametrize("reset", [False, True], ids=["positions-continue", "positions-reset"])
+@pytest.mark.parametrize(
+    "reset",
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+    ids=["positions-continue", "positions-reset"],
+)
 def test_document_mask_step_trains_on_each_document_alone(reset):
     """data.document_mask: the same windows, each document's targets scored from that document
     alone (the reference runs every document on its own)."""

@@ -217,7 +217,7 @@ def _compare_grads(torch_model, grads):
     assert np.abs(q).max() > 1e-4  # a gradient worth comparing
 
 
-@pytest.mark.parametrize("kind", ["dpo", "ipo"])
+@pytest.mark.parametrize("kind", ["dpo", pytest.param("ipo", marks=pytest.mark.slow)])
 def test_dpo_and_ipo_loss_and_gradient_equal_trl(hf_pair, kind, tmp_path):
     trl = pytest.importorskip("trl")
     import datasets

@@ -187,7 +187,11 @@ def test_stop_and_resume_is_bit_exact(env, tmp_path):
 
 @pytest.mark.parametrize(
     "module, phase",
-    [(loop_mod, "summarize"), (report_mod, "evaluate_run"), (report_mod, "write_report")],
+    [
+        (loop_mod, "summarize"),
+        pytest.param(report_mod, "evaluate_run", marks=pytest.mark.slow),
+        pytest.param(report_mod, "write_report", marks=pytest.mark.slow),
+    ],
     ids=["before-final-eval", "during-final-eval-and-samples", "during-report"],
 )
 def test_resume_at_the_last_step_finishes_the_run_folder(
