@@ -66,8 +66,11 @@ def test_a_recipe_without_an_objective_names_the_one_its_data_implies(sections, 
         ("dpo", {}, "train.objective='dpo' needs preference.data"),
         ("lm", {"rl": {"data": "r.jsonl"}}, "leave rl.data empty or set train.objective"),
         ("distill", {}, "train.objective='distill' needs distill.teacher"),
-        ("sft", {"preference": {"data": "p.jsonl"}, "finetune": {"method": "lora",
-                 "data": "i.jsonl"}}, "a run trains one objective"),  # fmt: skip
+        (
+            "sft",
+            {"preference": {"data": "p.jsonl"}, "finetune": {"method": "lora", "data": "i.jsonl"}},
+            "a run trains one objective",
+        ),  # fmt: skip
     ],
 )
 def test_an_objective_the_sections_contradict_is_refused(objective, sections, message):
@@ -88,7 +91,11 @@ def test_dpo_and_grpo_move_deepseeks_correction_bias_as_pretraining_does():
     chose, not by the plain top-k load."""
     u = 0.01
     cfg = eqllm.zoo.config(
-        "deepseek_v3-nano", vocab_size=64, d_model=32, n_layers=2, max_seq_len=32,
+        "deepseek_v3-nano",
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        max_seq_len=32,
         moe={"bias_update_speed": u},
     )
     model = CausalLM(cfg, key=jax.random.key(0))
@@ -101,13 +108,20 @@ def test_dpo_and_grpo_move_deepseeks_correction_bias_as_pretraining_does():
         "lm": (LanguageModel(), {"tokens": rows}),
         "dpo": (
             Preference("dpo", 0.1),
-            {"tokens": rows.reshape(2, 2, 13), "mask": mask.reshape(2, 2, 12),
-             "ref": np.zeros((2, 2), np.float32)},
+            {
+                "tokens": rows.reshape(2, 2, 13),
+                "mask": mask.reshape(2, 2, 12),
+                "ref": np.zeros((2, 2), np.float32),
+            },
         ),  # fmt: skip
         "grpo": (
             Grpo(max_new_tokens=12),
-            {"tokens": rows, "mask": mask, "advantages": np.asarray([1.0, -1.0, 0.5, -0.5]),
-             "rewards": np.ones(4, np.float32)},
+            {
+                "tokens": rows,
+                "mask": mask,
+                "advantages": np.asarray([1.0, -1.0, 0.5, -0.5]),
+                "rewards": np.ones(4, np.float32),
+            },
         ),  # fmt: skip
     }
     moved = {}
@@ -302,8 +316,13 @@ def test_distillation_from_its_own_starting_model_resumes_exactly(base, tmp_path
 
 def test_distillation_refuses_a_teacher_with_another_vocabulary(base, tmp_path):
     other_tokenizer = _distill_recipe(
-        base, **{"model.init_from": "", "finetune.method": "none", "data.tokenizer": "bpe",
-                 "data.bpe_vocab_size": 300}  # fmt: skip
+        base,
+        **{
+            "model.init_from": "",
+            "finetune.method": "none",
+            "data.tokenizer": "bpe",
+            "data.bpe_vocab_size": 300,
+        },  # fmt: skip
     )
     with pytest.raises(RecipeError, match="has another tokenizer .* set data.tokenizer to the"):
         loop_mod.run(other_tokenizer, tmp_path / "a", **QUIET)

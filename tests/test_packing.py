@@ -101,9 +101,7 @@ def test_packed_loss_equals_padded_loss(family, method):
     # The train step reports the same loss for the packed batch (positions reset there).
     spec = OptimSpec(lr=1e-3, warmup_steps=0)
     optimizer = make_optimizer(spec, 2, eqx.filter(model, eqx.is_inexact_array))
-    step = TrainStep(
-        optimizer, schedule(spec, 2), objective=LanguageModel(reset_positions=True)
-    )
+    step = TrainStep(optimizer, schedule(spec, 2), objective=LanguageModel(reset_positions=True))
     fresh = CausalLM(TINY_CONFIGS[family], key=jax.random.key(0))
     batch = {"tokens": packed.rows, "mask": packed.mask, "segment_ids": packed.segment_ids}
     _, _, metrics = step(fresh, init_opt_state(optimizer, fresh), batch)

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+
 def _as_uint32(x: jax.Array) -> jax.Array:
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint32).ravel()

@@ -4,11 +4,11 @@ A run folder holds (format 1; `FORMAT_VERSION`):
 
 | file | what |
 |---|---|
-| `run.json` | the format version, the objective trained, the LoRA adapters' settings, how the model is prompted (chat turns or text) |
+| `run.json` | format version, objective, LoRA settings, prompting (chat turns or text) |
 | `config.toml` | the recipe, resolved (every field written out) |
 | `model_config.json` | the exact architecture (`ModelConfig`) |
-| `tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja` | the tokenizer and the chat template the rows were formatted with |
-| `checkpoints/<step>/` | orbax checkpoints: `state` (model and optimizer arrays), `meta` (`eqllm.runs.checkpoints`) |
+| `tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja` | tokenizer, chat template |
+| `checkpoints/<step>/` | orbax: `state` (model, optimizer), `meta` (`eqllm.runs.checkpoints`) |
 | `heldout.npz` | the held-out tokens the run evaluates on (`eqllm.runs.heldout`) |
 | `metrics.jsonl`, `tensorboard/` | the metrics of every logged step and evaluation |
 | `summary.json`, `report.md`, `*.png`, `samples.txt`, `samples_before.json` | the end of the run |
@@ -28,11 +28,11 @@ import dataclasses
 import importlib.metadata
 import json
 import os
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import jax
+import tomllib
 
 from eqllm import lora
 from eqllm.config import ModelConfig

@@ -48,7 +48,9 @@ class HeldOut:
         arrays = {
             "tokens": self.tokens,
             "bytes_per_token": np.float64(self.bytes_per_token),
-            "unigram_loss": np.float64(math.nan if self.unigram_loss is None else self.unigram_loss),
+            "unigram_loss": np.float64(
+                math.nan if self.unigram_loss is None else self.unigram_loss
+            ),
             "source_labels": np.asarray(list(self.sources), dtype=np.str_),
         }
         for i, source in enumerate(self.sources.values()):

@@ -22,9 +22,9 @@ def one_update(optimizer):
     @eqx.filter_jit
     def update(model, opt_state, tokens):
         objective = own.NextToken()
-        loss, grads = eqx.filter_value_and_grad(
-            lambda m: objective.loss(m, {"tokens": tokens})[0]
-        )(model)
+        loss, grads = eqx.filter_value_and_grad(lambda m: objective.loss(m, {"tokens": tokens})[0])(
+            model
+        )
         params = eqx.filter(model, eqx.is_inexact_array)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return eqx.apply_updates(model, updates), opt_state, loss

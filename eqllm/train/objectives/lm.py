@@ -79,9 +79,7 @@ class LanguageModel(Objective):
         return data
 
     @classmethod
-    def start(
-        cls, recipe: Recipe, data, model, folder: RunFolder, *, write: bool
-    ) -> LanguageModel:
+    def start(cls, recipe: Recipe, data, model, folder: RunFolder, *, write: bool) -> LanguageModel:
         eot = data.tokenizer.eot_id if recipe.data.document_mask else None
         return cls(
             document_token=eot,
