@@ -28,6 +28,7 @@ from eqllm.model import CausalLM, param_count
 from eqllm.recipe import Recipe, RecipeError
 from eqllm.sharding import batch_sharding, check_divisible, make_mesh
 from eqllm.train.mfu import step_flops
+from eqllm.train.objectives import Instructions, LanguageModel
 from eqllm.train.optim import schedule
 from eqllm.train.setup import check_batch_split, pipeline_of, with_adapters
 from eqllm.train.step import TrainStep
@@ -94,31 +95,57 @@ def lower_train_step(recipe: Recipe, mesh) -> tuple[jax.stages.Lowered, Abstract
     )
     total = recipe.total_steps(param_count(shapes))
     state = abstract_state(shapes, mesh, recipe.optim, total)
-    # The end-of-text id only marks where documents open: any id compiles the same program.
-    document_token = 0 if recipe.data.document_mask else None
     step = TrainStep(
         state.optimizer,
         schedule(recipe.optim, total),
+        objective=objective_of(recipe),
         grad_accum=recipe.train.grad_accum,
         param_shardings=state.shardings,
         batch_sharding=batch_sharding(mesh),
         dropout_seed=recipe.train.seed,
         pipeline=pipeline_of(recipe, mesh),
-        document_token=document_token,
-        reset_positions=recipe.data.reset_positions,
     )
-    window = (recipe.train.batch_size, recipe.data.seq_len + 1)
-    tokens = jax.ShapeDtypeStruct(window, jnp.int32, sharding=batch_sharding(mesh))
-    return step.lower(state.model, state.opt_state, tokens), state, shapes
+    return step.lower(state.model, state.opt_state, abstract_batch(recipe, mesh)), state, shapes
+
+
+# The objectives whose step compiles from the recipe alone: their batches are token windows
+# (with a target mask for "sft"); the others need a reference model, a teacher or rollouts.
+PLANNED_OBJECTIVES = ("lm", "sft")
+
+
+def objective_of(recipe: Recipe) -> LanguageModel:
+    """The objective `eqllm run` trains (`eqllm.train.objectives`), as its `start` builds it,
+    without the data: the end-of-text id only marks where documents open, so any id compiles
+    the same program, and packed instruction rows bring their own segments."""
+    if recipe.train.objective == "sft":
+        return Instructions(reset_positions=recipe.finetune.pack)
+    document_token = 0 if recipe.data.document_mask else None
+    return LanguageModel(document_token=document_token, reset_positions=recipe.data.reset_positions)
+
+
+def abstract_batch(recipe: Recipe, mesh) -> dict[str, jax.ShapeDtypeStruct]:
+    """The shapes of the batch the objective's `batch(step)` gives the step, as the step places
+    it (rows split over the mesh's data axes): "tokens", and for "sft" the targets' "mask" and,
+    with finetune.pack, "segment_ids"."""
+    rows, window = recipe.train.batch_size, recipe.data.seq_len + 1
+    sharding = batch_sharding(mesh)
+    batch = {"tokens": jax.ShapeDtypeStruct((rows, window), jnp.int32, sharding=sharding)}
+    if recipe.train.objective == "sft":
+        batch["mask"] = jax.ShapeDtypeStruct((rows, window - 1), jnp.bool_, sharding=sharding)
+        if recipe.finetune.pack:
+            segments = jax.ShapeDtypeStruct((rows, window), jnp.int32, sharding=sharding)
+            batch["segment_ids"] = segments
+    return batch
 
 
 def check_recipe(recipe: Recipe, mesh) -> None:
     """Refuse, in one line each, what `eqllm run` would refuse on this mesh, before compiling."""
-    if recipe.preference.data or recipe.rl.data:
-        which = "preference.data" if recipe.preference.data else "rl.data"
+    objective = recipe.train.objective
+    if objective not in PLANNED_OBJECTIVES:
         raise RecipeError(
-            f"{which}: eqllm plan compiles the language-model step (pretraining, continued "
-            "pretraining, finetune.data); plan the same model without it"
+            f"train.objective={objective!r}: eqllm plan compiles the language-model step "
+            "(pretraining, continued pretraining, finetune.data); plan the same model with "
+            "train.objective='lm'"
         )
     config = model_config(recipe)
     if config.attention.kernel == "cudnn":
@@ -162,7 +189,7 @@ def compile_recipe(recipe: Recipe, devices: list) -> CompiledStep:
     result.memory = Memory(
         params=_per_chip(state.model),
         optimizer=_per_chip(state.opt_state),
-        batch=4 * recipe.train.batch_size * (recipe.data.seq_len + 1) // _batch_split(mesh),
+        batch=_per_chip(abstract_batch(recipe, mesh)),
         arguments=int(memory.argument_size_in_bytes),
         outputs=int(memory.output_size_in_bytes),
         temporaries=int(memory.temp_size_in_bytes),
@@ -178,10 +205,6 @@ def compile_recipe(recipe: Recipe, devices: list) -> CompiledStep:
     result.bytes_accessed = result.xla_bytes * program.loop_factor("bytes")
     result.collectives = program.collectives()
     return result
-
-
-def _batch_split(mesh) -> int:
-    return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
 def _per_chip(tree) -> int:

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from eqllm import lora
 from eqllm.model import CausalLM
+from eqllm.resources import cache_root
 from eqllm.sharding.tpu import CHIPS as TPU_CHIPS
 
 # Dense bf16 peak FLOP/s per device (not the "with sparsity" figures).
@@ -43,12 +44,6 @@ PEAK_FLOPS = {
     # TPUs by the device kind JAX reports ("TPU v5" is a v5p), from the one table of TPU chips
     **{chip.device_kind: chip.peak_flops for chip in TPU_CHIPS.values()},
 }
-
-
-def cache_root() -> Path:
-    """``$EQLLM_CACHE`` if set, else ``~/.cache/eqllm``."""
-    root = os.environ.get("EQLLM_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "eqllm"
 
 
 def device_peak_flops(device: jax.Device | None = None) -> tuple[float | None, str]:
