@@ -122,7 +122,7 @@ def _kept(config: ModelConfig, s: int, b: int, t: int) -> float:
         kept += 2 * s * b * (h / t + 2 * kv / t + h + 2 * config.mlp.d_ff / t + h)
     if config.remat == "dots":
         kept += 2 * b * a * s * s / t + 2 * s * b * h / t
-    return kept
+    return float(kept)
 
 
 @functools.lru_cache(maxsize=256)
