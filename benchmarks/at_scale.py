@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from eqllm.bench import source_commit
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "experiments" / "at_scale.json"
 PAGE = ROOT / "docs" / "experiments" / "at_scale.md"
@@ -149,6 +151,7 @@ def run_point(point: dict, timeout: float, reserve: float = 1.5 * GiB) -> dict:
         "peak_rss_bytes": peak,
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "exit": status,
+        "commit": source_commit(),  # the code that compiled it
     }
     if written.is_file():  # what `eqllm run` would be given on the slice
         row["written_recipe"] = written.read_text()
@@ -219,6 +222,7 @@ def reanalyze(row: dict) -> None:
     result = row.get("result")
     if not path.is_file() or not result or not result.get("memory"):
         return
+    row["reanalyzed_at"] = source_commit()  # the reader's code; the program is `commit`'s
     program = Program(path.read_text())
     found = program.collectives()
     tpu = parse_slice(result["jax_topology"], result["slices"])

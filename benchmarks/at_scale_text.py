@@ -45,6 +45,7 @@ def page(results: dict, command: str, maxtext: list, planned: list[dict]) -> str
         f"and {dates[-1] if dates else '-'}. jax {m.get('jax')}, libtpu {m.get('libtpu')}.",
         "",
     ]
+    out += [f"- commit: {_commits(points)}", ""]
     if left:
         out += [
             f"{len(points)} of the script's {len(planned)} points have run; a section appears "
@@ -59,6 +60,19 @@ def page(results: dict, command: str, maxtext: list, planned: list[dict]) -> str
     out += _maxtext(points, maxtext)
     out += _failures(points)
     return "\n".join(out).rstrip() + "\n"
+
+
+def _commits(points: dict) -> str:
+    """The code each point compiled at (at_scale.json's `commit`), and the code that re-read
+    its program (`reanalyzed_at`, `--reanalyze`) where that differs."""
+    compiled = sorted({r["commit"] for r in points.values() if r.get("commit")})
+    read = sorted({r["reanalyzed_at"] for r in points.values() if r.get("reanalyzed_at")})
+    names = lambda commits: ", ".join(f"`{c}`" for c in commits)  # noqa: E731
+    text = f"{names(compiled) or 'unknown'} (the points compiled at "
+    text += "it)" if len(compiled) == 1 else "them)"
+    if read and read != compiled:
+        text += f"; their programs re-read with the HLO reader of {names(read)}"
+    return text
 
 
 def best(row: dict | None) -> dict | None:
