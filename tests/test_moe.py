@@ -121,7 +121,10 @@ def test_an_adapter_on_the_router_is_what_routes(dense):
     # A random B: a constant one shifts every expert's logit alike, which the softmax ignores.
     b = b + jax.random.normal(jax.random.key(2), b.shape)
     moved = eqx.tree_at(lambda m: m.blocks.mlp.router.lora_b.weight, adapted, b)
-    first = lambda m: jax.tree.map(lambda a: a[0] if eqx.is_array(a) else a, m.blocks.mlp)
+
+    def first(m):  # the first layer's mixture
+        return jax.tree.map(lambda a: a[0] if eqx.is_array(a) else a, m.blocks.mlp)
+
     x = dense.embed.weight[tokens]
     before, after = first(dense).route(x)[2], first(moved).route(x)[2]
     assert (np.asarray(before) != np.asarray(after)).any(), "the adapter moved no token"
