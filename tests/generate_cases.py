@@ -69,7 +69,8 @@ def model(name: str) -> eqllm.CausalLM:
     params, static = eqx.partition(built, eqx.is_inexact_array)
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(1), len(leaves))
-    leaves = [x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    noise = [jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)]
+    leaves = [x + 0.1 * n for x, n in zip(leaves, noise, strict=True)]
     return eqx.combine(jax.tree.unflatten(treedef, leaves), static)
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import eqllm
+from eqllm.generation.placement import serving_mesh
 from eqllm.serve import Engine, Finished, Params, PromptScores, Token
-from eqllm.serve.placement import serving_mesh
 from eqllm.sharding import MeshError
 from tests.multidevice import CFG
 
