@@ -187,9 +187,9 @@ class Engine:
         split = mesh is not None and mesh.shape["data"] > 1
         self.decode_slots = [max_batch] if split else buckets(1, max_batch, 4)
         self.traces: dict[str, int] = {}
-        self._steps, weights = compiled(model, mesh)
+        # The weights the steps run on, as placed: (model without its blocks, sliced layers).
+        self._steps, self.weights = compiled(model, mesh)
         self._steps = {name: self._counted(name, fn) for name, fn in self._steps.items()}
-        del weights  # held by the steps
         self.pool = BlockPool(self.kv_blocks, block_size, prefix_cache=prefix_cache)
         self._state = empty_state(model, max_batch, self.kv_blocks, block_size)
         if mesh is not None:
