@@ -28,9 +28,8 @@ from eqllm.data import batch_at
 from eqllm.errors import EqllmError
 from eqllm.eval.loss import mean_loss
 from eqllm.model import CausalLM
-from eqllm.recipe import load_recipe
-from eqllm.train.guards import MissingRunFile
-from eqllm.train.setup import build_model, prepare_data, restore_model
+from eqllm.recipe import prepare_corpus
+from eqllm.runs import MissingRunFile, RunFolder
 
 Loss = Callable[[PyTree, Any], Float[Array, ""]]
 
@@ -180,15 +179,15 @@ def analyze_run(
     Writes `analysis.json` (or `analysis-<step>.json`) into the run folder and returns it.
     """
     run_dir = Path(run_dir)
-    config = run_dir / "config.toml"
-    if not config.exists():
+    folder = RunFolder(run_dir)
+    if not (run_dir / RunFolder.CONFIG_FILE).exists():
         raise MissingRunFile(
             f"{run_dir} is not a run folder (no config.toml); give the --out folder of `eqllm run`"
         )
-    recipe = load_recipe(config)
-    data = prepare_data(recipe, progress=False)
-    model = build_model(recipe, data.tokenizer.vocab_size)
-    model, meta = restore_model(run_dir / "checkpoints", model, recipe, step)
+    recipe = folder.recipe()
+    recipe.check_inputs()  # the training batches are the run's data: it must be here
+    model, meta = folder.load_model(step)
+    data = prepare_corpus(recipe, progress=False)
     at = int(meta.get("step", step or 0))
     size = batch_size or recipe.train.batch_size
     tokens = batch_at(

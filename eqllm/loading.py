@@ -6,19 +6,19 @@ or a Hugging Face folder / hub repo id. `eqllm generate`, `eqllm eval` and `eqll
 go through it, so each accepts all of these. `convert(src, dst)` writes any of them as a
 Hugging Face folder or an eqllm model folder.
 
-This module sits above both `eqllm.train` (run folders) and `eqllm.hub` (everything else).
+Run folders are read through `eqllm.runs` (nothing outside the folder is needed), everything
+else through `eqllm.hub`; no training code is imported.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import jax
 
 from eqllm import lora
-from eqllm.config import DType, ModelConfig
+from eqllm.config import DType
 from eqllm.data import Tokenizer
 from eqllm.data.chat import read_chat_template
 from eqllm.data.instruct import ChatFormat
@@ -36,20 +36,14 @@ from eqllm.hub.folders import resolve, save_tokenizer
 from eqllm.hub.model_folder import is_model_folder
 from eqllm.lora import adapters
 from eqllm.model import CausalLM, param_count
-from eqllm.recipe import load_recipe
-from eqllm.train.guards import MissingRunFile
-from eqllm.train.setup import build_model, restore_model, with_adapters
+from eqllm.recipe import Recipe
+from eqllm.runs import RunFolder
 
 
 def run_folder_of(spec: str | os.PathLike) -> tuple[Path, int | None] | None:
     """(run folder, step or None) when `spec` is a run folder or one of its checkpoints."""
-    path = Path(spec).expanduser()
-    if (path / "config.toml").is_file() and (path / "checkpoints").is_dir():
-        return path, None
-    if path.parent.name == "checkpoints" and path.name.isdigit():
-        if (path.parent.parent / "config.toml").is_file():
-            return path.parent.parent, int(path.name)
-    return None
+    run = RunFolder.of(spec)
+    return None if run is None else (run[0].path, run[1])
 
 
 def chat_format_of(spec: str, tokenizer: Tokenizer) -> ChatFormat:
@@ -60,23 +54,15 @@ def chat_format_of(spec: str, tokenizer: Tokenizer) -> ChatFormat:
     return ChatFormat(tokenizer, read_chat_template(folder))
 
 
-def load_run(run_dir: Path, step: int | None = None, overrides: list[str] | None = None):
-    """(model, tokenizer, recipe, checkpoint meta) of a run folder at `step` (default latest)."""
-    recipe = load_recipe(run_dir / "config.toml", overrides or [])
-    tokenizer_file = run_dir / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        raise MissingRunFile(
-            f"run folder {run_dir} has no tokenizer.json; it was not written by `eqllm run` or "
-            "is incomplete (rerun `eqllm run ... --resume` to complete it)"
-        )
-    tokenizer = Tokenizer.load(tokenizer_file)
-    config_file = run_dir / "model_config.json"
-    if config_file.is_file():  # the template's weights are replaced by the checkpoint's
-        config = ModelConfig.from_dict(json.loads(config_file.read_text()))
-        model = with_adapters(recipe, CausalLM(config, key=jax.random.key(0)))
-    else:
-        model = build_model(recipe, tokenizer.vocab_size)
-    model, meta = restore_model(run_dir / "checkpoints", model, recipe, step)
+def load_run(
+    run_dir: str | os.PathLike, step: int | None = None, overrides: list[str] | None = None
+) -> tuple[CausalLM, Tokenizer, Recipe, dict]:
+    """(model, tokenizer, recipe, checkpoint meta) of a run folder at `step` (default latest);
+    the recipe with `overrides`, read without its data or tokenizer sources."""
+    folder = RunFolder(run_dir)
+    recipe = folder.recipe(overrides or [])
+    tokenizer = folder.tokenizer()
+    model, meta = folder.load_model(step)
     return model, tokenizer, recipe, meta
 
 

@@ -6,10 +6,12 @@ its base does (PEFT's convention). A and B are `eqllm.nn.Linear` layers carrying
 axis of the side they share with the base weight (A's input, B's output), so sharding and the
 weight-decay mask are derived for them like for any other layer (`eqllm.nn.param_info`).
 
-Targets are named as Hugging Face names the modules (`q_proj`, `down_proj`, GPT-2's `c_attn`):
-the names come from the family's key table (`eqllm.families`), where each `....weight` row of a
-linear layer gives its module name. A fused Hugging Face module (GPT-2's `c_attn`, the q, k and v
-projections in one) adapts each of its eqllm projections.
+Targets are named as Hugging Face names the modules of eqllm's model (`q_proj`, `down_proj`,
+GPT-2's `c_attn`): the names come from the family's key table (`eqllm.families`), where each
+`....weight` row of a linear layer gives its module name. A fused Hugging Face module (GPT-2's
+`c_attn`, the q, k and v projections in one) adapts each of its eqllm projections. In any other
+tree of eqllm layers (a model of one's own), a target is the attribute name of its `Linear`
+layers (`q_proj`, `up`, `head`): every linear layer so named is adapted.
 
 Layers call their linear modules, so the wrapper takes effect in the stacked (scanned) blocks, in
 cached decoding and on a mesh without any change to the model code.
@@ -27,6 +29,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqllm import families
 from eqllm.errors import EqllmError
+from eqllm.model import CausalLM
 from eqllm.nn import Linear
 
 
@@ -39,8 +42,10 @@ class LoraLinear(eqx.Module):
 
     Arguments:
         base: the wrapped layer, frozen in LoRA training.
-        rank, alpha: the update's rank and PEFT's `lora_alpha` (scale = alpha / rank).
+        rank: the update's rank.
+        alpha: PEFT's `lora_alpha` (scale = alpha / rank).
         key: draws A as PEFT does (uniform in +-1/sqrt(in), Kaiming with a = sqrt(5)); B is zero.
+        dropout: dropout probability on the adapter's input, in training steps only.
 
     A stacked base (leading `layers` axes, as in the scanned blocks) gets stacked adapters.
     """
@@ -120,25 +125,58 @@ def module_names(family: str) -> dict[str, list[tuple[str, ...]]]:
     return names
 
 
+def tree_module_names(tree) -> dict[str, list[tuple[str, ...]]]:
+    """Attribute name -> the paths of the linear layers so named, for any tree of eqllm layers:
+    `{"q_proj": [("blocks.0.attn.q_proj",), ("blocks.1.attn.q_proj",)], "head": [("head",)]}`
+    (the form of `module_names`, without fused modules)."""
+    names: dict[str, list[tuple[str, ...]]] = {}
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_linear)
+    for path, node in flat:
+        if _is_linear(node):
+            where = jax.tree_util.keystr(path, simple=True, separator=".")
+            names.setdefault(where.rsplit(".", 1)[-1], []).append((where,))
+    return names
+
+
+def _is_linear(node) -> bool:
+    return isinstance(node, Linear | LoraLinear)
+
+
+def _names(model) -> tuple[dict[str, list[tuple[str, ...]]], str]:
+    """(target name -> module paths, what to call the model in messages): Hugging Face names
+    for eqllm's model, attribute names for any other tree."""
+    if isinstance(model, CausalLM):
+        return module_names(model.config.family), f"{model.config.family} model"
+    return tree_module_names(model), "model"
+
+
 def get_path(model, path: str):
-    """The submodule at a dotted eqllm path (`blocks.attn.q_proj`), or None if absent."""
+    """The submodule at a dotted eqllm path (`blocks.attn.q_proj`, `blocks.0.mlp.up` in a list),
+    or None if absent."""
     node = model
     for part in path.split("."):
-        node = getattr(node, part, None)
+        if isinstance(node, list | tuple) and part.isdigit():
+            node = node[int(part)] if int(part) < len(node) else None
+        elif isinstance(node, dict):
+            node = node.get(part)
+        else:
+            node = getattr(node, part, None)
     return node
 
 
 def available_targets(model) -> list[str]:
-    """The Hugging Face module names of `model`'s linear layers, in key-table order."""
+    """The target names of `model`'s linear layers: Hugging Face module names in key-table order
+    for eqllm's model, attribute names in tree order for any other tree of eqllm layers."""
+    names, _ = _names(model)
     return [
         name
-        for name, modules in module_names(model.config.family).items()
-        if all(isinstance(get_path(model, p), Linear | LoraLinear) for m in modules for p in m)
+        for name, modules in names.items()
+        if all(_is_linear(get_path(model, p)) for m in modules for p in m)
     ]
 
 
 def target_paths(model, targets: Sequence[str]) -> list[str]:
-    """The eqllm paths of the linear layers the Hugging Face module names `targets` pick."""
+    """The paths of the linear layers the names `targets` pick (see `available_targets`)."""
     if isinstance(targets, str) or not targets:
         raise LoraError(
             f"lora targets={targets!r}: give a non-empty list of module names, e.g. "
@@ -146,12 +184,12 @@ def target_paths(model, targets: Sequence[str]) -> list[str]:
         )
     available = available_targets(model)
     unknown = [t for t in targets if t not in available]
+    names, what = _names(model)
     if unknown:
         raise LoraError(
-            f"lora targets {unknown} are not linear modules of this {model.config.family} "
-            f"model; available: {', '.join(available)}"
+            f"lora targets {unknown} are not linear modules of this {what}; available: "
+            f"{', '.join(available)}"
         )
-    names = module_names(model.config.family)
     return [p for t in dict.fromkeys(targets) for module in names[t] for p in module]
 
 
@@ -169,7 +207,8 @@ def apply(
     Arguments:
         rank: the adapters' rank (> 0).
         alpha: PEFT's `lora_alpha`; the update is scaled by alpha / rank.
-        targets: Hugging Face module names (`["q_proj", "v_proj"]`); see `available_targets`.
+        targets: Hugging Face module names (`["q_proj", "v_proj"]`), or in a tree of one's own
+            the layers' attribute names; see `available_targets`.
         dropout: dropout probability on the adapter's input, in training steps only.
         key: PRNG key for A.
     """

@@ -327,7 +327,8 @@ def _initial_parts(config: ModelConfig, key: PRNGKeyArray) -> dict:
             )
         ),
     }
-    return {**init_weights(parts, config, k_init), "final_norm": make_norm(config, dtype)}
+    weights = init_weights(parts, k_init, scales=scales(config), init_std=config.init_std)
+    return {**weights, "final_norm": make_norm(config, dtype)}
 
 
 def check_tokens(tokens, config: ModelConfig) -> None:

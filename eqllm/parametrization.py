@@ -19,6 +19,10 @@ both of its dimensions grow with width, "readout" when only its input does, "emb
 only its output does, "vector" for biases and norm scales. Every width axis (d_model, d_ff,
 heads, kv_heads) is assumed to grow in proportion to d_model, so one ratio m serves them all.
 At m = 1 (and k = 1) every multiplier is exactly 1.0 and the model equals SP bit for bit.
+
+Nothing here needs eqllm's model: `Scales.of` takes plain sizes, and `init_weights` and
+`multipliers` walk any tree of eqllm layers. `scales(config)` reads a `ModelConfig`'s fields,
+which is how `CausalLM` (and a recipe) get theirs.
 """
 
 from __future__ import annotations
@@ -28,16 +32,18 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import PRNGKeyArray
+from jaxtyping import PRNGKeyArray, PyTree
 
-from eqllm.config import ModelConfig
+from eqllm.config import ModelConfig, Parametrization
+from eqllm.errors import EqllmError
 from eqllm.nn import param_info
 from eqllm.nn.linear import is_param_info
 
 
 @dataclass(frozen=True)
 class Scales:
-    """The ratios and forward multipliers of one config (all 1.0 under SP)."""
+    """The ratios and forward multipliers of one model (all 1.0 under SP); build with `Scales.of`
+    from plain sizes, or `scales(config)` from a ModelConfig."""
 
     kind: str
     width: float  # m = d_model / base_d_model
@@ -46,6 +52,56 @@ class Scales:
     branch: float  # multiplies each residual branch: 1 / k (CompleteP)
     attention: float  # multiplies the usual attention scale
     residual_init_layers: int  # the n_layers in the "residual" role's 1 / sqrt(2 n_layers)
+
+    @classmethod
+    def of(
+        cls,
+        kind: Parametrization = "sp",
+        *,
+        n_layers: int,
+        d_model: int | None = None,
+        base_d_model: int | None = None,
+        base_n_layers: int | None = None,
+        output_mult: float = 1.0,
+        head_dim_grows: bool = True,
+    ) -> Scales:
+        """The scales of a model of `n_layers` blocks and width `d_model` under `kind`.
+
+        Arguments:
+            kind: "sp", "mup" or "completep".
+            n_layers: the blocks (residual branch pairs) of the model.
+            d_model: its width (needed by muP and CompleteP).
+            base_d_model: the width at which muP / CompleteP equal SP (None: `d_model`).
+            base_n_layers: the depth at which CompleteP equals muP (None: `n_layers`); muP
+                does not read it.
+            output_mult: multiplies the readout's logits (muP's tunable output multiplier).
+            head_dim_grows: whether head_dim grows with the width (n_heads fixed), so that
+                attention scores take muP's 1 / head_dim; False keeps 1 / sqrt(head_dim).
+        """
+        if kind not in ("sp", "mup", "completep"):
+            raise EqllmError(f"parametrization={kind!r}: choose 'sp', 'mup' or 'completep'")
+        for name, value in (("n_layers", n_layers), ("base_n_layers", base_n_layers)):
+            if value is not None and not (isinstance(value, int) and value > 0):
+                raise EqllmError(f"{name}={value!r} must be a positive integer")
+        if kind == "sp":
+            return cls("sp", 1.0, 1.0, 1.0, 1.0, 1.0, n_layers)
+        if d_model is None:
+            raise EqllmError(
+                f"parametrization={kind!r} needs d_model (the width it scales by d_model / "
+                "base_d_model)"
+            )
+        m = d_model / (base_d_model or d_model)
+        base_layers = (base_n_layers or n_layers) if kind == "completep" else n_layers
+        k = n_layers / base_layers
+        return cls(
+            kind=kind,
+            width=m,
+            depth=k,
+            readout=output_mult / m,
+            branch=1.0 / k,
+            attention=1.0 / math.sqrt(m) if head_dim_grows else 1.0,
+            residual_init_layers=base_layers,
+        )
 
 
 @dataclass(frozen=True)
@@ -59,24 +115,17 @@ class Multipliers:
 
 
 def scales(cfg: ModelConfig) -> Scales:
-    """The one place that reads the parametrization fields of a config."""
-    kind = cfg.parametrization
-    if kind == "sp":
-        return Scales("sp", 1.0, 1.0, 1.0, 1.0, 1.0, cfg.n_layers)
-    m = cfg.d_model / (cfg.base_d_model or cfg.d_model)
-    base_layers = (cfg.base_n_layers or cfg.n_layers) if kind == "completep" else cfg.n_layers
-    k = cfg.n_layers / base_layers
-    # head_dim grows with width when it is derived from d_model (n_heads fixed); a family that
-    # fixes head_dim and adds heads instead keeps the usual 1 / sqrt(head_dim).
-    grows = cfg.head_dim * cfg.attention.n_heads == cfg.d_model
-    return Scales(
-        kind=kind,
-        width=m,
-        depth=k,
-        readout=cfg.output_mult / m,
-        branch=1.0 / k,
-        attention=1.0 / math.sqrt(m) if grows else 1.0,
-        residual_init_layers=base_layers,
+    """The scales of a config: the one place that reads its parametrization fields."""
+    return Scales.of(
+        cfg.parametrization,
+        n_layers=cfg.n_layers,
+        d_model=cfg.d_model,
+        base_d_model=cfg.base_d_model,
+        base_n_layers=cfg.base_n_layers,
+        output_mult=cfg.output_mult,
+        # head_dim grows with width when it is derived from d_model (n_heads fixed); a family
+        # that fixes head_dim and adds heads instead keeps the usual 1 / sqrt(head_dim).
+        head_dim_grows=cfg.head_dim * cfg.attention.n_heads == cfg.d_model,
     )
 
 
@@ -91,7 +140,27 @@ def role_multipliers(s: Scales, role: str) -> Multipliers:
     return Multipliers(init=1.0 / math.sqrt(m), lr=1.0 / m, eps=eps, decay=m)
 
 
-def init_weights(tree, config: ModelConfig, key: PRNGKeyArray):
+def roles(tree: PyTree) -> PyTree:
+    """A pytree like `tree` with the width role of every array ("hidden", "readout",
+    "embedding" or "vector"), from its layer's logical axes (`eqllm.nn.param_info`)."""
+    return jax.tree.map(lambda info: info.role, param_info(tree), is_leaf=is_param_info)
+
+
+def multipliers(tree: PyTree, s: Scales) -> PyTree:
+    """A pytree like `tree` with the `Multipliers` of every array under scales `s`: the factors
+    an optimizer applies per parameter (`eqllm.train.make_optimizer`) and `init_weights` applies
+    to the init std."""
+    return jax.tree.map(lambda role: role_multipliers(s, role), roles(tree))
+
+
+def init_weights(
+    tree: PyTree,
+    key: PRNGKeyArray,
+    *,
+    scales: Scales | None = None,
+    n_layers: int | None = None,
+    init_std: float = 0.02,
+):
     """The one place where initial weights are chosen (GPT-2 scheme, as in nanoGPT).
 
     Walks the layers' own metadata (`eqllm.nn.param_info`), so any tree of eqllm layers works:
@@ -102,12 +171,25 @@ def init_weights(tree, config: ModelConfig, key: PRNGKeyArray):
     - biases 0; every other array (norm scales: 1, or 0 in Gemma's (1 + w) form) keeps the
       value its layer gave it, which starts the layer as the identity.
 
-    Under muP / CompleteP (`eqllm.parametrization`) hidden matrices' std is divided by
-    sqrt(width ratio), and CompleteP's residual role uses base_n_layers instead of n_layers.
+    Under muP / CompleteP (`scales`) hidden matrices' std is divided by sqrt(width ratio), and
+    CompleteP's residual role uses base_n_layers instead of n_layers.
+
+    Arguments:
+        tree: a model, or any pytree of eqllm layers.
+        key: one draw per array is split from it.
+        scales: the parametrization (`Scales.of`, or `scales(config)`); or, for SP, give
+            `n_layers` (the L above) instead.
+        init_std: the std of the "normal" role.
     """
-    s = scales(config)
+    if (scales is None) == (n_layers is None):
+        raise EqllmError(
+            "init_weights takes scales=Scales.of(...) or, for the standard parametrization, "
+            f"n_layers (the residual init divides by sqrt(2 n_layers)); got scales={scales!r}, "
+            f"n_layers={n_layers!r}"
+        )
+    s = Scales.of("sp", n_layers=n_layers) if scales is None else scales
     layers = s.residual_init_layers
-    std = {"normal": config.init_std, "residual": config.init_std / math.sqrt(2 * layers)}
+    std = {"normal": init_std, "residual": init_std / math.sqrt(2 * layers)}
     infos, treedef = jax.tree.flatten(param_info(tree), is_leaf=is_param_info)
     arrays = treedef.flatten_up_to(tree)
     keys = jax.random.split(key, len(arrays))

@@ -19,120 +19,31 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # compiles to disk. Runs started as subprocesses keep their cache.
 jax.config.update("jax_enable_compilation_cache", False)
 
-import eqllm  # noqa: E402
 
 pytest_plugins = ["ci_strict"]  # with CI=true a skip fails (tests/ci_strict.py)
 
-# Checks repeated over every family, stack or case that cost the default run the most: it keeps
-# each one's first case and leaves the others to the slow set (`python -m pytest -m slow`, which
-# CI runs too), so every kind of check still runs by default within the suite's time budget.
-FIRST_CASE_ONLY = {
-    "tests/reliability/test_checkpoint_faults.py::test_damaged_checkpoint_falls_back_loudly_and_is_kept",
-    "tests/reliability/test_checkpoint_faults.py::test_failed_save_is_a_clear_error_and_the_previous_checkpoint_survives",
-    "tests/test_attention_backend.py::test_each_attention_feature_gives_the_models_logits_through_the_fused_arguments",
-    "tests/test_attention_backend.py::test_fused_arguments_give_the_models_attention",
-    "tests/test_generate.py::test_cached_decode_matches_full_forward",
-    "tests/test_generate.py::test_greedy_equals_argmax_chain",
-    "tests/test_gguf.py::test_import_equals_transformers_loader",
-    "tests/test_gpt_oss.py::test_other_families_refuse_gpt_oss_settings_on_export",
-    "tests/test_grpo.py::test_one_update_without_clipping_is_reinforce_with_a_group_baseline",
-    "tests/test_harness_chat.py::test_chat_formatted_requests_equal_hf",
-    "tests/test_hub.py::test_import_gives_transformers_logits",
-    "tests/test_lora.py::test_adapter_saved_by_eqllm_loads_in_peft_and_merges",
-    "tests/test_model.py::test_batch_call_equals_vmap_and_one_by_one",
-    "tests/test_model.py::test_scanned_equals_unrolled",
-    "tests/test_model.py::test_shapes_and_dtypes",
-    "tests/test_moe.py::test_grouped_experts_equal_dense_ones",
-    "tests/test_nn.py::test_in_order_attention_equals_full_masked_attention",
-    "tests/test_packing.py::test_document_mask_step_trains_on_each_document_alone",
-    "tests/test_packing.py::test_packed_loss_equals_padded_loss",
-    "tests/test_parametrization.py::test_base_size_equals_sp_bit_for_bit",
-    "tests/test_preference.py::test_dpo_and_ipo_loss_and_gradient_equal_trl",
-    "tests/test_quantize.py::test_every_linear_is_quantized_and_equals_its_dequantized_weights",
-    "tests/test_rope_scaling.py::test_cached_decoding_equals_the_full_forward",
-    "tests/test_rope_scaling.py::test_import_and_export_equal_transformers",
-    "tests/test_segments.py::test_packed_documents_have_their_logits_alone",
-    "tests/test_train.py::test_resume_at_the_last_step_finishes_the_run_folder",
-}
+# The tiny model of every family (tests/families.py holds the one list).
+from tests.families import NO_DEFAULT_CASE, TINY, TINY_CONFIGS  # noqa: E402, F401
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m 'not slow'` deselects
 def pytest_collection_modifyitems(config, items):
-    seen = set()
+    """Record the parametrised tests whose every case is slow only through its parameters: the
+    default run would never run them (tests/test_suite.py fails naming them). Cases are marked
+    slow on their parameters (`pytest.param(..., marks=pytest.mark.slow)`, tests/families.py's
+    `params`), never selected by test-id strings, so a rename cannot change what runs."""
+    named = [arg.split("::")[0] for arg in config.args if "[" in arg]  # some cases picked by id
+    cases: dict[str, list[bool]] = {}
     for item in items:
-        test = item.nodeid.split("[")[0]
-        if test in FIRST_CASE_ONLY and test in seen:
-            item.add_marker(pytest.mark.slow)
-        seen.add(test)
-
-
-TINY = {
-    "vocab_size": 97,
-    "d_model": 32,
-    "n_layers": 2,
-    "attention.n_heads": 4,
-    "mlp.d_ff": 64,
-    "max_seq_len": 64,
-}
-
-TINY_CONFIGS = {
-    "gpt2": eqllm.zoo.config("gpt2-nano", **TINY),
-    "llama": eqllm.zoo.config("llama-nano", **TINY, attention={"n_kv_heads": 2}),
-    "mistral": eqllm.zoo.config(
-        "mistral-7b", **TINY, attention={"n_kv_heads": 2, "sliding_window": 5}
-    ),
-    "qwen2": eqllm.zoo.config("qwen2.5-0.5b", **TINY, attention={"n_kv_heads": 1}),
-    "gemma": eqllm.zoo.config("gemma-2b", **TINY, attention={"n_kv_heads": 1}),
-    "llama3": eqllm.zoo.config(
-        "llama3.2-1b",
-        **TINY,
-        attention={"n_kv_heads": 2},
-        positions={"scaling": {"original_max_seq_len": 16}},
-    ),
-    "qwen3": eqllm.zoo.config("qwen3-0.6b", **TINY, attention={"n_kv_heads": 2, "head_dim": 16}),
-    # Windows shorter than the test sequences; caps small enough that tanh bends the values.
-    "gemma2": eqllm.zoo.config(
-        "gemma2-2b",
-        **TINY,
-        attention={
-            "n_kv_heads": 2,
-            "head_dim": 16,
-            "query_pre_attn_scalar": 12,
-            "sliding_window": 5,
-            "softcap": 1.0,
-        },
-        final_softcap=2.0,
-    ),
-    "gemma3": eqllm.zoo.config(
-        "gemma3-1b",
-        **{**TINY, "n_layers": 3},
-        attention={
-            "n_kv_heads": 1,
-            "head_dim": 8,
-            "query_pre_attn_scalar": 12,
-            "sliding_window": 5,
-            "global_every": 2,
-        },
-    ),
-    "phi3": eqllm.zoo.config(
-        "phi3-mini-4k",
-        **TINY,
-        attention={"n_kv_heads": 2, "sliding_window": 6},
-        positions={"fraction": 0.5},
-    ),
-    "olmo2": eqllm.zoo.config("olmo2-1b", **TINY, attention={"n_kv_heads": 2}),
-    # Mixtures of experts: 4 experts, 2 per token (tests/test_moe.py: the grouped product).
-    "mixtral": eqllm.zoo.config(
-        "mixtral-8x7b", **TINY, attention={"n_kv_heads": 2}, moe={"n_experts": 4}
-    ),
-    "qwen2_moe": eqllm.zoo.config(
-        "qwen1.5-moe-a2.7b",
-        **TINY,
-        attention={"n_kv_heads": 2},
-        moe={"n_experts": 4, "experts_per_token": 2, "d_ff": 16, "shared_d_ff": 24},
-    ),
-    "olmoe": eqllm.zoo.config("olmoe-1b-7b", **TINY, moe={"n_experts": 4, "experts_per_token": 2}),
-}
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or any(item.nodeid.startswith(path) for path in named):
+            continue
+        whole = [m for m in getattr(item.function, "pytestmark", []) if m.name == "slow"]
+        if whole or any(item.parent.iter_markers("slow")):
+            continue  # the whole test is slow, which is said where it is written
+        test = f"{item.parent.nodeid}::{item.originalname}"
+        cases.setdefault(test, []).append(any(m.name == "slow" for m in callspec.marks))
+    config.stash[NO_DEFAULT_CASE] = sorted(test for test, slow in cases.items() if all(slow))
 
 
 def cached_logits(model, tokens, prefill: int) -> np.ndarray:
@@ -157,11 +68,22 @@ def cached_logits(model, tokens, prefill: int) -> np.ndarray:
     return np.asarray(run(model, tokens))
 
 
-@pytest.fixture(scope="session", params=sorted(TINY_CONFIGS))
-def family_model(request):
-    """(name, model) for a tiny model of each family."""
-    name = request.param
-    return name, eqllm.CausalLM(TINY_CONFIGS[name], key=jax.random.key(0))
+@pytest.fixture(scope="session")
+def twins(tmp_path_factory):
+    """`twins(name)`: the transformers twin of tests/families.py's entry `name` and eqllm's
+    import of it (tests/hf_parity.py's `twin`), built on first use and kept for the session, so
+    the family contract and the tests particular to one family share one build."""
+    from tests import hf_parity  # torch and transformers load only for tests that use them
+    from tests.families import BY_NAME
+
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = hf_parity.twin(BY_NAME[name], tmp_path_factory.mktemp(f"hf-{name}"))
+        return built[name]
+
+    return get
 
 
 # The 8-device tests need XLA_FLAGS set before jax starts: tests/test_sharding.py runs them in a

@@ -1,5 +1,6 @@
 """What the transformers-parity tests share: a tiny perturbed transformers model, its logits,
-eqllm's logits, and the saved-and-imported pair most of those tests start from.
+eqllm's logits, the saved-and-imported pair most of those tests start from, and the twin of each
+entry of tests/families.py (built once per session: the `twins` fixture in tests/conftest.py).
 
 Every parameter is perturbed so that a norm or bias mapped to the wrong place shows up in the
 logits; the models are built by transformers itself from a config (no downloads).
@@ -20,13 +21,16 @@ transformers = pytest.importorskip("transformers")
 
 def hf_model(spec: dict):
     """A transformers causal LM from `spec` (its `model_type` plus config fields), fp32, in eval
-    mode, every parameter moved by N(0, 0.1) so that no norm is 1 and no bias 0."""
+    mode, every parameter and every buffer its checkpoint stores (DeepSeek-V3's correction bias)
+    moved by N(0, 0.1) so that no norm is 1 and no bias 0."""
     spec = dict(spec)
     config = transformers.AutoConfig.for_model(spec.pop("model_type"), **spec)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    stored = model.state_dict().keys()
+    buffers = [b for n, b in model.named_buffers() if n in stored and b.is_floating_point()]
     with torch.no_grad():
-        for p in model.parameters():
+        for p in [*model.parameters(), *buffers]:
             p.add_(0.1 * torch.randn_like(p))
     return model
 
@@ -55,3 +59,17 @@ def saved_pair(hf, folder, tokens, **extra) -> types.SimpleNamespace:
     return types.SimpleNamespace(
         hf=hf, folder=folder, model=model, ref=hf_logits(hf, tokens), **extra
     )
+
+
+# The twins: each entry of tests/families.py and transformers' model of the same config.
+CONTEXT = 256
+TOKENS = np.random.default_rng(0).integers(0, 97, 240)  # hundreds: short inputs miss RoPE errors
+
+
+def twin(tiny, folder) -> types.SimpleNamespace:
+    """The transformers model of `tiny`'s config (its context widened to CONTEXT), perturbed,
+    saved to `folder` and imported by eqllm: `saved_pair`'s fields plus `.tiny` and `.config`,
+    the config eqllm should read back (scanned, the wider context)."""
+    config = tiny.config.replace(max_seq_len=CONTEXT, scan_layers=True)
+    hf = hf_model(eqllm.hub.to_hf_config(config))
+    return saved_pair(hf, folder, TOKENS, name=tiny.name, tiny=tiny, config=config)

@@ -56,8 +56,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("layout", ["in_order", "padded", "one_sequence"])
+# By default grouped heads in order; the other cases and layouts in the slow set.
+@pytest.mark.parametrize(
+    "case", ["gqa", *(pytest.param(c, marks=pytest.mark.slow) for c in sorted(CASES) if c != "gqa")]
+)
+@pytest.mark.parametrize(
+    "layout",
+    ["in_order", *(pytest.param(x, marks=pytest.mark.slow) for x in ("padded", "one_sequence"))],
+)
 def test_fused_arguments_give_the_models_attention(case, layout):
     heads, kv_heads, window, local, scale = CASES[case]
     scale = 8**-0.5 if scale is None else scale
@@ -100,8 +106,10 @@ def with_kernel(model, kernel):
 # biases (qwen2), grouped heads and a window on every layer (mistral), per-layer local/global
 # flags, RoPE bases and Gemma's scale (gemma3, scanned and unrolled), QK-norm (qwen3). Gemma 2
 # soft-caps its scores, which the fused kernel cannot: it always uses the model's attention.
+# The first runs by default, the others in the slow set.
 FEATURES = [("gpt2", True), ("qwen2", True), ("mistral", True), ("qwen3", True)]
 FEATURES += [("gemma3", True), ("gemma3", False)]
+FEATURES = [FEATURES[0], *(pytest.param(*case, marks=pytest.mark.slow) for case in FEATURES[1:])]
 
 
 @pytest.mark.parametrize("family, scan", FEATURES)

@@ -11,7 +11,7 @@ import transformers
 import eqllm
 from eqllm.data import Tokenizer
 from eqllm.data import chat as chat_module
-from eqllm.data.chat import DEFAULT_TEMPLATE, apply_chat_template, read_chat_template
+from eqllm.data.chat import DEFAULT_TEMPLATE, read_chat_template
 from eqllm.data.instruct import ChatFormat
 
 CHATML = (
@@ -62,7 +62,7 @@ def test_named_templates_use_the_default_one(tokenizer, tmp_path):
     assert read_chat_template(tmp_path) == CHATML
     hf = _hf_tokenizer(tmp_path)
     assert hf.get_chat_template() == CHATML
-    assert apply_chat_template(Tokenizer.load(tmp_path), MESSAGES) == hf.apply_chat_template(
+    assert Tokenizer.load(tmp_path).apply_chat_template(MESSAGES) == hf.apply_chat_template(
         MESSAGES, tokenize=True, return_dict=False
     )
 
@@ -79,7 +79,7 @@ def test_saved_as_transformers_saves_it(tokenizer, tmp_path):
 def test_rendering_equals_transformers_with_special_tokens(tokenizer, tmp_path):
     tokenizer.with_chat_template(OTHER).save(tmp_path)
     hf = _hf_tokenizer(tmp_path)
-    ours = apply_chat_template(Tokenizer.load(tmp_path), MESSAGES, tokenize=False)
+    ours = Tokenizer.load(tmp_path).apply_chat_template(MESSAGES, tokenize=False)
     assert ours == hf.apply_chat_template(MESSAGES, tokenize=False)
     assert ours.startswith("<s>[system]")
 
@@ -93,7 +93,7 @@ def test_export_gives_the_tokens_eqllm_trained_on(tokenizer, tmp_path):
     theirs = hf.apply_chat_template(MESSAGES, tokenize=True, return_dict=False)
     assert list(ids[: len(theirs)]) == theirs
     assert list(ids[len(theirs) :]) in ([], [tokenizer.eot_id])
-    prompt = apply_chat_template(Tokenizer.load(tmp_path), MESSAGES[:2], add_generation_prompt=True)
+    prompt = Tokenizer.load(tmp_path).apply_chat_template(MESSAGES[:2], add_generation_prompt=True)
     assert prompt == hf.apply_chat_template(
         MESSAGES[:2], add_generation_prompt=True, tokenize=True, return_dict=False
     )
@@ -106,7 +106,7 @@ def test_default_template_is_said_once(tokenizer, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="eqllm.data.chat"):
         assert ChatFormat(plain).template == DEFAULT_TEMPLATE
         ChatFormat(plain)
-        apply_chat_template(plain, MESSAGES)
+        plain.apply_chat_template(MESSAGES)
     said = [r for r in caplog.records if "default template" in r.getMessage()]
     assert len(said) == 1
     assert ChatFormat(tokenizer).template == CHATML

@@ -255,3 +255,26 @@ def test_lora_dropout_acts_in_training_steps_only(jsonl):
     for i in range(2):
         dropped, opt_state, _ = step(dropped, opt_state, data.batch_at(i, seed=0, batch_size=2))
     assert step.n_traces == 1 and dropped.blocks.attn.q_proj.key is None
+
+
+@pytest.mark.slow  # the LoRA run of `lora_run`
+def test_a_lora_run_folder_records_its_adapters_and_an_older_one_reads_the_recipe(
+    lora_run, tmp_path
+):
+    """run.json holds the adapters' settings; a folder written before it (no run.json) gets
+    them from its recipe's [finetune]: both load the same model, without the training data."""
+    import shutil
+
+    from eqllm.runs import Adapters, RunFolder
+
+    run = RunFolder(lora_run / "run")
+    assert run.adapters() == Adapters(2, 4.0, ("q_proj", "v_proj", "down_proj"))
+    assert run.prompts_in_chat() and run.objective() == "sft"
+    older = RunFolder(shutil.copytree(run.path, tmp_path / "older"))
+    (older.path / "run.json").unlink()
+    assert older.format_version == 0 and older.adapters() == run.adapters()
+    assert older.prompts_in_chat() and older.objective() == "sft"
+    a, _ = run.load_model()
+    b, _ = older.load_model()
+    tokens = jnp.arange(20) % 200
+    np.testing.assert_array_equal(np.asarray(a(tokens)), np.asarray(b(tokens)))

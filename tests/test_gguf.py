@@ -1,6 +1,7 @@
 """GGUF both ways: eqllm's export read by transformers' GGUF loader, and eqllm's import of
 files the gguf package writes (every listed tensor type) equal to transformers' loader."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,8 +28,7 @@ def tokenizer():
     return Tokenizer(tok.hf, "<|im_end|>", "bpe", chat_template=CHATML)
 
 
-def _model(model_type, vocab, d=32, ff=64, heads=4, kv=2, head_dim=None):
-    extra = {"head_dim": head_dim} if head_dim else {}
+def _model(model_type, vocab, d=32, ff=64, heads=4, kv=2):
     config = transformers.AutoConfig.for_model(
         model_type,
         vocab_size=vocab,
@@ -39,7 +39,6 @@ def _model(model_type, vocab, d=32, ff=64, heads=4, kv=2, head_dim=None):
         num_key_value_heads=kv,
         max_position_embeddings=256,
         tie_word_embeddings=False,
-        **extra,
     )
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -72,19 +71,10 @@ TOKENS = np.random.default_rng(0).integers(0, 250, 200)
 TOLERANCE = {"f32": 1e-5, "f16": 5e-3, "bf16": 2e-2, "q8_0": 5e-2}
 
 
-# transformers' GGUF loader reads Qwen3's head_dim as its default, 128.
-@pytest.mark.parametrize("model_type, head_dim", [("llama", 8), ("qwen2", None), ("qwen3", 128)])
-def test_f32_export_equals_the_source_in_transformers(model_type, head_dim, tokenizer, tmp_path):
-    model = _eqllm(_model(model_type, tokenizer.vocab_size, head_dim=head_dim), tmp_path)
-    eqllm.hub.save_gguf(model, tmp_path / "m.gguf", tokenizer=tokenizer, type="f32")
-    ours, theirs = _ours(model, TOKENS), _theirs(tmp_path / "m.gguf", TOKENS)
-    error = np.abs(theirs - ours).max() / np.abs(ours).max()
-    print(f"{model_type} f32: largest logit difference {error:.2g} of the largest logit")
-    assert error <= TOLERANCE["f32"]
-
-
-@pytest.mark.parametrize("kind", ["f16", "bf16", "q8_0"])
-def test_reduced_exports_within_tolerance_and_carry_the_tokenizer(kind, tokenizer, tmp_path):
+# Every family eqllm writes is checked in f32 by tests/test_families.py; here the Llama, with
+# its tokenizer, at each type.
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "q8_0"])
+def test_exports_within_tolerance_and_carry_the_tokenizer(kind, tokenizer, tmp_path):
     model = _eqllm(_model("llama", tokenizer.vocab_size), tmp_path)
     file = tmp_path / "m.gguf"
     eqllm.hub.save_gguf(model, file, tokenizer=tokenizer, type=kind)
@@ -146,8 +136,17 @@ def _requantize(src, dst, qtype):
     writer.close()
 
 
+# F32 runs by default, the other tensor types in the slow set.
 @pytest.mark.parametrize(
-    "qtype", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K], ids=lambda q: q.name
+    "qtype",
+    [
+        T.F32,
+        *(
+            pytest.param(q, marks=pytest.mark.slow)
+            for q in (T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K)
+        ),
+    ],
+    ids=lambda q: q.name,
 )
 def test_import_equals_transformers_loader(qtype, tokenizer, tmp_path):
     k_quant = qtype in (T.Q4_K, T.Q6_K)  # rows of 256
@@ -164,3 +163,36 @@ def test_import_equals_transformers_loader(qtype, tokenizer, tmp_path):
     ours = _ours(eqllm.hub.from_pretrained(file), TOKENS % 256)
     theirs = _theirs(file, TOKENS % 256)
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
+
+
+SMALL = dict(
+    vocab_size=64,
+    d_model=32,
+    n_layers=2,
+    max_seq_len=256,
+    attention={"n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "sliding_window": None},
+    mlp={"d_ff": 64},
+)
+
+
+def test_a_family_says_which_architecture_it_is_written_as(tmp_path):
+    """Mistral without a sliding window is written as llama.cpp's "llama" and reads back as the
+    same model; with a window, or a family with no GGUF architecture, it is refused in words."""
+    windowless = eqllm.zoo.config("mistral-7b", **SMALL)
+    model = eqllm.CausalLM(windowless, key=jax.random.key(0))
+    eqllm.hub.save_gguf(model, tmp_path / "m.gguf", type="f32")
+    reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    assert reader.fields["general.architecture"].contents() == "llama"
+    back = eqllm.hub.from_pretrained(tmp_path / "m.gguf")
+    assert back.config.family == "llama"
+    tokens = TOKENS[:64] % 64
+    np.testing.assert_allclose(_ours(back, tokens), _ours(model, tokens), atol=1e-5)
+
+    # Refused before anything is written or computed: shapes are enough.
+    windowed = windowless.replace(attention={"sliding_window": 16})
+    windowed = eqx.filter_eval_shape(eqllm.CausalLM, windowed, key=jax.random.key(0))
+    with pytest.raises(eqllm.ConfigError, match="attention.sliding_window=16: GGUF architecture"):
+        eqllm.hub.save_gguf(windowed, tmp_path / "w.gguf")
+    gpt2 = eqx.filter_eval_shape(eqllm.zoo.create, "gpt2-nano", key=jax.random.key(0))
+    with pytest.raises(eqllm.ConfigError, match="gpt2 model has no GGUF architecture.*llama"):
+        eqllm.hub.save_gguf(gpt2, tmp_path / "g.gguf")

@@ -1,10 +1,12 @@
-"""gpt-oss against transformers' GptOssForCausalLM: logits both ways (sliding and full layers,
-attention sinks, biases, YaRN, the clamped SwiGLU with its clamps reached), cached decoding,
-attention sinks against a NumPy reference, MXFP4 experts dequantized as transformers does, the
-config.json settings eqllm refuses, the families that refuse gpt-oss's settings on export, and
-the published sizes' total and active parameters.
+"""gpt-oss beyond the family contract (tests/test_families.py: logits both ways, cached decoding,
+published counts): the family's settings read, not assumed (window, clamps, sinks), the exported
+layout, the experts against transformers' on the same routing, the clamped SwiGLU, attention
+sinks against a NumPy reference, MXFP4 experts dequantized as transformers does, the config.json
+settings eqllm refuses, the families that refuse gpt-oss's settings on export, and the published
+sizes' active parameters.
 
-Tiny random models built by transformers itself (no downloads), every parameter perturbed.
+The model is tests/families.py's twin: a tiny random one built by transformers itself (no
+downloads), every parameter perturbed.
 """
 
 import json
@@ -24,48 +26,21 @@ from eqllm.nn import Attention
 from eqllm.nn.attention import dot_product_attention
 from eqllm.nn.moe import MoE, clamped_swiglu
 from eqllm.train.step import training_loss
-from tests.conftest import cached_logits
-from tests.hf_parity import forward, hf_logits, hf_model, logits, saved_pair
-from tests.test_hub import DIMS, TOKENS
+from tests.hf_parity import TOKENS, logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 gpt_oss_modeling = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
 
-WINDOW = 8  # far shorter than TOKENS (240), so the windowed and the full layers differ
-# Grouped kv heads wider than d_model / n_heads, 4 experts of 64, 2 per token, YaRN, and a
-# swiglu_limit small enough that the clamps bind on these activations.
-SPEC = dict(
-    model_type="gpt_oss",
-    **DIMS,
-    num_key_value_heads=2,
-    head_dim=16,
-    num_local_experts=4,
-    num_experts_per_tok=2,
-    sliding_window=WINDOW,
-    swiglu_limit=0.5,
-    router_aux_loss_coef=0.1,
-    rope_parameters={
-        "rope_type": "yarn",
-        "rope_theta": 150000.0,
-        "factor": 4.0,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "truncate": False,
-        "original_max_position_embeddings": 64,
-    },
-)
+WINDOW = 8  # tests/families.py's: far shorter than TOKENS (240), so the two kinds of layer differ
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """A perturbed tiny gpt-oss (sinks drawn large enough to take real mass), its saved folder
-    and eqllm's import of it."""
-    hf = hf_model(SPEC)
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            layer.self_attn.sinks.copy_(torch.randn(4))
-    return saved_pair(hf, tmp_path_factory.mktemp("hf-gpt-oss"), TOKENS)
+def pair(twins):
+    """The tiny gpt-oss of tests/families.py (grouped kv heads wider than d_model / n_heads, 4
+    experts of 64, 2 per token, YaRN, a swiglu_limit small enough that the clamps bind), its
+    saved folder and eqllm's import of it."""
+    return twins("gpt_oss")
 
 
 def test_import_reads_the_family(pair):
@@ -84,10 +59,6 @@ def test_import_reads_the_family(pair):
 
 def hf_layer_types(hf) -> list[str]:
     return [layer.self_attn.layer_type for layer in hf.model.layers]
-
-
-def test_import_gives_transformers_logits(pair):
-    np.testing.assert_allclose(logits(pair.model, TOKENS), pair.ref, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize(
@@ -116,7 +87,7 @@ def test_the_sinks_matter(pair):
     assert np.abs(logits(zeroed, TOKENS[:64]) - pair.ref[:64]).max() > 1e-3
 
 
-def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
+def test_export_writes_transformers_layout(pair, tmp_path):
     eqllm.hub.save_pretrained(pair.model, tmp_path)
     with safe_open(tmp_path / "model.safetensors", framework="numpy") as f:
         shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
@@ -129,14 +100,6 @@ def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["layer_types"] == ["sliding_attention", "full_attention"]
     assert (saved["swiglu_limit"], saved["sliding_window"]) == (0.5, WINDOW)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    assert type(reloaded).__name__ == "GptOssForCausalLM"
-    exported = hf_logits(reloaded.eval(), TOKENS)
-    np.testing.assert_allclose(exported, logits(pair.model, TOKENS), atol=1e-5, rtol=0)
-    for name, p in pair.hf.state_dict().items():  # and the same tensors as the original
-        np.testing.assert_array_equal(reloaded.state_dict()[name].numpy(), p.numpy(), name)
-    again = eqllm.hub.from_pretrained(tmp_path)
-    assert again.config == pair.model.config
 
 
 def test_experts_equal_transformers_experts_on_the_same_routing(pair):
@@ -216,17 +179,6 @@ def test_cudnn_is_refused_with_sinks_and_auto_falls_back():
     assert attention_kernel(cfg) is None  # auto: the model's own attention
     with pytest.raises(eqllm.ConfigError, match="attention.sinks=True"):
         attention_kernel(cfg.replace(**{"attention.kernel": "cudnn"}))
-
-
-# Cached decoding ------------------------------------------------------------------------------
-
-
-def test_cached_decoding_equals_the_full_forward(pair):
-    """Prefill 20 tokens, then one at a time past the window: each step equals the full forward."""
-    tokens, prefill = jnp.asarray(TOKENS[:48]), 20
-    full = np.asarray(forward(pair.model, tokens))
-    cached = cached_logits(pair.model, tokens, prefill)
-    np.testing.assert_allclose(cached, full[prefill - 1 : -1], atol=1e-5)
 
 
 # config.json settings -------------------------------------------------------------------------
@@ -312,16 +264,26 @@ def test_mxfp4_blocks_that_do_not_fit_are_refused(mxfp4_pair, tmp_path):
         eqllm.hub.from_pretrained(tmp_path)
 
 
+# The first case runs by default, the others in the slow set.
 @pytest.mark.parametrize(
     "family, change",
     [
         ("llama-nano", {"attention.sinks": True}),
-        ("gemma2-nano", {"attention.sinks": True}),
-        ("qwen3_moe-nano", {"attention.sinks": True}),
-        ("qwen3_moe-nano", {"moe.bias": True}),
-        (
-            "mixtral-nano",
-            {"moe.activation": "clamped_swiglu", "moe.swiglu_alpha": 1.7, "moe.swiglu_limit": 7.0},
+        *(
+            pytest.param(*case, marks=pytest.mark.slow)
+            for case in (
+                ("gemma2-nano", {"attention.sinks": True}),
+                ("qwen3_moe-nano", {"attention.sinks": True}),
+                ("qwen3_moe-nano", {"moe.bias": True}),
+                (
+                    "mixtral-nano",
+                    {
+                        "moe.activation": "clamped_swiglu",
+                        "moe.swiglu_alpha": 1.7,
+                        "moe.swiglu_limit": 7.0,
+                    },
+                ),
+            )
         ),
     ],
 )
@@ -349,10 +311,8 @@ def test_config_validation_names_the_dotted_path(change, message):
 # Published sizes ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "name, total", [("gpt-oss-20b", 20_914_757_184), ("gpt-oss-120b", 116_829_156_672)]
-)
-def test_total_and_active_parameters_equal_transformers(name, total):
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "gpt-oss-120b"])
+def test_total_and_active_parameters_equal_transformers(name):
     """Total: every parameter of transformers' model on the meta device. Active: that, less the
     routed experts a token does not reach, (n_experts - k) / n_experts of each layer's experts
     (their biases included)."""
@@ -365,7 +325,7 @@ def test_total_and_active_parameters_equal_transformers(name, total):
     idle = sum(sum(p.numel() for p in e.parameters()) for e in experts)
     n, k = hf_config.num_local_experts, hf_config.num_experts_per_tok
     idle = idle * (n - k) // n
-    assert eqllm.zoo.param_count(name) == count == total
+    assert eqllm.zoo.param_count(name) == count  # the published figure: tests/families.py
     assert eqllm.zoo.active_param_count(name) == count - idle
     cfg = eqllm.zoo.config(name)
     assert cfg == eqllm.hub.from_hf_config(PUBLISHED[name])

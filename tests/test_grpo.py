@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 import eqllm
-from eqllm.train.grpo import Grpo, group_advantages, grpo_loss
-from eqllm.train.objectives import token_logps
+from eqllm.train.objectives import Grpo, group_advantages, grpo_loss, token_logps
 
 
 def _numpy_grpo(logps, old, ref, rewards, mask, group, eps, eps_high, beta, norm, max_new):
@@ -50,7 +49,7 @@ def test_grpo_loss_equals_numpy(norm):
     assert 0 < float(parts["clip_fraction"]) < 1
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("temperature", [1.0, pytest.param(0.7, marks=pytest.mark.slow)])
 def test_one_update_without_clipping_is_reinforce_with_a_group_baseline(temperature):
     """With rho = 1 (one inner update) and no KL, the GRPO gradient equals that of
     -mean_i A_i mean_t log pi(o_it): REINFORCE with the group mean as baseline, pi being the
@@ -99,7 +98,7 @@ def test_rollouts_are_deterministic_for_a_seed_and_train():
     from eqllm.data import Tokenizer
     from eqllm.recipe import OptimSpec
     from eqllm.train import TrainStep, init_opt_state, make_optimizer, schedule
-    from eqllm.train.rollouts import rollout
+    from eqllm.train.objectives import rollout
 
     tok = Tokenizer.bytes()
     model = eqllm.zoo.create(
@@ -179,7 +178,8 @@ def test_held_out_prompts_are_split_and_scored_greedily(tmp_path):
     from eqllm.data.prompts import prepare_prompts
     from eqllm.generation import generate
     from eqllm.recipe import Recipe
-    from eqllm.train.post import GrpoRun
+    from eqllm.runs import RunFolder
+    from eqllm.train.objectives import Grpo
 
     tok = Tokenizer.bytes()
     rows = [{"prompt": f"{n}>", "answer": str(n)[::-1]} for n in range(10, 30)]
@@ -213,9 +213,9 @@ def test_held_out_prompts_are_split_and_scored_greedily(tmp_path):
     def reward(prompt, completion, example):  # graded, and 1.0 for some completions
         return float(len(completion) >= 2) if prompt.startswith("1") else len(completion) / 6
 
-    run = GrpoRun(recipe, data, None, tmp_path, write=False)
-    run.reward = reward
-    metrics = run.evaluate(model)  # chunks of 4: the last one padded
+    objective = Grpo.start(recipe, data, model, RunFolder(tmp_path), write=False)
+    objective.run.reward = reward
+    metrics = objective.evaluate(model)  # chunks of 4: the last one padded
     expected = []
     for prompt, example in zip(data.val_prompts, data.val_examples, strict=True):
         new = generate(model, prompt, max_new_tokens=3, key=jax.random.key(0), temperature=0.0,

@@ -79,7 +79,9 @@ def _samples(results, task):
     return sorted(results["samples"][task], key=lambda s: s["doc_id"])
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize(
+    "task", [TASKS[0], *(pytest.param(t, marks=pytest.mark.slow) for t in TASKS[1:])]
+)
 def test_chat_formatted_requests_equal_hf(results, task):
     ours, ref = _samples(results["eqllm"], task), _samples(results["hf"], task)
     assert len(ours) == len(ref) > 0

@@ -1,8 +1,10 @@
-"""Hugging Face interop: logits and exports equal to transformers, per family.
+"""Hugging Face interop beyond the family contract: dtypes, the two config.json layouts, the zoo
+match, published configs eqllm refuses, bad checkpoints named by file, tensor and field, eqllm's own
+folders, load_any and the convert command.
 
-Every model here is a tiny random one built by transformers itself (no downloads), with every
-parameter perturbed so that a norm or bias mapped to the wrong place shows up in the logits.
-Greedy decoding against transformers' `generate` is tested in tests/test_generate.py.
+Every family's logits against transformers both ways are tests/test_families.py's. The models
+here are tiny random ones built by transformers itself (no downloads), with every parameter
+perturbed so that a norm or bias mapped to the wrong place shows up in the logits.
 """
 
 import json
@@ -17,18 +19,17 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import eqllm
-from eqllm import families
 from eqllm.cli import main as cli_main
 from eqllm.data.tokenizer import Tokenizer
 from eqllm.hub import CheckpointError
 from tests.conftest import TINY_CONFIGS
-from tests.hf_parity import hf_logits, hf_model, logits, saved_pair
+from tests.hf_parity import hf_logits, hf_model, logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 97
-LONG = 240  # long enough for RoPE mistakes and well past Mistral's window below
+LONG = 240
 DIMS = dict(
     vocab_size=VOCAB,
     hidden_size=32,
@@ -45,7 +46,7 @@ LLAMA3_ROPE = {
     "factor": 8.0,
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 16,  # head_dim 8: every frequency band is exercised
+    "original_max_position_embeddings": 16,
     "rope_theta": 500000.0,
 }
 HF_CONFIGS = {
@@ -61,115 +62,9 @@ HF_CONFIGS = {
     ),
     "llama": dict(model_type="llama", **DIMS, num_key_value_heads=2, attention_bias=True),
     "llama3": dict(model_type="llama", **DIMS, num_key_value_heads=2, rope_parameters=LLAMA3_ROPE),
-    "mistral": dict(model_type="mistral", **DIMS, num_key_value_heads=2, sliding_window=7),
     "qwen2": dict(model_type="qwen2", **DIMS, num_key_value_heads=1, tie_word_embeddings=True),
-    "gemma": dict(model_type="gemma", **DIMS, num_key_value_heads=1, head_dim=8),
-    # QK-norm, and heads wider than d_model / n_heads; tied and untied heads.
-    "qwen3": dict(
-        model_type="qwen3", **DIMS, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True
-    ),
-    "qwen3-untied": dict(model_type="qwen3", **DIMS, num_key_value_heads=2, head_dim=16),
-    # Windows far shorter than LONG; soft-capping small enough to bend the scores and logits;
-    # query_pre_attn_scalar unlike head_dim.
-    "gemma2": dict(
-        model_type="gemma2",
-        **DIMS,
-        num_key_value_heads=2,
-        head_dim=16,
-        query_pre_attn_scalar=12,
-        sliding_window=7,
-        attn_logit_softcapping=1.5,
-        final_logit_softcapping=2.0,
-    ),
-    # Local, global, local layers with their two RoPE bases; (1 + w) QK-norm; a final cap.
-    "gemma3": dict(
-        model_type="gemma3_text",
-        **{**DIMS, "num_hidden_layers": 3},
-        num_key_value_heads=1,
-        head_dim=8,
-        query_pre_attn_scalar=12,
-        sliding_window=7,
-        sliding_window_pattern=2,
-        rope_theta=1_000_000.0,
-        rope_local_base_freq=10_000.0,
-        final_logit_softcapping=3.0,
-    ),
-    # Fused qkv_proj and gate_up_proj; half of each head rotated; a window over every layer.
-    "phi3": dict(
-        model_type="phi3",
-        **DIMS,
-        num_key_value_heads=2,
-        partial_rotary_factor=0.5,
-        sliding_window=9,
-    ),
-    # Norms after the sublayers only; QK-norm over the whole projections (grouped kv heads).
-    "olmo2": dict(model_type="olmo2", **DIMS, num_key_value_heads=2),
-    "mixtral": dict(
-        model_type="mixtral",
-        **DIMS,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        sliding_window=None,
-    ),
-    # The shared expert, top-k probabilities not renormalised, q/k/v biases.
-    "qwen2_moe": dict(
-        model_type="qwen2_moe",
-        **DIMS,
-        num_key_value_heads=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=24,
-        norm_topk_prob=False,
-    ),
-    "olmoe": dict(
-        model_type="olmoe", **DIMS, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2
-    ),
 }
-TIED = {"gpt2", "qwen2", "gemma", "qwen3", "gemma2", "gemma3"}
-
-
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, LONG)
-
-
-@pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
-def pair(request, tmp_path_factory):
-    """A tiny transformers model, its saved folder, and eqllm's import of it."""
-    name = request.param
-    folder = tmp_path_factory.mktemp(f"hf-{name}")
-    return saved_pair(hf_model(HF_CONFIGS[name]), folder, TOKENS, name=name)
-
-
-def test_import_gives_transformers_logits(pair):
-    family = families.for_model_type(HF_CONFIGS[pair.name]["model_type"])
-    assert pair.model.config.family == family.name
-    assert pair.model.config.param_dtype == "float32"
-    np.testing.assert_allclose(logits(pair.model, TOKENS), pair.ref, atol=1e-4, rtol=0)
-
-
-def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
-    eqllm.hub.save_pretrained(pair.model, tmp_path, max_shard_size=30_000)
-    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
-    shards = sorted(set(index["weight_map"].values()))
-    assert len(shards) > 1 and all((tmp_path / s).is_file() for s in shards)
-    assert ("lm_head.weight" in index["weight_map"]) == (pair.name not in TIED)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    exported = hf_logits(reloaded.eval(), TOKENS)
-    np.testing.assert_allclose(exported, logits(pair.model, TOKENS), atol=1e-5, rtol=0)
-    for name, p in pair.hf.state_dict().items():  # and the same tensors as the original
-        np.testing.assert_array_equal(reloaded.state_dict()[name].numpy(), p.numpy(), name)
-
-
-def test_round_trip_is_bit_identical(pair, tmp_path):
-    eqllm.hub.save_pretrained(pair.model, tmp_path, max_shard_size=30_000)  # sharded
-    again = eqllm.hub.from_pretrained(tmp_path)
-    assert again.config == pair.model.config
-    for a, b in zip(jax.tree.leaves(pair.model), jax.tree.leaves(again), strict=True):
-        assert a.dtype == b.dtype
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    eqllm.hub.save_pretrained(pair.model, tmp_path)  # one file now: the shards are removed
-    assert [p.name for p in tmp_path.glob("*.safetensors")] == ["model.safetensors"]
-    assert not (tmp_path / "model.safetensors.index.json").exists()
 
 
 def test_bfloat16_checkpoint_loads_exactly(tmp_path):
@@ -286,6 +181,15 @@ def test_wrong_shape_is_named(llama_folder, tmp_path):
         match=rf"model.safetensors: tensor '{name}' has shape \[8, 32\].*\[16, 32\]",
     ):
         eqllm.hub.from_pretrained(bad)
+
+
+def test_a_one_file_save_removes_the_shards_of_an_earlier_one(llama_folder, tmp_path):
+    model = eqllm.hub.from_pretrained(llama_folder)
+    eqllm.hub.save_pretrained(model, tmp_path, max_shard_size=30_000)  # sharded
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    eqllm.hub.save_pretrained(model, tmp_path)  # one file now: the shards are removed
+    assert [p.name for p in tmp_path.glob("*.safetensors")] == ["model.safetensors"]
+    assert not (tmp_path / "model.safetensors.index.json").exists()
 
 
 def test_missing_shard_is_named(llama_folder, tmp_path):

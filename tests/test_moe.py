@@ -1,9 +1,8 @@
 """Mixture of experts: dense == grouped experts, the layouts of expert weights on the hub, the
 load-balancing loss and the gradients against transformers, training and its report.
 
-The families' logits against transformers (both ways) are in tests/test_hub.py (HF_CONFIGS),
-their model-level contracts (scanned == unrolled, cached decode == full forward) in
-tests/test_model.py (TINY_CONFIGS).
+The families' contract (logits against transformers both ways, scanned == unrolled, cached
+decode == full forward) is tests/test_families.py's, over the list in tests/families.py.
 """
 
 import json
@@ -27,9 +26,7 @@ from eqllm.train import loop as loop_mod
 from eqllm.train import report as report_mod
 from eqllm.train.step import training_loss
 from tests.conftest import TINY_CONFIGS
-from tests.hf_parity import hf_model
 from tests.reliability.harness import make_corpus, tiny_recipe
-from tests.test_hub import HF_CONFIGS
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -50,7 +47,10 @@ def dense():
 
 @pytest.mark.parametrize(
     "execution",
-    [dict(moe={"impl": "ragged"}), dict(moe={"impl": "ragged"}, scan_layers=False)],
+    [
+        dict(moe={"impl": "ragged"}),
+        pytest.param(dict(moe={"impl": "ragged"}, scan_layers=False), marks=pytest.mark.slow),
+    ],
 )
 def test_grouped_experts_equal_dense_ones(dense, execution):
     """Loss and gradients of the grouped ("ragged") experts equal the dense ones, scanned and
@@ -109,6 +109,20 @@ def test_bad_expert_settings_are_refused(fields, message):
         TINY_CONFIGS["llama"].replace(**fields)
 
 
+def test_an_adapter_on_the_router_is_what_routes(dense):
+    """LoRA on the router (its Hugging Face name, `gate`): the model still runs, fresh adapters
+    (B = 0) change nothing, and a non-zero B changes which experts the tokens reach."""
+    from eqllm import lora
+
+    adapted = lora.apply(dense, rank=2, alpha=4, targets=["gate"], key=jax.random.key(1))
+    tokens = TOKENS[0]
+    np.testing.assert_array_equal(eqx.filter_jit(adapted)(tokens), eqx.filter_jit(dense)(tokens))
+    router = adapted.blocks.mlp.router
+    moved = eqx.tree_at(lambda r: r.lora_b.weight, router, router.lora_b.weight + 1.0)
+    moved = eqx.tree_at(lambda m: m.blocks.mlp.router, adapted, moved)
+    assert not np.allclose(eqx.filter_jit(moved)(tokens), eqx.filter_jit(dense)(tokens))
+
+
 def test_a_dense_family_refuses_experts_on_export(tmp_path):
     model = CausalLM(TINY_CONFIGS["llama"].replace(moe={"n_experts": 4}), key=jax.random.key(0))
     with pytest.raises(ConfigError, match="n_experts"):
@@ -119,13 +133,11 @@ def test_a_dense_family_refuses_experts_on_export(tmp_path):
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
-def hf_pair(request, tmp_path_factory):
-    """A perturbed tiny transformers MoE (aux loss coefficient 0.1), its folder, eqllm's import."""
-    spec = {**HF_CONFIGS[request.param], "router_aux_loss_coef": 0.1}
-    hf = hf_model(spec)
-    folder = tmp_path_factory.mktemp(f"moe-{request.param}")
-    hf.save_pretrained(folder)
-    return request.param, hf, folder, eqllm.hub.from_pretrained(folder)
+def hf_pair(request, twins):
+    """A perturbed tiny transformers MoE (tests/families.py's), its folder, eqllm's import."""
+    pair = twins(request.param)
+    assert pair.hf.config.router_aux_loss_coef > 0
+    return request.param, pair.hf, pair.folder, pair.model
 
 
 def test_both_expert_layouts_import(hf_pair, tmp_path):

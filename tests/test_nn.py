@@ -106,7 +106,13 @@ def test_attention_layer_standalone(kv_heads):
     np.testing.assert_allclose(y[9], y2[9], atol=1e-6)  # 5 is outside 9's window of 4
 
 
-@pytest.mark.parametrize("seq, window", [(256, None), (200, None), (256, 100), (130, 3)])
+@pytest.mark.parametrize(
+    "seq, window",
+    [
+        (256, None),
+        *(pytest.param(*c, marks=pytest.mark.slow) for c in ((200, None), (256, 100), (130, 3))),
+    ],
+)
 def test_in_order_attention_equals_full_masked_attention(seq, window):
     """Skipping future key blocks changes no value: same as the full mask, any split."""
     kq, kk, kv = jax.random.split(jax.random.key(0), 3)

@@ -14,6 +14,7 @@ from eqllm.data.instruct import pad_rows
 from eqllm.data.packing import assign_rows
 from eqllm.recipe import OptimSpec
 from eqllm.train import TrainStep, init_opt_state, make_optimizer, schedule
+from eqllm.train.objectives import LanguageModel
 from tests.conftest import TINY_CONFIGS
 
 SEQ_LEN = 31  # rows of 32 tokens
@@ -78,8 +79,10 @@ def masked_loss(logits, targets, mask):
     return jnp.sum(jnp.where(mask, nll, 0.0)) / mask.sum()
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral"])
-@pytest.mark.parametrize("method", ["first-fit", "best-fit"])
+@pytest.mark.parametrize(
+    "family", ["llama", *(pytest.param(f, marks=pytest.mark.slow) for f in ("gpt2", "mixtral"))]
+)
+@pytest.mark.parametrize("method", ["first-fit", pytest.param("best-fit", marks=pytest.mark.slow)])
 def test_packed_loss_equals_padded_loss(family, method):
     """Same examples, packed with segment ids and restarting positions or padded one per row:
     the same mean loss over the response targets, through the train step."""
@@ -98,11 +101,10 @@ def test_packed_loss_equals_padded_loss(family, method):
     # The train step reports the same loss for the packed batch (positions reset there).
     spec = OptimSpec(lr=1e-3, warmup_steps=0)
     optimizer = make_optimizer(spec, 2, eqx.filter(model, eqx.is_inexact_array))
-    step = TrainStep(optimizer, schedule(spec, 2), reset_positions=True)
+    step = TrainStep(optimizer, schedule(spec, 2), objective=LanguageModel(reset_positions=True))
     fresh = CausalLM(TINY_CONFIGS[family], key=jax.random.key(0))
-    _, _, metrics = step(
-        fresh, init_opt_state(optimizer, fresh), (packed.rows, packed.mask, packed.segment_ids)
-    )
+    batch = {"tokens": packed.rows, "mask": packed.mask, "segment_ids": packed.segment_ids}
+    _, _, metrics = step(fresh, init_opt_state(optimizer, fresh), batch)
     np.testing.assert_allclose(metrics["loss"], padded, rtol=0, atol=1e-5)
 
 
@@ -112,7 +114,11 @@ def documents_of(row, eot):
     return list(zip(starts, [*starts[1:], len(row)], strict=True))
 
 
-@pytest.mark.parametrize("reset", [False, True], ids=["positions-continue", "positions-reset"])
+@pytest.mark.parametrize(
+    "reset",
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+    ids=["positions-continue", "positions-reset"],
+)
 def test_document_mask_step_trains_on_each_document_alone(reset):
     """data.document_mask: the same windows, each document's targets scored from that document
     alone (the reference runs every document on its own)."""
@@ -136,7 +142,8 @@ def test_document_mask_step_trains_on_each_document_alone(reset):
     want = total / count
     spec = OptimSpec(lr=1e-3, warmup_steps=0)
     optimizer = make_optimizer(spec, 2, eqx.filter(model, eqx.is_inexact_array))
-    step = TrainStep(optimizer, schedule(spec, 2), document_token=eot, reset_positions=reset)
+    lm = LanguageModel(document_token=eot, reset_positions=reset)
+    step = TrainStep(optimizer, schedule(spec, 2), objective=lm)
     _, _, metrics = step(model, init_opt_state(optimizer, model), batch)
     np.testing.assert_allclose(metrics["loss"], want, rtol=0, atol=1e-5)
     # Without the mask the loss differs (the test can fail).
@@ -164,5 +171,6 @@ def test_packed_instruction_data_has_less_padding_and_the_same_targets():
     assert packed.meta["padding_fraction"] == round(packed.padding_fraction, 4)
     assert padded.segment_ids is None and packed.segment_ids.shape == packed.rows.shape
     np.testing.assert_array_equal(packed.val_rows, padded.val_rows)
-    tokens, mask, segments = packed.batch_at(3, seed=0, batch_size=4)
+    batch = packed.batch_at(3, seed=0, batch_size=4)
+    tokens, mask, segments = batch["tokens"], batch["mask"], batch["segment_ids"]
     assert tokens.shape == segments.shape and mask.shape == (4, 256)

@@ -110,8 +110,12 @@ def test_init_std_follows_width_and_depth():
     "changes",
     [
         {"parametrization": "mup", "base_d_model": 32},
-        {"parametrization": "mup"},  # base: the model's own width
-        {"parametrization": "completep", "base_d_model": 32, "base_n_layers": 2},
+        # base: the model's own width
+        pytest.param({"parametrization": "mup"}, marks=pytest.mark.slow),
+        pytest.param(
+            {"parametrization": "completep", "base_d_model": 32, "base_n_layers": 2},
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_base_size_equals_sp_bit_for_bit(changes):

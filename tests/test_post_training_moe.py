@@ -10,8 +10,7 @@ from conftest import TINY_CONFIGS
 
 from eqllm import CausalLM
 from eqllm.nn import load_balancing_loss
-from eqllm.train.grpo import Grpo, group_advantages, grpo_loss
-from eqllm.train.objectives import Preference
+from eqllm.train.objectives import Grpo, Preference, group_advantages, grpo_loss
 
 COEF = 0.1
 

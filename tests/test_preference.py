@@ -217,7 +217,7 @@ def _compare_grads(torch_model, grads):
     assert np.abs(q).max() > 1e-4  # a gradient worth comparing
 
 
-@pytest.mark.parametrize("kind", ["dpo", "ipo"])
+@pytest.mark.parametrize("kind", ["dpo", pytest.param("ipo", marks=pytest.mark.slow)])
 def test_dpo_and_ipo_loss_and_gradient_equal_trl(hf_pair, kind, tmp_path):
     trl = pytest.importorskip("trl")
     import datasets
@@ -344,7 +344,7 @@ def test_bad_dataset_splits_and_columns_are_named(binarized):
 
 def test_recipe_reads_preference_data_from_a_dataset(binarized):
     from eqllm.recipe import Recipe, RecipeError
-    from eqllm.train.post import prepare_rows
+    from eqllm.train.objectives import Preference
 
     values = {
         "model": {"variant": "llama-nano", "init_from": str(binarized)},
@@ -352,10 +352,10 @@ def test_recipe_reads_preference_data_from_a_dataset(binarized):
         "preference": {"data": str(binarized / "saved"), "split": "train_prefs",
                        "prompt_field": "question", "chosen_field": "good",
                        "rejected_field": "bad"},
-        "data": {"seq_len": 64, "val_fraction": 0.25},
+        "data": {"seq_len": 64, "val_fraction": 0.25, "tokenizer": "bytes"},
         "train": {"steps": 1, "batch_size": 2},
     }  # fmt: skip
-    data = prepare_rows(Recipe.from_dict(values), Tokenizer.bytes(), None)
+    data = Preference.prepare(Recipe.from_dict(values))  # the base has no tokenizer: bytes
     assert data.meta["train_pairs"] == 3
     values["preference"]["data"] = str(binarized / "missing")
     with pytest.raises(RecipeError, match="preference.data=.*missing' does not exist"):

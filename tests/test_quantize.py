@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_CONFIGS
 
 import eqllm
 from eqllm.hub.model_folder import with_param_dtype
 from eqllm.nn import Int8Linear, Linear, quantize
+from tests.families import TINY_CONFIGS, params
 
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 97, 48))
 DENSE = ["gpt2", "llama", "mistral", "qwen2", "gemma", "qwen3", "gemma2", "gemma3", "phi3"]
@@ -32,11 +32,6 @@ def _model(family):
 @eqx.filter_jit
 def _logits(model):
     return model(TOKENS).astype(jnp.float32)
-
-
-def _all_families(families, fast):
-    """Every family; those outside `fast` only in the slow run."""
-    return [f if f in fast else pytest.param(f, marks=pytest.mark.slow) for f in families]
 
 
 def _is_linear(x):
@@ -59,7 +54,7 @@ def test_int8_linear_rounds_each_row_to_its_own_scale():
     np.testing.assert_allclose(q(x), want, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", _all_families(sorted(TINY_CONFIGS), ("gpt2", "qwen2_moe")))
+@pytest.mark.parametrize("family", params({"gpt2", "qwen2_moe"}, where=lambda t: not t.variant))
 def test_every_linear_is_quantized_and_equals_its_dequantized_weights(family):
     model = _model(family)
     q = quantize(model, "int8")
@@ -85,7 +80,7 @@ def test_every_linear_is_quantized_and_equals_its_dequantized_weights(family):
     assert all(isinstance(i, eqllm.nn.ParamInfo) for i in infos)
 
 
-@pytest.mark.parametrize("family", _all_families(DENSE, ("llama", "gemma2")))
+@pytest.mark.parametrize("family", params({"llama", "gemma2"}, where=lambda t: t.name in DENSE))
 def test_int8_and_bf16_logits_are_close_to_fp32(family):
     model = _model(family)
     want = _logits(model)

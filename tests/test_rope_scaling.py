@@ -144,7 +144,14 @@ MODELS = {
 TOKENS = np.random.default_rng(1).integers(0, VOCAB, 240)
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+# Gemma 3's linear scaling of the global layers only runs by default; the others in the slow set.
+@pytest.fixture(
+    scope="module",
+    params=[
+        "gemma3-linear",
+        *(pytest.param(m, marks=pytest.mark.slow) for m in sorted(MODELS) if m != "gemma3-linear"),
+    ],
+)
 def pair(request, tmp_path_factory):
     name = request.param
     hf = hf_model(MODELS[name])
@@ -153,7 +160,8 @@ def pair(request, tmp_path_factory):
     return types.SimpleNamespace(name=name, hf=hf, model=eqllm.hub.from_pretrained(folder))
 
 
-@pytest.mark.parametrize("length", [40, 240])  # LongRoPE: below and above its original 64
+# LongRoPE: below and above its original 64 (the long input in the slow set)
+@pytest.mark.parametrize("length", [40, pytest.param(240, marks=pytest.mark.slow)])
 def test_import_and_export_equal_transformers(pair, length, tmp_path):
     tokens = TOKENS[:length]
     ref = hf_logits(pair.hf, tokens)
@@ -163,7 +171,9 @@ def test_import_and_export_equal_transformers(pair, length, tmp_path):
     np.testing.assert_allclose(hf_logits(back.eval(), tokens), ref, atol=1e-5)
 
 
-@pytest.mark.parametrize("prefill, length", [(20, 40), (200, 240)])
+@pytest.mark.parametrize(
+    "prefill, length", [(20, 40), pytest.param(200, 240, marks=pytest.mark.slow)]
+)
 def test_cached_decoding_equals_the_full_forward(pair, prefill, length):
     """Prefill, then one token at a time: each step's logits equal the full forward's."""
     tokens = jnp.asarray(TOKENS[:length])

@@ -8,7 +8,6 @@ import sentencepiece as spm
 import transformers
 
 from eqllm.data import Tokenizer
-from eqllm.data.chat import apply_chat_template
 from eqllm.errors import EqllmError
 
 CORPUS = [
@@ -79,7 +78,7 @@ def test_special_tokens_and_template_are_honoured(folder):
     assert ours.eot_token == "</s>" and ours.eot_id == theirs.eos_token_id == 2
     assert ours.special_tokens["bos_token"] == "<s>"
     messages = [{"role": "user", "content": "café <|im_start|> ok"}]
-    assert apply_chat_template(ours, messages) == theirs.apply_chat_template(
+    assert ours.apply_chat_template(messages) == theirs.apply_chat_template(
         messages, tokenize=True, return_dict=False
     )
 

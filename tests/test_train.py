@@ -14,12 +14,12 @@ from conftest import TINY_CONFIGS
 
 from eqllm import CausalLM
 from eqllm.cli import main
-from eqllm.eval.evaluate import evaluate_run
+from eqllm.eval.evaluate import evaluate_run, heldout_of
 from eqllm.recipe import OptimSpec, Recipe
+from eqllm.runs import Checkpointer, RunFolder
 from eqllm.train import TrainStep, init_opt_state, make_optimizer, schedule
 from eqllm.train import loop as loop_mod
 from eqllm.train import report as report_mod
-from eqllm.train.checkpoint import Checkpointer
 from tests.reliability.harness import make_corpus
 from tests.reliability.harness import tiny_recipe as harness_recipe
 
@@ -150,7 +150,7 @@ def test_a_run_folder_loads_everywhere(env, tmp_path, capsys):
     # The loaded model is the one the run ended with: its validation loss equals the one the
     # run computed with the model in memory.
     data = loop_mod.prepare_data(recipe, progress=False)
-    val = evaluate_run(model, data, recipe, samples=False)["val"]
+    val = evaluate_run(model, heldout_of(data, recipe), recipe, tokenizer, samples=False)["val"]
     assert val["loss"] == result.summary["val"]["loss"]
     assert main(["convert", str(out), str(tmp_path / "hf")]) == 0
     capsys.readouterr()
@@ -175,9 +175,8 @@ def test_stop_and_resume_is_bit_exact(env, tmp_path):
     )
     assert resumed.step == 8
     assert losses(tmp_path / "a") == losses(tmp_path / "b")  # exact float equality
-    model = loop_mod.build_model(recipe, 257)
-    ma, _ = loop_mod.restore_model(tmp_path / "a" / "checkpoints", model, recipe)
-    mb, _ = loop_mod.restore_model(tmp_path / "b" / "checkpoints", model, recipe)
+    ma, _ = RunFolder(tmp_path / "a").load_model()
+    mb, _ = RunFolder(tmp_path / "b").load_model()
     for a, b in zip(
         jax.tree.leaves(eqx.filter(ma, eqx.is_array)),
         jax.tree.leaves(eqx.filter(mb, eqx.is_array)),
@@ -188,7 +187,11 @@ def test_stop_and_resume_is_bit_exact(env, tmp_path):
 
 @pytest.mark.parametrize(
     "module, phase",
-    [(loop_mod, "summarize"), (report_mod, "evaluate_run"), (report_mod, "write_report")],
+    [
+        (loop_mod, "summarize"),
+        pytest.param(report_mod, "evaluate_run", marks=pytest.mark.slow),
+        pytest.param(report_mod, "write_report", marks=pytest.mark.slow),
+    ],
     ids=["before-final-eval", "during-final-eval-and-samples", "during-report"],
 )
 def test_resume_at_the_last_step_finishes_the_run_folder(

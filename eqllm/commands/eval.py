@@ -10,10 +10,12 @@ import sys
 from pathlib import Path
 
 from eqllm.data import prepare
-from eqllm.eval.evaluate import evaluate_run, format_eval
+from eqllm.data.instruct import ChatFormat
+from eqllm.eval.evaluate import evaluate_run, format_eval, heldout_of
 from eqllm.hub import from_pretrained
 from eqllm.loading import load_run, run_folder_of
 from eqllm.recipe import RecipeError, load_recipe
+from eqllm.runs import RunFolder, RunFolderError
 
 
 def eval_command(args: argparse.Namespace) -> int:
@@ -25,16 +27,28 @@ def eval_command(args: argparse.Namespace) -> int:
         return _eval_pretrained(args)
     run_dir, step = run[0], args.step if args.step is not None else run[1]
     model, tokenizer, recipe, meta = load_run(run_dir, step, args.set or [])
-    data = prepare(
-        recipe.data.source.to_source(),
-        run_dir / "tokenizer.json",
-        cache_dir=recipe.data.cache_dir or None,
-        val_fraction=recipe.data.val_fraction,
-        seed=recipe.data.split_seed,
-        progress=True,
-    )
+    folder = RunFolder(run_dir)
+    heldout = folder.heldout()
+    if heldout is None:  # a folder written before it kept its held-out tokens: the data's
+        try:
+            recipe.check_inputs()
+        except RecipeError as e:
+            raise RunFolderError(
+                f"{run_dir} keeps no held-out tokens (an older run folder), so evaluating it "
+                f"reads the run's data, which is missing: {e} (or --set it to where it is now)"
+            ) from None
+        data = prepare(
+            recipe.data.source.to_source(),
+            run_dir / RunFolder.TOKENIZER_FILE,
+            cache_dir=recipe.data.cache_dir or None,
+            val_fraction=recipe.data.val_fraction,
+            seed=recipe.data.split_seed,
+            progress=True,
+        )
+        heldout = heldout_of(data, recipe)
+    chat = ChatFormat(tokenizer, folder.chat_template()) if folder.prompts_in_chat() else None
     print(f"evaluating {run_dir} at step {meta['step']}", file=sys.stderr)
-    result = evaluate_run(model, data, recipe, progress=True)
+    result = evaluate_run(model, heldout, recipe, tokenizer, chat=chat, progress=True)
     result["step"] = meta["step"]
     for line in format_eval(result):
         print(line)
@@ -63,7 +77,7 @@ def _eval_pretrained(args: argparse.Namespace) -> int:
             f"{model.config.vocab_size}; evaluate with the model's own tokenizer "
             f"(data.tokenizer={args.target!r})"
         )
-    result = evaluate_run(model, data, recipe)
+    result = evaluate_run(model, heldout_of(data, recipe), recipe, data.tokenizer)
     for line in format_eval(result):
         print(line)
     for text in result.get("samples", []):
@@ -117,7 +131,7 @@ def _eval_tasks(args: argparse.Namespace) -> int:
 def write_report_section(run_dir: Path, step: int, table: str) -> Path:
     """Add (or replace) the run's report.md section of harness scores at `step`."""
     heading = f"## lm-evaluation-harness, step {step}"
-    report = Path(run_dir) / "report.md"
+    report = RunFolder(run_dir).report_file
     text = report.read_text() if report.is_file() else ""
     section = f"{heading}\n\n(`eqllm eval` with `--tasks`)\n\n{table.strip()}\n"
     pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.S | re.M)

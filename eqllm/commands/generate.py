@@ -24,7 +24,7 @@ from eqllm.errors import EqllmError
 from eqllm.generation import GenerationError, sampling, stream
 from eqllm.model import CausalLM
 from eqllm.nn import quantize
-from eqllm.train.setup import setup_compile_cache
+from eqllm.resources import setup_compile_cache
 
 HELP = """commands:
   /temp T      temperature (0: greedy)      /topk K   top-k (0: off)

@@ -28,9 +28,9 @@ from eqllm.data.instruct import ChatFormat
 from eqllm.errors import EqllmError
 from eqllm.generation.placement import serving_mesh
 from eqllm.nn import quantize
+from eqllm.resources import setup_compile_cache
 from eqllm.serve import Engine
 from eqllm.serve.app import Service, create_app
-from eqllm.train.setup import setup_compile_cache
 
 
 def chat_format_of(spec: str, tokenizer: Tokenizer | None) -> ChatFormat | None:

@@ -12,8 +12,9 @@ and eqllm says so once (a logging warning). Rendering uses the sandboxed Jinja e
 transformers' `apply_chat_template` (trimmed blocks, `raise_exception`, `strftime_now`, a
 `tojson` that keeps non-ASCII, the `{% generation %}` tag) with the tokenizer's special tokens
 (`bos_token`, `eos_token`, ...) as variables; the text is then tokenized with special tokens
-recognised and none added. `apply_chat_template` is the one function every caller uses
-(fine-tuning data, `eqllm generate --chat`, evaluation, serving).
+recognised and none added. `Tokenizer.apply_chat_template` (`eqllm.data.tokenizer`), built on
+`render`, is the one function every caller uses (fine-tuning data, `eqllm generate --chat`,
+evaluation, serving). This module knows templates and files, not tokenizers.
 """
 
 from __future__ import annotations
@@ -24,16 +25,13 @@ import logging
 import os
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from eqllm.data.errors import DataError
-
-if TYPE_CHECKING:
-    from eqllm.data.tokenizer import Tokenizer
 
 log = logging.getLogger("eqllm.data.chat")
 
@@ -162,27 +160,6 @@ def render(
         keep_spacing = text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG
         text = text[:at] if keep_spacing else text[:at].rstrip()
     return text
-
-
-def apply_chat_template(
-    tokenizer: Tokenizer,
-    messages: Messages,
-    *,
-    add_generation_prompt: bool = False,
-    continue_final_message: bool = False,
-    template: str | None = None,
-    tokenize: bool = True,
-) -> list[int] | str:
-    """The ids (or, with `tokenize=False`, the text) of a conversation as transformers'
-    `apply_chat_template` gives them: `template`, else the tokenizer's own, else the default."""
-    text = render(
-        template_or_default(template or tokenizer.chat_template),
-        messages,
-        special_tokens=tokenizer.special_tokens,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
-    )
-    return tokenizer.encode_with_specials(text) if tokenize else text
 
 
 def write_chat_template(template: str | None, folder: str | os.PathLike) -> None:

@@ -205,10 +205,10 @@ class InstructionData:
     def val(self) -> np.ndarray:
         return _flat(self.val_rows, self.val_mask)
 
-    def batch_at(self, step: int, *, seed: int, batch_size: int) -> tuple[np.ndarray, ...]:
-        """(tokens, mask) of step `step`: rows of a seeded permutation per epoch, so a pure
-        function of (seed, step) as the token batches are. Packed rows add their segment ids:
-        (tokens, mask, segment_ids)."""
+    def batch_at(self, step: int, *, seed: int, batch_size: int) -> dict[str, np.ndarray]:
+        """Step `step`'s rows as the train step takes them: {"tokens", "mask"}, rows of a
+        seeded permutation per epoch, so a pure function of (seed, step) as the token batches
+        are. Packed rows add their "segment_ids"."""
         n = len(self.rows)
         index = np.arange(step * batch_size, (step + 1) * batch_size)
         epochs, within = np.divmod(index, n)
@@ -216,9 +216,10 @@ class InstructionData:
         for epoch in np.unique(epochs):
             order = np.random.default_rng([seed, int(epoch)]).permutation(n)
             picks[epochs == epoch] = order[within[epochs == epoch]]
+        batch = {"tokens": self.rows[picks], "mask": self.mask[picks]}
         if self.segment_ids is not None:
-            return self.rows[picks], self.mask[picks], self.segment_ids[picks]
-        return self.rows[picks], self.mask[picks]
+            batch["segment_ids"] = self.segment_ids[picks]
+        return batch
 
 
 def _flat(rows: np.ndarray, mask: np.ndarray) -> np.ndarray:

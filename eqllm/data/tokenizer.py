@@ -29,7 +29,7 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from .chat import read_chat_template, write_chat_template
+from .chat import Messages, read_chat_template, render, template_or_default, write_chat_template
 from .errors import DataError, DataNotFound
 from .sentencepiece import load_sentencepiece
 
@@ -269,6 +269,27 @@ class Tokenizer:
             self._with_specials = tokenizers.Tokenizer.from_str(self.hf.to_str())
             self._with_specials.encode_special_tokens = False
         return self._with_specials.encode(text, add_special_tokens=False).ids
+
+    def apply_chat_template(
+        self,
+        messages: Messages,
+        *,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
+        template: str | None = None,
+        tokenize: bool = True,
+    ) -> list[int] | str:
+        """The ids (or, with `tokenize=False`, the text) of a conversation as transformers'
+        `apply_chat_template` gives them: `template`, else this tokenizer's own, else the
+        default (`eqllm.data.chat`)."""
+        text = render(
+            template_or_default(template or self.chat_template),
+            messages,
+            special_tokens=self.special_tokens,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+        return self.encode_with_specials(text) if tokenize else text
 
     def with_chat_template(self, template: str | None) -> Tokenizer:
         """The same tokenizer with another chat template (None: the default)."""

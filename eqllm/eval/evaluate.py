@@ -1,54 +1,99 @@
-"""The end-of-run evaluation: validation, the unigram baseline, extra sources and samples."""
+"""The end-of-run evaluation: validation, the unigram baseline, extra sources and samples.
+
+What a run scores is its `eqllm.runs.HeldOut` (written into the run folder when it starts), so
+`eqllm eval` of a run folder gives the numbers the run gave, with or without its data.
+"""
 
 from __future__ import annotations
 
 import jax
 
 from eqllm.data import MixtureData, TokenData, Tokenizer, prepare
-from eqllm.data.instruct import InstructionData
+from eqllm.data.instruct import ChatFormat, InstructionData
 from eqllm.data.prompts import PromptData
 from eqllm.eval.metrics import evaluate_tokens, loss_report, unigram_loss
 from eqllm.generation import generate_batch
 from eqllm.model import CausalLM
 from eqllm.recipe import Recipe, RecipeError
+from eqllm.runs import HeldOut, HeldOutSource
 
 
 def eval_batch_size(recipe: Recipe) -> int:
     return recipe.eval.batch_size or recipe.train.batch_size
 
 
+def heldout_of(
+    data: TokenData | MixtureData | InstructionData | PromptData, recipe: Recipe
+) -> HeldOut:
+    """What the run's evaluations score (`eqllm.runs.HeldOut`): the validation tokens they read,
+    bytes per token, the unigram baseline and a mixture's sources, from the prepared data."""
+    seq_len, bs, batches = recipe.data.seq_len, eval_batch_size(recipe), recipe.eval.batches
+    kept = dict(batch_size=bs, seq_len=seq_len, batches=batches)
+    val = data.val
+    unigram = None
+    if val.shape[0] > seq_len:
+        unigram = unigram_loss(data.train, val, data.tokenizer.vocab_size)
+    sources = {}
+    if isinstance(data, MixtureData):  # each source of a mixture on its own validation split
+        for label, source in zip(data.labels, data.sources, strict=True):
+            sources[label] = HeldOutSource(
+                HeldOut.evaluated(source.val, **kept), source.bytes_per_token("val")
+            )
+    bpt = data.bytes_per_token("val") if val.shape[0] > seq_len else 0.0
+    return HeldOut(HeldOut.evaluated(val, **kept), bpt, unigram, sources)
+
+
+def evaluate_heldout(model: CausalLM, heldout: HeldOut, recipe: Recipe) -> dict:
+    """Validation loss/perplexity/bpb and the unigram baseline (``val``, ``unigram``), and each
+    mixture source's (``sources``), over the held-out tokens; {} when they hold no window."""
+    seq_len, bs = recipe.data.seq_len, eval_batch_size(recipe)
+    max_batches = recipe.eval.batches or None
+    result: dict = {}
+    if heldout.tokens.shape[0] > seq_len:
+        loss, n = evaluate_tokens(
+            model, heldout.tokens, batch_size=bs, seq_len=seq_len, max_batches=max_batches
+        )
+        bpt = heldout.bytes_per_token
+        result["val"] = {**loss_report(loss, bpt), "tokens": n}
+        if heldout.unigram_loss is not None:
+            result["unigram"] = loss_report(heldout.unigram_loss, bpt)
+    for label, source in heldout.sources.items():
+        if source.tokens.shape[0] <= seq_len:
+            continue
+        loss, n = evaluate_tokens(
+            model, source.tokens, batch_size=bs, seq_len=seq_len, max_batches=max_batches
+        )
+        result.setdefault("sources", {})[label] = {
+            **loss_report(loss, source.bytes_per_token),
+            "tokens": n,
+        }
+    return result
+
+
 def evaluate_run(
     model: CausalLM,
-    data: TokenData | InstructionData | PromptData,
+    heldout: HeldOut,
     recipe: Recipe,
+    tokenizer: Tokenizer,
     *,
+    chat: ChatFormat | None = None,
     samples: bool = True,
     progress: bool = False,
 ) -> dict:
     """Validation loss/perplexity/bpb, the unigram baseline, extra sources and samples.
 
     Returns a JSON-ready dict: ``val`` (loss, perplexity, bpb, tokens), ``unigram`` (loss, bpb),
-    ``extra`` (per source label), ``samples`` (list of texts).
+    ``sources`` (a mixture's, per label), ``extra`` (per source label), ``samples`` (list of
+    texts; the prompts as user turns in the `chat` format when one is given).
     """
     seq_len, bs = recipe.data.seq_len, eval_batch_size(recipe)
     max_batches = recipe.eval.batches or None
-    result: dict = {}
-    if data.val.shape[0] > seq_len:
-        loss, n = evaluate_tokens(
-            model, data.val, batch_size=bs, seq_len=seq_len, max_batches=max_batches
-        )
-        bpt = data.bytes_per_token("val")
-        result["val"] = {**loss_report(loss, bpt), "tokens": n}
-        uni = unigram_loss(data.train, data.val, data.tokenizer.vocab_size)
-        result["unigram"] = loss_report(uni, bpt)
-    if isinstance(data, MixtureData):  # each source of a mixture on its own validation split
-        for label, loss, n, bpt in source_losses(model, data, recipe):
-            result.setdefault("sources", {})[label] = {**loss_report(loss, bpt), "tokens": n}
+    result = evaluate_heldout(model, heldout, recipe)
     for i, spec in enumerate(recipe.eval.extra_sources):
         label = spec.label or spec.path or spec.name or f"extra{i}"
         extra = prepare(
             spec.to_source(),
-            data.tokenizer,
+            tokenizer,
             cache_dir=recipe.data.cache_dir or None,
             val_fraction=0.0,
             progress=progress,
@@ -61,20 +106,24 @@ def evaluate_run(
             "tokens": n,
         }
     if samples and recipe.eval.sample_prompts and recipe.eval.sample_tokens:
-        result["samples"] = recipe_samples(model, data, recipe)
+        result["samples"] = recipe_samples(model, tokenizer, recipe, chat)
     return result
 
 
 def recipe_samples(
-    model: CausalLM, data: TokenData | InstructionData | PromptData, recipe: Recipe
+    model: CausalLM, tokenizer: Tokenizer, recipe: Recipe, chat: ChatFormat | None = None
 ) -> list:
-    """Samples for the recipe's eval.sample_prompts (as user turns, for instruction data)."""
+    """Samples for the recipe's eval.sample_prompts (as user turns in the `chat` format when
+    one is given: a model fine-tuned on chats is asked in chat form)."""
     prompts = list(recipe.eval.sample_prompts)
-    if isinstance(data, InstructionData):  # fine-tuned on instructions: ask in chat form
-        prompts = [data.chat_prompt(p) for p in prompts]
+    if chat is not None:
+        prompts = [
+            chat.render([{"role": "user", "content": p}], add_generation_prompt=True)
+            for p in prompts
+        ]
     return sample_texts(
         model,
-        data.tokenizer,
+        tokenizer,
         prompts,
         max_new_tokens=recipe.eval.sample_tokens,
         key=jax.random.key(recipe.train.seed),
@@ -118,25 +167,6 @@ def sample_texts(
         ids = [int(t) for t in new if t != tokenizer.eot_id]
         texts.append(prompt + tokenizer.decode(ids))
     return texts
-
-
-def source_losses(model: CausalLM, data: MixtureData, recipe: Recipe) -> list[tuple]:
-    """(label, mean validation loss, tokens scored, bytes per token) of each mixture source
-    whose validation split holds more than one window."""
-    seq_len, bs = recipe.data.seq_len, eval_batch_size(recipe)
-    out = []
-    for label, source in zip(data.labels, data.sources, strict=True):
-        if source.val.shape[0] <= seq_len:
-            continue
-        loss, n = evaluate_tokens(
-            model,
-            source.val,
-            batch_size=bs,
-            seq_len=seq_len,
-            max_batches=recipe.eval.batches or None,
-        )
-        out.append((label, loss, n, source.bytes_per_token("val")))
-    return out
 
 
 def format_eval(result: dict) -> list[str]:

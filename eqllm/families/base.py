@@ -85,6 +85,10 @@ class Family:
             head counts); a key the file sets, even to null, keeps the file's value.
         skip_extra_layers: checkpoints may hold layers numbered from num_hidden_layers on
             (DeepSeek's multi-token-prediction layers), which import skips with a message.
+        gguf: llama.cpp's architecture (GGUF `general.architecture`) the family is written
+            as (`eqllm.hub.save_gguf`); None: eqllm writes no GGUF file for it.
+        gguf_refuses: settings of a config that architecture cannot hold: returns the
+            offending {path: value} (empty when the model can be written).
     """
 
     name: str
@@ -101,6 +105,8 @@ class Family:
     layouts: tuple[tuple[Row, ...], ...] = ()
     defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     skip_extra_layers: bool = False
+    gguf: str | None = None
+    gguf_refuses: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: {}
 
     @property
     def embed_name(self) -> str:

@@ -55,4 +55,5 @@ FAMILY = Family(
     to_hf=to_hf,
     from_hf=from_hf,
     check=one_attention_bias,
+    gguf="llama",
 )

@@ -32,6 +32,13 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def gguf_refuses(cfg: ModelConfig) -> dict[str, Any]:
+    """llama.cpp's "llama" architecture has no sliding window: only a Mistral without one (every
+    position attending to all before it) is the same model written as Llama."""
+    window = cfg.attention.sliding_window
+    return {} if window is None else {"attention.sliding_window": window}
+
+
 FAMILY = Family(
     name="mistral",
     released="2023-09",
@@ -49,4 +56,6 @@ FAMILY = Family(
     hf_keys=LLAMA_KEYS | {"sliding_window"},
     to_hf=to_hf,
     from_hf=from_hf,
+    gguf="llama",
+    gguf_refuses=gguf_refuses,
 )

@@ -51,4 +51,5 @@ FAMILY = Family(
     | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
     to_hf=to_hf,
     from_hf=from_hf,
+    gguf="qwen2",
 )

@@ -28,7 +28,7 @@ from lm_eval.models.utils import (
 )
 from tqdm import tqdm
 
-from eqllm.data import Tokenizer, chat
+from eqllm.data import Tokenizer
 from eqllm.data.chat import template_or_default
 from eqllm.errors import EqllmError
 from eqllm.harness import scoring
@@ -282,8 +282,7 @@ class EqllmLM(TemplateLM):
         score a continuation) the text ending inside the last message; a template that refuses
         the system role is retried without it."""
         render = functools.partial(
-            chat.apply_chat_template,
-            self.eqllm_tokenizer,
+            self.eqllm_tokenizer.apply_chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=not add_generation_prompt,
             tokenize=False,

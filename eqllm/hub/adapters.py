@@ -171,6 +171,21 @@ def read_adapter_config(folder: Path) -> dict[str, Any]:
     return config
 
 
+def _check_base_copy(file: Path, name: str, tensors: dict, base: Linear, row: Row) -> None:
+    """peft saves the base weights of an adapted output layer (`lm_head`) with the adapter; eqllm
+    applies adapters to the model's own weights, so the copy must be those weights."""
+    own = np.asarray(base.weight, np.float32)
+    copy = tensors[name].astype(np.float32)
+    if row.conv1d:
+        copy = copy.T
+    if copy.shape != own.shape or not np.array_equal(copy, own):
+        raise LoraError(
+            f"{file}: {name} {list(copy.shape)} is not the base model's {row.hf} "
+            f"{list(own.shape)} (an adapter trained with other output weights, a resized "
+            "vocabulary?); load it on the base model it was made for"
+        )
+
+
 def load_adapter(model: CausalLM, directory: str | os.PathLike) -> CausalLM:
     """`model` with the PEFT adapter in `directory` applied (any rank, alpha, targets).
 
@@ -207,6 +222,9 @@ def load_adapter(model: CausalLM, directory: str | os.PathLike) -> CausalLM:
         for _, module in instances:
             a, b = tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"]
             used.update({f"{module}.lora_A.weight", f"{module}.lora_B.weight"})
+            if f"{module}.base_layer.weight" in tensors and len(bases) == 1 and not row.layered:
+                _check_base_copy(file, f"{module}.base_layer.weight", tensors, bases[0], row)
+                used.add(f"{module}.base_layer.weight")
             d_in = bases[0].weight.shape[-1]
             d_out = sum(x.weight.shape[-2] for x in bases)
             if a.ndim != 2 or b.ndim != 2 or a.shape[1] != d_in or b.shape != (d_out, a.shape[0]):

@@ -13,8 +13,11 @@ translation stay the one source of truth:
   float32, undoes the permutation, rebuilds config.json and the tokenizer (BPE "gpt2" or
   SentencePiece "llama" vocabularies) for the ordinary loader.
 
-Architectures: llama (eqllm's llama and, without a sliding window, mistral), qwen2 and qwen3,
-the Llama-layout families llama.cpp and transformers' GGUF loader share.
+Architectures: each family names the one it is written as (`eqllm.families.Family.gguf`, and
+what that architecture cannot hold, `gguf_refuses`): llama (eqllm's llama and, without a sliding
+window, mistral), qwen2 and qwen3, the Llama-layout families llama.cpp and transformers' GGUF
+loader share. A file is read back as the family whose Hugging Face model_type is llama.cpp's
+architecture name.
 """
 
 from __future__ import annotations
@@ -27,14 +30,15 @@ from typing import Any
 
 import numpy as np
 
+from eqllm import families
 from eqllm.config import ConfigError
 from eqllm.data.sentencepiece import spm_bpe
 from eqllm.data.tokenizer import Tokenizer
 from eqllm.hub.files import CheckpointError
 
-# eqllm family -> GGUF architecture (general.architecture).
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# llama.cpp's architectures whose q/k projection rows it stores in its own rotary order
+# (convert_hf_to_gguf.py's LlamaModel permutes them; Qwen2's and Qwen3's keep transformers').
+_PERMUTED_QK = frozenset({"llama"})
 TYPES = ("f32", "f16", "bf16", "q8_0")
 _NAMES = [  # Hugging Face tensor name -> llama.cpp's
     (r"model\.embed_tokens\.weight", "token_embd.weight"),
@@ -97,15 +101,34 @@ def _unpermute(w: np.ndarray, n_head: int, n_kv: int) -> np.ndarray:
 # Writing ----------------------------------------------------------------------------------
 
 
+def _written() -> list[str]:
+    """The families eqllm writes as GGUF files."""
+    return [name for name in families.names() if families.get(name).gguf is not None]
+
+
+def _model_types() -> dict[str, str]:
+    """GGUF architecture -> the Hugging Face model_type a file of it is read back as: the
+    family written under its own model_type's name."""
+    found = (families.get(name) for name in families.names())
+    return {f.gguf: f.model_type for f in found if f.gguf is not None and f.gguf == f.model_type}
+
+
 def check_exportable(cfg, type: str) -> None:
     """Raise unless a model of config `cfg` can be written as a GGUF file of `type`."""
     if type not in TYPES:
         raise ConfigError(f"GGUF --type {type!r} is not supported; use one of {list(TYPES)}")
-    windowed = cfg.attention.sliding_window is not None
-    if cfg.family not in ARCHITECTURES or (cfg.family == "mistral" and windowed):
+    family = families.get(cfg.family)
+    if family.gguf is None:
         raise ConfigError(
             f"a {cfg.family} model has no GGUF architecture eqllm writes (families "
-            f"{sorted(ARCHITECTURES)}; mistral without a sliding window)"
+            f"{', '.join(_written())}); convert it to a Hugging Face folder instead"
+        )
+    wrong = family.gguf_refuses(cfg)
+    if wrong:
+        settings = ", ".join(f"{k}={v!r}" for k, v in wrong.items())
+        raise ConfigError(
+            f"{settings}: GGUF architecture {family.gguf!r} cannot hold it, so this {cfg.family} "
+            "model cannot be written as GGUF; convert it to a Hugging Face folder instead"
         )
     if (scaling := cfg.positions.scaling) is not None:
         raise ConfigError(
@@ -122,7 +145,7 @@ def folder_to_gguf(folder: Path, path: Path, cfg, tokenizer: Tokenizer | None, t
     from safetensors.numpy import load_file
 
     hf = json.loads((folder / "config.json").read_text())
-    arch = ARCHITECTURES[cfg.family]
+    arch = families.get(cfg.family).gguf
     qtype = {
         "f32": gguf.GGMLQuantizationType.F32,
         "f16": gguf.GGMLQuantizationType.F16,
@@ -154,9 +177,9 @@ def folder_to_gguf(folder: Path, path: Path, cfg, tokenizer: Tokenizer | None, t
     n_head, n_kv = hf["num_attention_heads"], hf["num_key_value_heads"]
     for name, array in tensors.items():
         array = array.astype(np.float32)
-        if arch == "llama" and ".self_attn.q_proj." in name:
+        if arch in _PERMUTED_QK and ".self_attn.q_proj." in name:
             array = _permute(array, n_head, n_head)
-        elif arch == "llama" and ".self_attn.k_proj." in name:
+        elif arch in _PERMUTED_QK and ".self_attn.k_proj." in name:
             array = _permute(array, n_head, n_kv)
         target, raw = _encode(array, qtype, gguf)
         writer.add_tensor(_rename(name, _NAMES), target, raw_dtype=raw)
@@ -242,10 +265,11 @@ def gguf_to_folder(path: str | os.PathLike, folder: str | os.PathLike) -> Tokeni
         return default if f is None else f.contents()
 
     arch = field("general.architecture")
-    if arch not in _MODEL_TYPES:
+    model_types = _model_types()
+    if arch not in model_types:
         raise CheckpointError(
             f"{path}: GGUF architecture {arch!r} is not supported; eqllm reads "
-            f"{sorted(_MODEL_TYPES)}"
+            f"{sorted(model_types)}"
         )
     n_head = int(field(f"{arch}.attention.head_count"))
     n_kv = int(field(f"{arch}.attention.head_count_kv", n_head))
@@ -255,15 +279,15 @@ def gguf_to_folder(path: str | os.PathLike, folder: str | os.PathLike) -> Tokeni
     for t in reader.tensors:
         array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         array = array.reshape(tuple(int(n) for n in reversed(t.shape)))
-        if arch == "llama" and ".attn_q." in t.name:
+        if arch in _PERMUTED_QK and ".attn_q." in t.name:
             array = _unpermute(array, n_head, n_head)
-        elif arch == "llama" and ".attn_k." in t.name:
+        elif arch in _PERMUTED_QK and ".attn_k." in t.name:
             array = _unpermute(array, n_head, n_kv)
         tensors[_rename(t.name, _FROM_GGUF)] = np.ascontiguousarray(array)
     vocab = tensors["model.embed_tokens.weight"].shape[0]
     config = {
         "architectures": [f"{arch.capitalize()}ForCausalLM"],
-        "model_type": _MODEL_TYPES[arch],
+        "model_type": model_types[arch],
         "vocab_size": vocab,
         "hidden_size": d,
         "intermediate_size": int(field(f"{arch}.feed_forward_length")),

@@ -45,7 +45,7 @@ from eqllm.hub.folders import (
     weight_files,
     zoo_match,
 )
-from eqllm.hub.gguf import folder_to_gguf, gguf_to_folder, is_gguf
+from eqllm.hub.gguf import check_exportable, folder_to_gguf, gguf_to_folder, is_gguf
 from eqllm.hub.mxfp4 import dequantize
 from eqllm.hub.tables import (
     BUFFERS,
@@ -380,6 +380,7 @@ def save_gguf(
 ) -> Path:
     """Write `model` (and `tokenizer`, with its chat template) as a GGUF file whose 2-D weights
     are `type` ('f32', 'f16', 'bf16' or 'q8_0'); llama.cpp and ollama run it."""
+    check_exportable(model.config, type)  # before writing anything
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(model, tmp, dtype="float32")
         return folder_to_gguf(Path(tmp), Path(path), model.config, tokenizer, type)

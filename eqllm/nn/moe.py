@@ -203,7 +203,7 @@ class MoE(eqx.Module):
 
     @property
     def n_experts(self) -> int:
-        return self.router.weight.shape[-2]
+        return self.gate.weight.shape[-3]  # not the router's: it may be wrapped (LoRA)
 
     def route(
         self, x: Float[Array, "rows d_model"]

@@ -11,10 +11,19 @@ what is allowed.
     recipe.train.steps  # 50
 """
 
+from eqllm.recipe.corpus import prepare_corpus
 from eqllm.recipe.errors import RecipeError
-from eqllm.recipe.load import load_recipe, parse_value, recipe_names, recipe_path
+from eqllm.recipe.load import (
+    apply_overrides,
+    load_recipe,
+    parse_value,
+    recipe_names,
+    recipe_path,
+)
 from eqllm.recipe.sections import (
+    PREFERENCE_LOSSES,
     DataSpec,
+    DistillSpec,
     EvalSpec,
     FinetuneMethod,
     FinetuneSpec,
@@ -29,11 +38,19 @@ from eqllm.recipe.sections import (
     TrainSpec,
     WeightStage,
 )
-from eqllm.recipe.spec import RUN_LENGTH, Recipe, finetune_data_path, preference_data_source
+from eqllm.recipe.spec import (
+    RUN_LENGTH,
+    Recipe,
+    finetune_data_path,
+    implied_objective,
+    preference_data_source,
+)
 
 __all__ = [
     "RUN_LENGTH",
+    "PREFERENCE_LOSSES",
     "DataSpec",
+    "DistillSpec",
     "EvalSpec",
     "FinetuneMethod",
     "FinetuneSpec",
@@ -51,7 +68,10 @@ __all__ = [
     "TrainSpec",
     "finetune_data_path",
     "preference_data_source",
+    "apply_overrides",
+    "implied_objective",
     "load_recipe",
+    "prepare_corpus",
     "parse_value",
     "recipe_names",
     "recipe_path",

@@ -52,6 +52,19 @@ def load_recipe(
     except tomllib.TOMLDecodeError as e:
         raise RecipeError(f"{path}: not valid TOML: {e}") from None
     values.setdefault("name", path.stem)
+    apply_overrides(values, overrides)
+    try:
+        return Recipe.from_dict(values)
+    except RecipeError as e:
+        raise RecipeError(f"{path.name}: {e}") from None
+
+
+def apply_overrides(values: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> None:
+    """Apply `key=value` overrides to plain recipe values, in place.
+
+    An override of train.steps, train.tokens or train.tokens_per_param replaces the length of
+    training the values give (the other two are dropped).
+    """
     parsed = []
     for item in overrides:
         key, sep, text = item.partition("=")
@@ -64,10 +77,6 @@ def load_recipe(
         clear_run_length(values)
     for key, value in parsed:
         set_path(values, key, value)
-    try:
-        return Recipe.from_dict(values)
-    except RecipeError as e:
-        raise RecipeError(f"{path.name}: {e}") from None
 
 
 def parse_value(text: str) -> Any:

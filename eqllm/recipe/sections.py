@@ -23,7 +23,9 @@ Precision = Literal["float32", "bfloat16"]
 SourceKind = Literal["stdlib", "files", "jsonl", "hf"]
 FinetuneMethod = Literal["none", "lora", "full"]
 PackMethod = Literal["none", "first-fit", "best-fit"]
-PreferenceLoss = Literal["dpo", "ipo", "simpo"]
+# What a run trains (`eqllm.train.objectives`); "" in a recipe: the one its data sections imply.
+ObjectiveName = Literal["", "lm", "sft", "dpo", "ipo", "simpo", "grpo", "distill"]
+PREFERENCE_LOSSES = ("dpo", "ipo", "simpo")
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]
@@ -191,7 +193,8 @@ class PreferenceSpec:
     split: the dataset's split to read (datasets only).
     prompt_field, chosen_field, rejected_field: the columns (or JSON keys) holding the prompt
         and the two responses.
-    loss: "dpo", "ipo" or "simpo".
+    loss: "dpo", "ipo" or "simpo": the same as train.objective, which names it ("" follows
+        train.objective; a recipe that sets neither trains "dpo").
     beta: the losses' inverse temperature (IPO's tau).
     label_smoothing: conservative DPO's (and SimPO's) probability that a label is flipped.
     gamma: SimPO's target reward margin.
@@ -202,7 +205,7 @@ class PreferenceSpec:
     prompt_field: Str = "prompt"
     chosen_field: Str = "chosen"
     rejected_field: Str = "rejected"
-    loss: PreferenceLoss = "dpo"
+    loss: Literal["", "dpo", "ipo", "simpo"] = ""
     beta: Annotated[Float, Field(gt=0)] = 0.1
     label_smoothing: Annotated[Float, Field(ge=0, lt=0.5)] = 0.0
     gamma: Annotated[Float, Field(ge=0)] = 0.5
@@ -239,6 +242,26 @@ class RLSpec:
     max_new_tokens: Positive = 16
     temperature: Annotated[Float, Field(gt=0)] = 1.0
     inner_updates: Positive = 1
+
+
+@typing.no_type_check  # pydantic checks the fields
+@section
+class DistillSpec:
+    """Knowledge distillation from a teacher (train.objective "distill"; docs/post-training.md).
+
+    teacher: any model eqllm loads (a run folder, an eqllm or Hugging Face folder, a hub repo
+        id, a zoo name) with the student's tokenizer; "" for none.
+    temperature: both distributions are softened by it; the KL term is multiplied by its
+        square, so its gradient keeps its scale (Hinton et al., 2015).
+    ce_weight: the share of the data's cross entropy in the loss (0: the KL term alone).
+    top_k: take the KL over the teacher's k most likely tokens (teacher renormalised over
+        them); 0: the whole vocabulary.
+    """
+
+    teacher: Str = ""
+    temperature: Annotated[Float, Field(gt=0)] = 1.0
+    ce_weight: Annotated[Float, Field(ge=0, le=1)] = 0.0
+    top_k: Count = 0
 
 
 @typing.no_type_check  # pydantic checks the fields
@@ -285,6 +308,11 @@ class TrainSpec:
         ~/.cache/eqllm/jax, "off" to disable it.
     skip_nonfinite: how many steps with a non-finite loss or gradient to skip (not applied,
         logged) before the run stops at the next one; 0 stops at the first.
+    objective: what the run minimises: "lm" (next-token cross entropy on data.source), "sft"
+        (finetune.data), "dpo" / "ipo" / "simpo" (preference.data), "grpo" (rl.data),
+        "distill" (distill.teacher on data.source). Left out, the recipe's data sections name
+        it (rl.data: grpo, preference.data: its loss, finetune.data: sft, else lm), and the
+        run folder's config.toml records it.
     """
 
     batch_size: Positive = 16
@@ -302,6 +330,7 @@ class TrainSpec:
     keep_checkpoints: Positive = 3
     compile_cache: Str = ""
     skip_nonfinite: Count = 0
+    objective: ObjectiveName = ""
 
 
 @typing.no_type_check  # pydantic checks the fields

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import math
 import typing
@@ -9,14 +10,23 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import tomli_w
-from pydantic import BeforeValidator, Field, TypeAdapter, ValidationError
+from pydantic import (
+    BeforeValidator,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 
 from eqllm import zoo
 from eqllm.config import ConfigError, ModelConfig, show, validated
 from eqllm.recipe.errors import RecipeError, recipe_error
 from eqllm.recipe.sections import (
     CONFIG,
+    PREFERENCE_LOSSES,
     DataSpec,
+    DistillSpec,
     EvalSpec,
     FinetuneSpec,
     ModelSpec,
@@ -58,17 +68,22 @@ class Recipe:
     finetune: FinetuneSpec = Field(default_factory=FinetuneSpec)
     preference: PreferenceSpec = Field(default_factory=PreferenceSpec)
     rl: RLSpec = Field(default_factory=RLSpec)
+    distill: DistillSpec = Field(default_factory=DistillSpec)
     mesh: Annotated[MeshConfig, BeforeValidator(_strict_mesh)] = Field(default_factory=MeshConfig)
     name: Str = ""
     description: Str = ""
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> Recipe:
-        """The recipe these plain values (a parsed TOML file) describe, checked."""
+    def from_dict(cls, values: dict[str, Any], *, inputs: bool = True) -> Recipe:
+        """The recipe these plain values (a parsed TOML file) describe, checked.
+
+        `inputs` False leaves out the checks of the outside world (data and tokenizer paths):
+        how a run folder's saved recipe is read on a machine that has none of its data.
+        """
         if not isinstance(values, dict):
             raise RecipeError(f"the recipe must be a table, got {show(values)}")
         try:
-            return _ADAPTER.validate_python(values)
+            return _ADAPTER.validate_python(values, context={"inputs": inputs})
         except ValidationError as e:
             raise recipe_error(e, cls) from None
 
@@ -138,11 +153,16 @@ class Recipe:
 
     # Checks that span sections or read the outside world --------------------------------------
 
-    def __post_init__(self) -> None:  # runs after pydantic's field checks
-        self.check()
+    @model_validator(mode="after")
+    def _checked(self, info: ValidationInfo) -> Recipe:  # after pydantic's field checks
+        self.check(inputs=(info.context or {}).get("inputs", True))
+        return self
 
-    def check(self) -> None:
-        """Checks that need several fields, the zoo or the file system (run at construction)."""
+    def check(self, *, inputs: bool = True) -> None:
+        """Checks that need several fields or the zoo (run at construction), and with `inputs`
+        those of the data and tokenizer paths. Names the objective when the recipe leaves
+        train.objective empty (`_resolve_objective`)."""
+        self._resolve_objective()
         t, d = self.train, self.data
         for key, where in _FROM_TRAIN.items():
             if key in self.model.overrides:
@@ -195,9 +215,10 @@ class Recipe:
                 "data.reset_positions=true restarts positions at each document, but no documents "
                 "are marked: set data.document_mask=true (or finetune.pack for finetune.data)"
             )
+        _check_objective(self)
         _check_finetune(self)
-        _check_tokenizer(d.tokenizer)
-        _check_source(d.source, "data.source")
+        if inputs:
+            self.check_inputs()
         labels = set()
         for i, spec in enumerate(d.sources):
             key = f"data.sources[{i}]" + (f" ({spec.label!r})" if spec.label else "")
@@ -206,7 +227,6 @@ class Recipe:
                     f"{key}.weight={spec.weight} must be > 0: it is the source's share of the "
                     "training rows; remove the source or give it a positive weight"
                 )
-            _check_source(spec, key)
             label = source_label(spec, i)
             if label in labels:
                 raise RecipeError(f"{key}: label {label!r} is used twice; give each a label")
@@ -225,8 +245,35 @@ class Recipe:
                     "steps"
                 )
             last = stage.step
+
+    def check_inputs(self) -> None:
+        """The data and tokenizer the recipe names exist (the outside world: a run folder's
+        saved recipe is read without these checks)."""
+        d = self.data
+        _check_data_files(self)
+        _check_tokenizer(d.tokenizer)
+        _check_source(d.source, "data.source")
+        for i, spec in enumerate(d.sources):
+            key = f"data.sources[{i}]" + (f" ({spec.label!r})" if spec.label else "")
+            _check_source(spec, key)
         for i, extra in enumerate(self.eval.extra_sources):
             _check_source(extra, f"eval.extra_sources[{i}]")
+
+    def _resolve_objective(self) -> None:
+        """Fill train.objective (and preference.loss) of a recipe that leaves them empty: the
+        objective is the one its data sections imply (`implied_objective`), so recipes and
+        run folders written before train.objective existed read as they trained."""
+        t, p = self.train, self.preference
+        objective = t.objective or implied_objective(self)
+        if objective in PREFERENCE_LOSSES and p.loss != objective:
+            if p.loss:
+                raise RecipeError(
+                    f"train.objective={objective!r} and preference.loss={p.loss!r} disagree; "
+                    "train.objective names the loss: drop preference.loss"
+                )
+            object.__setattr__(self, "preference", dataclasses.replace(p, loss=objective))
+        if objective != t.objective:
+            object.__setattr__(self, "train", dataclasses.replace(t, objective=objective))
 
 
 _ADAPTER = TypeAdapter(Recipe)
@@ -237,6 +284,45 @@ def _get(recipe: Recipe, path: str) -> Any:
     return getattr(getattr(recipe, section), key)
 
 
+def implied_objective(recipe: Recipe) -> str:
+    """The objective a recipe without train.objective trains: GRPO with rl.data, the
+    preference loss with preference.data, "sft" with finetune.data, else "lm"."""
+    if recipe.rl.data:
+        return "grpo"
+    if recipe.preference.data:
+        return recipe.preference.loss or "dpo"
+    if recipe.finetune.data:
+        return "sft"
+    return "lm"
+
+
+# What each objective reads: the section and key it needs, and the ones it leaves empty.
+_NEEDS = {
+    "lm": None,
+    "sft": "finetune.data",
+    "dpo": "preference.data",
+    "ipo": "preference.data",
+    "simpo": "preference.data",
+    "grpo": "rl.data",
+    "distill": "distill.teacher",
+}
+
+
+def _check_objective(recipe: Recipe) -> None:
+    """train.objective against the sections: the data it needs is given, no other's is."""
+    objective = recipe.train.objective
+    needs = _NEEDS[objective]
+    if needs is not None and not _get(recipe, needs):
+        raise RecipeError(f"train.objective={objective!r} needs {needs}; set it")
+    for other in ("finetune.data", "preference.data", "rl.data", "distill.teacher"):
+        if other != needs and _get(recipe, other):
+            raise RecipeError(
+                f"{other}={_get(recipe, other)!r} with train.objective={objective!r}: a run "
+                f"trains one objective; leave {other} empty"
+                + ("" if objective != "lm" else " or set train.objective")
+            )
+
+
 def _check_rl(recipe: Recipe) -> None:
     r = recipe.rl
     if not r.data:
@@ -245,16 +331,6 @@ def _check_rl(recipe: Recipe) -> None:
         raise RecipeError(
             f"rl.data={r.data!r} needs model.init_from: the starting model (and its tokenizer) "
             "that RL improves"
-        )
-    if recipe.finetune.data or recipe.preference.data:
-        raise RecipeError(
-            f"rl.data={r.data!r} with finetune.data or preference.data: a run trains one "
-            "objective; leave the others empty"
-        )
-    if finetune_data_path(r.data) is None:
-        raise RecipeError(
-            f"rl.data={r.data!r} does not exist (in the working directory or among eqllm's "
-            "shipped recipes); point it at a JSONL file of prompts"
         )
     if recipe.train.batch_size % r.group_size:
         raise RecipeError(
@@ -277,24 +353,27 @@ def _check_finetune(recipe: Recipe) -> None:
                 f"preference.data={p.data!r} needs finetune.method 'lora' or 'full': the "
                 "reference is the starting model model.init_from"
             )
-        if f.data:
-            raise RecipeError(
-                f"finetune.data={f.data!r} and preference.data={p.data!r}: a run trains one "
-                "objective; leave one of them empty"
-            )
-        if preference_data_source(p.data) is None:
-            raise RecipeError(
-                f"preference.data={p.data!r} does not exist (in the working directory or among "
-                "eqllm's shipped recipes); point it at a JSONL file of preference pairs, a "
-                "dataset folder or file, or 'hf:NAME'"
-            )
     if f.method != "none" and not recipe.model.init_from:
         raise RecipeError(
             f"finetune.method={f.method!r} needs a base: set model.init_from to a Hugging Face "
             "folder or hub repo id, or an eqllm run folder"
         )
-    if f.method != "lora" and f.data == "":
-        return
+
+
+def _check_data_files(recipe: Recipe) -> None:
+    """The files of finetune.data, preference.data and rl.data exist."""
+    f, p, r = recipe.finetune, recipe.preference, recipe.rl
+    if r.data and finetune_data_path(r.data) is None:
+        raise RecipeError(
+            f"rl.data={r.data!r} does not exist (in the working directory or among eqllm's "
+            "shipped recipes); point it at a JSONL file of prompts"
+        )
+    if p.data and preference_data_source(p.data) is None:
+        raise RecipeError(
+            f"preference.data={p.data!r} does not exist (in the working directory or among "
+            "eqllm's shipped recipes); point it at a JSONL file of preference pairs, a "
+            "dataset folder or file, or 'hf:NAME'"
+        )
     if f.data and finetune_data_path(f.data) is None:
         raise RecipeError(
             f"finetune.data={f.data!r} does not exist (in the working directory or among "

@@ -6,7 +6,8 @@ split and parameters/optimizer state split, ZeRO-3 style) and `tensor` (attentio
 hidden units split, Megatron style: q/k/v/up/gate are column-parallel, o/down row-parallel, so
 each block half ends in one all-reduce). Every parameter gets its sharding from the logical names of
 its axes, which its layer carries (`eqllm.nn.param_info`), and one rule table (`RULES`); no
-model code knows about devices. XLA's SPMD partitioner inserts the collectives.
+model code knows about devices. XLA's SPMD partitioner inserts the collectives. Any tree of
+eqllm layers is sharded alike, not only eqllm's own model (docs/modules.md).
 """
 
 from eqllm.sharding.fsdp import FsdpGather, fsdp_gather
@@ -23,6 +24,7 @@ from eqllm.sharding.rules import (
     RULES,
     batch_sharding,
     check_divisible,
+    check_mesh,
     logical_axes,
     param_shardings,
     shard_model,
@@ -40,6 +42,7 @@ __all__ = [
     "batch_sharding",
     "check_divisible",
     "check_fits",
+    "check_mesh",
     "device_memory_bytes",
     "estimate_memory",
     "fsdp_gather",

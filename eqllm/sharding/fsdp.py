@@ -31,6 +31,7 @@ import equinox as eqx
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from eqllm.model import CausalLM
 from eqllm.nn import MoE, param_info
 from eqllm.nn.linear import is_param_info
 from eqllm.nn.moe import place_experts
@@ -44,7 +45,8 @@ class FsdpGather:
     layer's input and output (batch, seq, d_model) to the batch split, so that the split
     weights do not pull the activations, or their gradients, onto a d_model split.
     `outside_layers(model)` gathers the arrays outside the stack (embedding, final norm, head)
-    once per step, the way FSDP treats its root module.
+    once per step, the way FSDP treats its root module; a tree that is not a `CausalLM` (no
+    stack known to loop over) is left to the partitioner.
     """
 
     def __init__(self, mesh: Mesh):
@@ -118,6 +120,9 @@ class FsdpGather:
         return x
 
     def outside_layers(self, model):
+        if not isinstance(model, CausalLM):
+            # No stack whose loop gathers layer by layer: the partitioner places the gathers.
+            return model
         blocks = model.blocks
         rest = self.gather(eqx.tree_at(lambda m: m.blocks, model, replace=None))
         return eqx.tree_at(lambda m: m.blocks, rest, blocks, is_leaf=lambda x: x is None)

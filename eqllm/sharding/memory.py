@@ -14,16 +14,24 @@ from jax.sharding import PartitionSpec
 from eqllm.config import ModelConfig
 from eqllm.model import CausalLM
 from eqllm.sharding.mesh import MeshError
-from eqllm.sharding.rules import AxisSizes, check_divisible, named_params, sizes_of, spec_for
+from eqllm.sharding.rules import (
+    AxisSizes,
+    check_divisible,
+    check_mesh,
+    named_params,
+    sizes_of,
+    spec_for,
+)
 
 
 def per_device_bytes(model_shapes, mesh: AxisSizes) -> int:
     """Bytes of `model_shapes` (arrays or ShapeDtypeStructs) held by one device.
 
     `mesh` may be a Mesh or just its axis sizes ({"data": 1, "fsdp": 8, "tensor": 1}; an axis
-    left out is 1), so a notional cluster can be sized from a laptop.
+    left out is 1), so a notional cluster can be sized from a laptop. `model_shapes` is a
+    `CausalLM` or any tree of eqllm layers.
     """
-    check_divisible(model_shapes.config, mesh)
+    check_mesh(model_shapes, mesh)
     sizes = sizes_of(mesh)
     total = 0
     for _, leaf, axes in named_params(model_shapes):

@@ -1,4 +1,10 @@
-"""Logical axes -> mesh axes: the one rule table, and the shardings derived from it."""
+"""Logical axes -> mesh axes: the one rule table, and the shardings derived from it.
+
+Everything here works on any tree of eqllm layers (`eqllm.nn.param_info`: the logical axes their
+weights carry), a researcher's own model as much as `CausalLM`. What only a `CausalLM` adds: its
+stacked blocks' leading axis is named `layers` (split into pipeline stages), and a mesh is
+checked against its config's sizes, named as a recipe names them.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eqllm.config import ModelConfig
 from eqllm.model import CausalLM
-from eqllm.nn import param_info
+from eqllm.nn import Attention, MultiHeadLatentAttention, param_info
 from eqllm.nn.linear import is_param_info
 from eqllm.sharding.mesh import MESH_AXES, MeshError
 
@@ -108,6 +114,34 @@ def sizes_of(mesh: AxisSizes) -> dict[str, int]:
     return {**dict.fromkeys(MESH_AXES, 1), **(dict(mesh.shape) if isinstance(mesh, Mesh) else mesh)}
 
 
+def check_mesh(model, mesh: AxisSizes) -> None:
+    """Refuse a mesh that would split `model` where it must not: a `CausalLM` by its config's
+    sizes (`check_divisible`), any other tree of eqllm layers by the head counts of its
+    attention layers (tensor parallelism splits whole heads). Any other dimension that a mesh
+    axis does not divide stays whole (`spec_for`)."""
+    if isinstance(model, CausalLM):
+        check_divisible(model.config, mesh)
+        return
+    tensor = sizes_of(mesh)["tensor"]
+
+    def is_attention(node) -> bool:
+        return isinstance(node, Attention | MultiHeadLatentAttention)
+
+    for path, layer in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_attention)[0]:
+        if not is_attention(layer):
+            continue
+        where = jax.tree_util.keystr(path, simple=True, separator=".")
+        counts = {"n_heads": layer.n_heads}
+        if isinstance(layer, Attention):
+            counts["n_kv_heads"] = layer.n_kv_heads
+        for name, size in counts.items():
+            if size % tensor:
+                raise MeshError(
+                    f"tensor={tensor} does not divide {where}.{name}={size}: tensor parallelism "
+                    f"splits whole heads; choose a tensor size that divides {size}"
+                )
+
+
 def spec_for(
     axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: AxisSizes
 ) -> PartitionSpec:
@@ -135,8 +169,9 @@ def spec_for(
 
 
 def param_shardings(model, mesh: Mesh):
-    """A pytree like `model` with the NamedSharding of every array."""
-    check_divisible(model.config, mesh)
+    """A pytree like `model` (a `CausalLM` or any tree of eqllm layers) with the NamedSharding
+    of every array; a mesh that would split a head is refused (`check_mesh`)."""
+    check_mesh(model, mesh)
     return jax.tree.map(
         lambda info, x: NamedSharding(mesh, spec_for(info.axes, x.shape, mesh)),
         model_param_info(model),
@@ -164,7 +199,7 @@ def shardings_like_params(tree, params, shardings):
 
 
 def shard_model(model, mesh: Mesh):
-    """Place every array of `model` according to the rules."""
+    """Place every array of `model` (any tree of eqllm layers) according to the rules."""
     return jax.tree.map(jax.device_put, model, param_shardings(model, mesh))
 
 

@@ -20,6 +20,7 @@ from eqllm.config import ModelConfig
 from eqllm.model import CausalLM, param_count
 from eqllm.nn import Embedding
 from eqllm.recipe import Recipe
+from eqllm.runs import RunFolder
 from eqllm.sweep.spec import Point, Sweep, SweepError
 from eqllm.train.loop import NonFiniteLoss, run
 from eqllm.train.metrics import read_rows
@@ -119,9 +120,9 @@ def result_row(
     """The point's line of results.jsonl (from its run folder's metrics and summary; `step`:
     the last step this process watched, where a diverged point stopped)."""
     cfg = _config(recipe, folder)
-    rows = read_rows(folder / "metrics.jsonl")
+    rows = read_rows(RunFolder(folder).metrics_file)
     val = [r["val/loss"] for r in rows if "val/loss" in r and math.isfinite(r["val/loss"])]
-    summary = read_json(folder / "summary.json") or {}
+    summary = read_json(RunFolder(folder).summary_file) or {}
     loss = summary.get("val", {}).get("loss") if not diverged else None
     if loss is not None and not math.isfinite(loss):
         loss, diverged = None, True
@@ -149,8 +150,9 @@ def result_row(
 
 def _config(recipe: Recipe, folder: Path) -> ModelConfig:
     """The config the point trained (model_config.json: the vocabulary follows the tokenizer)."""
-    values = read_json(folder / "model_config.json")
-    return ModelConfig.from_dict(values) if values else recipe.model_config()
+    run = RunFolder(folder)
+    has_config = run.file(RunFolder.MODEL_CONFIG_FILE).is_file()
+    return run.model_config() if has_config else recipe.model_config()
 
 
 def count_params(cfg: ModelConfig) -> tuple[int, int]:

@@ -1,5 +1,6 @@
-"""Training: optimizer and schedule, the compiled train step, the pipeline schedule,
-checkpoints, MFU and the loop.
+"""Training: optimizer and schedule, the objectives (`eqllm.train.objectives`, one module each),
+the compiled train step (one batch dict, one loss), a mixture of experts' balance terms, the
+pipeline schedule, the loop's checkpoints, MFU and the loop.
 
 `mean_loss` and `token_nll` live in `eqllm.eval.loss` and are re-exported here.
 """

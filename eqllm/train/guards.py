@@ -2,9 +2,7 @@
 
 - `resume_changes(saved, recipe, force=)`: every field a resumed run changes, refused unless each
   is in `FORCE_OK` and `force` is given (fields in `ALWAYS_OK` do not change results).
-- `fingerprints(tree)`: a 32-bit checksum of every array's bits, stored in a checkpoint's
-  metadata and checked on restore, so a garbled byte is caught even where the file format
-  still decodes.
+- checkpoints carry a checksum of every array, checked on restore (`eqllm.runs.checksums`).
 - `restore_intact(checkpointer, model, opt_state)`: the newest checkpoint that restores and
   verifies; damaged newer ones are reported and moved aside to `<step>.damaged` (never deleted),
   so the resumed run's own saves cannot overwrite or collect them; with several processes,
@@ -26,11 +24,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
-from eqllm.errors import EqllmError
 from eqllm.recipe import Recipe
+from eqllm.runs import (
+    CheckpointMismatch,
+    MissingRunFile,
+    RunFolderError,
+    UnverifiedCheckpoint,
+)
 from eqllm.train.processes import barrier, gather, writes_run_files
 
 # Fields whose change does not change what is computed: names, cache locations.
@@ -53,14 +53,6 @@ FORCE_OK = (
 )
 
 
-class RunFolderError(EqllmError):
-    """A run folder or checkpoint that is missing, incomplete or does not fit the request."""
-
-
-class MissingRunFile(RunFolderError, FileNotFoundError):
-    """A run folder, checkpoint or file of one that does not exist."""
-
-
 class RunExists(RunFolderError, FileExistsError):
     """The output folder already holds a run with checkpoints (and --resume was not given)."""
 
@@ -71,14 +63,6 @@ class ResumeMismatch(RunFolderError):
 
 class DamagedCheckpoint(RunFolderError):
     """No checkpoint of the run restores intact."""
-
-
-class CheckpointMismatch(RunFolderError):
-    """A checkpoint's arrays do not match the model and optimizer state it is restored into."""
-
-
-class UnverifiedCheckpoint(RunFolderError):
-    """A checkpoint without the checksums that would show it intact; restored only with --force."""
 
 
 class CheckpointWriteError(OSError):
@@ -148,57 +132,6 @@ def resume_changes(saved: Recipe, recipe: Recipe, *, force: bool, where: str) ->
             "matches an uninterrupted run of either recipe), or restore the saved values."
         )
     return changes
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `path` through a temporary file and a rename: a kill leaves the old or new text."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-# Checksums --------------------------------------------------------------------------------
-
-
-def _as_uint32(x: jax.Array) -> jax.Array:
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32).ravel()
-    bits = x.dtype.itemsize * 8
-    if bits == 32:
-        return jax.lax.bitcast_convert_type(x, jnp.uint32).ravel()
-    if bits == 16:
-        return jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32).ravel()
-    if bits == 8:
-        return jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32).ravel()
-    if bits == 64:
-        return jax.lax.bitcast_convert_type(x, jnp.uint32).ravel()
-    raise TypeError(f"no checksum for dtype {x.dtype}")  # a bug: every saved dtype is listed
-
-
-@jax.jit
-def _checksums(tree: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    def one(x):
-        v = _as_uint32(jnp.asarray(x))
-        # Position-weighted sum mod 2**32: order-independent to reduce, sensitive to any bit
-        # flip and to swapped elements.
-        weights = jnp.arange(v.shape[0], dtype=jnp.uint32) * jnp.uint32(2654435761) + 1
-        return jnp.sum(v * weights, dtype=jnp.uint32) ^ jnp.uint32(v.shape[0])
-
-    return {k: one(x) for k, x in tree.items()}
-
-
-def fingerprints(tree: dict[str, Any]) -> dict[str, int]:
-    """A 32-bit checksum of the bits of each array in a flat dict (computed where they live)."""
-    return {k: int(v) for k, v in jax.device_get(_checksums(tree)).items()}
-
-
-def verify_fingerprints(tree: dict[str, Any], expected: dict[str, int]) -> list[str]:
-    """Names of the arrays of `tree` whose checksum differs from `expected` (where listed)."""
-    got = fingerprints({k: v for k, v in tree.items() if k in expected})
-    return [k for k, v in got.items() if expected[k] != v]
 
 
 # Restoring the newest intact checkpoint ---------------------------------------------------
@@ -360,7 +293,6 @@ def save_error(e: BaseException, step: int, directory: Path, intact: int | None)
 
 __all__ = [
     "ALWAYS_OK",
-    "atomic_write_text",
     "FORCE_OK",
     "Change",
     "CheckpointMismatch",
@@ -370,7 +302,6 @@ __all__ = [
     "ResumeMismatch",
     "RunExists",
     "RunFolderError",
-    "fingerprints",
     "move_aside",
     "recipe_diff",
     "UnverifiedCheckpoint",
@@ -378,5 +309,4 @@ __all__ = [
     "restore_intact",
     "resume_changes",
     "save_error",
-    "verify_fingerprints",
 ]

@@ -26,16 +26,15 @@ import equinox as eqx
 import jax
 
 from eqllm import lora
-from eqllm.data import MixtureData
 from eqllm.errors import EqllmError
-from eqllm.eval.evaluate import eval_batch_size, source_losses
-from eqllm.eval.metrics import evaluate_tokens, loss_report
+from eqllm.eval.evaluate import evaluate_heldout
 from eqllm.model import param_count
 from eqllm.progress import progress_bar
 from eqllm.recipe import Recipe
+from eqllm.resources import setup_compile_cache
+from eqllm.train.balance import METRICS as BALANCE_METRICS
 from eqllm.train.metrics import Throughput
 from eqllm.train.mfu import mfu
-from eqllm.train.post import OBJECTIVE_METRICS
 from eqllm.train.processes import agree_on_stop, barrier
 from eqllm.train.report import finish_run, summarize
 from eqllm.train.setup import (
@@ -44,8 +43,6 @@ from eqllm.train.setup import (
     check_run_folder,
     place_on_mesh,
     prepare_data,
-    restore_model,
-    setup_compile_cache,
     start_run,
 )
 
@@ -56,7 +53,6 @@ __all__ = [
     "build_model",
     "place_on_mesh",
     "prepare_data",
-    "restore_model",
     "run",
 ]
 
@@ -201,7 +197,7 @@ def _train(
     )
     try:
         with _Signals() as signals:
-            if state.step == 0 and setup.post is not None and recipe.train.eval_every:
+            if state.step == 0 and setup.objective.held_out and recipe.train.eval_every:
                 with meter.paused():  # the starting model on held-out data: the curve's origin
                     _held_out(setup, state, model, bar)
             if state.step < total:
@@ -277,6 +273,8 @@ def _announce(setup: RunSetup, echo, *, resume: bool) -> None:
         f"tokens ({data.tokenizer.kind} tokenizer, {data.tokenizer.vocab_size} ids, "
         f"{data.bytes_per_token('train'):.2f} bytes/token)"
     )
+    for line in setup.objective.setup_lines():
+        echo(line)
     echo(
         f"training: {setup.total:,} steps x {setup.tokens_per_step:,} tokens = {tokens:,} "
         f"tokens ({tokens / setup.n_params:.1f} per parameter)"
@@ -324,6 +322,7 @@ def _log_train(setup: RunSetup, state: RunState, meter: Throughput, metrics, bar
     m = jax.device_get(metrics)
     util = mfu(tokens_per_s, setup.flops_per_token, setup.peak_flops, setup.n_devices)
     loss = float(m["loss"])
+    objective = setup.objective
     setup.log.log(
         {
             "step": state.step,
@@ -336,14 +335,16 @@ def _log_train(setup: RunSetup, state: RunState, meter: Throughput, metrics, bar
             "tokens_per_s": tokens_per_s,
             "step_s": meter.recent_step_s(meter.first_step_s or 0.0),
             **({"mfu": util} if util is not None else {}),
-            "grad_norm/layer": [float(x) for x in m["grad_norm/layer"]],
+            **{k: [float(x) for x in m[k]] for k in ("grad_norm/layer",) if k in m},
             # A mixture of experts' load-balancing loss and per-layer expert load.
-            **{k: m[k].tolist() for k in ("aux_loss", "expert_load") if k in m},
-            # A post-training objective's own metrics (eqllm.train.post).
-            **{k: float(m[k]) for k in OBJECTIVE_METRICS if k in m},
+            **{k: m[k].tolist() for k in BALANCE_METRICS if k in m},
+            # The objective's own metrics (eqllm.train.objectives).
+            **{k: float(m[k]) for k in objective.metrics if k in m},
         }
     )
-    postfix = {"loss": f"{loss:.3f}", "tok/s": f"{tokens_per_s:,.0f}"}
+    postfix = {"loss": f"{loss:.3f}"}
+    postfix |= {k: f"{float(m[k]):.3f}" for k in objective.console if k in m}
+    postfix["tok/s"] = f"{tokens_per_s:,.0f}"
     if util is not None:
         postfix["mfu"] = f"{util:.1%}"
     bar.set_postfix(postfix, refresh=False)
@@ -351,8 +352,8 @@ def _log_train(setup: RunSetup, state: RunState, meter: Throughput, metrics, bar
 
 
 def _held_out(setup: RunSetup, state: RunState, model, bar) -> None:
-    """A post-training objective's metrics on held-out data (one metrics row), if any."""
-    held_out = setup.post.evaluate(model) if setup.post is not None else {}
+    """The objective's own metrics on held-out data (one metrics row), if any."""
+    held_out = setup.objective.evaluate(model)
     if held_out:
         tokens = state.step * setup.tokens_per_step
         setup.log.log({"step": state.step, "tokens": tokens, **held_out})
@@ -360,23 +361,16 @@ def _held_out(setup: RunSetup, state: RunState, model, bar) -> None:
 
 
 def _evaluate(setup: RunSetup, state: RunState, model, bar) -> None:
-    """Validation loss and bits per byte during training (one metrics row)."""
-    seq_len, data = setup.recipe.data.seq_len, setup.data
+    """Validation loss and bits per byte during training (one metrics row), on the run's
+    held-out tokens (each mixture source's too), and the objective's own held-out metrics."""
     _held_out(setup, state, model, bar)
-    if data.val.shape[0] <= seq_len:
+    result = evaluate_heldout(model, setup.heldout, setup.recipe)
+    if "val" not in result:
         return
-    vloss, _ = evaluate_tokens(
-        model,
-        data.val,
-        batch_size=eval_batch_size(setup.recipe),
-        seq_len=seq_len,
-        max_batches=setup.recipe.eval.batches or None,
-    )
-    rep = loss_report(vloss, data.bytes_per_token("val"))
+    rep = {k: v for k, v in result["val"].items() if k != "tokens"}  # loss, perplexity, bpb
     per_source = {}
-    if isinstance(data, MixtureData):  # each source's own validation loss
-        for label, loss, _, bpt in source_losses(model, data, setup.recipe):
-            per_source |= {f"val/{label}/{k}": v for k, v in loss_report(loss, bpt).items()}
+    for label, r in result.get("sources", {}).items():  # each source's own validation loss
+        per_source |= {f"val/{label}/{k}": v for k, v in r.items() if k != "tokens"}
     setup.log.log(
         {
             "step": state.step,
@@ -386,5 +380,6 @@ def _evaluate(setup: RunSetup, state: RunState, model, bar) -> None:
         }
     )
     bar.write(
-        f"step {state.step}: val loss {vloss:.4f}, bits/byte {rep['bpb']:.4f}", file=sys.stderr
+        f"step {state.step}: val loss {rep['loss']:.4f}, bits/byte {rep['bpb']:.4f}",
+        file=sys.stderr,
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from eqllm.train.guards import atomic_write_text
+from eqllm.runs import RunFolder, atomic_write_text
 
 
 class MetricsLog:
@@ -35,7 +35,7 @@ class MetricsLog:
         """resume_step / keep_rows: keep the rows written before the checkpoint resumed from
         (its first `keep_rows` rows, else those up to `resume_step`); the rest are redone.
         `write` False (a process other than 0 of a multi-process run) only counts the rows."""
-        self.path = out_dir / "metrics.jsonl"
+        self.path = RunFolder(out_dir).metrics_file
         self.rows = 0
         self.file = self.tb = None
         if resume_step is not None and self.path.is_file():
@@ -55,7 +55,7 @@ class MetricsLog:
         try:
             from tensorboardX import SummaryWriter
 
-            self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+            self.tb = SummaryWriter(str(RunFolder(out_dir).file(RunFolder.TENSORBOARD_DIR)))
         except ImportError:  # tensorboardX is a dependency; tolerate its absence anyway
             self.tb = None
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from eqllm import lora
 from eqllm.model import CausalLM
+from eqllm.resources import cache_root
 
 # Dense bf16 peak FLOP/s per device (not the "with sparsity" figures).
 PEAK_FLOPS = {
@@ -46,12 +47,6 @@ PEAK_FLOPS = {
     "TPU v6 lite": 918e12,
     "TPU v6e": 918e12,
 }
-
-
-def cache_root() -> Path:
-    """``$EQLLM_CACHE`` if set, else ``~/.cache/eqllm``."""
-    root = os.environ.get("EQLLM_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "eqllm"
 
 
 def device_peak_flops(device: jax.Device | None = None) -> tuple[float | None, str]:

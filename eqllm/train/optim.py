@@ -6,11 +6,12 @@ import equinox as eqx
 import jax
 import optax
 
+from eqllm import parametrization
 from eqllm.lora import trainable
 from eqllm.model import CausalLM
 from eqllm.nn import param_info
 from eqllm.nn.linear import is_param_info
-from eqllm.parametrization import Multipliers, role_multipliers, scales
+from eqllm.parametrization import Multipliers, Scales, role_multipliers, roles
 from eqllm.recipe import OptimSpec
 
 
@@ -51,35 +52,42 @@ def decay_mask(model):
     return eqx.filter(mask, trainable(model))
 
 
-def parameter_groups(model) -> tuple[object, dict[str, Multipliers]] | None:
+def parameter_groups(
+    model, scales: Scales | None = None
+) -> tuple[object, dict[str, Multipliers]] | None:
     """(a role label at every trainable array, the factors of each role) under muP or
     CompleteP; None under SP, at the base size (every factor 1: the plain AdamW, so the update
-    is SP's bit for bit; separate AdamWs per group fuse differently and drift by an ulp), or
-    for a tree that is not a model."""
-    if not isinstance(model, CausalLM):
+    is SP's bit for bit; separate AdamWs per group fuse differently and drift by an ulp).
+
+    `scales` (`eqllm.parametrization.Scales.of`) gives the parametrization of any tree of
+    eqllm layers; None takes a `CausalLM`'s from its config, and SP for any other tree."""
+    if scales is None:
+        if not isinstance(model, CausalLM):
+            return None
+        scales = parametrization.scales(model.config)
+    if scales.kind == "sp":
         return None
-    s = scales(model.config)
-    if s.kind == "sp":
-        return None
-    labels = jax.tree.map(lambda info: info.role, param_info(model), is_leaf=is_param_info)
-    labels = eqx.filter(labels, trainable(model))
-    factors = {role: role_multipliers(s, role) for role in sorted(set(jax.tree.leaves(labels)))}
+    labels = eqx.filter(roles(model), trainable(model))
+    found = sorted(set(jax.tree.leaves(labels)))
+    factors = {role: role_multipliers(scales, role) for role in found}
     if all(f == Multipliers() for f in factors.values()):
         return None
     return labels, factors
 
 
-def make_optimizer(spec: OptimSpec, total_steps: int, model) -> optax.GradientTransformation:
+def make_optimizer(
+    spec: OptimSpec, total_steps: int, model, *, scales: Scales | None = None
+) -> optax.GradientTransformation:
     """optax chain: clip by global norm (if clip_norm > 0) -> AdamW(schedule, masked decay).
 
-    `model` (or `eqx.filter(model, eqx.is_inexact_array)`) fixes the weight-decay mask over its
-    trainable arrays (only the adapters of a LoRA model).
+    `model` (or `eqx.filter(model, eqx.is_inexact_array)`; any tree of eqllm layers) fixes the
+    weight-decay mask over its trainable arrays (only the adapters of a LoRA model).
 
-    Under muP / CompleteP (`eqllm.parametrization`) each role gets its own AdamW, with the
-    learning rate, eps and weight decay multiplied by the role's factors; `spec.lr` is then the
-    base model's learning rate.
+    Under muP / CompleteP (`eqllm.parametrization`: a `CausalLM`'s config, or `scales` for any
+    tree) each role gets its own AdamW, with the learning rate, eps and weight decay multiplied
+    by the role's factors; `spec.lr` is then the base model's learning rate.
     """
-    groups = parameter_groups(model)
+    groups = parameter_groups(model, scales)
     lr = schedule(spec, total_steps)
     if groups is None:
         adamw = optax.adamw(

@@ -30,6 +30,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from eqllm.config import ModelConfig
 from eqllm.data import DataError
+from eqllm.eval.loss import masked_mean
 from eqllm.model import CausalLM, cast_floating
 from eqllm.sharding import RULES, MeshError
 from eqllm.stack import REMAT_POLICIES, dtype_of, layer_flags
@@ -133,6 +134,11 @@ class Pipeline:
             )
         return model.final_norm(x)
 
+    def wrap(self, model: CausalLM) -> Pipelined:
+        """`model` with its stacked blocks run as this schedule: what the train step hands an
+        objective's loss in place of the model (the same logits, any objective)."""
+        return Pipelined(model, self)
+
     def loss(
         self,
         model: CausalLM,
@@ -143,12 +149,9 @@ class Pipeline:
     ) -> Float[Array, ""]:
         """Mean next-token cross entropy over the (masked-in) targets (`eqllm.train.mean_loss`);
         `positions` and `segment_ids` as `hidden` takes them (of the inputs `batch[:, :-1]`)."""
-        hidden = self.hidden(model, batch[:, :-1], positions, segment_ids)
-        logits = model.logits(hidden)  # fp32
+        logits = self.wrap(model)(batch[:, :-1], positions, segment_ids)  # fp32
         nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:])
-        if mask is None:
-            return nll.mean()
-        return jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.maximum(mask.sum(), 1)
+        return masked_mean(nll, mask)
 
     def _run(self, blocks, micro: tuple, config: ModelConfig):
         """The GPipe schedule over the stacked `blocks`; returns each microbatch's output.
@@ -220,3 +223,33 @@ class Pipeline:
             return a
         spec = PartitionSpec("pipeline", *([PartitionSpec.UNCONSTRAINED] * (a.ndim - 1)))
         return jax.lax.with_sharding_constraint(a, NamedSharding(self.mesh, spec))
+
+
+class Pipelined(eqx.Module):
+    """A `CausalLM` whose stacked blocks run as `pipeline`'s GPipe schedule (`Pipeline.wrap`):
+    `routed` and `__call__` give the logits `CausalLM` would, with no router logits (a
+    pipeline refuses a mixture of experts)."""
+
+    model: CausalLM
+    pipeline: Pipeline = eqx.field(static=True)
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    def routed(
+        self,
+        tokens: Int[Array, "batch seq"],
+        positions: Int[Array, "batch seq"] | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
+    ) -> tuple[Float[Array, "batch seq vocab"], None]:
+        hidden = self.pipeline.hidden(self.model, tokens, positions, segment_ids)
+        return self.model.logits(hidden), None
+
+    def __call__(
+        self,
+        tokens: Int[Array, "batch seq"],
+        positions: Int[Array, "batch seq"] | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
+    ) -> Float[Array, "batch seq vocab"]:
+        return self.routed(tokens, positions, segment_ids)[0]

@@ -16,6 +16,7 @@ import jax
 from eqllm.eval.evaluate import evaluate_run, format_eval
 from eqllm.model import CausalLM
 from eqllm.recipe import Recipe
+from eqllm.runs import RunFolder
 from eqllm.train.metrics import Throughput, peak_memory, read_rows
 from eqllm.train.mfu import mfu
 from eqllm.train.processes import writes_run_files
@@ -23,7 +24,7 @@ from eqllm.train.setup import RunSetup
 
 
 def read_metrics(out_dir: Path) -> list[dict]:
-    return read_rows(Path(out_dir) / "metrics.jsonl")
+    return read_rows(RunFolder(out_dir).metrics_file)
 
 
 def summarize(setup: RunSetup, meter: Throughput, *, step: int, traces: int, cache) -> dict:
@@ -86,14 +87,21 @@ def finish_run(
 ) -> dict:
     """Evaluate (with `final_eval`), write summary.json, loss.png and report.md; the summary."""
     out, recipe, step = setup.out, setup.recipe, summary["steps"]
-    if final_eval and setup.post is not None:  # a post-training objective on held-out data
-        held_out = setup.post.evaluate(model)
+    if final_eval:  # the objective's own metrics on held-out data (none for some)
+        held_out = setup.objective.evaluate(model)
         summary.update(held_out)
         if held_out:
             setup.log.log({"step": step, "tokens": step * setup.tokens_per_step, **held_out})
     if final_eval:
         t_eval = time.perf_counter()
-        result = evaluate_run(model, setup.data, recipe, progress=progress)
+        result = evaluate_run(
+            model,
+            setup.heldout,
+            recipe,
+            setup.data.tokenizer,
+            chat=setup.chat,
+            progress=progress,
+        )
         summary["eval_s"] = time.perf_counter() - t_eval
         summary.update({k: v for k, v in result.items() if k != "samples"})
         if "val" in result:
@@ -108,17 +116,17 @@ def finish_run(
         samples = result.get("samples", [])
         if samples and writes_run_files():
             sep = "\n" + "=" * 72 + "\n"
-            (out / "samples.txt").write_text(sep.join(samples) + "\n")
+            RunFolder(out).file(RunFolder.SAMPLES_FILE).write_text(sep.join(samples) + "\n")
         summary["samples"] = samples
     summary["wall_s"] = time.perf_counter() - t_start
     setup.log.close()
     for line in format_summary(summary):
         echo(line)
     if writes_run_files():  # the other processes of a multi-process run computed the same
-        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        RunFolder(out).summary_file.write_text(json.dumps(summary, indent=2, default=str) + "\n")
         write_loss_plot(out)
         write_expert_load_plot(out)
-        write_objective_plot(out)
+        write_objective_plot(out, (*setup.objective.metrics, *setup.objective.held_out))
         write_report(out, recipe, summary)
         echo(f"report: {out / 'report.md'}")
     return summary
@@ -165,7 +173,7 @@ def write_loss_plot(out_dir: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    path = Path(out_dir) / "loss.png"
+    path = RunFolder(out_dir).file(RunFolder.LOSS_PLOT)
     fig.savefig(path)
     plt.close(fig)
     return path
@@ -197,25 +205,21 @@ def write_expert_load_plot(out_dir: Path) -> Path | None:
     axes[0, 0].set_title(f"{Path(out_dir).name}: share of token assignments per expert")
     axes[-1, 0].set_xlabel("tokens seen")
     fig.tight_layout()
-    path = Path(out_dir) / "expert_load.png"
+    path = RunFolder(out_dir).file(RunFolder.EXPERT_LOAD_PLOT)
     fig.savefig(path)
     plt.close(fig)
     return path
 
 
-def write_objective_plot(out_dir: Path) -> Path | None:
-    """objective.png: a post-training objective's metrics (rewards, margins, accuracies, KL,
-    completion length) against steps, one panel each. None for other runs."""
+def write_objective_plot(out_dir: Path, names: tuple[str, ...]) -> Path | None:
+    """objective.png: an objective's own metrics `names` (rewards, margins, accuracies, KL,
+    completion length, ...) against steps, one panel each. None when it has none."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from eqllm.train.post import OBJECTIVE_METRICS
-
     rows = read_metrics(out_dir)
-    names = [*OBJECTIVE_METRICS, "val_preference_accuracy", "val_reward_margin", "val_reward"]
-    names += ["val_accuracy"]
     series = {k: [(r["step"], r[k]) for r in rows if k in r] for k in names}
     series = {k: v for k, v in series.items() if v}
     if not series:
@@ -229,7 +233,7 @@ def write_objective_plot(out_dir: Path) -> Path | None:
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
-    path = Path(out_dir) / "objective.png"
+    path = RunFolder(out_dir).file(RunFolder.OBJECTIVE_PLOT)
     fig.savefig(path)
     plt.close(fig)
     return path
@@ -280,14 +284,14 @@ def write_report(out_dir: Path, recipe: Recipe, s: dict) -> Path:
     for label, r in s.get("extra", {}).items():
         lines.append(f"| {label} bits/byte | {_fmt(r['bpb'])} |")
     lines += ["", "![loss](loss.png)", ""]
-    if (Path(out_dir) / "objective.png").is_file():  # post-training
+    if RunFolder(out_dir).file(RunFolder.OBJECTIVE_PLOT).is_file():  # post-training
         held = {k: v for k, v in s.items() if k.startswith("val_")}
         lines += ["## Objective", ""] + [f"- {k}: {_fmt(v)}" for k, v in held.items()]
         lines += ["", "![objective](objective.png)", ""]
-    if (Path(out_dir) / "expert_load.png").is_file():  # a mixture of experts
+    if RunFolder(out_dir).file(RunFolder.EXPERT_LOAD_PLOT).is_file():  # a mixture of experts
         lines += ["## Expert load", "", "![expert load](expert_load.png)", ""]
     samples = s.get("samples") or []
-    before_file = Path(out_dir) / "samples_before.json"
+    before_file = RunFolder(out_dir).file(RunFolder.SAMPLES_BEFORE_FILE)
     if samples and before_file.is_file():  # a fine-tuning run: the same prompts before and after
         before = json.loads(before_file.read_text())
         lines += ["## Samples before and after fine-tuning", ""]
@@ -300,6 +304,6 @@ def write_report(out_dir: Path, recipe: Recipe, s: dict) -> Path:
         for text in samples:
             lines += ["```", text, "```", ""]
     lines += ["## Recipe", "", "```toml", recipe.to_toml().rstrip(), "```", ""]
-    path = Path(out_dir) / "report.md"
+    path = RunFolder(out_dir).report_file
     path.write_text("\n".join(lines))
     return path

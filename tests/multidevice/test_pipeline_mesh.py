@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import eqllm
+from eqllm.runs import Checkpointer
 from eqllm.sharding import MeshConfig, batch_sharding, make_mesh, param_shardings, shard_model
 from eqllm.train import Pipeline, TrainStep, init_opt_state, make_optimizer, mean_loss, schedule
-from eqllm.train.checkpoint import Checkpointer
 from tests.multidevice import CFG
 from tests.multidevice.test_train_mesh import SPEC
 

@@ -7,9 +7,9 @@ import pytest
 
 import eqllm
 from eqllm.recipe import OptimSpec
+from eqllm.runs import Checkpointer
 from eqllm.sharding import MeshConfig, batch_sharding, make_mesh, param_shardings, shard_model
 from eqllm.train import TrainStep, init_opt_state, make_optimizer, schedule
-from eqllm.train.checkpoint import Checkpointer
 from tests.multidevice import CFG, MESHES
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")

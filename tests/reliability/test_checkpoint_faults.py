@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import pytest
 
 from eqllm.cli import main
+from eqllm.runs import Checkpointer
 from eqllm.train import TrainStep, guards
 from eqllm.train import loop as loop_mod
-from eqllm.train.checkpoint import Checkpointer
 
 from .harness import curves, make_corpus, tiny_recipe
 
@@ -80,13 +80,19 @@ def empty_every_file(ckpt):
         path.write_bytes(b"")
 
 
+# One kind of damage runs by default; the others in the slow set.
 DAMAGE = [
     delete_array_file,
-    truncate_array_file,
-    garble_array_bytes,
-    remove_state_item,
-    garble_meta,
-    empty_every_file,
+    *(
+        pytest.param(damage, marks=pytest.mark.slow)
+        for damage in (
+            truncate_array_file,
+            garble_array_bytes,
+            remove_state_item,
+            garble_meta,
+            empty_every_file,
+        )
+    ),
 ]
 
 
@@ -178,7 +184,10 @@ def test_no_intact_checkpoint_is_an_error_that_moves_nothing(env, tmp_path, caps
 
 @pytest.mark.parametrize(
     "code, needle",
-    [(errno.ENOSPC, "the disk is full"), (errno.EROFS, "the folder is not writable")],
+    [
+        (errno.ENOSPC, "the disk is full"),
+        pytest.param(errno.EROFS, "the folder is not writable", marks=pytest.mark.slow),
+    ],
 )
 def test_failed_save_is_a_clear_error_and_the_previous_checkpoint_survives(
     env, tmp_path, monkeypatch, capsys, code, needle

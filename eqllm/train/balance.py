@@ -1,0 +1,81 @@
+"""A mixture of experts' balance terms, in one place for every objective.
+
+- `forward(model, tokens, ...)`: the logits every objective's loss starts from, with the
+  forward's balance terms: "aux_loss" (the load-balancing loss over all layers, as transformers
+  adds it, or DeepSeek-V3's sequence-wise one: moe.balance_loss) and "expert_load" (per layer,
+  the fraction of token assignments each expert received: the plain top-k choice, or with
+  DeepSeek's biased routing the experts the correction bias chose, `eqllm.nn.chosen_load`).
+  Every token is routed, padding included: a loss mask marks the targets that are scored, not
+  tokens to leave out of the balance.
+- `with_balance(model, loss, parts, balance)`: the objective's loss plus moe.aux_loss_coef times
+  the auxiliary loss, the balance terms added to its metrics.
+- `bias_update(params, load, finite, model)`: DeepSeek's auxiliary-loss-free balancing, applied
+  by the train step after the update from the load the objective's forward measured.
+
+A model without experts (or a module other than `CausalLM`, without `routed`) has no balance
+terms: each function then leaves the loss and the parameters as they are.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from eqllm.nn import balance_loss, balanced_bias, chosen_load, expert_load
+
+METRICS = ("aux_loss", "expert_load")
+
+
+def forward(
+    model,
+    tokens: Int[Array, "batch seq"],
+    positions: Int[Array, "batch seq"] | None = None,
+    segment_ids: Int[Array, "batch seq"] | None = None,
+) -> tuple[Float[Array, "batch seq vocab"], dict[str, Array]]:
+    """(logits in fp32, balance terms: {} without experts) of `model` on `tokens`."""
+    routed = getattr(model, "routed", None)
+    if routed is None:  # a module of one's own: its logits, no router
+        return model(tokens), {}
+    logits, router_logits = routed(tokens, positions, segment_ids)
+    return logits, balance_terms(model, router_logits)
+
+
+def balance_terms(model, router_logits) -> dict[str, Array]:
+    """{"aux_loss", "expert_load"} of one forward's router logits ({} for a dense model)."""
+    if router_logits is None:
+        return {}
+    moe_config = model.config.moe
+    k = moe_config.experts_per_token
+    moe = model.blocks.mlp
+    aux = balance_loss(moe, router_logits, moe_config.balance_loss, k)
+    if moe.plain_routing:
+        load = expert_load(router_logits, k)[0]
+    else:  # DeepSeek's biased choice: the experts the correction bias picked
+        load = chosen_load(moe, router_logits)
+    return {"aux_loss": aux, "expert_load": load}
+
+
+def with_balance(
+    model, loss: Float[Array, ""], parts: dict, balance: dict
+) -> tuple[Float[Array, ""], dict]:
+    """`loss` plus moe.aux_loss_coef times the auxiliary loss of `balance` (the policy's own
+    forward), its terms added to `parts`; as they are without experts."""
+    if not balance:
+        return loss, parts
+    return loss + model.config.moe.aux_loss_coef * balance["aux_loss"], {**parts, **balance}
+
+
+def bias_update(params, load: Array | None, finite, model):
+    """DeepSeek's auxiliary-loss-free balancing, outside the gradient: after the update, each
+    layer's correction bias moves by moe.bias_update_speed toward equal expert load (this
+    step's `load`; a dropped, non-finite step leaves it). `params` unchanged without it."""
+    config = getattr(model, "config", None)
+    moe = getattr(config, "moe", None)
+    if moe is None or not moe.bias_update_speed or load is None:
+        return params
+    bias = getattr(getattr(getattr(params, "blocks", None), "mlp", None), "score_bias", None)
+    if bias is None:  # not trained here (adapters only)
+        return params
+    moved = jnp.where(finite, balanced_bias(bias, load, moe.bias_update_speed), bias)
+    return eqx.tree_at(lambda p: p.blocks.mlp.score_bias, params, moved)

@@ -1,0 +1,350 @@
+"""The one list of tiny models the family contract runs over (tests/test_families.py).
+
+Each entry is one line: a name, a tiny `ModelConfig`, and what the model supports. Every family in
+`eqllm/families/` has an entry that runs in the default suite; a second entry of one family (a
+variant: another residual, untied heads, raw top-k weights) runs in the slow set. A new family is
+one line here, and tests/test_families.py fails until it has one.
+
+The transformers twin of an entry is built from the entry's own config (`to_hf_config`), so one
+config describes both sides: transformers interprets the fields eqllm writes, and a field written
+under a name transformers does not read shows up in the logits.
+
+Tests that run over the list use `params` (or `TINY_CONFIGS`, name -> config); the cases outside
+the default run are marked slow on the parameters themselves, so renaming a test cannot change
+what runs by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import pytest
+
+import eqllm
+from eqllm.config import ModelConfig
+
+TINY = {
+    "vocab_size": 97,
+    "d_model": 32,
+    "n_layers": 2,
+    "attention.n_heads": 4,
+    "mlp.d_ff": 64,
+    "max_seq_len": 64,
+}
+# DeepSeek's latent attention: a 12-wide key/value latent, 8 + 6 rotated query/key dims, values
+# of 10; three layers, the first dense, then 8 experts of 16 in 4 groups, 3 per token, and a
+# shared expert of 32; YaRN with the attention-scale factors of the published checkpoints.
+_MLA = {
+    **TINY,
+    "n_layers": 3,
+    "attention": {
+        "n_kv_heads": 4,
+        "kv_lora_rank": 12,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 6,
+        "v_head_dim": 10,
+        "head_dim": 14,
+    },
+    "moe": {"n_experts": 8, "experts_per_token": 3, "d_ff": 16, "shared_d_ff": 32},
+    "positions": {
+        "scaling": {
+            "kind": "yarn",
+            "factor": 4.0,
+            "original_max_seq_len": 64,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        }
+    },
+}
+
+
+Count = int | str  # exact, or in billions as a model card rounds it ("46.7")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiny:
+    """One tiny model the contract runs over.
+
+    Arguments:
+        name: the case's name in test ids (`llama3`); the family is `config.family`.
+        config: the tiny config (97 tokens, width 32, 2 or 3 layers).
+        variant: a second case of a family already listed: it runs in the slow set only.
+        gguf: eqllm writes it as a GGUF file (`eqllm.hub.save_gguf`); the contract checks the
+            file with transformers' GGUF loader, or that a model without it is refused.
+        lora: the Hugging Face module names peft adapts in its transformers twin, when they are
+            not all of `eqllm.lora.available_targets` (None: all of them).
+        published: zoo names of released sizes -> the parameter count their release gives: the
+            total, or (total, active); each exact (an `int`) or in billions as the model card
+            rounds them (a string, "46.7").
+    """
+
+    name: str
+    config: ModelConfig
+    variant: bool = False
+    gguf: bool = False
+    lora: tuple[str, ...] | None = None
+    published: dict[str, Count | tuple[Count, Count]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def family(self) -> str:
+        return self.config.family
+
+
+def _zoo(name: str, **overrides) -> ModelConfig:
+    return eqllm.zoo.config(name, **{**TINY, **overrides})
+
+
+_ROUTED_LORA = ("q_proj", "k_proj", "v_proj", "o_proj", "lm_head")  # transformers' routers
+_MLA_LORA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "lm_head")
+
+FAMILIES = [
+    # Learned positions, biases, GELU, a tied head, GPT-2's Conv1D layout.
+    Tiny("gpt2", _zoo("gpt2-nano"), published={"gpt2-small": 124_439_808}),
+    Tiny(
+        "llama",
+        _zoo("llama-nano", attention={"n_kv_heads": 2}),
+        gguf=True,
+        published={
+            "llama2-7b": 6_738_415_616,
+            "llama2-13b": 13_015_864_320,
+            "llama3-8b": 8_030_261_248,
+            "smollm2-135m": 134_515_008,
+        },
+    ),
+    # Llama 3's frequency-banded RoPE scaling (head_dim 8: every band is exercised).
+    Tiny(
+        "llama3",
+        _zoo(
+            "llama3.2-1b",
+            attention={"n_kv_heads": 2},
+            positions={"scaling": {"original_max_seq_len": 16}},
+        ),
+        variant=True,
+        gguf=False,  # llama.cpp's llama architecture in eqllm's writer holds no RoPE scaling
+    ),
+    # q/k/v and output biases, which Llama's config.json switches on as attention_bias.
+    Tiny(
+        "llama-bias",
+        _zoo("llama-nano", attention={"n_kv_heads": 2, "qkv_bias": True, "out_bias": True}),
+        variant=True,
+        gguf=True,
+    ),
+    # A window of 5, shorter than every test sequence: the ring-buffer cache wraps.
+    Tiny("mistral", _zoo("mistral-7b", attention={"n_kv_heads": 2, "sliding_window": 5})),
+    # q/k/v biases, one kv head, a tied head.
+    Tiny("qwen2", _zoo("qwen2.5-0.5b", attention={"n_kv_heads": 1}), gguf=True),
+    # Embedding scaling, (1 + w) norms, a tied head.
+    Tiny("gemma", _zoo("gemma-2b", attention={"n_kv_heads": 1})),
+    # QK-norm, heads wider than d_model / n_heads, tied and untied heads.
+    Tiny(
+        "qwen3",
+        _zoo("qwen3-0.6b", attention={"n_kv_heads": 2, "head_dim": 16}),
+        gguf=True,
+        published={"qwen3-8b": 8_190_735_360},
+    ),
+    Tiny(
+        "qwen3-untied",
+        _zoo("qwen3-0.6b", attention={"n_kv_heads": 2, "head_dim": 16}, tie_embeddings=False),
+        variant=True,
+        gguf=True,
+    ),
+    # Windows shorter than the test sequences; caps small enough that tanh bends the values.
+    Tiny(
+        "gemma2",
+        _zoo(
+            "gemma2-2b",
+            attention={
+                "n_kv_heads": 2,
+                "head_dim": 16,
+                "query_pre_attn_scalar": 12,
+                "sliding_window": 5,
+                "softcap": 1.0,
+            },
+            final_softcap=2.0,
+        ),
+        published={"gemma2-2b": 2_614_341_888, "gemma2-9b": 9_241_705_984},
+    ),
+    # Local, global, local layers with their two RoPE bases; (1 + w) QK-norm.
+    Tiny(
+        "gemma3",
+        _zoo(
+            "gemma3-1b",
+            n_layers=3,
+            attention={
+                "n_kv_heads": 1,
+                "head_dim": 8,
+                "query_pre_attn_scalar": 12,
+                "sliding_window": 5,
+                "global_every": 2,
+            },
+        ),
+        published={"gemma3-1b": 999_885_952, "gemma3-4b": 3_880_263_168},
+    ),
+    # Fused qkv_proj and gate_up_proj; half of each head rotated; a window over every layer.
+    Tiny(
+        "phi3",
+        _zoo(
+            "phi3-mini-4k",
+            attention={"n_kv_heads": 2, "sliding_window": 6},
+            positions={"fraction": 0.5},
+        ),
+        published={
+            "phi3-mini-4k": 3_821_079_552,
+            "phi3-mini-128k": 3_821_079_552,
+            "phi3.5-mini": 3_821_079_552,
+            "phi4-mini": 3_836_021_760,
+        },
+    ),
+    # Norms after the sublayers only; QK-norm over the whole projections (grouped kv heads).
+    Tiny("olmo2", _zoo("olmo2-1b", attention={"n_kv_heads": 2})),
+    # Mixtures of experts: 4 experts, 2 per token (tests/test_moe.py: the grouped product).
+    Tiny(
+        "mixtral",
+        _zoo("mixtral-8x7b", attention={"n_kv_heads": 2}, moe={"n_experts": 4}),
+        lora=_ROUTED_LORA,
+        published={"mixtral-8x7b": (46_702_792_704, "12.9")},
+    ),
+    # A shared expert with its gate, top-k probabilities not renormalised, q/k/v biases.
+    Tiny(
+        "qwen2_moe",
+        _zoo(
+            "qwen1.5-moe-a2.7b",
+            attention={"n_kv_heads": 2},
+            moe={"n_experts": 4, "experts_per_token": 2, "d_ff": 16, "shared_d_ff": 24},
+        ),
+        lora=(*_ROUTED_LORA, "shared_expert_gate"),
+        published={"qwen1.5-moe-a2.7b": ("14.3", "2.7")},
+    ),
+    Tiny(
+        "olmoe",
+        _zoo("olmoe-1b-7b", moe={"n_experts": 4, "experts_per_token": 2}),
+        lora=_ROUTED_LORA,
+        published={"olmoe-1b-7b": ("6.9", "1.3")},
+    ),
+    # Pythia's block: a parallel residual, a quarter of each head rotated (2 of 8 dims).
+    Tiny(
+        "gpt_neox",
+        _zoo("pythia-nano"),
+        # Not the output embedding: eqllm names its adapter embed_out as checkpoints do, while
+        # transformers 5 holds that module as lm_head, where peft looks for it.
+        lora=("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
+        published={
+            "pythia-70m": 70_426_624,
+            "pythia-160m": 162_322_944,
+            "pythia-410m": 405_334_016,
+            "pythia-1b": 1_011_781_632,
+            "pythia-1.4b": 1_414_647_808,
+            "pythia-2.8b": 2_775_208_960,
+            "pythia-6.9b": 6_857_302_016,
+            "pythia-12b": 11_846_072_320,
+            "gpt-neox-20b": 20_554_567_680,
+        },
+    ),
+    # The sequential residual; int(8 * 0.6) = 4 rotated dims (the fraction is truncated), another
+    # base, another eps.
+    Tiny(
+        "gpt_neox-sequential",
+        _zoo(
+            "pythia-nano",
+            parallel_residual=False,
+            positions={"fraction": 0.6, "theta": 500.0},
+            norms={"eps": 1e-3},
+        ),
+        variant=True,
+    ),
+    # NoPE layers: every second layer has no rotary embedding.
+    Tiny(
+        "smollm3",
+        _zoo("smollm3-nano", n_layers=4, attention={"n_kv_heads": 2}, positions={"nope_every": 2}),
+        published={"smollm3-3b": 3_075_098_624},
+    ),
+    # QK-norm over heads wider than d_model / n_heads, 4 experts of 16, 2 per token, an aux loss
+    # coefficient large enough to move the training loss; top-k weights renormalised or not.
+    Tiny(
+        "qwen3_moe",
+        _zoo(
+            "qwen3_moe-nano",
+            attention={"n_kv_heads": 2, "head_dim": 16},
+            moe={"n_experts": 4, "experts_per_token": 2, "d_ff": 16, "aux_loss_coef": 0.1},
+        ),
+        lora=_ROUTED_LORA,
+        published={"qwen3-30b-a3b": 30_532_122_624, "qwen3-235b-a22b": 235_093_634_560},
+    ),
+    Tiny(
+        "qwen3_moe-raw_topk",
+        _zoo(
+            "qwen3_moe-nano",
+            attention={"n_kv_heads": 2, "head_dim": 16},
+            moe={
+                "n_experts": 4,
+                "experts_per_token": 2,
+                "d_ff": 16,
+                "aux_loss_coef": 0.1,
+                "norm_topk_prob": False,
+            },
+        ),
+        variant=True,
+        lora=_ROUTED_LORA,
+    ),
+    # Sliding (layer 0) and full layers, attention sinks, biases, YaRN, 4 experts of 64 with a
+    # clamp small enough to bind on these activations.
+    Tiny(
+        "gpt_oss",
+        _zoo(
+            "gpt_oss-nano",
+            attention={"n_kv_heads": 2, "head_dim": 16, "sliding_window": 8},
+            moe={"n_experts": 4, "swiglu_limit": 0.5, "aux_loss_coef": 0.1},
+            positions={"theta": 150000.0},
+        ),
+        lora=_ROUTED_LORA,
+        published={"gpt-oss-20b": 20_914_757_184, "gpt-oss-120b": 116_829_156_672},
+    ),
+    # Query compression, sigmoid scores with a correction bias, the best 2 of 4 groups.
+    Tiny(
+        "deepseek_v3",
+        _zoo(
+            "deepseek_v3-nano",
+            **{
+                **_MLA,
+                "attention": {**_MLA["attention"], "q_lora_rank": 16},
+                "moe": {**_MLA["moe"], "n_groups": 4, "topk_groups": 2, "routed_scale": 2.5},
+            },
+        ),
+        lora=_MLA_LORA,
+        published={"deepseek-v3": 671_026_419_200},
+    ),
+    # Direct queries, softmax greedy top-k, not renormalised.
+    Tiny(
+        "deepseek_v2",
+        _zoo("deepseek_v2-nano", **{**_MLA, "moe": {**_MLA["moe"], "routed_scale": 1.5}}),
+        lora=tuple(t for t in _MLA_LORA if t not in ("q_a_proj", "q_b_proj")) + ("q_proj",),
+        published={"deepseek-v2-lite": 15_706_484_224},
+    ),
+]
+# tests/conftest.py records here the parametrised tests none of whose cases runs by default;
+# tests/test_suite.py fails naming them.
+NO_DEFAULT_CASE = pytest.StashKey[list]()
+
+BY_NAME = {tiny.name: tiny for tiny in FAMILIES}
+TINY_CONFIGS = {tiny.name: tiny.config for tiny in FAMILIES}
+
+
+def params(default: Iterable[str] | None = None, *, where=None) -> list:
+    """pytest parameters over the list's names (those `where(tiny)` keeps): the cases in
+    `default` run by default and the others in the slow set; without `default`, every family's
+    first entry runs by default and variants in the slow set. A name in `default` that is not in
+    the list is an error, so renaming an entry cannot drop a case silently."""
+    chosen = [t for t in FAMILIES if where is None or where(t)]
+    if default is None:
+        default = {t.name for t in chosen if not t.variant}
+    default = set(default)
+    unknown = default - {t.name for t in chosen}
+    if unknown:
+        raise KeyError(f"{sorted(unknown)} are not in tests/families.py's FAMILIES (or filtered)")
+    return [
+        t.name if t.name in default else pytest.param(t.name, marks=pytest.mark.slow)
+        for t in chosen
+    ]
