@@ -279,7 +279,7 @@ class Engine:
         for slots, pages, steps in self._decode_shapes():
             self._run_decode(np.zeros(slots, bool), pages, steps)
         for width in self.scores:
-            out = self._steps["score"](np.zeros(width, np.int32), np.arange(width, dtype=np.int32))
+            out = self._steps["score"](np.zeros(width, np.int32))
         jax.block_until_ready(out)
 
     def _prefill_shapes(self) -> list[tuple[int, int, int]]:
@@ -677,11 +677,9 @@ class Engine:
         request.scored = True
         prompt = request.prompt
         width = _bucket(len(prompt), self.scores)
-        tokens = np.zeros(width, np.int32)
-        positions = np.full(width, -1, np.int32)
+        tokens = np.zeros(width, np.int32)  # right-padded
         tokens[: len(prompt)] = prompt
-        positions[: len(prompt)] = np.arange(len(prompt))
-        out = jax.device_get(self._steps["score"](tokens, positions))
+        out = jax.device_get(self._steps["score"](tokens))
         n = len(prompt) - 1
         tops = [_top(out.top_tokens[i], out.top_logprobs[i]) for i in range(n)]
         request.sink(PromptScores((None, *out.logprob[:n].tolist()), (None, *tops)))

@@ -44,6 +44,7 @@ from eqllm.nn import KVCache, LatentCache
 
 TOP_LOGPROBS = 5  # OpenAI's completions API allows at most 5 alternatives per token
 NO_TOKEN = -1  # a row that did not sample at a decode step
+SCORE_ROWS = 256  # prompt positions whose logits are computed at once when scoring a prompt
 
 
 class Pool(eqx.Module):
@@ -380,16 +381,25 @@ def decode_steps(
     return state, out
 
 
-def prompt_logprobs(
-    fixed, tokens: Int[Array, " width"], positions: Int[Array, " width"]
-) -> Sampled:
+def prompt_logprobs(fixed, tokens: Int[Array, " width"]) -> Sampled:
     """Per position i of a right-padded prompt: the log-probability of token i + 1 after the
-    first i + 1 tokens, and the most likely alternatives there (the full forward, in fp32)."""
+    first i + 1 tokens, and the most likely alternatives there (the full forward, in fp32).
+
+    The padding follows the prompt, so attention (causal) keeps it out of the prompt's rows,
+    which are computed in order: attention skips the key blocks the mask zeroes. The head runs
+    over SCORE_ROWS positions at a time, not the whole width at once: fp32 logits of 8,192
+    positions of a 49,152-word vocabulary are 1.6 GB, and their log-softmax as much again.
+    """
     model, layers = fixed
     model = model.with_layers(layers)  # the stacks, for this call only
-    logits = model(tokens, positions).astype(jnp.float32)
+    hidden = model.hidden(tokens)
     targets = jnp.concatenate([tokens[1:], tokens[:1]])  # the last row is not used
-    return _sample_rows(logits, targets, jnp.asarray(True))
+
+    def row(args):
+        h, target = args
+        return _sampled(model.logits(h).astype(jnp.float32), target, jnp.asarray(True))
+
+    return jax.lax.map(row, (hidden, targets), batch_size=SCORE_ROWS)
 
 
 @eqx.filter_jit
