@@ -6,7 +6,9 @@ nothing is traced again after the warm-up."""
 from __future__ import annotations
 
 import queue
+import re
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,10 @@ import pytest
 from conftest import TINY_CONFIGS
 
 import eqllm
+import eqllm.generation.engine as engine_module
+from eqllm.generation import steps
 from eqllm.generation.pages import BlockPool, block_hashes
+from eqllm.generation.settings import RowSettings
 from eqllm.serve import Engine, Finished, Params, PromptScores, QueueFull, ServeError, Token
 
 SLOTS, LENGTH, CHUNK = 4, 64, 16
@@ -341,3 +346,74 @@ def test_cached_blocks_are_evicted_when_memory_runs_short(model):
     assert engine.pool.evicted > 0
     _drain(engine, [_submit(engine, first, max_tokens=2, temperature=0)])
     assert engine.stats()["prefix_hit_tokens"] < 32  # some of its blocks were reused for others
+
+
+@pytest.mark.parametrize("block_size", [4, 32])
+def test_a_prompt_prefilled_in_chunks_across_blocks_gives_generates_tokens(model, block_size):
+    """A 44-token prompt in chunks of 16: over blocks of 4 each chunk fills four blocks; over
+    blocks of 32 the second chunk starts in the middle of a block, and the third continues the
+    block the second began. Either way the request draws what `eqllm.generate` draws, its
+    reply running on into the blocks after the prompt's."""
+    engine = Engine(model, max_batch=2, max_len=LENGTH, prefill_chunk=16, block_size=block_size)
+    calls = _spy_prefill(engine)
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, 97, 44)]
+    [(tokens, _)] = _drain(engine, [_submit(engine, prompt, max_tokens=20, seed=4)])
+    starts = [int(p[p >= 0].min()) for p in calls if (p >= 0).any()]
+    assert starts == [0, 16, 32]
+    want = eqllm.generate(model, prompt, max_new_tokens=20, key=jax.random.key(4))
+    assert tokens == want.tolist()
+
+
+def test_the_pool_is_sized_by_the_memory_budget_not_slots_times_context(monkeypatch):
+    """With no budget given, an engine for a model of an 8,192-token context and 32 slots takes
+    a share of the free memory (half of it on a CPU, at most 4 GiB), not 32 x 8,192 positions,
+    and one request may still use the whole context; `describe` says what it reserved."""
+    cfg = TINY_CONFIGS["llama"].replace(max_seq_len=8192)
+    model = eqllm.CausalLM(cfg, key=jax.random.key(0))
+    per_position = 2 * 2 * cfg.attention.n_kv_heads * cfg.head_dim * 4  # k and v, 2 layers
+    free = 4 * 8192 * per_position  # room for four full-length requests when halved
+    monkeypatch.setattr(engine_module, "free_memory", lambda device=None: (free, False))
+    engine = Engine(model)
+    assert (engine.max_batch, engine.max_len) == (32, 8192)
+    assert engine.kv_blocks * engine.block_size == 2 * 8192  # half the free memory
+    assert engine.kv_bytes == free // 2 < 32 * 8192 * per_position
+    assert f"{engine.kv_bytes / 2**30:.2f} GiB reserved" in engine.describe()
+    monkeypatch.setattr(engine_module, "free_memory", lambda device=None: (free // 4, False))
+    with pytest.raises(ServeError, match="--kv-cache-memory"):  # not one request would fit
+        Engine(model)
+
+
+def test_a_decode_step_holds_one_layers_views_at_a_time():
+    """Slots decoding over 8,192 positions: the compiled step's temporaries do not grow with
+    depth by every layer's views (gathered up front they did: 22.7 GiB for 32 slots of
+    smollm2-135m beside a pool of 4 GiB), and the pool is written in place, never copied (XLA
+    once copied it around the write for one slot)."""
+    length = 8192
+
+    def compiled(n_layers, slots):
+        cfg = TINY_CONFIGS["llama"].replace(max_seq_len=length, n_layers=n_layers)
+        model = eqllm.CausalLM(cfg, key=jax.random.key(0))
+        params, static = eqx.partition(steps._sliced(model), eqx.is_array)
+        state = steps.empty_state(model, slots, length // 16, 16)
+        decode = steps._jitted(static, None)["decode"]
+        out = decode.lower(
+            params,
+            state,
+            np.zeros((slots, length // 16), np.int32),
+            np.ones(slots, bool),
+            np.ones(slots, np.int32),
+            np.full((slots, 8), -1, np.int32),
+            RowSettings(slots).stacked(slots),
+            np.asarray(False),
+            slots=slots,
+            steps=1,
+            block_size=16,
+        ).compile()
+        return out, steps.bytes_per_token(model) // n_layers
+
+    (shallow, _), (deep, per_layer) = compiled(2, 32), compiled(6, 32)
+    view = 32 * length * per_layer  # one layer's keys and values for every slot
+    temporaries = [s.memory_analysis().temp_size_in_bytes for s in (shallow, deep)]
+    assert temporaries[1] - temporaries[0] < view / 2 and temporaries[1] < 4 * view
+    for step in (deep, compiled(6, 1)[0]):
+        assert not re.search(rf"= f32\[{length},[0-9,]+\]\S* copy\(", step.as_text())
