@@ -27,6 +27,7 @@ from pathlib import Path
 
 import jax
 
+from eqllm.bench import source_commit
 from eqllm.scaling import describe, fit_points, plot_fit, read_results
 from eqllm.sweep import load_sweep, run_sweep
 
@@ -49,7 +50,10 @@ def run(name: str, jobs: int) -> tuple[Path, list[dict], float, int]:
 
 
 def machine() -> str:
-    return f"{os.cpu_count()} CPU threads, {jax.devices()[0].platform}, jax {jax.__version__}"
+    return (
+        f"{os.cpu_count()} CPU threads, {jax.devices()[0].platform}, jax {jax.__version__}, "
+        f"commit `{source_commit()}`"
+    )
 
 
 def timing(rows: list[dict], wall: float, ran: int, jobs: int) -> str:

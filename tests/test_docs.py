@@ -152,3 +152,21 @@ def test_the_readme_links_resolve():
         if anchor:
             headings = re.findall(r"^#+ (.+)$", (ROOT / path).read_text(), re.MULTILINE)
             assert anchor in {slug(h) for h in headings}, f"README.md: no #{anchor} in {path}"
+
+
+EXPERIMENTS = sorted(
+    p for p in (ROOT / "docs" / "experiments").rglob("*.md") if p.name != "README.md"
+)
+
+
+@pytest.mark.parametrize("page", EXPERIMENTS, ids=[p.name for p in EXPERIMENTS])
+def test_an_experiments_page_names_its_command_and_commit(page):
+    """A figure can be checked only against the command that produced it and the code it ran."""
+    text = page.read_text()
+    named = re.search(r"^(Regenerate|Command|Tools):.*`[^`]+`", text, re.MULTILINE)
+    assert named or command_lines(page), f"{page.relative_to(ROOT)}: no 'Regenerate: `command`'"
+    if "(pending)" in text.splitlines()[0]:
+        return  # a page of figures not yet measured has no commit to name
+    assert re.search(r"commit:? `[0-9a-f]{7,40}`", text), (
+        f"{page.relative_to(ROOT)}: no 'commit: `<hash>`' naming the code its figures ran"
+    )

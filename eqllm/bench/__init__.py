@@ -43,6 +43,7 @@ __all__ = [
     "run_mesh_bench",
     "format_table",
     "machine_info",
+    "source_commit",
     "markdown_table",
     "parse_overrides",
     "run_bench",
@@ -75,6 +76,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "jax": f"{jax.__version__} (jaxlib {jaxlib.__version__})",
         "equinox": equinox.__version__,
+        "commit": source_commit(),
     }
     try:
         import torch
@@ -87,6 +89,26 @@ def machine_info() -> dict[str, Any]:
     if os.environ.get("XLA_FLAGS"):
         info["XLA_FLAGS"] = os.environ["XLA_FLAGS"]
     return info
+
+
+def source_commit() -> str:
+    """The commit of the eqllm checkout that ran, `+changes` when its tracked files differ from
+    it: every figure on a page names the code that produced it."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", root, *args], capture_output=True, text=True, timeout=30, check=True
+        ).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short=7", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (not a git checkout)"
+    return f"{commit}+changes" if changed else commit
 
 
 def _threads() -> int:

@@ -46,13 +46,13 @@ def install(spec: str) -> None:
     elif phase == "eval":
         from eqllm.train import loop
 
-        original_eval = loop.evaluate_tokens
+        original_eval = loop._evaluate  # an evaluation during training
 
         def evaluate(*args, **kwargs):
             hit()
             return original_eval(*args, **kwargs)
 
-        loop.evaluate_tokens = evaluate
+        loop._evaluate = evaluate
     elif phase == "checkpoint":
         from orbax.checkpoint._src.path import atomicity
 
