@@ -130,7 +130,6 @@ FAMILIES = [
         "llama-bias",
         _zoo("llama-nano", attention={"n_kv_heads": 2, "qkv_bias": True, "out_bias": True}),
         variant=True,
-        gguf=True,
     ),
     # A window of 5, shorter than every test sequence: the ring-buffer cache wraps.
     Tiny("mistral", _zoo("mistral-7b", attention={"n_kv_heads": 2, "sliding_window": 5})),

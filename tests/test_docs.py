@@ -167,6 +167,6 @@ def test_an_experiments_page_names_its_command_and_commit(page):
     assert named or command_lines(page), f"{page.relative_to(ROOT)}: no 'Regenerate: `command`'"
     if "(pending)" in text.splitlines()[0]:
         return  # a page of figures not yet measured has no commit to name
-    assert re.search(r"commit:? `[0-9a-f]{7,40}`", text), (
+    assert re.search(r"commit:? `?[0-9a-f]{7,40}", text), (
         f"{page.relative_to(ROOT)}: no 'commit: `<hash>`' naming the code its figures ran"
     )

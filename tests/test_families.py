@@ -217,7 +217,10 @@ def test_adapter_made_with_peft_loads_with_peft_logits(twins, name, tmp_path):
     assert len(lora.adapters(model)) > 0
     expected = hf_logits(peft_model, TOKENS)
     assert np.abs(expected - pair.ref).max() > 1e-3  # the adapters change the function
-    np.testing.assert_allclose(logits(model, TOKENS), expected, atol=1e-4, rtol=0)
+    # peft's random B at rsLoRA's scale (12 / sqrt(4)) moves the logits far from the base
+    # model's: fp32 agreement is relative to their size.
+    scale = max(1.0, np.abs(expected).max())
+    np.testing.assert_allclose(logits(model, TOKENS), expected, atol=1e-4 * scale, rtol=0)
 
 
 @pytest.mark.parametrize("name", params({"llama", "gpt_neox"}))

@@ -193,6 +193,10 @@ def test_a_family_says_which_architecture_it_is_written_as(tmp_path):
     windowed = eqx.filter_eval_shape(eqllm.CausalLM, windowed, key=jax.random.key(0))
     with pytest.raises(eqllm.ConfigError, match="attention.sliding_window=16: GGUF architecture"):
         eqllm.hub.save_gguf(windowed, tmp_path / "w.gguf")
+    biased = eqllm.zoo.config("llama-nano", attention={"qkv_bias": True, "out_bias": True})
+    biased = eqx.filter_eval_shape(eqllm.CausalLM, biased, key=jax.random.key(0))
+    with pytest.raises(eqllm.ConfigError, match="attention.out_bias=True: GGUF architecture"):
+        eqllm.hub.save_gguf(biased, tmp_path / "b.gguf")
     gpt2 = eqx.filter_eval_shape(eqllm.zoo.create, "gpt2-nano", key=jax.random.key(0))
     with pytest.raises(eqllm.ConfigError, match="gpt2 model has no GGUF architecture.*llama"):
         eqllm.hub.save_gguf(gpt2, tmp_path / "g.gguf")

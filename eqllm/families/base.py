@@ -89,6 +89,9 @@ class Family:
             as (`eqllm.hub.save_gguf`); None: eqllm writes no GGUF file for it.
         gguf_refuses: settings of a config that architecture cannot hold: returns the
             offending {path: value} (empty when the model can be written).
+        module_renames: checkpoint module names transformers renames in the model it builds
+            (GPT-NeoX's `embed_out` is `lm_head`): PEFT adapters name modules, so eqllm writes
+            the new name and reads either.
     """
 
     name: str
@@ -107,6 +110,7 @@ class Family:
     skip_extra_layers: bool = False
     gguf: str | None = None
     gguf_refuses: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: {}
+    module_renames: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def embed_name(self) -> str:

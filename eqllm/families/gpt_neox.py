@@ -165,4 +165,5 @@ FAMILY = Family(
     from_hf=from_hf,
     check=check,
     layouts=(_table("lm_head.weight"),),
+    module_renames={"embed_out": "lm_head"},
 )

@@ -38,6 +38,12 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def gguf_refuses(cfg: ModelConfig) -> dict[str, Any]:
+    """eqllm writes Llama's projections without biases: transformers' GGUF reader drops an
+    attention bias (`attention_bias`), so a file with one could not be checked against it."""
+    return {"attention.out_bias": True} if cfg.attention.out_bias else {}
+
+
 FAMILY = Family(
     name="llama",
     released="2023-02",
@@ -56,4 +62,5 @@ FAMILY = Family(
     from_hf=from_hf,
     check=one_attention_bias,
     gguf="llama",
+    gguf_refuses=gguf_refuses,
 )

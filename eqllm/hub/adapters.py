@@ -29,7 +29,7 @@ from safetensors.numpy import load_file, save_file
 
 from eqllm import families
 from eqllm.families import Row
-from eqllm.hub.tables import fused_order
+from eqllm.hub.tables import fused_order, layer_span
 from eqllm.lora import LoraError, LoraLinear, adapters, get_path, is_lora, module_names
 from eqllm.model import CausalLM
 from eqllm.nn import Linear
@@ -41,27 +41,39 @@ ADAPTER_FILES = [CONFIG_FILE, WEIGHTS_FILE]
 
 
 def _module_rows(family: str) -> list[Row]:
-    """The key-table rows of linear weights (those `eqllm.lora` can adapt)."""
+    """The key-table rows of linear weights (those `eqllm.lora` can adapt) that are modules of
+    their own in transformers: one expert's weight (`experts.{j}.w1`) is a slice of a stacked
+    parameter there, which PEFT's LoRA does not adapt."""
     names = module_names(family)
     return [
         r
         for r in families.get(family).table
         if r.hf.endswith(".weight")
+        and "{j}" not in r.hf
         and tuple(p.removesuffix(".weight") for p in r.eqllm)
         in names.get(r.hf.removesuffix(".weight").rsplit(".", 1)[-1], [])
     ]
 
 
-def _instances(row: Row, n_layers: int) -> list[tuple[int | None, str]]:
-    """(layer or None, PEFT module path) for each module a row stands for."""
+def _module(row: Row, family: str) -> str:
+    """The module a row's weight belongs to, as transformers names it in the model it builds
+    (and PEFT in an adapter): the checkpoint's name, unless the family renames it on load."""
     module = row.hf.removesuffix(".weight")
+    return families.get(family).module_renames.get(module, module)
+
+
+def _instances(row: Row, config) -> list[tuple[int | None, str]]:
+    """(index in its stack or None, PEFT module path) for each module a row stands for; a
+    layered row fills its own stack (DeepSeek's dense prefix, or the layers after it)."""
+    module = _module(row, config.family)
     if row.layered:
-        return [(i, _PREFIX + module.format(i=i)) for i in range(n_layers)]
+        first, count = layer_span(row, config)
+        return [(i, _PREFIX + module.format(i=first + i)) for i in range(count)]
     return [(None, _PREFIX + module)]
 
 
-def _short(row: Row) -> str:
-    return row.hf.removesuffix(".weight").rsplit(".", 1)[-1]
+def _short(row: Row, family: str) -> str:
+    return _module(row, family).rsplit(".", 1)[-1]
 
 
 def save_adapter(
@@ -85,14 +97,14 @@ def save_adapter(
             continue
         if any(a is None for a in parts) or len({a.scale for a in parts}) != 1:
             raise LoraError(
-                f"{_short(row)}: the fused module {paths} must be adapted as a whole, with one "
-                "scale; adapt it by its Hugging Face name"
+                f"{_short(row, cfg.family)}: the fused module {paths} must be adapted as a "
+                "whole, with one scale; adapt it by its Hugging Face name"
             )
         covered.update(paths)
         a_parts = [np.asarray(a.lora_a.weight, np.float32) for a in parts]
         b_parts = [np.asarray(a.lora_b.weight, np.float32) for a in parts]
         shared = all(np.array_equal(a_parts[0], a) for a in a_parts[1:])
-        for i, module in _instances(row, cfg.n_layers):
+        for i, module in _instances(row, cfg):
             a_s = [a if i is None else a[i] for a in a_parts]
             b_s = [b if i is None else b[i] for b in b_parts]
             if shared:
@@ -110,7 +122,7 @@ def save_adapter(
             tensors[f"{module}.lora_A.weight"] = np.ascontiguousarray(a_out)
             tensors[f"{module}.lora_B.weight"] = np.ascontiguousarray(b_out)
         rank = a_out.shape[0]
-        ranks.setdefault(_short(row), (rank, parts[0].scale * rank))
+        ranks.setdefault(_short(row, cfg.family), (rank, parts[0].scale * rank))
     missing = sorted(set(found) - covered)
     if missing:
         raise LoraError(f"adapters at {missing} have no Hugging Face module name; merge them")
@@ -200,10 +212,13 @@ def load_adapter(model: CausalLM, directory: str | os.PathLike) -> CausalLM:
     tensors = load_file(str(file))
     tensors = {re.sub(r"\.lora_([AB])\.default\.", r".lora_\1.", k): v for k, v in tensors.items()}
     cfg = model.config
+    for old, new in families.get(cfg.family).module_renames.items():  # older transformers' name
+        was = re.compile(re.escape(f"{_PREFIX}{old}."))
+        tensors = {was.sub(f"{_PREFIX}{new}.", k, count=1): v for k, v in tensors.items()}
     used: set[str] = set()
     replace: dict[str, LoraLinear] = {}
     for row in _module_rows(cfg.family):
-        instances = _instances(row, cfg.n_layers)
+        instances = _instances(row, cfg)
         present = [f"{m}.lora_A.weight" in tensors for _, m in instances]
         if not any(present):
             continue
