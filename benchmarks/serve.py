@@ -15,8 +15,8 @@ see from a server that streams.
 With `--shared-prefix N` every prompt starts with the same N tokens (a system prompt) before its
 own `--prompt` tokens, and each row also reports the prefix cache's hit rate over its requests
 (the share of their prompt tokens found in the cache); `--no-prefix-cache` computes every prompt
-in full, for the comparison. The cache persists from row to row: a first row at some
-concurrency starts cold, a second at the same concurrency finds the prefix cached.
+in full, for the comparison. The cache persists from row to row: a first row starts cold, and
+each later row sends new prompts with the same prefix, which it then finds cached.
 
     PYTHONPATH=$PWD python benchmarks/serve.py MODEL [--concurrency 1 4 16 64]
         [--requests 64] [--prompt 32] [--new 32] [--max-batch 32] [--max-len 256]
@@ -168,7 +168,8 @@ def main() -> None:
             log_level="warning",
         )
     )
-    threading.Thread(target=server.run, daemon=True).start()
+    serving = threading.Thread(target=server.run, daemon=True)
+    serving.start()
     for _ in range(600):
         if server.started:
             break
@@ -177,11 +178,17 @@ def main() -> None:
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     shared = rng.integers(1, vocab, args.shared_prefix).tolist()
-    prompts = [shared + rng.integers(1, vocab, args.prompt).tolist() for _ in range(args.requests)]
+
+    def fresh() -> list[list[int]]:  # the shared prefix, then tokens no earlier prompt had
+        return [shared + rng.integers(1, vocab, args.prompt).tolist() for _ in range(args.requests)]
+
+    prompts = fresh()
     own = f"{args.shared_prefix} shared + {args.prompt}" if shared else f"{args.prompt}"
     print(f"eqllm serve ({own}-token prompts, {args.new} new tokens, greedy):")
     _header(hits=bool(shared))
-    for c in args.concurrency:
+    for row, c in enumerate(args.concurrency):
+        if shared and row:  # the shared prefix cached, the rest of each prompt new
+            prompts = fresh()
         before = engine.stats()
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(c) as pool:
@@ -193,6 +200,7 @@ def main() -> None:
         hits = found / (after["prompt_tokens"] - before["prompt_tokens"]) if shared else None
         _row(c, len(results), tokens / wall, np.array([r[0] for r in results]), hits)
     server.should_exit = True
+    serving.join(timeout=60)  # the app's shutdown stops the engine before the interpreter exits
     if args.vs_transformers:
         transformers_reference(folder, prompts, args.new, args.concurrency)
     sys.exit(0)
