@@ -12,9 +12,15 @@ to first token is the time from a batch's start to the first token of its reques
 `generate` first calls the logits processors), which is what C clients in a closed loop would
 see from a server that streams.
 
+With `--shared-prefix N` every prompt starts with the same N tokens (a system prompt) before its
+own `--prompt` tokens, and each row also reports the prefix cache's hit rate over its requests
+(the share of their prompt tokens found in the cache); `--no-prefix-cache` computes every prompt
+in full, for the comparison. The cache persists from row to row: a first row starts cold, and
+each later row sends new prompts with the same prefix, which it then finds cached.
+
     PYTHONPATH=$PWD python benchmarks/serve.py MODEL [--concurrency 1 4 16 64]
         [--requests 64] [--prompt 32] [--new 32] [--max-batch 32] [--max-len 256]
-        [--vs-transformers]
+        [--shared-prefix N] [--no-prefix-cache] [--vs-transformers]
 """
 
 from __future__ import annotations
@@ -108,13 +114,17 @@ def transformers_reference(folder: Path, prompts, new: int, concurrency) -> None
         _row(c, len(prompts), tokens / (time.perf_counter() - start), np.array(ttft))
 
 
-def _header() -> None:
-    print(f"{'clients':>7} {'requests':>8} {'tokens/s':>9} {'TTFT p50 s':>10} {'TTFT p99 s':>10}")
+def _header(hits: bool = False) -> None:
+    print(
+        f"{'clients':>7} {'requests':>8} {'tokens/s':>9} {'TTFT p50 s':>10} {'TTFT p99 s':>10}"
+        + (f" {'prefix hits':>11}" if hits else "")
+    )
 
 
-def _row(c: int, n: int, speed: float, ttft: np.ndarray) -> None:
+def _row(c: int, n: int, speed: float, ttft: np.ndarray, hits: float | None = None) -> None:
     p50, p99 = np.percentile(ttft, 50), np.percentile(ttft, 99)
-    print(f"{c:>7} {n:>8} {speed:>9.1f} {p50:>10.3f} {p99:>10.3f}", flush=True)
+    line = f"{c:>7} {n:>8} {speed:>9.1f} {p50:>10.3f} {p99:>10.3f}"
+    print(line + ("" if hits is None else f" {hits:>11.1%}"), flush=True)
 
 
 def main() -> None:
@@ -126,6 +136,8 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--max-len", type=int, default=256)
+    parser.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt shares")
+    parser.add_argument("--no-prefix-cache", action="store_true")
     parser.add_argument("--vs-transformers", action="store_true")
     args = parser.parse_args()
 
@@ -135,11 +147,18 @@ def main() -> None:
         folder = Path(tmp.name) / "model"
         save_pretrained(loading.load(args.model)[0], folder)
     model, tokenizer = loading.load(str(folder) if folder.is_dir() else args.model)
-    engine = Engine(model, max_batch=args.max_batch, max_len=args.max_len, max_queue=1024)
+    engine = Engine(
+        model,
+        max_batch=args.max_batch,
+        max_len=args.max_len,
+        max_queue=1024,
+        prefix_cache=not args.no_prefix_cache,
+    )
     start = time.perf_counter()
     engine.warm()
     seconds = time.perf_counter() - start
     print(f"{args.model}: compiled {len(engine.shapes())} shapes in {seconds:.1f} s")
+    print(engine.describe())
     port = _free_port()
     server = uvicorn.Server(
         uvicorn.Config(
@@ -149,7 +168,8 @@ def main() -> None:
             log_level="warning",
         )
     )
-    threading.Thread(target=server.run, daemon=True).start()
+    serving = threading.Thread(target=server.run, daemon=True)
+    serving.start()
     for _ in range(600):
         if server.started:
             break
@@ -157,17 +177,30 @@ def main() -> None:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
-    prompts = [rng.integers(1, vocab, args.prompt).tolist() for _ in range(args.requests)]
-    print(f"eqllm serve ({args.prompt}-token prompts, {args.new} new tokens, greedy):")
-    _header()
-    for c in args.concurrency:
+    shared = rng.integers(1, vocab, args.shared_prefix).tolist()
+
+    def fresh() -> list[list[int]]:  # the shared prefix, then tokens no earlier prompt had
+        return [shared + rng.integers(1, vocab, args.prompt).tolist() for _ in range(args.requests)]
+
+    prompts = fresh()
+    own = f"{args.shared_prefix} shared + {args.prompt}" if shared else f"{args.prompt}"
+    print(f"eqllm serve ({own}-token prompts, {args.new} new tokens, greedy):")
+    _header(hits=bool(shared))
+    for row, c in enumerate(args.concurrency):
+        if shared and row:  # the shared prefix cached, the rest of each prompt new
+            prompts = fresh()
+        before = engine.stats()
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(c) as pool:
             results = list(pool.map(lambda p: _one(client, p, args.new), prompts))
         wall = time.perf_counter() - start
         tokens = sum(r[1] for r in results)
-        _row(c, len(results), tokens / wall, np.array([r[0] for r in results]))
+        after = engine.stats()
+        found = after["prefix_hit_tokens"] - before["prefix_hit_tokens"]
+        hits = found / (after["prompt_tokens"] - before["prompt_tokens"]) if shared else None
+        _row(c, len(results), tokens / wall, np.array([r[0] for r in results]), hits)
     server.should_exit = True
+    serving.join(timeout=60)  # the app's shutdown stops the engine before the interpreter exits
     if args.vs_transformers:
         transformers_reference(folder, prompts, args.new, args.concurrency)
     sys.exit(0)

@@ -12,8 +12,9 @@ base; rotary or NoPE) is a per-layer flag scanned alongside the weights.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import equinox as eqx
 import jax
@@ -257,18 +258,30 @@ class CausalLM(eqx.Module):
         Returns:
             The next-token logits and the cache with the chunk written in.
         """
-        cfg = self.config
-        model = cast_floating(self, dtype_of(cfg.compute_dtype))  # no-op when already cast
+        model = cast_floating(self, dtype_of(self.config.compute_dtype))  # no-op when cast
         layers = model.layers() if layers is None else layers
         x = model.embed_inputs(tokens, positions)
         written = []
-        local, rotate = layer_flags(cfg)
-        for i, (block, layer_cache) in enumerate(zip(layers, cache, strict=True)):
-            flags = (layer_flag(local, i), layer_flag(rotate, i))
-            x, layer_cache = block.cached(x, positions, layer_cache, *flags)
+        for call, layer_cache in zip(model.cached_calls(layers), cache, strict=True):
+            x, layer_cache = call(x, positions, layer_cache)
             written.append(layer_cache)
-        hidden = model.final_norm(x[-1])  # only the last position's logits are needed
-        return model.logits(hidden), tuple(written)
+        return model.next_logits(x), tuple(written)
+
+    def cached_calls(self, layers: Sequence[Block]) -> list[Callable]:
+        """Each layer's cached call with its flags bound: `call(x, positions, cache)` returns
+        (x, cache) as `Block.cached` does. `prefill` runs them in order; a caller that keeps
+        the caches elsewhere (the serving engine's paged pools) runs them one by one."""
+        local, rotate = layer_flags(self.config)
+        return [
+            functools.partial(
+                block.cached, local=layer_flag(local, i), rotate=layer_flag(rotate, i)
+            )
+            for i, block in enumerate(layers)
+        ]
+
+    def next_logits(self, x: Float[Array, "seq d_model"]) -> Float[Array, " vocab"]:
+        """The logits after the last position of the last layer's output (fp32)."""
+        return self.logits(self.final_norm(x[-1]))
 
     @jax.named_scope("eqllm.CausalLM.decode")
     def decode(

@@ -9,16 +9,18 @@ functions are shared across tests.
 """
 
 import io
+import json
 import re
 
 import equinox as eqx
+import generate_cases
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import eqllm
-import eqllm.generation.loop
+import eqllm.generation.steps
 from eqllm import cli
 from eqllm.commands import generate as generate_command
 from eqllm.data import Tokenizer
@@ -171,18 +173,29 @@ def test_same_key_same_sample_and_keys_differ(models):
     assert one.tolist() == a.tolist()[:1]
 
 
-def test_settings_do_not_recompile(models, monkeypatch):
+def test_settings_do_not_recompile(models):
     model = models["mistral"]
-    traces = []
-    real = eqllm.generation.loop.prefill
-    monkeypatch.setattr(
-        eqllm.generation.loop, "prefill", lambda *a, **k: traces.append(1) or real(*a, **k)
-    )
+    traces = eqllm.generation.steps.TRACES
     eqllm.generate(model, [1, 2], max_new_tokens=NEW, key=jax.random.key(1))
-    first = len(traces)
+    first = dict(traces)
     for kw in ({"temperature": 0.5, "top_k": 5}, {"top_p": 0.5, "min_p": 0.1}, {"temperature": 0}):
         eqllm.generate(model, [7, 8, 9], max_new_tokens=NEW, key=jax.random.key(3), **kw)
-    assert len(traces) == first <= 1
+    assert traces == first  # the same engine shapes: nothing traced again
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        f if f == "mistral" else pytest.param(f, marks=pytest.mark.slow)
+        for f in generate_cases.MODELS
+    ],
+)
+def test_seeded_outputs_equal_those_of_the_loop_before_the_engine(family):
+    """Every setting of tests/generate_cases.py (greedy, sampled, top-k, top-p with min-p,
+    repetition penalty with stop tokens), in a batch of four prompts and alone, gives the tokens
+    the compiled loop that preceded the engine gave (pinned in tests/data)."""
+    golden = json.loads(generate_cases.GOLDEN.read_text())[family]
+    assert generate_cases.run(family) == golden
 
 
 def test_stream_joins_to_generate(models):

@@ -1,10 +1,12 @@
-"""`eqllm serve` as a process: it lists and compiles its shapes before saying ready, binds to
-127.0.0.1, and on SIGTERM finishes the stream in flight and exits 0."""
+"""`eqllm serve` as a process: it says what memory its KV cache reserved, lists and compiles its
+shapes before saying ready, binds to 127.0.0.1, and on SIGTERM finishes the stream in flight
+and exits 0."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,6 +42,7 @@ def test_serve_lists_shapes_then_drains_on_sigterm_and_exits_0(tmp_path):
         assert any("ready" in line for line in lines), "".join(lines)
         log = "".join(lines)
         assert "decode: 2 slots x 64 positions" in log and "prefill: 1 prompts x 16 tokens" in log
+        assert re.search(r"KV cache: [0-9,]+ blocks of 16 positions .* GiB reserved", log)
         assert log.index("prefill: ") < log.index("ready")
         assert f"127.0.0.1:{port}" in log
         body = {"model": "model", "prompt": [5], "max_tokens": 60, "stream": True}

@@ -32,7 +32,7 @@ def test_tensor_parallel_serving_on_8_simulated_devices():
 
 
 def test_a_mesh_larger_than_the_devices_fails_clearly():
-    from eqllm.serve.placement import serving_mesh
+    from eqllm.generation.placement import serving_mesh
 
     with pytest.raises(MeshError, match="needs 64 devices but 1 are available"):
         serving_mesh("tensor=64", devices=[object()])

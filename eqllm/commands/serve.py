@@ -1,10 +1,12 @@
 """`eqllm serve`: an OpenAI-compatible server for any model eqllm loads.
 
-The model is loaded (optionally cast to bfloat16 or quantized to int8 weights), the engine's
-compiled shapes are listed and compiled, and only then does the server listen, on 127.0.0.1
-unless `--host` says otherwise. `--mesh tensor=N` splits the weights and the KV cache over N
-devices (`data=D` also splits the slots over D replicas). SIGTERM or Ctrl-C stops accepting
-connections, lets the requests in flight finish, and exits 0. See docs/serve.md.
+The model is loaded (optionally cast to bfloat16 or quantized to int8 weights), the KV cache's
+size is logged (a pool of blocks sized by `--kv-cache-memory`, by default a share of the free
+memory), the engine's compiled shapes are listed and compiled, and only then does the server
+listen, on 127.0.0.1 unless `--host` says otherwise. `--mesh tensor=N` splits the weights and
+the KV cache over N devices (`data=D` also splits the slots over D replicas). SIGTERM or Ctrl-C
+stops accepting connections, lets the requests in flight finish, and exits 0. See
+docs/serve.md.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ from eqllm import loading
 from eqllm.data import Tokenizer
 from eqllm.data.instruct import ChatFormat
 from eqllm.errors import EqllmError
+from eqllm.generation.placement import serving_mesh
 from eqllm.nn import quantize
 from eqllm.resources import setup_compile_cache
 from eqllm.serve import Engine
 from eqllm.serve.app import Service, create_app
-from eqllm.serve.placement import serving_mesh
 
 
 def chat_format_of(spec: str, tokenizer: Tokenizer | None) -> ChatFormat | None:
@@ -75,8 +77,15 @@ def run(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk,
         max_queue=args.max_queue,
         mesh=mesh,
+        block_size=args.block_size,
+        kv_memory=None if args.kv_cache_memory is None else parse_size(args.kv_cache_memory),
+        prefix_cache=not args.no_prefix_cache,
+        decode_steps=args.decode_steps,
     )
-    log.info("loaded %s in %.1f s; compiling:", args.model, time.perf_counter() - start)
+    del model  # the engine holds the weights it runs on (sliced into layers)
+    log.info("loaded %s in %.1f s", args.model, time.perf_counter() - start)
+    log.info("%s", engine.describe())
+    log.info("compiling:")
     for line in engine.shapes():
         log.info("  %s", line)
     warm = time.perf_counter()
@@ -109,6 +118,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_size(text: str) -> int:
+    """Bytes from '4GiB', '512MiB', '2GB', '1.5G' or a plain number of bytes."""
+    units = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+    units |= {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+    number = text.strip().lower().removesuffix("b")
+    digits = number.rstrip("kmgti")
+    try:
+        value = float(digits) * units[number[len(digits) :]]
+    except (ValueError, KeyError):
+        raise EqllmError(
+            f"--kv-cache-memory {text!r} is not a size; give e.g. 4GiB, 512MiB or 2GB"
+        ) from None
+    if value <= 0:
+        raise EqllmError(f"--kv-cache-memory {text!r} must be positive")
+    return int(value)
+
+
 def _announce(server: uvicorn.Server, log: logging.Logger, line: str) -> None:
     """Log `line` once the server listens: a client that connects on "ready" is answered."""
     while not server.started and not server.should_exit:
@@ -131,6 +157,24 @@ def add_parser(commands) -> None:
         "--prefill-chunk", type=int, default=128, help="prompt tokens prefilled per round"
     )
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
+    p.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="memory for the paged KV cache, e.g. 4GiB (default: 90%% of a GPU's or TPU's free "
+        "memory; on a CPU half the available memory, at most 4 GiB)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="positions per KV cache block")
+    p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="compute every prompt in full (default: reuse the cached blocks of equal prefixes)",
+    )
+    p.add_argument(
+        "--decode-steps",
+        type=int,
+        default=1,
+        help="tokens a decode call runs on device while no prompt waits (default 1)",
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights")
     p.add_argument(

@@ -1,14 +1,24 @@
-"""Text generation: sampling settings and filters, a compiled prefill + decode loop over the
-model's KV cache (`CausalLM.init_cache` / `prefill` / `decode`), streaming, and the public API.
+"""Text generation: sampling settings and filters, the continuous-batching engine over a paged
+KV cache (`Engine`), and the public API on it (`generate`, `generate_batch`, `stream`).
 
-One generation is one `eqx.filter_jit` call: prefill writes the (left-padded) prompts into a
-cache with a static number of slots and samples the first new token; a `lax.while_loop` then
-feeds each sampled token back, entirely on device, until `max_new_tokens` or until every row
-has produced a stop token. Sampling settings are arrays, so changing them does not recompile.
+Every generation in eqllm (these functions, evaluation samples, the lm-evaluation-harness
+backend, GRPO rollouts, `eqllm serve`) runs on the one engine: the model's own `prefill` /
+`decode` over views of a pool of cache blocks, one compiled prefill step and one compiled decode
+step that loops on device until its tokens are drawn or every row produced a stop token.
+Sampling settings are arrays, so changing them does not recompile.
 """
 
 from eqllm.generation.api import bucket, generate, generate_batch, stream
-from eqllm.generation.loop import NO_TOKEN, DecodeState
+from eqllm.generation.engine import Engine
+from eqllm.generation.requests import (
+    Finished,
+    Params,
+    PromptScores,
+    QueueFull,
+    Request,
+    ServeError,
+    Token,
+)
 from eqllm.generation.sampling import (
     GenerationError,
     Sampling,
@@ -18,12 +28,20 @@ from eqllm.generation.sampling import (
     sample_tokens,
     sampling,
 )
+from eqllm.generation.steps import NO_TOKEN
 
 __all__ = [
     "NO_TOKEN",
-    "DecodeState",
+    "Engine",
+    "Finished",
     "GenerationError",
+    "Params",
+    "PromptScores",
+    "QueueFull",
+    "Request",
     "Sampling",
+    "ServeError",
+    "Token",
     "bucket",
     "filter_logits",
     "generate",

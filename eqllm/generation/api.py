@@ -1,8 +1,11 @@
-"""The public generation API: `generate`, `generate_batch` and `stream`.
+"""The public generation API: `generate`, `generate_batch` and `stream`, on the engine.
 
-Prompts are checked here, then padded on the left to a power-of-two bucket, so a batch of
-different lengths shares one compilation and the last column holds every row's next-token
-logits. Padding has negative positions: the cache drops it and the attention mask hides it.
+Prompts are checked here; each call then makes an `Engine` just large enough for its prompts
+(a slot each, and blocks for prompt + new tokens) and runs it to the end: every prompt is
+prefilled in one call (left-padded to a power-of-two bucket), then every row decodes in one
+call that loops on device until each row has its tokens or a stop token. The compiled steps
+are shared with every other engine over a model of the same structure, so a new call of the
+same shape compiles nothing.
 """
 
 from __future__ import annotations
@@ -14,16 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Key, PRNGKeyArray
 
-from eqllm.generation.loop import (
-    NO_TOKEN,
-    decode_chunk,
-    generate_compiled,
-    prefill_compiled,
-)
+from eqllm.generation.engine import MIN_CHUNK, Engine
+from eqllm.generation.requests import Params, Token
 from eqllm.generation.sampling import GenerationError, sampling
-from eqllm.model import CausalLM, cast_floating, dtype_of
+from eqllm.model import CausalLM
 
-MIN_BUCKET = 16
+MIN_BUCKET = MIN_CHUNK
 
 
 def bucket(length: int, max_seq_len: int) -> int:
@@ -76,7 +75,7 @@ def _row_keys(key, batch: int) -> Key[Array, " batch"]:
 
 
 def _prepare(model, prompts, max_new_tokens, stop_tokens):
-    """Checked, left-padded prompts: (tokens, positions, stop ids) as numpy arrays."""
+    """Checked prompts (int32 arrays) and stop ids."""
     if not isinstance(model, CausalLM):
         raise GenerationError(f"model must be an eqllm CausalLM, got {type(model).__name__}")
     cfg = model.config
@@ -105,15 +104,27 @@ def _prepare(model, prompts, max_new_tokens, stop_tokens):
             f"stop_tokens must be token ids in [0, vocab_size={cfg.vocab_size}), "
             f"got {stop.tolist()}"
         )
-    # Padded with an id no token has, to a multiple of 8: a few more stops do not recompile.
-    stop = np.pad(stop, (0, 8 * max(1, -(-len(stop) // 8)) - len(stop)), constant_values=-1)
-    width = bucket(longest, cfg.max_seq_len)
-    tokens = np.zeros((len(rows), width), np.int32)
-    positions = np.full((len(rows), width), -1, np.int32)
-    for i, r in enumerate(rows):  # left padding: every prompt ends in the last column
-        tokens[i, width - len(r) :] = r
-        positions[i, width - len(r) :] = np.arange(len(r))
-    return tokens, positions, stop
+    return rows, tuple(stop.tolist())
+
+
+def _engine(model: CausalLM, rows, *, max_len: int, steps: int) -> Engine:
+    """An engine with a slot per row and the blocks of `max_len` positions for each, taking
+    every prompt in one prefill call and decoding `steps` tokens per call."""
+    width = bucket(max(len(r) for r in rows), model.config.max_seq_len)
+    return Engine(
+        model,
+        max_batch=len(rows),
+        max_len=max_len,
+        prefill_chunk=1 << (width * len(rows) - 1).bit_length(),
+        kv_blocks=len(rows) * -(-max_len // 16),
+        block_size=16,
+        prefix_cache=False,
+        decode_steps=steps,
+    )
+
+
+def _params(max_new_tokens, settings: dict, stop: tuple[int, ...]) -> Params:
+    return Params(max_tokens=max_new_tokens, stop_tokens=stop, **settings)
 
 
 def generate_batch(
@@ -150,14 +161,34 @@ def generate_batch(
     Raises:
         GenerationError: a bad prompt, key or setting.
     """
-    settings = sampling(temperature, top_k, top_p, min_p, repetition_penalty)
-    tokens, positions, stop = _prepare(model, prompts, max_new_tokens, stop_tokens)
-    keys = _row_keys(key, len(tokens))
-    out, counts = generate_compiled(
-        model, tokens, positions, keys, settings, stop, max_new_tokens=max_new_tokens
+    settings = dict(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
     )
-    out, counts = np.asarray(out), np.asarray(counts)
-    return [row[:n] for row, n in zip(out, counts, strict=True)]
+    sampling(**settings)
+    rows, stop = _prepare(model, prompts, max_new_tokens, stop_tokens)
+    keys = _row_keys(key, len(rows))
+    longest = max(len(r) for r in rows)
+    max_len = min(
+        bucket(longest, model.config.max_seq_len) + max_new_tokens, model.config.max_seq_len
+    )
+    engine = _engine(model, rows, max_len=max_len, steps=max(1, max_new_tokens - 1))
+    outputs: list[list[int]] = [[] for _ in rows]
+    for row, key_i, out in zip(rows, keys, outputs, strict=True):
+        engine.submit(row, _params(max_new_tokens, settings, stop), _tokens_into(out), key=key_i)
+    engine.run(max_rounds=4 + len(rows) + max_new_tokens)
+    return [np.asarray(out, np.int32) for out in outputs]
+
+
+def _tokens_into(out: list[int]):
+    def sink(event):
+        if isinstance(event, Token):
+            out.append(event.id)
+
+    return sink
 
 
 def generate(
@@ -214,18 +245,25 @@ def stream(
     """
     if isinstance(chunk, bool) or int(chunk) != chunk or chunk < 1:
         raise GenerationError(f"chunk must be a positive integer, got {chunk!r}")
-    settings = sampling(temperature, top_k, top_p, min_p, repetition_penalty)
-    tokens, positions, stop = _prepare(model, [prompt], max_new_tokens, stop_tokens)
-    keys = _single_key(key)
-    model = cast_floating(model, dtype_of(model.config.compute_dtype))
-    layers = model.layers()  # once: both compiled pieces take them
-    limit = jnp.asarray(max_new_tokens, jnp.int32)
-    length = model.config.max_seq_len
-    state, first = prefill_compiled(
-        model, layers, tokens, positions, keys, settings, stop, limit, length=length
+    settings = dict(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
     )
-    yield np.asarray(first)
-    while int(state.step) < max_new_tokens and not bool(state.done[0]):
-        state, out = decode_chunk((model, layers, settings, stop), state, steps=chunk)
-        out = np.asarray(out)[0]
-        yield out[out != NO_TOKEN]
+    sampling(**settings)
+    rows, stop = _prepare(model, [prompt], max_new_tokens, stop_tokens)
+    key = _single_key(key)[0]
+    engine = _engine(model, rows, max_len=model.config.max_seq_len, steps=chunk)
+    out: list[int] = []
+    engine.submit(rows[0], _params(max_new_tokens, settings, stop), _tokens_into(out), key=key)
+    engine.step(decode=False)  # the prompt, and the first token
+    sent = len(out)
+    yield np.asarray(out, np.int32)
+    for _ in range(max_new_tokens):  # a round decodes at least one token
+        if not engine.busy():
+            return
+        engine.step()
+        yield np.asarray(out[sent:], np.int32)
+        sent = len(out)

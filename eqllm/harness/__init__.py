@@ -1,7 +1,7 @@
 """lm-evaluation-harness on eqllm models. Importing this module registers the lm_eval model
 name ``eqllm``, so ``lm_eval.simple_evaluate(model="eqllm", model_args="pretrained=PATH")`` and
 lm_eval's command line (``python -m eqllm.harness run --model eqllm ...``) use eqllm's batched
-forward and decode loop. Needs the optional extra: ``pip install "eqllm[eval]"``.
+forward and generation engine. Needs the optional extra: ``pip install "eqllm[eval]"``.
 """
 
 from eqllm.harness.errors import INSTALL_HINT, HarnessError

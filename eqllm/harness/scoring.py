@@ -1,4 +1,4 @@
-"""Batched scoring and generation for harness requests, on eqllm's own forward and decode loop.
+"""Batched scoring and generation for harness requests, on eqllm's forward and generation engine.
 
 Requests are sorted by length and cut into length buckets (powers of two from 16, capped at the
 context), each bucket into batches of a fixed number of rows, so every (bucket, batch size) pair

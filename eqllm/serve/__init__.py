@@ -1,8 +1,8 @@
-"""Serving: a continuous-batching engine over the model's own prefill/decode (`Engine`) and an
-OpenAI-compatible HTTP app on it (`eqllm.serve.app`, started by `eqllm serve`)."""
+"""Serving: the OpenAI-compatible HTTP app (`eqllm.serve.app`, started by `eqllm serve`) on the
+continuous-batching engine every generation runs on (`eqllm.generation.Engine`, re-exported)."""
 
-from eqllm.serve.engine import Engine
-from eqllm.serve.request import (
+from eqllm.generation import (
+    Engine,
     Finished,
     Params,
     PromptScores,

@@ -26,9 +26,8 @@ from starlette.exceptions import HTTPException
 from eqllm.data import Tokenizer
 from eqllm.data.instruct import ChatFormat
 from eqllm.errors import EqllmError
-from eqllm.serve.engine import Engine
+from eqllm.generation import Engine, Finished, Params, QueueFull
 from eqllm.serve.protocol import ApiError, ChatRequest, CompletionRequest
-from eqllm.serve.request import Finished, Params, QueueFull
 from eqllm.serve.text import Choice, usage
 
 log = logging.getLogger("eqllm.serve")
@@ -69,7 +68,7 @@ class Service:
 
     def default_stops(self) -> tuple[int, ...]:
         t = self.tokenizer
-        if t is not None and t.eot_id < self.engine.model.config.vocab_size:
+        if t is not None and t.eot_id < self.engine.config.vocab_size:
             return (t.eot_id,)
         return ()
 

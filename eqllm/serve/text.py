@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from eqllm.serve.request import Finished, PromptScores, Token
+from eqllm.generation import Finished, PromptScores, Token
 
 Decode = Callable[[Sequence[int]], str]
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import eqllm
+from eqllm.generation.placement import serving_mesh
 from eqllm.serve import Engine, Finished, Params, PromptScores, Token
-from eqllm.serve.placement import serving_mesh
 from eqllm.sharding import MeshError
 from tests.multidevice import CFG
 
@@ -87,11 +87,13 @@ def test_a_tensor_parallel_engine_answers_as_one_device_does(model, reference, m
     finally:
         jax.monitoring.unregister_event_duration_listener(count)
     data = mesh.shape["data"]
-    # A quarter of each q projection and of each slot's keys per device; slots split by data.
+    # A quarter of each q projection and of the cached keys per device; the pool's positions
+    # (and the slots) split by data.
     _, layers = engine.weights
     assert layers[0].attn.q_proj.weight.addressable_shards[0].data.shape == (64 // 4, 64)
-    keys = engine._state.cache[0].k  # (slots, positions, kv_heads, head_dim)
-    assert keys.addressable_shards[0].data.shape == (SLOTS // data, LENGTH, 8 // 4, 8)
+    keys = engine._state.cache[0].data["k"]  # (pool positions, kv_heads, head_dim)
+    rows = engine.kv_blocks * engine.block_size
+    assert keys.addressable_shards[0].data.shape == (rows // data, 8 // 4, 8)
     assert compiles == []  # every shape was compiled by warm(); none per request
     for (tokens, logprobs, scores), (want_tokens, want_logprobs, want_scores) in zip(
         got, reference, strict=True

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqllm.generation import Sampling, sampling
+from eqllm.generation.sampling import Sampling, sampling
 
 
 @functools.cache

@@ -23,7 +23,8 @@ class QueueFull(ServeError):
 class Params:
     """One request's settings. `seed` None draws a fresh key; with a seed the tokens equal
     `eqllm.generate(..., key=jax.random.key(seed))`. `stop_tokens` end the output (the stop
-    token is the last one emitted); `prompt_logprobs` also scores every prompt token."""
+    token is the last one emitted); `prompt_logprobs` also scores every prompt token; `logprobs`
+    sends the TOP_LOGPROBS most likely alternatives with each token (else none)."""
 
     max_tokens: int
     temperature: float | int = 1.0
@@ -34,6 +35,7 @@ class Params:
     seed: int | None = None
     stop_tokens: tuple[int, ...] = ()
     prompt_logprobs: bool = False
+    logprobs: bool = False  # each Token carries the most likely alternatives
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,17 +65,45 @@ class Finished:
 
 
 class Request:
-    """A prompt being served; `sink` receives PromptScores, Token and finally one Finished."""
+    """A prompt being served; `sink` receives PromptScores, Token and finally one Finished.
 
-    def __init__(self, prompt: Sequence[int], params: Params, sink: Callable[[object], None]):
+    In the engine it holds a slot and the blocks of its cache (`blocks`, the page table, in
+    order; `hashes`: those of its full blocks registered for reuse). `cursor` counts the
+    positions of `sequence()` already in the cache: the prompt, then every output token but the
+    last (sampled, not fed yet). A preempted request gives its blocks back and, readmitted,
+    computes its prompt and output again from the cache or from scratch.
+    """
+
+    def __init__(
+        self, prompt: Sequence[int] | np.ndarray, params: Params, sink: Callable[[object], None]
+    ):
         self.prompt = np.asarray(prompt, np.int32)
         self.params = params
         self.sink = sink
         self.cancelled = False
         self.slot: int | None = None
-        self.cursor = 0  # prompt tokens already in the cache
-        self.produced = 0
+        self.key = None  # its PRNG key, set by the engine
+        self.admitted = -1  # the order it took its slot in (the latest is preempted first)
+        self.cursor = 0
+        self.fresh = 0  # the cursor on admission: positions found in the prefix cache
+        self.decoding = False  # prefilled: its pending token is fed by the decode step
+        self.output: list[int] = []
+        self.blocks: list[int] = []
+        self.hashes: list[bytes] = []
         self.scored = not params.prompt_logprobs  # its PromptScores sent (or none asked for)
+
+    @property
+    def produced(self) -> int:
+        return len(self.output)
+
+    def sequence(self) -> np.ndarray:
+        """The tokens the cache holds or will hold: the prompt, then the output so far."""
+        return np.concatenate([self.prompt, np.asarray(self.output, np.int32)])
+
+    def target(self) -> int:
+        """Positions to compute before the next token can be sampled: the prompt on admission;
+        after a preemption, the prompt and the whole output so far."""
+        return len(self.prompt) + len(self.output)
 
     def cancel(self) -> None:
         """Stop the request at the next step and free its slot (thread-safe)."""

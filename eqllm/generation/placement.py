@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import equinox as eqx
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -83,8 +84,11 @@ def place_weights(model, layers: tuple, mesh: Mesh):
 
 
 def state_shardings(state, mesh: Mesh):
-    """Shardings for a `SlotState`: every array split over `data` by slot; the cache's keys and
-    values (slots, positions, kv_heads, head_dim) also over `tensor` by kv head."""
-    by_slot = NamedSharding(mesh, PartitionSpec("data"))
-    by_head = NamedSharding(mesh, PartitionSpec("data", None, "tensor"))
-    return jax.tree.map(lambda a: by_head if a.ndim == 4 else by_slot, state)
+    """Shardings for a `SlotState`: the per-slot arrays split over `data` by slot; each pool's
+    token rows over `data` too, and keys and values (rows, kv_heads, head_dim) also over
+    `tensor` by kv head (latents, without a head axis, over `data` only)."""
+    by_row = NamedSharding(mesh, PartitionSpec("data"))
+    by_head = NamedSharding(mesh, PartitionSpec("data", "tensor"))
+    cache = jax.tree.map(lambda a: by_head if a.ndim == 3 else by_row, state.cache)
+    rest = jax.tree.map(lambda a: by_row, eqx.tree_at(lambda s: s.cache, state, ()))
+    return eqx.tree_at(lambda s: s.cache, rest, cache)

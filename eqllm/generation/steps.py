@@ -1,0 +1,462 @@
+"""The engine's device state and its compiled steps: a prefill chunk, decode steps, prompt scores.
+
+Every attention layer's cache is a paged pool (`Pool`): the arrays of the layer's cache kind
+(`KVCache`: keys and values; `LatentCache`: DeepSeek's latents and rotary keys) with one row per
+token position of the pool, `blocks x block_size` rows in all, shared by every slot. A slot's
+page table (kept on the host, `eqllm.generation.pages`, and passed to each call) says which
+blocks hold its positions. A step runs the model's own cached layer calls
+(`CausalLM.cached_calls`) one layer at a time (`_forward`): it gathers, for each of its rows, a
+view of the blocks the layer needs into the layer's own cache kind, runs the layer on the views
+(unchanged layer code: a view is a cache like any other), and writes the positions it computed
+back into the pool, and nothing else. So a step holds one layer's views at a time.
+
+A view holds `m` blocks as a ring: block j of the sequence sits at ring place j % m, so position
+p is at p % (m x block_size), the convention of a ring cache. A global layer's view holds every
+block up to the step's last position (m = the step's pages); a sliding-window layer's only the
+blocks its window can reach from the step's positions, so decoding reads the window, not the
+sequence.
+
+Per-slot arrays (the pending token, its position, the repetition-penalty set, the key and the
+sampling step) have a leading `slots` axis. State that a layer kind keeps per sequence at a
+fixed size (a recurrent layer's state and its convolution window) would live beside them, one
+array per layer with a leading `slots` axis: see docs/serve.md ("Where per-sequence state goes").
+
+The state is donated to every step, so it is updated in place. Shapes are fixed by the call's
+static sizes (rows, chunk width, view length, decode steps), never by a request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jaxtyping import Array, Bool, Float, Int, Key
+
+from eqllm.config import ModelConfig
+from eqllm.generation.placement import place_weights, state_shardings
+from eqllm.generation.sampling import Sampling, sample_tokens
+from eqllm.model import CausalLM, cast_floating, dtype_of
+from eqllm.nn import KVCache, LatentCache
+
+TOP_LOGPROBS = 5  # OpenAI's completions API allows at most 5 alternatives per token
+NO_TOKEN = -1  # a row that did not sample at a decode step
+SCORE_ROWS = 256  # prompt positions whose logits are computed at once when scoring a prompt
+
+
+class Pool(eqx.Module):
+    """One layer's paged cache: the data arrays of a cache kind (every field but `positions`),
+    each with one row per token position of the pool."""
+
+    data: dict[str, Array]
+    kind: type = eqx.field(static=True)
+    treedef: jax.tree_util.PyTreeDef = eqx.field(static=True)
+
+    @staticmethod
+    def empty(template: KVCache | LatentCache, rows: int) -> Pool:
+        """`rows` zero rows shaped like one position of `template` (a cache of any length)."""
+        kind = type(template)
+        data = {}
+        for name in data_fields(kind):
+            leaf = getattr(template, name)
+            data[name] = jnp.zeros((rows, *leaf.shape[1:]), leaf.dtype)
+        return Pool(data, kind, jax.tree.structure(template))
+
+    @property
+    def rows(self) -> int:
+        return next(iter(self.data.values())).shape[0]
+
+    def view(self, data: dict[str, Array], positions: Array):
+        """A cache of this pool's kind from per-row arrays (built from its leaves: the kind's
+        constructor checks the shapes of one sequence's cache)."""
+        fields = [f.name for f in dataclasses.fields(self.kind)]
+        leaves = [positions if name == "positions" else data[name] for name in fields]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def data_fields(kind: type) -> list[str]:
+    """The arrays a cache kind holds per position (its fields but `positions`)."""
+    return [f.name for f in dataclasses.fields(kind) if f.name != "positions"]
+
+
+def bytes_per_token(model: CausalLM) -> int:
+    """Cache bytes one token position takes in all of the model's pools."""
+    return sum(
+        math.prod(getattr(c, name).shape[1:]) * getattr(c, name).dtype.itemsize
+        for c in model.init_cache(1)
+        for name in data_fields(type(c))
+    )
+
+
+class SlotState(eqx.Module):
+    """The device state: the paged pools, and every slot's arrays (leading `slots` axis).
+
+    `token` is a slot's last sampled token, not yet fed to the model, at `position` (which is
+    also how many positions of the slot are cached); `step` counts the tokens sampled for the
+    slot's request (the key is folded with it, as in `eqllm.generate`); `present` marks tokens
+    of its prompt and output (repetition penalty).
+    """
+
+    cache: tuple[Pool, ...]
+    token: Int[Array, " slots"]
+    position: Int[Array, " slots"]
+    present: Bool[Array, "slots vocab"]
+    keys: Key[Array, " slots"]
+    step: Int[Array, " slots"]
+
+
+class Sampled(eqx.Module):
+    """A sampled token per row (and step) with its log-probability and, when asked for, the
+    most likely alternatives (else zeros)."""
+
+    token: Int[Array, "*rows"]
+    logprob: Float[Array, "*rows"]
+    top_tokens: Int[Array, "*rows k"]
+    top_logprobs: Float[Array, "*rows k"]
+
+
+def empty_state(model: CausalLM, slots: int, blocks: int, block_size: int) -> SlotState:
+    """Every slot empty; pools of `blocks` blocks of `block_size` positions per layer."""
+    rows = blocks * block_size
+    return SlotState(
+        cache=tuple(Pool.empty(t, rows) for t in model.init_cache(1)),
+        token=jnp.zeros((slots,), jnp.int32),
+        position=jnp.zeros((slots,), jnp.int32),
+        present=jnp.zeros((slots, model.config.vocab_size), bool),
+        keys=jax.random.split(jax.random.key(0), slots),
+        step=jnp.zeros((slots,), jnp.int32),
+    )
+
+
+def windows(config: ModelConfig) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: it attends to everything)."""
+    window = config.attention.sliding_window
+    return tuple(window if local else None for local in config.local_layers())
+
+
+def view_blocks(window: int | None, pages: int, new: int, block_size: int) -> int:
+    """Blocks in a layer's view: all `pages` for a global layer; for a window, those that
+    positions [start - window + 1, start + new) can touch, at most."""
+    if window is None:
+        return pages
+    return min(pages, -(-(window - 1 + new) // block_size) + 1)
+
+
+def _view(
+    pool: Pool,
+    pages: Int[Array, "rows pages"],
+    start: Int[Array, " rows"],
+    end: Int[Array, " rows"],
+    blocks: int,
+    block_size: int,
+    after: Int[Array, ""],
+):
+    """Each row's view of `pool`: `blocks` blocks as a ring, the last one holding position
+    end - 1; positions at or after `start` (not cached yet) and before 0 are marked empty.
+    `after` is a zero the reads are made to depend on (see `_forward`)."""
+    rows, n_pages = pages.shape
+    last = (jnp.maximum(end, 1) - 1) // block_size
+    place = jnp.arange(blocks)
+    block = last[:, None] - (last[:, None] - place) % blocks  # block j sits at place j % blocks
+    ids = jnp.take_along_axis(pages, jnp.clip(block, 0, n_pages - 1), axis=1)
+    offset = jnp.arange(block_size)
+    index = (ids[:, :, None] * block_size + offset).reshape(rows, -1) + after
+    position = (block[:, :, None] * block_size + offset).reshape(rows, -1)
+    position = jnp.where((position >= 0) & (position < start[:, None]), position, -1)
+    data = {name: leaf[index] for name, leaf in pool.data.items()}
+    return pool.view(data, position.astype(jnp.int32))
+
+
+def _write(
+    pool: Pool,
+    view,
+    pages: Int[Array, "rows pages"],
+    positions: Int[Array, "rows new"],
+    block_size: int,
+) -> Pool:
+    """`pool` with the view entries at `positions` (negative: none) written to their blocks."""
+    rows, n_pages = pages.shape
+    ring = view.positions.shape[1]
+    ids = jnp.take_along_axis(pages, jnp.clip(positions // block_size, 0, n_pages - 1), axis=1)
+    index = jnp.where(positions >= 0, ids * block_size + positions % block_size, pool.rows)
+    source = jnp.maximum(positions, 0) % ring
+    row = jnp.arange(rows)[:, None]
+    data = {
+        name: leaf.at[index].set(getattr(view, name)[row, source], mode="drop")
+        for name, leaf in pool.data.items()
+    }
+    return Pool(data, pool.kind, pool.treedef)
+
+
+def _sampled(logits: Float[Array, " vocab"], token: Int[Array, ""], top: Array) -> Sampled:
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32))
+
+    def alternatives(_):
+        values, tokens = jax.lax.top_k(logprobs, TOP_LOGPROBS)
+        return tokens.astype(jnp.int32), values
+
+    def none(_):
+        return jnp.zeros(TOP_LOGPROBS, jnp.int32), jnp.zeros(TOP_LOGPROBS, jnp.float32)
+
+    top_tokens, top_logprobs = jax.lax.cond(top, alternatives, none, None)
+    return Sampled(token, logprobs[token], top_tokens, top_logprobs)
+
+
+def _sample_rows(logits, token, top) -> Sampled:
+    return jax.vmap(_sampled, in_axes=(0, 0, None))(logits, token, top)
+
+
+def _forward(
+    fixed,
+    cache: tuple[Pool, ...],
+    pages: Int[Array, "rows pages"],
+    tokens: Int[Array, "rows new"],
+    positions: Int[Array, "rows new"],
+    start: Int[Array, " rows"],
+    block_size: int,
+) -> tuple[Float[Array, "rows vocab"], tuple[Pool, ...]]:
+    """The model's own cached forward on each row's new positions (negative: padding), one
+    layer at a time: a layer's views are gathered from its pool right before it runs, and the
+    positions it computed written back right after; the logits after each row's last position.
+
+    The order is held by data: a layer's write, and the next layer's reads, depend on the
+    layer's output through a zero XLA cannot see is zero (an argmax is >= 0). Left to itself
+    XLA gathered every layer's views first, so rows x view positions x every layer were alive
+    at once (22.7 GiB for a decode of 32 slots over 8,192 positions of smollm2-135m, whose
+    default pool is 4 GiB; 0.9 GiB so ordered); and it may move a write before the reads of
+    its pool, and copy the whole pool to keep them apart. (Optimization barriers do not hold
+    it: XLA's CPU pipeline removes them before it schedules.)
+    """
+    model, layers = fixed
+    n_pages, new = pages.shape[1], tokens.shape[1]
+    end = start + jnp.sum(positions >= 0, axis=1)
+    x = jax.vmap(model.embed_inputs)(tokens, positions)
+    after = jnp.zeros((), jnp.int32)
+    written = []
+    calls = model.cached_calls(layers)
+    for call, pool, window in zip(calls, cache, windows(model.config), strict=True):
+        blocks = view_blocks(window, n_pages, new, block_size)
+        view = _view(pool, pages, start, end, blocks, block_size, after)
+        x, view = jax.vmap(call)(x, positions, view)
+        after = jnp.minimum(jnp.min(jnp.argmax(x[:, -1, :2], axis=-1)), 0).astype(jnp.int32)
+        written.append(_write(pool, view, pages, positions + after, block_size))
+    return jax.vmap(model.next_logits)(x), tuple(written)
+
+
+def prefill_chunk(
+    fixed,
+    state: SlotState,
+    slots: Int[Array, " rows"],
+    pages: Int[Array, "rows pages"],
+    tokens: Int[Array, "rows chunk"],
+    positions: Int[Array, "rows chunk"],
+    first: Bool[Array, " rows"],
+    last: Bool[Array, " rows"],
+    keys: Key[Array, " rows"],
+    step: Int[Array, " rows"],
+    seen: Bool[Array, "rows vocab"],
+    settings: Sampling,
+    top: Bool[Array, ""],
+    *,
+    block_size: int,
+) -> tuple[SlotState, Sampled]:
+    """Write one left-padded chunk of each row's sequence into its slot's blocks (a row whose
+    slot is out of range is padding: nothing written); sample each `last` row's next token.
+
+    A `first` chunk starts its slot afresh: its repetition set becomes `seen` (the tokens before
+    the chunk that are cached already, a reused prefix) plus the chunk. The sample at the end of
+    a `last` chunk is the sequence's step-th (`step`, 0 for a new prompt), so that a sequence
+    computed again after it was preempted draws what it would have drawn.
+    """
+    vocab = state.present.shape[1]
+    n = jnp.sum(positions >= 0, axis=1)
+    start = jnp.max(positions, axis=1) + 1 - n
+    logits, cache = _forward(fixed, state.cache, pages, tokens, positions, start, block_size)
+    rows = jnp.arange(slots.shape[0])[:, None]
+    kept = state.present.at[slots].get(mode="fill", fill_value=False)
+    present = jnp.where(first[:, None], seen, kept | seen)
+    present = present.at[rows, jnp.where(positions >= 0, tokens, vocab)].set(True, mode="drop")
+    token = sample_tokens(logits, jax.vmap(jax.random.fold_in)(keys, step), present, settings)
+    out = _sample_rows(logits, token, top)
+    present = present.at[rows[:, 0], jnp.where(last, token, vocab)].set(True, mode="drop")
+
+    def put(array, value):
+        return array.at[slots].set(value, mode="drop")
+
+    state = SlotState(
+        cache=cache,
+        token=put(state.token, jnp.where(last, token, 0)),
+        position=put(state.position, start + n),
+        present=put(state.present, present),
+        keys=put(state.keys, keys),
+        step=put(state.step, step + 1),
+    )
+    return state, out
+
+
+def decode_steps(
+    fixed,
+    state: SlotState,
+    pages: Int[Array, "slots pages"],
+    active: Bool[Array, " slots"],
+    remaining: Int[Array, " slots"],
+    stop: Int[Array, "slots n_stop"],
+    settings: Sampling,
+    top: Bool[Array, ""],
+    *,
+    slots: int,
+    steps: int,
+    block_size: int,
+) -> tuple[SlotState, Sampled]:
+    """Up to `steps` tokens for each active slot among the first `slots`, all on device.
+
+    Each step feeds a slot its pending token and samples the next; a slot stops once it has
+    sampled `remaining` tokens or one of its `stop` ids (-1: none), and the loop ends early when
+    every slot stopped. Each step runs `_forward` over the pools, which the loop carries (the
+    pages must cover position + steps). Outputs of a slot that did not sample at a step are
+    NO_TOKEN. Other slots are untouched.
+    """
+    vocab = state.present.shape[1]
+    keys = state.keys[:slots]
+    row = jnp.arange(slots)
+
+    def running(carry):
+        i, live, *_ = carry
+        return (i < steps) & jnp.any(live)
+
+    def one(carry):
+        i, live, cache, token, position, step, present, remaining, out = carry
+        fed = jnp.where(live, position, -1)[:, None]  # a stopped slot writes nothing
+        logits, cache = _forward(fixed, cache, pages, token[:, None], fed, position, block_size)
+        folded = jax.vmap(jax.random.fold_in)(keys, step)
+        new = sample_tokens(logits, folded, present, settings)
+        sampled = _sample_rows(logits, new, top)
+        sampled = eqx.tree_at(lambda s: s.token, sampled, jnp.where(live, new, NO_TOKEN))
+        out = jax.tree.map(lambda o, s: o.at[:, i].set(s), out, sampled)
+        present = present.at[row, jnp.where(live, new, vocab)].set(True, mode="drop")
+        remaining = remaining - live
+        stopped = jnp.any(new[:, None] == stop, axis=1) | (remaining <= 0)
+        return (
+            i + 1,
+            live & ~stopped,
+            cache,
+            jnp.where(live, new, token),
+            position + live,
+            step + live,
+            present,
+            remaining,
+            out,
+        )
+
+    out = Sampled(
+        jnp.full((slots, steps), NO_TOKEN, jnp.int32),
+        jnp.zeros((slots, steps), jnp.float32),
+        jnp.zeros((slots, steps, TOP_LOGPROBS), jnp.int32),
+        jnp.zeros((slots, steps, TOP_LOGPROBS), jnp.float32),
+    )
+    live = active & (remaining > 0)
+    carry = (
+        0,
+        live,
+        state.cache,
+        state.token[:slots],
+        state.position[:slots],
+        state.step[:slots],
+        state.present[:slots],
+        remaining,
+        out,
+    )
+    _, _, cache, token, position, step, present, _, out = jax.lax.while_loop(running, one, carry)
+    state = SlotState(
+        cache=cache,
+        token=state.token.at[:slots].set(token),
+        position=state.position.at[:slots].set(position),
+        present=state.present.at[:slots].set(present),
+        keys=state.keys,
+        step=state.step.at[:slots].set(step),
+    )
+    return state, out
+
+
+def prompt_logprobs(fixed, tokens: Int[Array, " width"]) -> Sampled:
+    """Per position i of a right-padded prompt: the log-probability of token i + 1 after the
+    first i + 1 tokens, and the most likely alternatives there (the full forward, in fp32).
+
+    The padding follows the prompt, so attention (causal) keeps it out of the prompt's rows,
+    which are computed in order: attention skips the key blocks the mask zeroes. The head runs
+    over SCORE_ROWS positions at a time, not the whole width at once: fp32 logits of 8,192
+    positions of a 49,152-word vocabulary are 1.6 GB, and their log-softmax as much again.
+    """
+    model, layers = fixed
+    model = model.with_layers(layers)  # the stacks, for this call only
+    hidden = model.hidden(tokens)
+    targets = jnp.concatenate([tokens[1:], tokens[:1]])  # the last row is not used
+
+    def row(args):
+        h, target = args
+        return _sampled(model.logits(h).astype(jnp.float32), target, jnp.asarray(True))
+
+    return jax.lax.map(row, (hidden, targets), batch_size=SCORE_ROWS)
+
+
+@eqx.filter_jit
+def _sliced(model: CausalLM) -> tuple[CausalLM, tuple]:
+    """The model in its compute dtype without its stacks, and its layers sliced apart (one
+    compiled call rather than an eager slice per array)."""
+    model = cast_floating(model, dtype_of(model.config.compute_dtype))
+    return model.without_stacks(), model.layers()
+
+
+TRACES: dict[str, int] = {}  # how often each step was traced, in this process
+_COMPILED: dict = {}
+
+
+def compiled(model: CausalLM, mesh: Mesh | None = None):
+    """The three steps, and the weights they run on: (model without its blocks, layers).
+
+    The weights are cast to the compute dtype and sliced into layers once; only the sliced
+    layers are kept. They are arguments of the steps (never compile-time constants); the state
+    is donated. The jitted steps are shared by every engine over a model of the same structure
+    (so `eqllm.generate`, which makes an engine per call, compiles each shape once). Each trace
+    is counted in TRACES, so a test can check that nothing recompiles.
+
+    On a `mesh` the weights are placed by the sharding rules and every step returns the state
+    split as `state_shardings` says, the placement it was given, so nothing recompiles.
+    """
+    if mesh is None:
+        weights = _sliced(model)
+    else:
+        model = cast_floating(model, dtype_of(model.config.compute_dtype))
+        weights = place_weights(model, model.layers(), mesh)
+    params, static = eqx.partition(weights, eqx.is_array)
+    cache_key = (static, mesh)
+    if cache_key not in _COMPILED:
+        _COMPILED[cache_key] = _jitted(static, mesh)
+    jitted = _COMPILED[cache_key]
+    return {name: _bound(fn, params) for name, fn in jitted.items()}, weights
+
+
+def _bound(fn, params):
+    return lambda *args, **sizes: fn(params, *args, **sizes)
+
+
+def _jitted(static, mesh: Mesh | None) -> dict:
+    def wrap(name, fn, donate, static_names=()):
+        def run(params, *args, **sizes):
+            TRACES[name] = TRACES.get(name, 0) + 1  # runs only while tracing
+            out = fn(eqx.combine(params, static), *args, **sizes)
+            if mesh is not None and donate:  # (state, sampled): keep the state's placement
+                state, sampled = out
+                out = jax.lax.with_sharding_constraint(state, state_shardings(state, mesh)), sampled
+            return out
+
+        return jax.jit(run, donate_argnums=donate, static_argnames=static_names)
+
+    return {
+        "prefill": wrap("prefill", prefill_chunk, (1,), ("block_size",)),
+        "decode": wrap("decode", decode_steps, (1,), ("slots", "steps", "block_size")),
+        "score": wrap("score", prompt_logprobs, ()),
+    }
