@@ -81,7 +81,7 @@ def compile_study(args) -> dict:
     return {"rows": rows}
 
 
-def write_compile_page(result: dict, out: Path, command: str) -> None:
+def write_compile_page(result: dict, out: Path, command: str, info: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -119,7 +119,7 @@ def write_compile_page(result: dict, out: Path, command: str) -> None:
         "",
         f"Regenerate: `{command}`",
         "",
-        *[f"- {k}: {v}" for k, v in machine_info().items()],
+        *[f"- {k}: {v}" for k, v in info.items()],
         "",
         "Seconds to trace, lower and compile the whole training step (forward, backward, AdamW "
         "update and metrics, `TrainStep.lower(...).compile()`), llama-nano-shaped models; "
@@ -160,7 +160,7 @@ def step_study(args) -> list:
     return results
 
 
-def write_step_page(results, out: Path, command: str) -> None:
+def write_step_page(results, out: Path, command: str, info: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -197,7 +197,7 @@ def write_step_page(results, out: Path, command: str) -> None:
         "",
         f"Regenerate: `{command}`",
         "",
-        *[f"- {k}: {v}" for k, v in machine_info().items()],
+        *[f"- {k}: {v}" for k, v in info.items()],
         f"- batch x seq: {r0.batch} x {r0.seq}, fp32",
         "",
         markdown_table(results),
@@ -238,16 +238,17 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/scaling.py " + " ".join(argv if argv is not None else sys.argv[1:])
     t0 = time.perf_counter()
+    info = machine_info()  # before this run writes its own outputs into the checkout
     if args.study == "compile":
         result = compile_study(args)
         (out / "compile_time.json").write_text(json.dumps(result, indent=2) + "\n")
-        write_compile_page(result, out, command)
+        write_compile_page(result, out, command, info)
     else:
         results = step_study(args)
         (out / "step_scaling.json").write_text(
             json.dumps([r.to_dict() for r in results], indent=2) + "\n"
         )
-        write_step_page(results, out, command)
+        write_step_page(results, out, command, info)
     print(f"done in {time.perf_counter() - t0:.0f}s; wrote {out}", file=sys.stderr)
     return 0
 
