@@ -98,6 +98,10 @@ def _mfu(p: dict) -> str:
     return "-" if not r else f"{r['mfu']:.0%}"
 
 
+def _headroom(p: dict) -> str:
+    return "-" if p["headroom"] is None else f"{p['headroom']:.0%}"
+
+
 def _fits(p: dict) -> str:
     if p["refusal"]:
         return "**no** (compiler: out of memory)"
@@ -153,11 +157,10 @@ def _recipes(points: dict) -> list[str]:
             out.append(f"| {name} | | | | not compiled: {row.get('error')} | | | | | | |")
             continue
         r = p.get("roofline") or {}
-        headroom = "-" if p["headroom"] is None else f"{p['headroom']:.0%}"
         out.append(
             f"| {name} | {p['topology']} ({p['chips']}) | {_mesh(p)} | {p['batch']} x {p['seq']} "
             f"({p['grad_accum']}) | {_fits(p)} | {_gib(p['peak_bytes'])} / "
-            f"{_gib(p['hbm_bytes'])} | {headroom} | {_mfu(p)} | {r.get('bound', '-')} | "
+            f"{_gib(p['hbm_bytes'])} | {_headroom(p)} | {_mfu(p)} | {r.get('bound', '-')} | "
             f"{p['compile_s']:.0f} | {_gib(row.get('peak_rss_bytes'))} |"
         )
     return out + [""]
@@ -329,10 +332,9 @@ def _auto(points: dict) -> list[str]:
         ]
         for i, p in enumerate(plans, 1):
             r = p.get("roofline") or {}
-            headroom = "-" if p["headroom"] is None else f"{p['headroom']:.0%}"
             out.append(
                 f"| {i} | {_mesh(p)} | {p['remat']} | {p['grad_accum']} | "
-                f"{_gib(p['estimated_bytes'])} | {_gib(p['peak_bytes'])} | {headroom} | "
+                f"{_gib(p['estimated_bytes'])} | {_gib(p['peak_bytes'])} | {_headroom(p)} | "
                 f"{r.get('step_s', 0):.3g} | {_mfu(p)} | {p['compile_s']:.0f} |"
             )
         best = result.get("best")
