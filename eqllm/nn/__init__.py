@@ -3,6 +3,7 @@
 from eqllm.nn.attention import Attention, attention_mask, dot_product_attention
 from eqllm.nn.block import Block
 from eqllm.nn.fused_attention import fused_attention
+from eqllm.nn.gated_deltanet import GatedDeltaNet, GatedDeltaNetState
 from eqllm.nn.kv_cache import KVCache
 from eqllm.nn.linear import (
     Embedding,
@@ -33,6 +34,8 @@ __all__ = [
     "Block",
     "Embedding",
     "ExpertLinear",
+    "GatedDeltaNet",
+    "GatedDeltaNetState",
     "GatedMLP",
     "Int8Linear",
     "KVCache",
