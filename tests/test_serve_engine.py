@@ -16,7 +16,7 @@ import pytest
 from conftest import TINY_CONFIGS
 
 import eqllm
-from eqllm.generation import sizing, steps
+from eqllm.generation import paged, sizing, steps
 from eqllm.generation.pages import BlockPool, block_hashes
 from eqllm.generation.settings import RowSettings
 from eqllm.serve import Engine, Finished, Params, PromptScores, QueueFull, ServeError, Token
@@ -409,7 +409,7 @@ def test_a_decode_step_holds_one_layers_views_at_a_time():
             steps=1,
             block_size=16,
         ).compile()
-        return out, steps.bytes_per_token(model) // n_layers
+        return out, paged.bytes_per_token(model) // n_layers
 
     (shallow, _), (deep, per_layer) = compiled(2, 32), compiled(6, 32)
     view = 32 * length * per_layer  # one layer's keys and values for every slot

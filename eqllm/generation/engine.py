@@ -41,6 +41,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from eqllm.generation.paged import bytes_per_token
 from eqllm.generation.pages import BlockPool
 from eqllm.generation.placement import check_mesh
 from eqllm.generation.requests import Params, Request, ServeError
@@ -48,7 +49,7 @@ from eqllm.generation.runner import Runner, top_alternatives
 from eqllm.generation.sampling import GenerationError, sampling
 from eqllm.generation.scheduler import Scheduler
 from eqllm.generation.sizing import MIN_CHUNK, Buckets, pool_blocks, round_up
-from eqllm.generation.steps import NO_TOKEN, bytes_per_token
+from eqllm.generation.steps import NO_TOKEN
 from eqllm.hostmem import release_free_memory
 from eqllm.model import CausalLM
 
