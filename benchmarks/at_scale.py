@@ -209,9 +209,10 @@ def _children(pid: int) -> list[int]:
 
 def reanalyze(row: dict) -> None:
     """Re-read a point's compiled program (its HLO, kept by the run) with the current
-    eqllm.bench.hlo and roofline: collectives, FLOPs and bytes scaled to the loop trips, and
-    the estimate, without compiling again."""
-    from eqllm.bench.hlo import Program, tally
+    eqllm.bench.hlo, eqllm.bench.collectives and roofline: collectives, FLOPs and bytes scaled
+    to the loop trips, and the estimate, without compiling again."""
+    from eqllm.bench.collectives import collectives, tally
+    from eqllm.bench.hlo import Program
     from eqllm.plan import slice_devices
     from eqllm.plan.plan import implemented
     from eqllm.plan.roofline import estimate
@@ -224,7 +225,7 @@ def reanalyze(row: dict) -> None:
         return
     row["reanalyzed_at"] = source_commit()  # the reader's code; the program is `commit`'s
     program = Program(path.read_text())
-    found = program.collectives()
+    found = collectives(program)
     tpu = parse_slice(result["jax_topology"], result["slices"])
     mesh = make_mesh(MeshConfig(**result["mesh"]), slice_devices(tpu))
     devices, shape = list(mesh.devices.flat), {k: int(v) for k, v in mesh.shape.items()}

@@ -3,9 +3,10 @@
     python benchmarks/collectives.py        # sets XLA_FLAGS for 8 simulated devices itself
 
 For each mesh, compiles eqllm's real train step (forward, backward, AdamW) for a small Llama
-and counts the collective ops in the optimised HLO (`eqllm.bench.hlo.count_collectives`): per
-layer (inside the scanned layer loop's bodies, forward and backward) and per step (every op
-times the trip counts of its loops). Then checks them against what the sharding rules predict:
+and counts the collective ops in the optimised HLO
+(`eqllm.bench.collectives.count_collectives`): per layer (inside the scanned layer loop's bodies,
+forward and backward) and per step (every op times the trip counts of its loops). Then checks
+them against what the sharding rules predict:
 
 - data only: gradients all-reduced; no weight all-gather, no reduce-scatter.
 - fsdp: each layer's weights all-gathered inside the layer loop (ZeRO-3: one layer whole at a
@@ -23,7 +24,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 
 import eqllm  # noqa: E402
-from eqllm.bench.hlo import KINDS  # noqa: E402
+from eqllm.bench.collectives import KINDS  # noqa: E402
 from eqllm.bench.mesh import mesh_bench  # noqa: E402
 
 MESHES = ["data=8", "data=2,fsdp=4", "fsdp=8", "data=2,fsdp=2,tensor=2", "data=1,tensor=8"]

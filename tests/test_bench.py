@@ -114,7 +114,7 @@ def test_bench_times_the_document_masked_step(tmp_path, capsys):
 
 def test_count_collectives_per_layer_and_per_step():
     """Ops in loop bodies count per layer; per step they are multiplied by the trip counts."""
-    from eqllm.bench.hlo import count_collectives
+    from eqllm.bench.collectives import count_collectives
 
     hlo = "\n".join(
         [
@@ -148,7 +148,7 @@ def test_count_collectives_per_layer_and_per_step():
 def test_collective_bytes_and_gathered_shapes():
     """Bytes of the collectives' results (an async start's results, not its operands), per
     layer and per step, and the shapes all-gathers produce."""
-    from eqllm.bench.hlo import collective_bytes, gathered_shapes
+    from eqllm.bench.collectives import collective_bytes, gathered_shapes
 
     hlo = "\n".join(
         [

@@ -11,7 +11,8 @@ import jax
 import pytest
 
 import eqllm
-from eqllm.bench.hlo import Program, count_collectives, tally
+from eqllm.bench.collectives import collectives, count_collectives, tally
+from eqllm.bench.hlo import Program
 from eqllm.cli import main
 from eqllm.plan import devices as plan_devices
 from eqllm.plan.plan import plan_recipe, recipe_for, with_settings
@@ -96,7 +97,7 @@ def test_tpu_hlo_collectives_are_counted_once_each_with_their_loop_trips():
         12,
         1,
     )
-    found = {c.kind: c for c in Program(TPU_HLO).collectives()}
+    found = {c.kind: c for c in collectives(Program(TPU_HLO))}
     assert found["reduce-scatter"].result_bytes == 768 * 192 * 2  # each device's slice
     assert found["all-gather"].group == (0, 1, 2, 3)
     assert found["all-reduce"].group == (0, 1, 2, 3)  # [2,4]<=[8]: the first of two groups

@@ -207,7 +207,7 @@ def test_full_queue_answers_429(served, client):
 def test_a_client_that_disconnects_frees_its_slot(served, client):
     _, service, *_ = served
     engine = service.engine
-    before = engine.cancelled
+    before = engine.scheduler.cancelled
     stream = client.completions.create(
         model=NAME,
         prompt=[5],
@@ -223,7 +223,7 @@ def test_a_client_that_disconnects_frees_its_slot(served, client):
         if engine.busy() == 0:
             break
         time.sleep(0.1)
-    assert engine.busy() == 0 and engine.cancelled == before + 1
+    assert engine.busy() == 0 and engine.scheduler.cancelled == before + 1
     assert client.completions.create(model=NAME, prompt="hi", max_tokens=2).choices
 
 

@@ -16,8 +16,7 @@ import pytest
 from conftest import TINY_CONFIGS
 
 import eqllm
-import eqllm.generation.engine as engine_module
-from eqllm.generation import steps
+from eqllm.generation import paged, sizing, steps
 from eqllm.generation.pages import BlockPool, block_hashes
 from eqllm.generation.settings import RowSettings
 from eqllm.serve import Engine, Finished, Params, PromptScores, QueueFull, ServeError, Token
@@ -74,8 +73,8 @@ def test_the_compiled_shapes_are_listed(engine):
         f"decode: 1 slots x {LENGTH} positions x 1 steps",
         f"decode: {SLOTS} slots x {LENGTH} positions x 1 steps",
     ]
-    assert engine.chunks == [16]
-    assert engine.traces == TRACED
+    assert engine.buckets.chunks == [16]
+    assert engine.runner.traces == TRACED
 
 
 def test_a_seeded_request_equals_generate_alone_and_among_30_others(model, engine):
@@ -98,7 +97,7 @@ def test_a_seeded_request_equals_generate_alone_and_among_30_others(model, engin
     refs = eqllm.generate_batch(model, _prompts(30), max_new_tokens=21, key=keys, temperature=1.0)
     got = [tokens for tokens, _ in together[:13] + together[14:]]
     assert got == [ref[: 5 + i % 17].tolist() for i, ref in enumerate(refs)]
-    assert engine.traces == TRACED  # nothing recompiled
+    assert engine.runner.traces == TRACED  # nothing recompiled
 
 
 def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(engine):
@@ -122,15 +121,16 @@ def test_decode_runs_only_the_slots_and_positions_in_use(model):
     cfg = TINY_CONFIGS["gemma2"].replace(max_seq_len=200)  # a window of 5 in every other layer
     model = eqllm.CausalLM(cfg, key=jax.random.key(7))
     engine = Engine(model, max_batch=8, max_len=200, prefill_chunk=64)
-    assert (engine.decode_slots, engine.view_pages) == ([1, 4, 8], [8, 13])  # 16 positions each
+    sizes = engine.buckets
+    assert (sizes.decode_slots, sizes.view_pages) == ([1, 4, 8], [8, 13])  # 16 positions each
     used = []
-    decode = engine._steps["decode"]
+    decode = engine.runner.steps["decode"]
 
     def spy(state, table, *args, **sizes):
         used.append({**sizes, "length": table.shape[1] * engine.block_size})
         return decode(state, table, *args, **sizes)
 
-    engine._steps["decode"] = spy
+    engine.runner.steps["decode"] = spy
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, 97, 110)]
     settings = dict(temperature=0.9, top_p=0.95)
     want = eqllm.generate(model, prompt, max_new_tokens=40, key=jax.random.key(9), **settings)
@@ -149,10 +149,10 @@ def test_prompts_prefilled_together_sample_as_generate_does(model):
     `eqllm.generate`'s tokens; padding rows write nothing. While no request decodes, a round
     prefills every prompt with a slot, whatever the budget (64 tokens)."""
     engine = Engine(model, max_batch=8, max_len=LENGTH, prefill_chunk=64)
-    assert engine.prefill_rows == {16: [1, 4], 32: [1, 2], 64: [1]}
+    assert engine.buckets.prefill_rows == {16: [1, 4], 32: [1, 2], 64: [1]}
     calls = []
-    prefill = engine._steps["prefill"]
-    engine._steps["prefill"] = lambda state, slots, *a, **sizes: (
+    prefill = engine.runner.steps["prefill"]
+    engine.runner.steps["prefill"] = lambda state, slots, *a, **sizes: (
         calls.append(slots) or prefill(state, slots, *a, **sizes)
     )
     prompts = _prompts(12, seed=1)
@@ -279,13 +279,13 @@ def test_block_pool_counts_references_and_evicts_the_least_recently_released():
 
 def _spy_prefill(engine):
     calls = []
-    prefill = engine._steps["prefill"]
+    prefill = engine.runner.steps["prefill"]
 
     def spy(state, slots, table, tokens, positions, *rest, **sizes):
         calls.append(np.asarray(positions))
         return prefill(state, slots, table, tokens, positions, *rest, **sizes)
 
-    engine._steps["prefill"] = spy
+    engine.runner.steps["prefill"] = spy
     return calls
 
 
@@ -327,7 +327,7 @@ def test_a_pool_too_small_for_every_slot_preempts_and_recomputes(model):
         for i, p in enumerate(prompts)
     ]
     got = _drain(engine, runs)
-    assert engine.preempted > 0 and engine.pool.used() == 0
+    assert engine.scheduler.preempted > 0 and engine.pool.used() == 0
     for i, (prompt, (tokens, reason)) in enumerate(zip(prompts, got, strict=True)):
         want = eqllm.generate(
             model, prompt, max_new_tokens=60 - len(prompt), key=jax.random.key(i), temperature=1.0
@@ -372,13 +372,13 @@ def test_the_pool_is_sized_by_the_memory_budget_not_slots_times_context(monkeypa
     model = eqllm.CausalLM(cfg, key=jax.random.key(0))
     per_position = 2 * 2 * cfg.attention.n_kv_heads * cfg.head_dim * 4  # k and v, 2 layers
     free = 4 * 8192 * per_position  # room for four full-length requests when halved
-    monkeypatch.setattr(engine_module, "free_memory", lambda device=None: (free, False))
+    monkeypatch.setattr(sizing, "free_memory", lambda device=None: (free, False))
     engine = Engine(model)
     assert (engine.max_batch, engine.max_len) == (32, 8192)
     assert engine.kv_blocks * engine.block_size == 2 * 8192  # half the free memory
     assert engine.kv_bytes == free // 2 < 32 * 8192 * per_position
     assert f"{engine.kv_bytes / 2**30:.2f} GiB reserved" in engine.describe()
-    monkeypatch.setattr(engine_module, "free_memory", lambda device=None: (free // 4, False))
+    monkeypatch.setattr(sizing, "free_memory", lambda device=None: (free // 4, False))
     with pytest.raises(ServeError, match="--kv-cache-memory"):  # not one request would fit
         Engine(model)
 
@@ -409,7 +409,7 @@ def test_a_decode_step_holds_one_layers_views_at_a_time():
             steps=1,
             block_size=16,
         ).compile()
-        return out, steps.bytes_per_token(model) // n_layers
+        return out, paged.bytes_per_token(model) // n_layers
 
     (shallow, _), (deep, per_layer) = compiled(2, 32), compiled(6, 32)
     view = 32 * length * per_layer  # one layer's keys and values for every slot

@@ -1,20 +1,11 @@
-"""Reading a compiled program's optimised HLO text: its collectives and how often a step runs them.
+"""Reading a compiled program's optimised HLO text: its computations and how often a step runs each.
 
 One parser for what CPU, GPU and TPU compilers emit (`Program`):
 - computations and the calls between them (fusions, calls, conditionals, async wrappers, while
   loops), so an op inside a fusion inside a loop body is found and counted with the loop;
 - loop trip counts, from `known_trip_count` where the compiler records it (CPU), else from the
-  loop's own condition (`counter < N`), the counter's start and its increment (TPU);
-- collectives in every form: plain ops (`all-gather(`), async pairs (`all-gather-start(` /
-  `-done(`: the start counts, once), ops wrapped in an async computation (counted through its
-  `async-start` only), TPU's `async-collective-start` / `-done` fusion pairs (the same op twice:
-  the done half, marked by its `AsyncCollectiveDone` custom call, is skipped), TPU's
-  continuation fusions of one async collective (clones that keep its `channel_id`) and TPU's
-  all-reduce-scatter fusions (an all-reduce whose fusion keeps only the device's slice: a
-  reduce-scatter on the chip). The TPU compiler also writes some reduce-scatters and
-  all-gathers as windowed einsums, rings of collective-permutes overlapped with the matrix
-  product, and writes all-gathers on a full torus as all-reduces of zero-filled buffers: those
-  keep their op's kind, marked with the collective they implement (`implements`).
+  loop's own condition (`counter < N`), the counter's start and its increment (TPU).
+`eqllm.bench.collectives` finds the collectives among its ops.
 
 XLA's own cost analysis (`compiled.cost_analysis()`) counts each loop body once, whatever its
 trip count; `Program.loop_factor` measures, from the HLO, by how much the loops multiply the
@@ -23,79 +14,11 @@ program's FLOPs or bytes, to scale that figure to one whole step.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import re
 
 import numpy as np
-
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    """One collective op of a compiled SPMD program, as one device runs it.
-
-    Attributes:
-        kind: one of KINDS.
-        shapes: (dtype, dims) of its results on one device.
-        group: the devices of its first replica group (positions in the program's device
-            assignment, which is the mesh's devices in order); () when every device takes part.
-        runs: how many times one step runs it (the trip counts of the loops around it).
-        calls: how many times one pass through its loop bodies runs it (each body once);
-            0 outside any loop.
-        implements: the collective this op carries out in another form, "" for none: a
-            collective-permute that is one step of a windowed einsum (the TPU compiler's
-            reduce-scatter or all-gather done as a ring of permutes overlapped with the matrix
-            product), or an all-reduce of a zero-filled buffer into which each device wrote its
-            shard (an all-gather, as the TPU compiler writes it on a full torus).
-    """
-
-    kind: str
-    shapes: tuple[tuple[str, tuple[int, ...]], ...]
-    group: tuple[int, ...]
-    runs: int
-    calls: int
-    implements: str = ""
-
-    @property
-    def result_bytes(self) -> int:
-        return sum(_bytes(t, d) for t, d in self.shapes)
-
-
-def count_collectives(hlo: str) -> tuple[dict[str, int], dict[str, int]]:
-    """(per layer, per step) counts of each collective kind in optimised HLO text.
-
-    "Per layer" counts the ops in while-loop bodies (the scanned layers, forward and backward),
-    each once; "per step" multiplies every op by the trip counts of the loops around it.
-    """
-    return tally(Program(hlo).collectives(), lambda c: 1)
-
-
-def collective_bytes(hlo: str) -> tuple[dict[str, int], dict[str, int]]:
-    """(per layer, per step) bytes of each collective kind's results (see `count_collectives`);
-    an async `-start` op counts its results, not the operands its tuple repeats."""
-    return tally(Program(hlo).collectives(), lambda c: c.result_bytes)
-
-
-def gathered_shapes(hlo: str) -> list[tuple[int, ...]]:
-    """The distinct shapes (per device, after the gather) that the HLO's all-gathers produce."""
-    return gathered(Program(hlo).collectives())
-
-
-def gathered(found: list[Collective]) -> list[tuple[int, ...]]:
-    """The distinct shapes the all-gathers among `found` produce."""
-    return sorted({d for c in found if c.kind == "all-gather" for _, d in c.shapes})
-
-
-def tally(found: list[Collective], measure) -> tuple[dict[str, int], dict[str, int]]:
-    """(per layer, per step) sums of `measure(collective)` by kind (see `Collective`)."""
-    per_layer, per_step = dict.fromkeys(KINDS, 0), dict.fromkeys(KINDS, 0)
-    for c in found:
-        per_layer[c.kind] += measure(c) * c.calls
-        per_step[c.kind] += measure(c) * c.runs
-    return per_layer, per_step
 
 
 class Program:
@@ -119,7 +42,6 @@ class Program:
         self.runs = functools.cache(self._runs)
         self.in_loop = functools.cache(self._in_loop)
         self.fused = functools.cache(self._fused)
-        self.ring = functools.cache(self._ring)
 
     def _runs(self, comp: str, per_pass: bool = False) -> int:
         """Times one step runs `comp`; with `per_pass`, each loop body counts once."""
@@ -133,55 +55,10 @@ class Program:
     def _in_loop(self, comp: str) -> bool:
         return any(body or self.in_loop(c) for c, _, body, _ in self.edges.get(comp, ()))
 
-    def _ring(self, comp: str) -> str:
-        """The collective a windowed-einsum loop implements, for `comp` and what it calls: XLA's
-        SPMD partitioner names those loop bodies windowed_dot_general_body_rs (reduce-scatter)
-        and _ag (all-gather)."""
-        for suffix, kind in (("_rs", "reduce-scatter"), ("_ag", "all-gather")):
-            if f"windowed_dot_general_body{suffix}" in comp:
-                return kind
-        return next((r for c, _, _, _ in self.edges.get(comp, ()) if (r := self.ring(c))), "")
-
     def _fused(self, comp: str) -> bool:
         """Whether `comp` runs inside a fusion (its values stay on chip, not in HBM)."""
         calls = self.edges.get(comp, ())
         return bool(calls) and all(fused or self.fused(c) for c, _, _, fused in calls)
-
-    def collectives(self) -> list[Collective]:
-        """Every collective op, with how often a step runs it (see the module docstring)."""
-        skip = {n for n, body in self.comps.items() if _ASYNC_DONE in "".join(body.values())}
-        found, channels = [], set()
-        for name, body in self.comps.items():
-            runs = self.runs(name) if name not in skip else 0
-            if not runs:
-                continue
-            calls = self.runs(name, True) if self.in_loop(name) else 0
-            root = body.get(self.roots.get(name), "")
-            for op, line in body.items():
-                for kind in KINDS:
-                    if not _OP[kind].search(line):
-                        continue
-                    channel = re.search(r"\bchannel_id=(\d+)", line)
-                    if channel and channel.group(1) in channels:
-                        continue  # the same op again: a continuation of an async collective
-                    channels |= {channel.group(1)} if channel else set()
-                    shapes = tuple(_result_shapes(line, kind))
-                    if kind == "all-reduce" and _operands(root, "dynamic-slice")[:1] == [op]:
-                        # TPU's all-reduce-scatter fusion: each device keeps its slice of the
-                        # sum, which the chip runs as a reduce-scatter
-                        kind = "reduce-scatter"
-                        shapes = tuple(_result_shapes(root, "dynamic-slice"))
-                    implements = ""
-                    if kind == "collective-permute":
-                        implements = self.ring(name)
-                    elif kind == "all-reduce" and any(
-                        "dynamic-update-slice" in arg or body.get(arg, "").find(_DUS) >= 0
-                        for arg in _operands(line, "all-reduce")
-                    ):
-                        implements = "all-gather"
-                    group = _replica_group(line)
-                    found.append(Collective(kind, shapes, group, runs, calls, implements))
-        return found
 
     def loop_factor(self, what: str) -> float:
         """By how much the loops' trip counts multiply the program's "flops" (its matrix
@@ -204,14 +81,14 @@ class Program:
         result = _first_shape(text)
         if result is None:
             return 0.0
-        if (args := _operands(text, "dot")) and args[0] in body:
+        if (args := operands(text, "dot")) and args[0] in body:
             lhs = _first_shape(body[args[0]])
             dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", text)
             if lhs is None or not dims:
                 return 0.0
             inner = math.prod(lhs[1][int(i)] for i in dims.group(1).split(",") if i)
             return 2.0 * math.prod(result[1]) * inner
-        if (args := _operands(text, "convolution")) and len(args) > 1:
+        if (args := operands(text, "convolution")) and len(args) > 1:
             lhs, rhs = (_first_shape(body.get(a, "")) for a in args[:2])
             return _convolution_flops(text, lhs, rhs) if lhs and rhs else 0.0
         return 0.0
@@ -221,9 +98,9 @@ class Program:
         opcode = re.search(r"\s([a-z][\w\-]*)\(", text)
         if opcode is None or opcode.group(1) in _NO_TRAFFIC:
             return 0.0
-        moved = sum(_bytes(t, d) for t, d in _shapes(text[: opcode.start()]))
-        for arg in _operands(text, opcode.group(1)):
-            moved += sum(_bytes(t, d) for t, d in _shapes(_type_of(body.get(arg, ""))))
+        moved = sum(nbytes(t, d) for t, d in shapes_of(text[: opcode.start()]))
+        for arg in operands(text, opcode.group(1)):
+            moved += sum(nbytes(t, d) for t, d in shapes_of(_type_of(body.get(arg, ""))))
         return float(moved)
 
     def _trip_count(self, line: str, comp: str) -> int:
@@ -238,7 +115,7 @@ class Program:
         body = self.comps.get(named.get("body"), {})
         for text in condition.values():
             compare = re.search(r"direction=(LT|LE|GT|GE)", text)
-            args = _operands(text, "compare")
+            args = operands(text, "compare")
             if not compare or len(args) != 2:
                 continue
             direction = compare.group(1)
@@ -249,14 +126,14 @@ class Program:
                 continue
             index = int(index.group(1))
             start = 0
-            init = _operands(line, "while")
-            elements = _operands(self.comps[comp].get(init[0], ""), "tuple") if init else []
+            init = operands(line, "while")
+            elements = operands(self.comps[comp].get(init[0], ""), "tuple") if init else []
             if index < len(elements):
                 start = _constant(self.comps[comp], elements[index]) or 0
             step = 1
-            updated = _operands(body.get(self.roots.get(named.get("body")), ""), "tuple")
+            updated = operands(body.get(self.roots.get(named.get("body")), ""), "tuple")
             if index < len(updated):
-                added = _operands(body.get(updated[index], ""), "add")
+                added = operands(body.get(updated[index], ""), "add")
                 step = next((s for s in (_constant(body, a) for a in added) if s), 1)
             span = limit - start + (1 if direction in ("LE", "GE") else 0)
             return max(0, -(-span // step))
@@ -265,10 +142,6 @@ class Program:
 
 _DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "s16": 2, "u16": 2}
 _DTYPE_BYTES |= {"s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
-# "kind(" or "kind-start(" as the op, not "%kind.12" as an operand
-_OP = {kind: re.compile(rf"(?<![\w%.\-]){kind}(-start)?\(") for kind in KINDS}
-_ASYNC_DONE = 'custom_call_target="AsyncCollectiveDone"'
-_DUS = " dynamic-update-slice("
 _ASYNC_HALF = re.compile(r"(?<![\w%.\-])async-(done|update)\(")
 _WHILE = re.compile(r"(?<![\w%.\-])while\(.*\bbody=%?([\w.\-]+)")
 _FUSION = re.compile(r"(?<![\w%.\-])fusion\(")
@@ -317,11 +190,13 @@ def _convolution_flops(text: str, lhs, rhs) -> float:
     return 2.0 * batch * features * rhs[1][rhs_labels.index("o")] * pairs
 
 
-def _bytes(dtype: str, dims: tuple[int, ...]) -> int:
+def nbytes(dtype: str, dims: tuple[int, ...]) -> int:
+    """Bytes of an array of this HLO dtype and shape."""
     return _DTYPE_BYTES.get(dtype, 4) * math.prod(dims)
 
 
-def _shapes(text: str) -> list[tuple[str, tuple[int, ...]]]:
+def shapes_of(text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """Every (dtype, dims) written in `text`, in order."""
     return [(t, tuple(int(n) for n in d.split(",") if n)) for t, d in _SHAPE.findall(text)]
 
 
@@ -332,7 +207,7 @@ def _type_of(text: str) -> str:
 
 
 def _first_shape(text: str) -> tuple[str, tuple[int, ...]] | None:
-    shapes = _shapes(_type_of(text))
+    shapes = shapes_of(_type_of(text))
     return shapes[0] if shapes else None
 
 
@@ -369,7 +244,7 @@ def _callees(line: str) -> list[str]:
     return names
 
 
-def _operands(text: str, opcode: str) -> list[str]:
+def operands(text: str, opcode: str) -> list[str]:
     """The operand names of `opcode(...)` in an instruction's text."""
     found = re.search(rf"(?<![\w%.\-]){opcode}\(([^)]*)\)", text)
     if not found:
@@ -388,42 +263,8 @@ def _constant(comp: dict[str, str], name: str) -> int | None:
         if value:
             return int(value.group(1))
         passes = ("copy", "bitcast", "convert", "reshape")
-        passed = next((ops for op in passes if (ops := _operands(text, op))), None)
+        passed = next((ops for op in passes if (ops := operands(text, op))), None)
         if not passed:
             return None
         name = passed[0]
     return None
-
-
-def _replica_group(line: str) -> tuple[int, ...]:
-    """The device ids of an op's first replica group (or of its first source-target pair);
-    () when the op names no groups (every device takes part)."""
-    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
-    if mesh:
-        axes = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
-        grouped = set(re.findall(r"'(\w+)'", mesh.group(2)))
-        ids = np.arange(math.prod(int(n) for _, n in axes)).reshape([int(n) for _, n in axes])
-        index = tuple(slice(None) if a in grouped else 0 for a, _ in axes)
-        return tuple(int(i) for i in ids[index].ravel())
-    iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-    if iota:
-        groups = [int(n) for n in iota.group(1).split(",")]
-        dims = [int(n) for n in iota.group(2).split(",")]
-        ids = np.arange(math.prod(dims)).reshape(dims)
-        if iota.group(3):
-            ids = ids.transpose([int(n) for n in iota.group(3).split(",")])
-        return tuple(int(i) for i in ids.reshape(groups[0], -1)[0])
-    listed = re.search(r"(?:replica_groups|source_target_pairs)=\{\{([\d,]*)\}", line)
-    if listed and listed.group(1):
-        return tuple(int(i) for i in listed.group(1).split(","))
-    return ()
-
-
-def _result_shapes(line: str, kind: str) -> list[tuple[str, tuple[int, ...]]]:
-    op = _OP[kind].search(line) if kind in _OP else re.search(rf" {kind}()\(", line)
-    shapes = _shapes(line[: op.start()])  # "f32[8,4]{1,0} all-gather(...)": the result first
-    if op.group(1):  # -start: (operands..., results..., scalar contexts...)
-        while shapes and shapes[-1][1] == () and shapes[-1][0] in ("u32", "s32"):
-            shapes = shapes[:-1]
-        shapes = shapes[len(shapes) // 2 :]
-    return shapes

@@ -23,7 +23,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from eqllm.bench.hlo import Program, gathered, tally
+from eqllm.bench.collectives import collectives, gathered, tally
+from eqllm.bench.hlo import Program
 from eqllm.config import ModelConfig
 from eqllm.lora import trainable
 from eqllm.model import CausalLM
@@ -116,7 +117,7 @@ def mesh_bench(
     compiled = step.lower(state.model, state.opt_state, tokens).compile()
     compile_s = time.perf_counter() - t0
     memory = compiled.memory_analysis()
-    found = Program(compiled.as_text()).collectives()
+    found = collectives(Program(compiled.as_text()))
     per_layer, per_step = tally(found, lambda c: 1)
     per_layer_bytes, per_step_bytes = tally(found, lambda c: c.result_bytes)
     return MeshResult(

@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Key, PRNGKeyArray
 
-from eqllm.generation.engine import MIN_CHUNK, Engine
+from eqllm.generation.engine import Engine
 from eqllm.generation.requests import Params, Token
 from eqllm.generation.sampling import GenerationError, sampling
+from eqllm.generation.sizing import MIN_CHUNK
 from eqllm.model import CausalLM
 
 MIN_BUCKET = MIN_CHUNK

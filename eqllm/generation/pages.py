@@ -1,7 +1,7 @@
 """The paged KV cache's bookkeeping on the host: which block holds what, and prefix reuse.
 
 The cache is a pool of fixed-size blocks of `block_size` token positions (the arrays live on
-the device, in `eqllm.generation.steps`); a sequence holds a list of blocks, its page table, and
+the device, in `eqllm.generation.paged`); a sequence holds a list of blocks, its page table, and
 position p of the sequence lives in block `pages[p // block_size]` at offset `p % block_size`.
 So a sequence takes the memory of its actual length, never the context's.
 

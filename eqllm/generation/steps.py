@@ -1,25 +1,10 @@
 """The engine's device state and its compiled steps: a prefill chunk, decode steps, prompt scores.
 
-Every attention layer's cache is a paged pool (`Pool`): the arrays of the layer's cache kind
-(`KVCache`: keys and values; `LatentCache`: DeepSeek's latents and rotary keys) with one row per
-token position of the pool, `blocks x block_size` rows in all, shared by every slot. A slot's
-page table (kept on the host, `eqllm.generation.pages`, and passed to each call) says which
-blocks hold its positions. A step runs the model's own cached layer calls
-(`CausalLM.cached_calls`) one layer at a time (`_forward`): it gathers, for each of its rows, a
-view of the blocks the layer needs into the layer's own cache kind, runs the layer on the views
-(unchanged layer code: a view is a cache like any other), and writes the positions it computed
-back into the pool, and nothing else. So a step holds one layer's views at a time.
-
-A view holds `m` blocks as a ring: block j of the sequence sits at ring place j % m, so position
-p is at p % (m x block_size), the convention of a ring cache. A global layer's view holds every
-block up to the step's last position (m = the step's pages); a sliding-window layer's only the
-blocks its window can reach from the step's positions, so decoding reads the window, not the
-sequence.
-
-Per-slot arrays (the pending token, its position, the repetition-penalty set, the key and the
-sampling step) have a leading `slots` axis. State that a layer kind keeps per sequence at a
-fixed size (a recurrent layer's state and its convolution window) would live beside them, one
-array per layer with a leading `slots` axis: see docs/serve.md ("Where per-sequence state goes").
+Each step runs the model's forward over the paged pools (`eqllm.generation.paged`). Per-slot
+arrays (the pending token, its position, the repetition-penalty set, the key and the sampling
+step) have a leading `slots` axis. State that a layer kind keeps per sequence at a fixed size (a
+recurrent layer's state and its convolution window) would live beside them, one array per layer
+with a leading `slots` axis: see docs/serve.md ("Where per-sequence state goes").
 
 The state is donated to every step, so it is updated in place. Shapes are fixed by the call's
 static sizes (rows, chunk width, view length, decode steps), never by a request.
@@ -27,68 +12,20 @@ static sizes (rows, chunk width, view length, decode steps), never by a request.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, Key
 
-from eqllm.config import ModelConfig
+from eqllm.generation.paged import Pool, forward
 from eqllm.generation.placement import place_weights, state_shardings
 from eqllm.generation.sampling import Sampling, sample_tokens
 from eqllm.model import CausalLM, cast_floating, dtype_of
-from eqllm.nn import KVCache, LatentCache
 
 TOP_LOGPROBS = 5  # OpenAI's completions API allows at most 5 alternatives per token
 NO_TOKEN = -1  # a row that did not sample at a decode step
 SCORE_ROWS = 256  # prompt positions whose logits are computed at once when scoring a prompt
-
-
-class Pool(eqx.Module):
-    """One layer's paged cache: the data arrays of a cache kind (every field but `positions`),
-    each with one row per token position of the pool."""
-
-    data: dict[str, Array]
-    kind: type = eqx.field(static=True)
-    treedef: jax.tree_util.PyTreeDef = eqx.field(static=True)
-
-    @staticmethod
-    def empty(template: KVCache | LatentCache, rows: int) -> Pool:
-        """`rows` zero rows shaped like one position of `template` (a cache of any length)."""
-        kind = type(template)
-        data = {}
-        for name in data_fields(kind):
-            leaf = getattr(template, name)
-            data[name] = jnp.zeros((rows, *leaf.shape[1:]), leaf.dtype)
-        return Pool(data, kind, jax.tree.structure(template))
-
-    @property
-    def rows(self) -> int:
-        return next(iter(self.data.values())).shape[0]
-
-    def view(self, data: dict[str, Array], positions: Array):
-        """A cache of this pool's kind from per-row arrays (built from its leaves: the kind's
-        constructor checks the shapes of one sequence's cache)."""
-        fields = [f.name for f in dataclasses.fields(self.kind)]
-        leaves = [positions if name == "positions" else data[name] for name in fields]
-        return jax.tree.unflatten(self.treedef, leaves)
-
-
-def data_fields(kind: type) -> list[str]:
-    """The arrays a cache kind holds per position (its fields but `positions`)."""
-    return [f.name for f in dataclasses.fields(kind) if f.name != "positions"]
-
-
-def bytes_per_token(model: CausalLM) -> int:
-    """Cache bytes one token position takes in all of the model's pools."""
-    return sum(
-        math.prod(getattr(c, name).shape[1:]) * getattr(c, name).dtype.itemsize
-        for c in model.init_cache(1)
-        for name in data_fields(type(c))
-    )
 
 
 class SlotState(eqx.Module):
@@ -131,66 +68,6 @@ def empty_state(model: CausalLM, slots: int, blocks: int, block_size: int) -> Sl
     )
 
 
-def windows(config: ModelConfig) -> tuple[int | None, ...]:
-    """Each layer's sliding window (None: it attends to everything)."""
-    window = config.attention.sliding_window
-    return tuple(window if local else None for local in config.local_layers())
-
-
-def view_blocks(window: int | None, pages: int, new: int, block_size: int) -> int:
-    """Blocks in a layer's view: all `pages` for a global layer; for a window, those that
-    positions [start - window + 1, start + new) can touch, at most."""
-    if window is None:
-        return pages
-    return min(pages, -(-(window - 1 + new) // block_size) + 1)
-
-
-def _view(
-    pool: Pool,
-    pages: Int[Array, "rows pages"],
-    start: Int[Array, " rows"],
-    end: Int[Array, " rows"],
-    blocks: int,
-    block_size: int,
-    after: Int[Array, ""],
-):
-    """Each row's view of `pool`: `blocks` blocks as a ring, the last one holding position
-    end - 1; positions at or after `start` (not cached yet) and before 0 are marked empty.
-    `after` is a zero the reads are made to depend on (see `_forward`)."""
-    rows, n_pages = pages.shape
-    last = (jnp.maximum(end, 1) - 1) // block_size
-    place = jnp.arange(blocks)
-    block = last[:, None] - (last[:, None] - place) % blocks  # block j sits at place j % blocks
-    ids = jnp.take_along_axis(pages, jnp.clip(block, 0, n_pages - 1), axis=1)
-    offset = jnp.arange(block_size)
-    index = (ids[:, :, None] * block_size + offset).reshape(rows, -1) + after
-    position = (block[:, :, None] * block_size + offset).reshape(rows, -1)
-    position = jnp.where((position >= 0) & (position < start[:, None]), position, -1)
-    data = {name: leaf[index] for name, leaf in pool.data.items()}
-    return pool.view(data, position.astype(jnp.int32))
-
-
-def _write(
-    pool: Pool,
-    view,
-    pages: Int[Array, "rows pages"],
-    positions: Int[Array, "rows new"],
-    block_size: int,
-) -> Pool:
-    """`pool` with the view entries at `positions` (negative: none) written to their blocks."""
-    rows, n_pages = pages.shape
-    ring = view.positions.shape[1]
-    ids = jnp.take_along_axis(pages, jnp.clip(positions // block_size, 0, n_pages - 1), axis=1)
-    index = jnp.where(positions >= 0, ids * block_size + positions % block_size, pool.rows)
-    source = jnp.maximum(positions, 0) % ring
-    row = jnp.arange(rows)[:, None]
-    data = {
-        name: leaf.at[index].set(getattr(view, name)[row, source], mode="drop")
-        for name, leaf in pool.data.items()
-    }
-    return Pool(data, pool.kind, pool.treedef)
-
-
 def _sampled(logits: Float[Array, " vocab"], token: Int[Array, ""], top: Array) -> Sampled:
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32))
 
@@ -207,43 +84,6 @@ def _sampled(logits: Float[Array, " vocab"], token: Int[Array, ""], top: Array) 
 
 def _sample_rows(logits, token, top) -> Sampled:
     return jax.vmap(_sampled, in_axes=(0, 0, None))(logits, token, top)
-
-
-def _forward(
-    fixed,
-    cache: tuple[Pool, ...],
-    pages: Int[Array, "rows pages"],
-    tokens: Int[Array, "rows new"],
-    positions: Int[Array, "rows new"],
-    start: Int[Array, " rows"],
-    block_size: int,
-) -> tuple[Float[Array, "rows vocab"], tuple[Pool, ...]]:
-    """The model's own cached forward on each row's new positions (negative: padding), one
-    layer at a time: a layer's views are gathered from its pool right before it runs, and the
-    positions it computed written back right after; the logits after each row's last position.
-
-    The order is held by data: a layer's write, and the next layer's reads, depend on the
-    layer's output through a zero XLA cannot see is zero (an argmax is >= 0). Left to itself
-    XLA gathered every layer's views first, so rows x view positions x every layer were alive
-    at once (22.7 GiB for a decode of 32 slots over 8,192 positions of smollm2-135m, whose
-    default pool is 4 GiB; 0.9 GiB so ordered); and it may move a write before the reads of
-    its pool, and copy the whole pool to keep them apart. (Optimization barriers do not hold
-    it: XLA's CPU pipeline removes them before it schedules.)
-    """
-    model, layers = fixed
-    n_pages, new = pages.shape[1], tokens.shape[1]
-    end = start + jnp.sum(positions >= 0, axis=1)
-    x = jax.vmap(model.embed_inputs)(tokens, positions)
-    after = jnp.zeros((), jnp.int32)
-    written = []
-    calls = model.cached_calls(layers)
-    for call, pool, window in zip(calls, cache, windows(model.config), strict=True):
-        blocks = view_blocks(window, n_pages, new, block_size)
-        view = _view(pool, pages, start, end, blocks, block_size, after)
-        x, view = jax.vmap(call)(x, positions, view)
-        after = jnp.minimum(jnp.min(jnp.argmax(x[:, -1, :2], axis=-1)), 0).astype(jnp.int32)
-        written.append(_write(pool, view, pages, positions + after, block_size))
-    return jax.vmap(model.next_logits)(x), tuple(written)
 
 
 def prefill_chunk(
@@ -274,7 +114,7 @@ def prefill_chunk(
     vocab = state.present.shape[1]
     n = jnp.sum(positions >= 0, axis=1)
     start = jnp.max(positions, axis=1) + 1 - n
-    logits, cache = _forward(fixed, state.cache, pages, tokens, positions, start, block_size)
+    logits, cache = forward(fixed, state.cache, pages, tokens, positions, start, block_size)
     rows = jnp.arange(slots.shape[0])[:, None]
     kept = state.present.at[slots].get(mode="fill", fill_value=False)
     present = jnp.where(first[:, None], seen, kept | seen)
@@ -315,7 +155,7 @@ def decode_steps(
 
     Each step feeds a slot its pending token and samples the next; a slot stops once it has
     sampled `remaining` tokens or one of its `stop` ids (-1: none), and the loop ends early when
-    every slot stopped. Each step runs `_forward` over the pools, which the loop carries (the
+    every slot stopped. Each step runs `forward` over the pools, which the loop carries (the
     pages must cover position + steps). Outputs of a slot that did not sample at a step are
     NO_TOKEN. Other slots are untouched.
     """
@@ -330,7 +170,7 @@ def decode_steps(
     def one(carry):
         i, live, cache, token, position, step, present, remaining, out = carry
         fed = jnp.where(live, position, -1)[:, None]  # a stopped slot writes nothing
-        logits, cache = _forward(fixed, cache, pages, token[:, None], fed, position, block_size)
+        logits, cache = forward(fixed, cache, pages, token[:, None], fed, position, block_size)
         folded = jax.vmap(jax.random.fold_in)(keys, step)
         new = sample_tokens(logits, folded, present, settings)
         sampled = _sample_rows(logits, new, top)

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from eqllm import zoo
-from eqllm.bench.hlo import tally
+from eqllm.bench.collectives import tally
 from eqllm.config import ConfigError
 from eqllm.plan.devices import PlanError
 from eqllm.plan.roofline import Roofline, estimate
@@ -219,4 +219,3 @@ def parse_mesh(text: str) -> MeshConfig:
             "than gathering the experts), so write fsdp=N"
         )
     return MeshConfig.parse(text)
-

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from eqllm.bench.hlo import KINDS, tally
+from eqllm.bench.collectives import KINDS, tally
 from eqllm.plan.plan import HEADROOM, Plan, implemented
 from eqllm.plan.search import Search
 from eqllm.sharding import human_bytes

@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-from eqllm.bench.hlo import Collective
+from eqllm.bench.collectives import Collective
 from eqllm.sharding import MESH_AXES
 from eqllm.sharding.tpu import TpuSlice
 

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqllm.bench.hlo import Collective, Program
+from eqllm.bench.collectives import Collective, collectives
+from eqllm.bench.hlo import Program
 from eqllm.bench.mesh import AbstractState, abstract_state
 from eqllm.config import ConfigError, ModelConfig
 from eqllm.data import Tokenizer
@@ -203,7 +204,7 @@ def compile_recipe(recipe: Recipe, devices: list) -> CompiledStep:
     result.xla_bytes = float(cost.get("bytes accessed", 0.0))
     result.flops = result.xla_flops * program.loop_factor("flops")
     result.bytes_accessed = result.xla_bytes * program.loop_factor("bytes")
-    result.collectives = program.collectives()
+    result.collectives = collectives(program)
     return result
 
 

@@ -13,6 +13,7 @@ what is allowed.
 
 from eqllm.recipe.corpus import prepare_corpus
 from eqllm.recipe.errors import RecipeError
+from eqllm.recipe.inputs import finetune_data_path, preference_data_source
 from eqllm.recipe.load import (
     apply_overrides,
     load_recipe,
@@ -39,13 +40,7 @@ from eqllm.recipe.sections import (
     TrainSpec,
     WeightStage,
 )
-from eqllm.recipe.spec import (
-    RUN_LENGTH,
-    Recipe,
-    finetune_data_path,
-    implied_objective,
-    preference_data_source,
-)
+from eqllm.recipe.spec import RUN_LENGTH, Recipe, implied_objective
 
 __all__ = [
     "RUN_LENGTH",

@@ -7,7 +7,8 @@ of a model on a recipe's data all prepare it here.
 from __future__ import annotations
 
 from eqllm.data import MixtureData, TokenData, prepare, prepare_mixture
-from eqllm.recipe.spec import Recipe, source_label
+from eqllm.recipe.inputs import source_label
+from eqllm.recipe.spec import Recipe
 
 
 def prepare_corpus(recipe: Recipe, *, progress: bool = True) -> TokenData | MixtureData:

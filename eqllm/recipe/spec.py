@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import glob
 import math
 import typing
-from pathlib import Path
 from typing import Annotated, Any
 
 import tomli_w
@@ -22,6 +20,7 @@ from pydantic import (
 from eqllm import zoo
 from eqllm.config import ConfigError, ModelConfig, show, validated
 from eqllm.recipe.errors import RecipeError, recipe_error
+from eqllm.recipe.inputs import check_data_files, check_source, check_tokenizer, source_label
 from eqllm.recipe.sections import (
     CONFIG,
     PREFERENCE_LOSSES,
@@ -34,11 +33,9 @@ from eqllm.recipe.sections import (
     PlanSpec,
     PreferenceSpec,
     RLSpec,
-    SourceSpec,
     Str,
     TrainSpec,
 )
-from eqllm.resources import data_dir
 from eqllm.sharding import MeshConfig, MeshError
 from eqllm.sharding.tpu import TopologyError, parse_slice
 
@@ -254,14 +251,14 @@ class Recipe:
         """The data and tokenizer the recipe names exist (the outside world: a run folder's
         saved recipe is read without these checks)."""
         d = self.data
-        _check_data_files(self)
-        _check_tokenizer(d.tokenizer)
-        _check_source(d.source, "data.source")
+        check_data_files(self.finetune, self.preference, self.rl)
+        check_tokenizer(d.tokenizer)
+        check_source(d.source, "data.source")
         for i, spec in enumerate(d.sources):
             key = f"data.sources[{i}]" + (f" ({spec.label!r})" if spec.label else "")
-            _check_source(spec, key)
+            check_source(spec, key)
         for i, extra in enumerate(self.eval.extra_sources):
-            _check_source(extra, f"eval.extra_sources[{i}]")
+            check_source(extra, f"eval.extra_sources[{i}]")
 
     def _resolve_objective(self) -> None:
         """Fill train.objective (and preference.loss) of a recipe that leaves them empty: the
@@ -376,78 +373,6 @@ def _check_finetune(recipe: Recipe) -> None:
             f"finetune.method={f.method!r} needs a base: set model.init_from to a Hugging Face "
             "folder or hub repo id, or an eqllm run folder"
         )
-
-
-def _check_data_files(recipe: Recipe) -> None:
-    """The files of finetune.data, preference.data and rl.data exist."""
-    f, p, r = recipe.finetune, recipe.preference, recipe.rl
-    if r.data and finetune_data_path(r.data) is None:
-        raise RecipeError(
-            f"rl.data={r.data!r} does not exist (in the working directory or among eqllm's "
-            "shipped recipes); point it at a JSONL file of prompts"
-        )
-    if p.data and preference_data_source(p.data) is None:
-        raise RecipeError(
-            f"preference.data={p.data!r} does not exist (in the working directory or among "
-            "eqllm's shipped recipes); point it at a JSONL file of preference pairs, a "
-            "dataset folder or file, or 'hf:NAME'"
-        )
-    if f.data and finetune_data_path(f.data) is None:
-        raise RecipeError(
-            f"finetune.data={f.data!r} does not exist (in the working directory or among "
-            "eqllm's shipped recipes); point it at a JSON/JSONL file of examples"
-        )
-
-
-def preference_data_source(spec: str) -> str | Path | None:
-    """What preference.data reads: "hf:NAME" as it is, a dataset folder, else a file (found
-    like finetune.data); None when there is none."""
-    if spec.startswith("hf:"):
-        return spec
-    if Path(spec).expanduser().is_dir():
-        return Path(spec).expanduser()
-    return finetune_data_path(spec)
-
-
-def finetune_data_path(spec: str) -> Path | None:
-    """The instruction file `spec` names: a path, else one under the shipped recipes folder."""
-    for path in (Path(spec).expanduser(), data_dir("recipes") / spec):
-        if path.is_file():
-            return path
-    return None
-
-
-def _check_tokenizer(spec: str) -> None:
-    if spec in ("bytes", "bpe"):
-        return
-    path = Path(spec).expanduser()
-    if path.exists():
-        if path.is_dir() and not (path / "tokenizer.json").is_file():
-            raise RecipeError(f"data.tokenizer={spec!r}: folder has no tokenizer.json")
-        return
-    if spec.count("/") != 1 or spec.startswith((".", "/", "~")):
-        raise RecipeError(
-            f"data.tokenizer={spec!r} is not 'bytes', 'bpe', an existing tokenizer.json path or "
-            "folder, or a hub repo id (org/name)"
-        )
-
-
-def source_label(spec: SourceSpec, index: int) -> str:
-    """The name of a source in metrics and reports: its label, else its path or hub name."""
-    return spec.label or spec.path or spec.name or f"source{index}"
-
-
-def _check_source(spec: SourceSpec, key: str) -> None:
-    try:
-        spec.to_source()
-    except ValueError as e:  # DataSource's own rules (a `files` source needs a path, ...)
-        raise RecipeError(f"{key}: {e}") from None
-    if spec.kind in ("files", "jsonl"):
-        if not (Path(spec.path).expanduser().exists() or glob.glob(spec.path)):
-            raise RecipeError(
-                f"{key}.path={spec.path!r} does not exist; point it at a file, folder or glob "
-                "pattern of text"
-            )
 
 
 # Plain-value editing (shared with load_recipe) -------------------------------------------------

@@ -89,9 +89,9 @@ def test_a_tensor_parallel_engine_answers_as_one_device_does(model, reference, m
     data = mesh.shape["data"]
     # A quarter of each q projection and of the cached keys per device; the pool's positions
     # (and the slots) split by data.
-    _, layers = engine.weights
+    _, layers = engine.runner.weights
     assert layers[0].attn.q_proj.weight.addressable_shards[0].data.shape == (64 // 4, 64)
-    keys = engine._state.cache[0].data["k"]  # (pool positions, kv_heads, head_dim)
+    keys = engine.runner.state.cache[0].data["k"]  # (pool positions, kv_heads, head_dim)
     rows = engine.kv_blocks * engine.block_size
     assert keys.addressable_shards[0].data.shape == (rows // data, 8 // 4, 8)
     assert compiles == []  # every shape was compiled by warm(); none per request
