@@ -3,6 +3,8 @@ terms are the same for all; a frozen reference or teacher survives full fine-tun
 its prompts in its own words; distillation's loss against NumPy, its checks and exact resume."""
 
 import json
+import sys
+import types
 
 import equinox as eqx
 import jax
@@ -171,17 +173,24 @@ def _rows(out):
     return [{k: v for k, v in r.items() if k not in drop} for r in rows if "compile_s" not in r]
 
 
-def test_grpo_with_full_fine_tuning_a_kl_reference_and_no_data_section(base, tmp_path):
+def test_grpo_with_full_fine_tuning_a_kl_reference_and_no_data_section(base, tmp_path, monkeypatch):
     """The recipe of the report: 48 short prompts, 8 completions of up to 24 tokens, every
     weight trained, a KL term, no [data] (data.seq_len's default, 256, is more than the model's
     context of 64: the rows take the context). The reference keeps arrays of its own: the
-    step's donation of the policy leaves it readable at every later step."""
+    step's donation of the policy leaves it readable at every later step.
+
+    The reward is graded (the sum of the completion's bytes, modulo 7), so that every group of
+    a random model's completions has advantages: with exact match, whether any of them is
+    right (and the first step has a gradient) depends on the machine's rounding."""
+    rewards = types.ModuleType("graded_rewards")
+    rewards.byte_sum = lambda prompt, completion, example: float(sum(completion.encode()) % 7)
+    monkeypatch.setitem(sys.modules, "graded_rewards", rewards)
     recipe = Recipe.from_dict(
         {
             "model": {"variant": "llama-nano", "init_from": str(base / "base")},
             "finetune": {"method": "full"},
             "rl": {"data": str(base / "rl.jsonl"), "group_size": 8, "max_new_tokens": 24,
-                   "kl_coef": 0.01},
+                   "kl_coef": 0.01, "reward": "graded_rewards:byte_sum"},
             "optim": {"lr": 1e-3, "warmup_steps": 0},
             "train": {"batch_size": 16, "steps": 3, "log_every": 1, "eval_every": 0,
                       "checkpoint_every": 0},
