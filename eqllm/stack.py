@@ -2,7 +2,7 @@
 
 Every layer is the same Block (`eqllm.nn.Block`), its arrays stacked on a leading `layers` axis
 so one compiled body serves any depth (Levanter, MaxText do the same). What differs between
-layers, the local/global attention pattern of Gemma 2 and 3 (and with it Gemma 3's RoPE base)
+layers, the local/global attention pattern of Gemma 2 and 3 and OLMo 3 (with its own RoPE base)
 and SmolLM3's layers without rotary embedding (NoPE), are per-layer flags scanned alongside the
 weights rather than second stacks or an unrolled loop.
 """

@@ -202,6 +202,26 @@ FAMILIES = [
     ),
     # Norms after the sublayers only; QK-norm over the whole projections (grouped kv heads).
     Tiny("olmo2", _zoo("olmo2-1b", attention={"n_kv_heads": 2})),
+    # OLMo 2's block over windowed, full, windowed layers (a window of 5): YaRN on the full layer
+    # only (the original context, 16, shorter than the test sequences), another base on the others.
+    Tiny(
+        "olmo3",
+        _zoo(
+            "olmo3-nano",
+            n_layers=3,
+            attention={"n_kv_heads": 2, "sliding_window": 5, "global_every": 2},
+            positions={
+                "local_theta": 500.0,
+                "scaling": {
+                    "kind": "yarn",
+                    "factor": 4.0,
+                    "original_max_seq_len": 16,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                },
+            },
+        ),
+    ),
     # Mixtures of experts: 4 experts, 2 per token (tests/test_moe.py: the grouped product).
     Tiny(
         "mixtral",

@@ -128,6 +128,49 @@ def test_unsupported_new_family_settings_are_refused(name, change, message):
         eqllm.hub.from_hf_config({**PUBLISHED_CONFIGS[name], **change})
 
 
+def _olmo3_as_released() -> tuple[eqllm.ModelConfig, dict]:
+    """An OLMo 3 config with the long-context releases' RoPE, and its config.json written as
+    those releases write it (transformers 4.57): one top-level rope_theta and rope_scaling."""
+    yarn = {"kind": "yarn", "factor": 8.0, "original_max_seq_len": 64, "beta_fast": 32.0}
+    cfg = eqllm.zoo.config(
+        "olmo3-nano",
+        scan_layers=True,
+        positions={"theta": 500000.0, "local_theta": 500000.0, "scaling": yarn},
+    )
+    hf = eqllm.hub.to_hf_config(cfg)
+    rope = hf.pop("rope_parameters")["full_attention"]
+    return cfg, {**hf, "rope_theta": rope.pop("rope_theta"), "rope_scaling": rope}
+
+
+def test_olmo3_release_layout_scales_only_the_full_attention_layers():
+    transformers = pytest.importorskip("transformers")
+    cfg, released = _olmo3_as_released()
+    assert eqllm.hub.from_hf_config(released) == cfg
+    # transformers 5 reads the file as eqllm writes it: YaRN on the full-attention layers only.
+    read = transformers.AutoConfig.for_model(**released).rope_parameters
+    assert read == eqllm.hub.to_hf_config(cfg)["rope_parameters"]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        # transformers 5 gives these windowed layers its default base, transformers 4 this one.
+        ({"rope_theta": 10000.0}, "RoPE base ambiguous"),
+        ({"rope_parameters": {"rope_type": "default"}}, "not per layer type"),
+        (
+            {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+            "of the sliding_attention layers are not supported",
+        ),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "full_attention layers"),
+        ({"layer_types": ["full_attention"] + ["sliding_attention"] * 3}, "not a repeating"),
+    ],
+)
+def test_unsupported_olmo3_settings_are_refused(change, message):
+    _, released = _olmo3_as_released()
+    with pytest.raises(eqllm.ConfigError, match=message):
+        eqllm.hub.from_hf_config({**released, **change})
+
+
 # Bad input: errors that name the file, tensor or field ----------------------------------------
 
 

@@ -338,6 +338,32 @@ def full_attention_only(hf: dict[str, Any], family: str) -> None:
         )
 
 
+# Local/global layers (Gemma 2 and 3, OLMo 3): config.json's `layer_types` <-> ModelConfig's
+# `attention.global_every`, every global_every-th layer attending to the whole context.
+
+
+def layer_types(cfg: ModelConfig) -> list[str]:
+    """config.json's `layer_types` for `cfg`'s local/global pattern."""
+    return ["sliding_attention" if w else "full_attention" for w in cfg.local_layers()]
+
+
+def global_every(hf: dict[str, Any], default: int) -> int:
+    """The period of the local/global pattern of `layer_types` (`default` when absent)."""
+    types = hf.get("layer_types")
+    if not types:
+        return default
+    every = types.index("full_attention") + 1 if "full_attention" in types else default
+    expected = [
+        "sliding_attention" if (i + 1) % every else "full_attention" for i in range(len(types))
+    ]
+    if types != expected:
+        raise ConfigError(
+            f"config.json layer_types={types} is not a repeating pattern of sliding layers "
+            "closed by one full-attention layer, the only pattern eqllm reads"
+        )
+    return every
+
+
 # Mixture of experts: the attention rows of the Llama table, and the expert rows of both layouts.
 
 MOE_ATTENTION_TABLE = tuple(r for r in LLAMA_TABLE if ".mlp." not in r.hf)

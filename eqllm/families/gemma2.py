@@ -5,13 +5,15 @@ scaled by query_pre_attn_scalar**-0.5."""
 
 from typing import Any
 
-from eqllm.config import ConfigError, ModelConfig
+from eqllm.config import ModelConfig
 from eqllm.families.base import (
     DENSE,
     LLAMA_KEYS,
     LLAMA_PREFIX,
     LLAMA_TABLE,
     Family,
+    global_every,
+    layer_types,
     llama_from_hf,
     llama_to_hf,
     need,
@@ -44,27 +46,6 @@ SANDWICH_KEYS = LLAMA_KEYS | {
     "cache_implementation",
     "sliding_window_size",
 }
-
-
-def layer_types(cfg: ModelConfig) -> list[str]:
-    return ["sliding_attention" if w else "full_attention" for w in cfg.local_layers()]
-
-
-def global_every(hf: dict[str, Any], default: int) -> int:
-    """The period of the local/global pattern of `layer_types` (`default` when absent)."""
-    types = hf.get("layer_types")
-    if not types:
-        return default
-    every = types.index("full_attention") + 1 if "full_attention" in types else default
-    expected = [
-        "sliding_attention" if (i + 1) % every else "full_attention" for i in range(len(types))
-    ]
-    if types != expected:
-        raise ConfigError(
-            f"config.json layer_types={types} is not a repeating pattern of sliding layers "
-            "closed by one full-attention layer, the only pattern eqllm's Gemma reads"
-        )
-    return every
 
 
 def sandwich_to_hf(cfg: ModelConfig) -> dict[str, Any]:

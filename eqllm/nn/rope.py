@@ -13,7 +13,7 @@ SmolLM3) the same way.
 (Peng et al., 2023), "longrope" (Ding et al., 2024; Phi-3: short factors up to the original
 context, long factors past it) and "dynamic" (NTK-aware base growing with the sequence). The
 attention factor multiplies cos and sin, so it scales every attention score by its square.
-Windowed layers with their own base (`local_theta`) are never scaled, as in Gemma 3.
+Windowed layers with their own base (`local_theta`) are never scaled, as in Gemma 3 and OLMo 3.
 """
 
 import dataclasses
