@@ -173,6 +173,14 @@ def test_recipe_refuses_unknown_optimizers_and_misplaced_fields(optim, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_muon_refuses_lora():
+    values = _recipe(name="muon")
+    values["model"]["init_from"] = "some/model"
+    values["finetune"] = {"method": "lora"}
+    with pytest.raises(RecipeError, match='set optim.name="adamw"'):
+        Recipe.from_dict(values, inputs=False)
+
+
 def test_each_optimizer_keeps_its_defaults_valid():
     for name in ("adamw", "muon", "lion", "adafactor"):
         assert Recipe.from_dict(_recipe(name=name), inputs=False).optim.name == name

@@ -304,7 +304,8 @@ class OptimSpec:
         axis (the stacked layers of a scanned stack) is a batch axis, each matrix
         orthogonalised on its own. Embeddings, norms, biases, the LM head, routers, stacked
         experts and MLA's latent projections (one axis a fixed rank) take AdamW with this
-        section's b1, b2, eps and weight decay.
+        section's b1, b2, eps and weight decay. With finetune.method "lora" Muon is refused
+        (the adapters' matrices each have a rank axis: Muon would take none of them).
     adafactor_decay_rate: Adafactor's second-moment decay exponent (beta2 = 1 - step^-rate).
     adafactor_min_dim: Adafactor factors a matrix's second moment only when both of its last
         two dimensions are at least this large. Adafactor scales each update by the
