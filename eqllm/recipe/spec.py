@@ -373,6 +373,12 @@ def _check_finetune(recipe: Recipe) -> None:
             f"finetune.method={f.method!r} needs a base: set model.init_from to a Hugging Face "
             "folder or hub repo id, or an eqllm run folder"
         )
+    if f.method == "lora" and recipe.optim.name == "muon":
+        raise RecipeError(
+            'optim.name="muon" with finetune.method="lora": one axis of each adapter matrix is '
+            "the rank, not a width, so Muon would take none of them and every adapter would "
+            'train with AdamW; set optim.name="adamw"'
+        )
 
 
 # Plain-value editing (shared with load_recipe) -------------------------------------------------

@@ -183,8 +183,9 @@ def param_shardings(model, mesh: Mesh):
 def shardings_like_params(tree, params, shardings):
     """Shardings for a tree holding copies of the parameters (an optimizer state).
 
-    Every subtree shaped like `params` (AdamW's moments, say) gets the parameters' `shardings`;
-    any other array (step counts) is replicated.
+    Every subtree shaped like `params` (AdamW's moments, say) gets the parameters' `shardings`
+    where its arrays have their parameters' shapes; any other array (step counts, Adafactor's
+    factored row and column statistics) is replicated.
     """
     params_def = jax.tree.structure(params)
     mesh = next(s.mesh for s in jax.tree.leaves(shardings))
@@ -193,9 +194,14 @@ def shardings_like_params(tree, params, shardings):
     def like_params(node) -> bool:
         return node is not None and jax.tree.structure(node) == params_def
 
-    return jax.tree.map(
-        lambda node: shardings if like_params(node) else replicated, tree, is_leaf=like_params
-    )
+    def placed(node):
+        if not like_params(node):
+            return replicated
+        return jax.tree.map(
+            lambda x, p, s: s if x.shape == p.shape else replicated, node, params, shardings
+        )
+
+    return jax.tree.map(placed, tree, is_leaf=like_params)
 
 
 def shard_model(model, mesh: Mesh):

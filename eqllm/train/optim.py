@@ -1,16 +1,18 @@
-"""AdamW with a warmup + decay schedule, global-norm clipping and weight decay on matrices only."""
+"""AdamW, Muon, Lion or Adafactor with a warmup + decay schedule, global-norm clipping and
+weight decay on matrices only; parameter groups and muP factors from the layers' metadata."""
 
 from __future__ import annotations
 
 import equinox as eqx
 import jax
 import optax
+from optax.contrib import MuonDimensionNumbers
 
 from eqllm import parametrization
 from eqllm.lora import trainable
 from eqllm.model import CausalLM
 from eqllm.nn import param_info
-from eqllm.nn.linear import is_param_info
+from eqllm.nn.linear import ParamInfo, is_param_info
 from eqllm.parametrization import Multipliers, Scales, role_multipliers, roles
 from eqllm.recipe import OptimSpec
 
@@ -75,45 +77,111 @@ def parameter_groups(
     return labels, factors
 
 
+# Muon's view of a weight stored (..., fan_out, fan_in): optax's MuonDimensionNumbers name the
+# (reduction, output) axes of x @ W, so the input axis is -1 and the output axis -2; every other
+# axis (the leading `layers` axis of a scanned stack) is a batch axis, orthogonalised apart.
+MUON_AXES = MuonDimensionNumbers(reduction_axis=-1, output_axis=-2)
+
+
+def is_muon_matrix(info: ParamInfo) -> bool:
+    """Whether Muon takes this array: a hidden matrix (both of its last two logical axes grow
+    with the width) with no expert axis. Embeddings, norms, biases, the LM head, routers and
+    stacked experts are not."""
+    return info.role == "hidden" and "expert" not in info.axes
+
+
+def muon_labels(model):
+    """The label "muon" at every trainable array Muon takes (`is_muon_matrix`), "adamw" at the
+    others, None at frozen ones; read from the layers' metadata (`eqllm.nn.param_info`)."""
+    labels = jax.tree.map(
+        lambda info: "muon" if is_muon_matrix(info) else "adamw",
+        param_info(model),
+        is_leaf=is_param_info,
+    )
+    return eqx.filter(labels, trainable(model))
+
+
+def _scaled(lr: optax.Schedule, factor: float) -> optax.Schedule:
+    return lambda step: lr(step) * factor
+
+
+def _transform(
+    spec: OptimSpec, kind: str, lr: optax.Schedule, f: Multipliers, mask
+) -> optax.GradientTransformation:
+    """One optimizer of `kind` with the role factors `f` (learning rate, eps, decay)."""
+    decay = spec.weight_decay * f.decay
+    if kind == "adamw":
+        return optax.adamw(
+            lr, b1=spec.b1, b2=spec.b2, eps=spec.eps * f.eps, weight_decay=decay, mask=mask
+        )
+    if kind == "muon":
+        # Every array of this group is a Muon matrix, so optax's own AdamW part stays empty;
+        # the other arrays take `_transform(spec, "adamw", ...)` with the decay mask.
+        return optax.contrib.muon(
+            lr,
+            ns_steps=spec.muon_ns_steps,
+            beta=spec.muon_momentum,
+            weight_decay=decay,
+            weight_decay_mask=mask,
+            muon_weight_dimension_numbers=lambda params: jax.tree.map(lambda _: MUON_AXES, params),
+            consistent_rms=0.2 if spec.muon_scale == "match_rms_adamw" else None,
+        )
+    if kind == "lion":
+        return optax.lion(lr, b1=spec.b1, b2=spec.b2, weight_decay=decay, mask=mask)
+    # optax's Adafactor subtracts rate * w after the learning rate: rate = decay * lr(step)
+    # decays by lr x weight_decay, as the others do.
+    return optax.adafactor(
+        lr,
+        min_dim_size_to_factor=spec.adafactor_min_dim,
+        decay_rate=spec.adafactor_decay_rate,
+        weight_decay_rate=_scaled(lr, decay) if decay else None,
+        weight_decay_mask=mask,
+    )
+
+
 def make_optimizer(
     spec: OptimSpec, total_steps: int, model, *, scales: Scales | None = None
 ) -> optax.GradientTransformation:
-    """optax chain: clip by global norm (if clip_norm > 0) -> AdamW(schedule, masked decay).
+    """optax chain: clip by global norm (if clip_norm > 0) -> the optimizer `spec.name`
+    (AdamW, Muon, Lion or Adafactor) on the schedule, with masked weight decay.
 
     `model` (or `eqx.filter(model, eqx.is_inexact_array)`; any tree of eqllm layers) fixes the
-    weight-decay mask over its trainable arrays (only the adapters of a LoRA model).
+    weight-decay mask over its trainable arrays (only the adapters of a LoRA model) and, for
+    Muon, which arrays it takes (`muon_labels`); the others take AdamW.
 
     Under muP / CompleteP (`eqllm.parametrization`: a `CausalLM`'s config, or `scales` for any
-    tree) each role gets its own AdamW, with the learning rate, eps and weight decay multiplied
-    by the role's factors; `spec.lr` is then the base model's learning rate.
+    tree) each role gets its own optimizer, with the learning rate, eps and weight decay
+    multiplied by the role's factors; `spec.lr` is then the base model's learning rate.
     """
     groups = parameter_groups(model, scales)
     lr = schedule(spec, total_steps)
-    if groups is None:
-        adamw = optax.adamw(
-            lr,
-            b1=spec.b1,
-            b2=spec.b2,
-            eps=spec.eps,
-            weight_decay=spec.weight_decay,
-            mask=decay_mask(model),
-        )
+    mask = decay_mask(model)
+    if spec.name != "muon" and groups is None:
+        update = _transform(spec, spec.name, lr, Multipliers(), mask)
     else:
-        labels, factors = groups
-        adamw = optax.multi_transform(
+        kind = "adamw" if spec.name == "muon" else spec.name
+        if groups is None:
+            labels = jax.tree.map(lambda _: kind, param_info(model), is_leaf=is_param_info)
+            labels = eqx.filter(labels, trainable(model))
+            factors = {kind: Multipliers()}
+        else:
+            labels, factors = groups
+        if spec.name == "muon":
+            # A Muon matrix is "hidden": under muP it takes the hidden role's factors.
+            is_muon = muon_labels(model)
+            labels = jax.tree.map(lambda m, role: "muon" if m == "muon" else role, is_muon, labels)
+            factors = {**factors, "muon": factors.get("hidden", Multipliers())}
+        found = set(jax.tree.leaves(labels))
+        update = optax.multi_transform(
             {
-                role: optax.adamw(
-                    lambda step, f=f.lr: lr(step) * f,
-                    b1=spec.b1,
-                    b2=spec.b2,
-                    eps=spec.eps * f.eps,
-                    weight_decay=spec.weight_decay * f.decay,
-                    mask=decay_mask(model),
+                label: _transform(
+                    spec, "muon" if label == "muon" else kind, _scaled(lr, f.lr), f, mask
                 )
-                for role, f in factors.items()
+                for label, f in factors.items()
+                if label in found
             },
             lambda params: labels,  # a function: a model (the labels' tree) is itself callable
         )
     if spec.clip_norm > 0:
-        return optax.chain(optax.clip_by_global_norm(spec.clip_norm), adamw)
-    return adamw
+        return optax.chain(optax.clip_by_global_norm(spec.clip_norm), update)
+    return update

@@ -106,3 +106,18 @@ def test_batch_rows_must_split_over_data_devices():
         Recipe.from_dict(
             {"model": {"variant": "llama-nano"}, "train": {"steps": 1}, "mesh": {"data": 0}}
         )
+
+
+@pytest.mark.parametrize("name", ["muon", "lion", "adafactor"])
+def test_each_optimizer_trains_on_a_mesh_as_on_one_device(name, monkeypatch):
+    """Muon's and Lion's state is shaped like the parameters; Adafactor's factored row and
+    column statistics are not, and stay replicated where a parameter is split."""
+    extra = {"adafactor_min_dim": 8} if name == "adafactor" else {}  # factor every matrix
+    monkeypatch.setattr(
+        "tests.multidevice.test_train_mesh.SPEC",
+        OptimSpec(name=name, lr=1e-2, warmup_steps=0, **extra),
+    )
+    _, _, ref_losses, _ = train()
+    _, _, losses, step = train(make_mesh(MeshConfig.parse("data=2,fsdp=4")))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert step.n_traces == 1
