@@ -11,6 +11,7 @@ what is allowed.
     recipe.train.steps  # 50
 """
 
+from eqllm.recipe.checks import implied_objective
 from eqllm.recipe.corpus import prepare_corpus
 from eqllm.recipe.errors import RecipeError
 from eqllm.recipe.inputs import finetune_data_path, preference_data_source
@@ -21,6 +22,7 @@ from eqllm.recipe.load import (
     recipe_names,
     recipe_path,
 )
+from eqllm.recipe.optim import OptimSpec, Schedule
 from eqllm.recipe.sections import (
     PREFERENCE_LOSSES,
     DataSpec,
@@ -29,18 +31,16 @@ from eqllm.recipe.sections import (
     FinetuneMethod,
     FinetuneSpec,
     ModelSpec,
-    OptimSpec,
     PlanSpec,
     Precision,
     PreferenceSpec,
     RLSpec,
-    Schedule,
     SourceKind,
     SourceSpec,
     TrainSpec,
     WeightStage,
 )
-from eqllm.recipe.spec import RUN_LENGTH, Recipe, implied_objective
+from eqllm.recipe.spec import RUN_LENGTH, Recipe
 
 __all__ = [
     "RUN_LENGTH",

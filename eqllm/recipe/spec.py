@@ -19,8 +19,16 @@ from pydantic import (
 
 from eqllm import zoo
 from eqllm.config import ConfigError, ModelConfig, show, validated
+from eqllm.recipe.checks import (
+    check_finetune,
+    check_objective,
+    check_plan,
+    implied_objective,
+    value_at,
+)
 from eqllm.recipe.errors import RecipeError, recipe_error
 from eqllm.recipe.inputs import check_data_files, check_source, check_tokenizer, source_label
+from eqllm.recipe.optim import OptimSpec
 from eqllm.recipe.sections import (
     CONFIG,
     PREFERENCE_LOSSES,
@@ -29,7 +37,6 @@ from eqllm.recipe.sections import (
     EvalSpec,
     FinetuneSpec,
     ModelSpec,
-    OptimSpec,
     PlanSpec,
     PreferenceSpec,
     RLSpec,
@@ -37,7 +44,6 @@ from eqllm.recipe.sections import (
     TrainSpec,
 )
 from eqllm.sharding import MeshConfig, MeshError
-from eqllm.sharding.tpu import TopologyError, parse_slice
 
 # The length of training: exactly one is given; setting one replaces the others.
 RUN_LENGTH = ("train.steps", "train.tokens", "train.tokens_per_param")
@@ -178,7 +184,9 @@ class Recipe:
                     "variant's value"
                 )
         cfg = self.model_config()
-        given = [f"{p}={show(getattr(t, p.split('.')[1]))}" for p in RUN_LENGTH if _get(self, p)]
+        given = [
+            f"{p}={show(getattr(t, p.split('.')[1]))}" for p in RUN_LENGTH if value_at(self, p)
+        ]
         if len(given) != 1:
             what = " and ".join(given) if given else "no length of training"
             raise RecipeError(
@@ -215,9 +223,9 @@ class Recipe:
                 "data.reset_positions=true restarts positions at each document, but no documents "
                 "are marked: set data.document_mask=true (or finetune.pack for finetune.data)"
             )
-        _check_objective(self)
-        _check_finetune(self)
-        _check_plan(self)
+        check_objective(self)
+        check_finetune(self)
+        check_plan(self)
         if inputs:
             self.check_inputs()
         labels = set()
@@ -278,107 +286,6 @@ class Recipe:
 
 
 _ADAPTER = TypeAdapter(Recipe)
-
-
-def _get(recipe: Recipe, path: str) -> Any:
-    section, key = path.split(".")
-    return getattr(getattr(recipe, section), key)
-
-
-def _check_plan(recipe: Recipe) -> None:
-    """plan.topology names a TPU slice, and a [mesh] without -1 covers its chips."""
-    p = recipe.plan
-    if not p.topology:
-        return
-    try:
-        chips = parse_slice(p.topology, p.slices).chips
-        recipe.mesh.resolve(chips)
-    except TopologyError as e:
-        raise RecipeError(f"plan.topology={p.topology!r}: {e}") from None
-    except MeshError as e:
-        raise RecipeError(f"mesh for plan.topology={p.topology!r} ({chips} chips): {e}") from None
-
-
-def implied_objective(recipe: Recipe) -> str:
-    """The objective a recipe without train.objective trains: GRPO with rl.data, the
-    preference loss with preference.data, "sft" with finetune.data, else "lm"."""
-    if recipe.rl.data:
-        return "grpo"
-    if recipe.preference.data:
-        return recipe.preference.loss or "dpo"
-    if recipe.finetune.data:
-        return "sft"
-    return "lm"
-
-
-# What each objective reads: the section and key it needs, and the ones it leaves empty.
-_NEEDS = {
-    "lm": None,
-    "sft": "finetune.data",
-    "dpo": "preference.data",
-    "ipo": "preference.data",
-    "simpo": "preference.data",
-    "grpo": "rl.data",
-    "distill": "distill.teacher",
-}
-
-
-def _check_objective(recipe: Recipe) -> None:
-    """train.objective against the sections: the data it needs is given, no other's is."""
-    objective = recipe.train.objective
-    needs = _NEEDS[objective]
-    if needs is not None and not _get(recipe, needs):
-        raise RecipeError(f"train.objective={objective!r} needs {needs}; set it")
-    for other in ("finetune.data", "preference.data", "rl.data", "distill.teacher"):
-        if other != needs and _get(recipe, other):
-            raise RecipeError(
-                f"{other}={_get(recipe, other)!r} with train.objective={objective!r}: a run "
-                f"trains one objective; leave {other} empty"
-                + ("" if objective != "lm" else " or set train.objective")
-            )
-
-
-def _check_rl(recipe: Recipe) -> None:
-    r = recipe.rl
-    if not r.data:
-        return
-    if not recipe.model.init_from:
-        raise RecipeError(
-            f"rl.data={r.data!r} needs model.init_from: the starting model (and its tokenizer) "
-            "that RL improves"
-        )
-    if recipe.train.batch_size % r.group_size:
-        raise RecipeError(
-            f"rl.group_size={r.group_size} must divide train.batch_size="
-            f"{recipe.train.batch_size} (the completions per step)"
-        )
-    if r.max_new_tokens >= recipe.data.seq_len:
-        raise RecipeError(
-            f"rl.max_new_tokens={r.max_new_tokens} leaves no room for a prompt in "
-            f"data.seq_len={recipe.data.seq_len}; raise data.seq_len"
-        )
-
-
-def _check_finetune(recipe: Recipe) -> None:
-    _check_rl(recipe)
-    f, p = recipe.finetune, recipe.preference
-    if p.data:
-        if f.method == "none":
-            raise RecipeError(
-                f"preference.data={p.data!r} needs finetune.method 'lora' or 'full': the "
-                "reference is the starting model model.init_from"
-            )
-    if f.method != "none" and not recipe.model.init_from:
-        raise RecipeError(
-            f"finetune.method={f.method!r} needs a base: set model.init_from to a Hugging Face "
-            "folder or hub repo id, or an eqllm run folder"
-        )
-    if f.method == "lora" and recipe.optim.name == "muon":
-        raise RecipeError(
-            'optim.name="muon" with finetune.method="lora": one axis of each adapter matrix is '
-            "the rank, not a width, so Muon would take none of them and every adapter would "
-            'train with AdamW; set optim.name="adamw"'
-        )
 
 
 # Plain-value editing (shared with load_recipe) -------------------------------------------------

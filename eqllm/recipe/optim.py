@@ -1,0 +1,95 @@
+"""The recipe's [optim] section: which optimizer, its schedule, clipping and the fields that
+only some optimizers read (a section like those of `eqllm.recipe.sections`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from eqllm.config import show
+from eqllm.recipe.errors import RecipeError
+from eqllm.recipe.sections import Count, Float, Fraction, Positive, section
+
+Schedule = Literal["cosine", "linear", "constant", "wsd"]
+OptimizerName = Literal["adamw", "muon", "lion", "adafactor"]
+# The OptimSpec fields that only some optimizers read (`OptimSpec.__post_init__`).
+_OPTIMIZER_FIELDS = {
+    "b1": ("adamw", "muon", "lion"),
+    "b2": ("adamw", "muon", "lion"),
+    "eps": ("adamw", "muon"),
+    "muon_momentum": ("muon",),
+    "muon_ns_steps": ("muon",),
+    "muon_scale": ("muon",),
+    "adafactor_decay_rate": ("adafactor",),
+    "adafactor_min_dim": ("adafactor",),
+}
+
+
+@typing.no_type_check  # pydantic checks the fields
+@section
+class OptimSpec:
+    """The optimizer, its learning-rate schedule and global-norm clipping.
+
+    name: "adamw" (optax.adamw), "muon" (optax.contrib.muon on the hidden matrices, AdamW on
+        the rest), "lion" (optax.lion) or "adafactor" (optax.adafactor). The schedule, the
+        clipping, the weight-decay mask and muP's per-parameter learning-rate factors apply to
+        each of them alike; weight decay is multiplied by the learning rate for all four.
+    schedule: "cosine" (warmup, then cosine to lr * min_lr_ratio), "linear" (warmup, then linear
+        decay), "constant" (warmup, then flat), "wsd" (warmup, flat, then linear decay over the
+        last `decay_fraction` of the steps).
+    weight_decay applies to Linear weights only (not to norms, biases or embeddings).
+    b1, b2: the moment decay rates of AdamW (Muon's AdamW group too) and of Lion.
+    eps: AdamW's denominator term (not used by Lion or Adafactor).
+    clip_norm: global gradient-norm clip; 0 disables it.
+    muon_momentum, muon_ns_steps: Muon's Nesterov momentum and its Newton-Schulz iterations.
+    muon_scale: the factor on each orthogonalised update of a (fan_out, fan_in) matrix,
+        named like torch.optim.Muon's `adjust_lr_fn`: "match_rms_adamw" (0.2 *
+        sqrt(max(fan_in, fan_out)), Moonshot's rule: updates as large as AdamW's, so one `lr`
+        serves both groups) or "original" (sqrt(max(1, fan_out / fan_in)), Keller Jordan's;
+        wants a larger lr than AdamW).
+        Muon takes the hidden matrices: weights whose last two logical axes both grow with the
+        width (`eqllm.nn.ParamInfo.role` "hidden") and that have no expert axis; any leading
+        axis (the stacked layers of a scanned stack) is a batch axis, each matrix
+        orthogonalised on its own. Embeddings, norms, biases, the LM head, routers, stacked
+        experts and MLA's latent projections (one axis a fixed rank) take AdamW with this
+        section's b1, b2, eps and weight decay. With finetune.method "lora" Muon is refused
+        (the adapters' matrices each have a rank axis: Muon would take none of them).
+    adafactor_decay_rate: Adafactor's second-moment decay exponent (beta2 = 1 - step^-rate).
+    adafactor_min_dim: Adafactor factors a matrix's second moment only when both of its last
+        two dimensions are at least this large. Adafactor scales each update by the
+        parameter's RMS (optax's multiply_by_parameter_scale), so `lr` is a relative step.
+    A field of one optimizer (muon_*, adafactor_*, or b1 / b2 / eps where they are not used)
+    set away from its default under another name is an error.
+    """
+
+    name: OptimizerName = "adamw"
+    lr: Annotated[Float, Field(gt=0)] = 3e-4
+    min_lr_ratio: Annotated[Float, Field(ge=0, le=1)] = 0.1
+    warmup_steps: Count = 100
+    schedule: Schedule = "cosine"
+    decay_fraction: Annotated[Float, Field(gt=0, le=1)] = 0.2
+    weight_decay: Annotated[Float, Field(ge=0)] = 0.1
+    b1: Fraction = 0.9
+    b2: Fraction = 0.95
+    eps: Annotated[Float, Field(gt=0)] = 1e-8
+    clip_norm: Annotated[Float, Field(ge=0)] = 1.0
+    muon_momentum: Fraction = 0.95
+    muon_ns_steps: Positive = 5
+    muon_scale: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    adafactor_decay_rate: Annotated[Float, Field(gt=0, le=1)] = 0.8
+    adafactor_min_dim: Positive = 128
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            users = _OPTIMIZER_FIELDS.get(field.name)
+            value = getattr(self, field.name)
+            if users is None or self.name in users or value == field.default:
+                continue
+            names = " or ".join(f'"{u}"' for u in users)
+            raise RecipeError(
+                f'optim.{field.name}={show(value)} is not used by optim.name="{self.name}" '
+                f"(only by {names}); remove optim.{field.name} or set optim.name to {names}"
+            )
