@@ -11,13 +11,15 @@ from __future__ import annotations
 from typing import Any
 
 from eqllm.config import ConfigError, ModelConfig
+from eqllm.families._moe import (
+    expert_rows,
+)
 from eqllm.families.base import (
     LLAMA_BLOCK,
     LLAMA_KEYS,
     LLAMA_PREFIX,
     PLAIN_EXPERTS,
     Row,
-    expert_rows,
     llama_from_hf,
     llama_to_hf,
     need,

@@ -19,7 +19,13 @@ from eqllm.families._deepseek import (
     mla_from_hf,
     mla_to_hf,
 )
-from eqllm.families.base import Family, has_experts, refuse
+from eqllm.families._moe import (
+    has_experts,
+)
+from eqllm.families.base import (
+    Family,
+    refuse,
+)
 
 _METHODS = ("greedy", "group_limited_greedy")
 

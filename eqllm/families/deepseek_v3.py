@@ -23,7 +23,14 @@ from eqllm.families._deepseek import (
     mla_from_hf,
     mla_to_hf,
 )
-from eqllm.families.base import FUSED_EXPERT_ROWS, Family, has_experts, refuse
+from eqllm.families._moe import (
+    FUSED_EXPERT_ROWS,
+    has_experts,
+)
+from eqllm.families.base import (
+    Family,
+    refuse,
+)
 
 # transformers' in-memory layout: the routed experts fused.
 _ROUTED = (".mlp.experts.", ".mlp.gate.weight")

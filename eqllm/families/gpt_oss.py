@@ -18,19 +18,21 @@ writes the unquantized layout (no quantization_config).
 from typing import Any
 
 from eqllm.config import ConfigError, ModelConfig
+from eqllm.families._moe import (
+    MOE_ATTENTION_TABLE,
+    MOE_KEYS,
+    has_experts,
+    moe_from_hf,
+    moe_to_hf,
+)
 from eqllm.families.base import (
     LLAMA_BLOCK,
     LLAMA_KEYS,
     LLAMA_PREFIX,
-    MOE_ATTENTION_TABLE,
-    MOE_KEYS,
     Family,
     attention_bias_from_hf,
-    has_experts,
     llama_from_hf,
     llama_to_hf,
-    moe_from_hf,
-    moe_to_hf,
     need,
     one_attention_bias,
     refuse,

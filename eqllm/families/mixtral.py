@@ -5,21 +5,23 @@ probabilities renormalised."""
 from typing import Any
 
 from eqllm.config import ModelConfig
-from eqllm.families.base import (
+from eqllm.families._moe import (
     FUSED_EXPERT_ROWS,
+    MOE_ATTENTION_TABLE,
+    MOE_KEYS,
+    expert_rows,
+    has_experts,
+    moe_from_hf,
+    moe_to_hf,
+)
+from eqllm.families.base import (
     LLAMA_BLOCK,
     LLAMA_KEYS,
     LLAMA_PREFIX,
-    MOE_ATTENTION_TABLE,
-    MOE_KEYS,
     PLAIN_EXPERTS,
     Family,
-    expert_rows,
-    has_experts,
     llama_from_hf,
     llama_to_hf,
-    moe_from_hf,
-    moe_to_hf,
     refuse,
 )
 
