@@ -162,24 +162,7 @@ class Engine:
 
     def shapes(self) -> list[str]:
         """Every compiled shape the engine uses, one line each."""
-        on = (
-            ""
-            if self.mesh is None
-            else " on mesh "
-            + ",".join(f"{k}={v}" for k, v in self.mesh.shape.items() if k in ("data", "tensor"))
-        )
-        b = self.block_size
-        return (
-            [
-                f"decode: {s} slots x {p * b} positions x {k} steps{on}"
-                for s, p, k in self.buckets.decode_shapes()
-            ]
-            + [
-                f"prefill: {r} prompts x {w} tokens over {p * b} positions"
-                for w, r, p in self.buckets.prefill_shapes()
-            ]
-            + [f"prompt scoring: {w} tokens" for w in self.buckets.scores]
-        )
+        return self.buckets.lines(self.block_size, self.mesh)
 
     def warm(self) -> None:
         """Compile every shape in `shapes()` (decoding no slot, prefilling padding only).

@@ -104,6 +104,27 @@ class Buckets:
             (b, p, k) for b in self.decode_slots for p in self.view_pages for k in self.decode_steps
         ]
 
+    def lines(self, block_size: int, mesh: Mesh | None = None) -> list[str]:
+        """Every compiled shape, one line each, positions counted in blocks of `block_size`."""
+        on = (
+            ""
+            if mesh is None
+            else " on mesh "
+            + ",".join(f"{k}={v}" for k, v in mesh.shape.items() if k in ("data", "tensor"))
+        )
+        b = block_size
+        return (
+            [
+                f"decode: {s} slots x {p * b} positions x {k} steps{on}"
+                for s, p, k in self.decode_shapes()
+            ]
+            + [
+                f"prefill: {r} prompts x {w} tokens over {p * b} positions"
+                for w, r, p in self.prefill_shapes()
+            ]
+            + [f"prompt scoring: {w} tokens" for w in self.scores]
+        )
+
 
 def free_memory(device=None) -> tuple[int, bool]:
     """(bytes free on `device`, whether it is an accelerator): the allocator's limit less what
