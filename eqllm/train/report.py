@@ -13,7 +13,9 @@ from pathlib import Path
 
 import jax
 
-from eqllm.eval.evaluate import evaluate_run, format_eval
+from eqllm import lora
+from eqllm.eval.evaluate import evaluate_heldout, evaluate_run, format_eval
+from eqllm.hub import save_model
 from eqllm.model import CausalLM
 from eqllm.recipe import Recipe
 from eqllm.runs import RunFolder
@@ -84,8 +86,14 @@ def finish_run(
     progress: bool,
     t_start: float,
     echo: Callable[[str], None],
+    ema: CausalLM | None = None,
 ) -> dict:
-    """Evaluate (with `final_eval`), write summary.json, loss.png and report.md; the summary."""
+    """Evaluate (with `final_eval`), write summary.json, loss.png and report.md; the summary.
+
+    `ema` (optim.ema: the model with its trained weights' moving average) is evaluated beside
+    the raw weights (summary "ema": {"val": ...}) and written to the run folder's ema/ as an
+    eqllm model folder with the tokenizer (`eqllm generate RUN/ema`, `eqllm eval RUN/ema`);
+    the run's own model (`eqllm generate RUN`) stays the raw weights."""
     out, recipe, step = setup.out, setup.recipe, summary["steps"]
     if final_eval:  # the objective's own metrics on held-out data (none for some)
         held_out = setup.objective.evaluate(model)
@@ -113,6 +121,15 @@ def finish_run(
                     "unigram/bpb": result["unigram"]["bpb"],
                 }
             )
+        if ema is not None and "val" in result:
+            averaged = evaluate_heldout(ema, setup.heldout, recipe)["val"]
+            summary["ema"] = {"val": averaged}
+            setup.log.log(
+                {
+                    "step": step,
+                    **{f"ema/val/{k}": v for k, v in averaged.items() if k != "tokens"},
+                }
+            )
         samples = result.get("samples", [])
         if samples and writes_run_files():
             sep = "\n" + "=" * 72 + "\n"
@@ -122,6 +139,10 @@ def finish_run(
     setup.log.close()
     for line in format_summary(summary):
         echo(line)
+    if ema is not None and writes_run_files():
+        folder = RunFolder(out).file(RunFolder.EMA_DIR)
+        save_model(lora.merge(ema), folder, tokenizer=setup.data.tokenizer)
+        echo(f"EMA weights (optim.ema={recipe.optim.ema:g}): {folder}")
     if writes_run_files():  # the other processes of a multi-process run computed the same
         RunFolder(out).summary_file.write_text(json.dumps(summary, indent=2, default=str) + "\n")
         write_loss_plot(out)
@@ -135,6 +156,11 @@ def finish_run(
 def format_summary(s: dict) -> list[str]:
     """The lines `eqllm run` prints at the end: evaluation, throughput, compile and wall time."""
     lines = format_eval(s)
+    if s.get("ema"):
+        v = s["ema"]["val"]
+        lines.append(f"EMA weights: val loss {v['loss']:.4f}, bits/byte {v['bpb']:.4f}")
+    if s.get("spikes_skipped") is not None:
+        lines.append(f"spiking steps skipped: {s['spikes_skipped']}")
     util = f", MFU {s['mfu']:.1%}" if s.get("mfu") is not None else ""
     if s.get("hfu") is not None and s["hfu"] != s["mfu"]:
         util += f" (HFU {s['hfu']:.1%} with remat)"
