@@ -11,7 +11,7 @@ import optax
 import pytest
 from conftest import TINY_CONFIGS
 
-from eqllm import CausalLM
+from eqllm import CausalLM, lora
 from eqllm.loading import load
 from eqllm.recipe import OptimSpec, RecipeError
 from eqllm.runs import RunFolder
@@ -22,7 +22,7 @@ from eqllm.train.objectives.lm import (
     cross_entropy_and_logsumexp,
     next_token_loss,
 )
-from eqllm.train.stability import ema_params
+from eqllm.train.stability import ema_model, ema_params
 from tests.test_train import env, tiny_recipe  # noqa: F401 (the module's corpus fixture)
 
 VOCAB = TINY_CONFIGS["llama"].vocab_size
@@ -161,6 +161,28 @@ def test_ema_is_the_decayed_sum_of_the_parameters():
     for e, g in zip(expected, got, strict=True):
         assert np.allclose(g, e, rtol=1e-6, atol=1e-7)
     assert not all(np.array_equal(g, p) for g, p in zip(got, seen[-1], strict=True))
+
+
+def test_a_lora_run_averages_its_adapters_only():
+    decay = 0.5
+    spec = OptimSpec(lr=1e-2, warmup_steps=0, ema=decay)
+    base = CausalLM(TINY_CONFIGS["llama"], key=jax.random.key(0))
+    model = lora.apply(base, rank=2, alpha=4, targets=["q_proj", "v_proj"], key=jax.random.key(1))
+    optimizer = make_optimizer(spec, 50, model)
+    step = TrainStep(optimizer, schedule(spec, 50))
+    opt_state = init_opt_state(optimizer, model)
+    first = host(eqx.filter(model, lora.trainable(model)))
+    batch = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (4, 17)), jnp.int32)
+    model, opt_state, _ = step(model, opt_state, batch)
+    averaged = ema_model(model, opt_state)
+    trained = eqx.filter(model, lora.trainable(model))
+    for e, p0, p1 in zip(
+        host(eqx.filter(averaged, lora.trainable(averaged))), first, host(trained), strict=True
+    ):
+        assert np.allclose(e, decay * p0 + (1 - decay) * p1, rtol=1e-6, atol=1e-7)
+    frozen = lambda m: host(eqx.filter(m, lora.trainable(m), inverse=True))  # noqa: E731
+    for a, b in zip(frozen(averaged), frozen(model), strict=True):
+        assert np.array_equal(a, b)  # the base weights are the base weights
 
 
 # Recipes -----------------------------------------------------------------------------------------
