@@ -253,7 +253,7 @@ def test_a_run_with_every_tool_resumes_bit_exactly_after_a_skip(env, tmp_path, m
         for k in "ab"
     }
     # The final evaluation (of "b" alone): the raw weights' row, then the EMA's.
-    final = [r for r in rows["b"] if "unigram/bpb" in r or set(r) == {"step", *EMA_VAL}]
+    final = [r for r in rows["b"] if "unigram/bpb" in r or set(r) == {"step", "tokens", *EMA_VAL}]
     assert [r["step"] for r in final] == [8, 8]
     assert resumed.summary["ema"]["val"]["loss"] == final[1]["ema/val/loss"]
     keys = ("loss", "z_loss", "spike", "spikes", "ema/val/loss", "val/loss")
@@ -271,6 +271,8 @@ def test_a_run_with_every_tool_resumes_bit_exactly_after_a_skip(env, tmp_path, m
     spiked = [r["step"] for r in rows["a"] if r.get("spike")]
     assert 5 in spiked
     assert full.summary["spikes_skipped"] == resumed.summary["spikes_skipped"] == len(spiked)
+    report = (tmp_path / "b" / "report.md").read_text()
+    assert "EMA weights' validation loss" in report and "spiking steps skipped" in report
     for k in ("a", "b"):
         assert (tmp_path / k / RunFolder.EMA_DIR / "model.safetensors").is_file()
     ema_a, _ = load(tmp_path / "a" / RunFolder.EMA_DIR)

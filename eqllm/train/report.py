@@ -127,6 +127,7 @@ def finish_run(
             setup.log.log(
                 {
                     "step": step,
+                    "tokens": step * setup.tokens_per_step,
                     **{f"ema/val/{k}": v for k, v in averaged.items() if k != "tokens"},
                 }
             )
@@ -178,7 +179,8 @@ def format_summary(s: dict) -> list[str]:
 
 
 def write_loss_plot(out_dir: Path) -> Path | None:
-    """loss.png: training and validation loss (nats/token) against tokens seen."""
+    """loss.png: training and validation loss (nats/token) against tokens seen (and the EMA
+    weights' validation loss with optim.ema)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -187,12 +189,15 @@ def write_loss_plot(out_dir: Path) -> Path | None:
     rows = read_metrics(out_dir)
     train = [(r["tokens"], r["loss"]) for r in rows if "loss" in r and "tokens" in r]
     val = [(r["tokens"], r["val/loss"]) for r in rows if "val/loss" in r]
+    ema = [(r["tokens"], r["ema/val/loss"]) for r in rows if "ema/val/loss" in r]
     if not train:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     ax.plot(*zip(*train, strict=True), label="train", lw=1.2)
     if val:
         ax.plot(*zip(*val, strict=True), "o-", label="validation", ms=4)
+    if ema:  # optim.ema: the averaged weights on the same held-out tokens
+        ax.plot(*zip(*ema, strict=True), "s--", label="validation (EMA weights)", ms=3)
     ax.set_xlabel("tokens seen")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(Path(out_dir).name)
@@ -289,6 +294,16 @@ def write_report(out_dir: Path, recipe: Recipe, s: dict) -> Path:
         f"| validation perplexity | {_fmt(val.get('perplexity'), '.2f')} |",
         f"| validation bits/byte | {_fmt(val.get('bpb'))} |",
         f"| unigram baseline bits/byte | {_fmt(uni.get('bpb'))} |",
+        *(
+            [f"| EMA weights' validation loss (RUN/ema) | {_fmt(s['ema']['val']['loss'])} |"]
+            if s.get("ema")
+            else []
+        ),
+        *(
+            [f"| spiking steps skipped | {s['spikes_skipped']} |"]
+            if s.get("spikes_skipped") is not None
+            else []
+        ),
         f"| train step throughput | {_fmt(s['step_tokens_per_s'], ',.0f')} tokens/s |",
         f"| loader throughput | {_fmt(s['loader_tokens_per_s'], ',.0f')} tokens/s |",
         f"| MFU | {_fmt(s.get('mfu'), '.2%')} (peak {_fmt(s.get('peak_flops'), '.3g')} FLOP/s: "
