@@ -72,6 +72,16 @@ def check_objective(recipe: Recipe) -> None:
             )
 
 
+def check_stability(recipe: Recipe) -> None:
+    """optim.z_loss only where the loss is the language model's cross entropy."""
+    objective = recipe.train.objective
+    if recipe.optim.z_loss and objective not in ("lm", "sft"):
+        raise RecipeError(
+            f"optim.z_loss={recipe.optim.z_loss:g} with train.objective={objective!r}: z-loss is "
+            "added to the language model's cross entropy (objectives 'lm' and 'sft'); remove it"
+        )
+
+
 def check_rl(recipe: Recipe) -> None:
     r = recipe.rl
     if not r.data:

@@ -63,6 +63,15 @@ class OptimSpec:
         parameter's RMS (optax's multiply_by_parameter_scale), so `lr` is a relative step.
     A field of one optimizer (muon_*, adafactor_*, or b1 / b2 / eps where they are not used)
     set away from its default under another name is an error.
+
+    Stability (all off by default; `eqllm.train.stability`):
+    z_loss: adds z_loss * mean(logsumexp(logits)^2) over the scored tokens to the loss (PaLM's
+        auxiliary z-loss, 1e-4 there); the language-model objectives only (lm, sft).
+    skip_spike_window, skip_spike_sigma: a step whose loss or gradient norm exceeds the mean of
+        the last skip_spike_window steps' by more than skip_spike_sigma standard deviations is
+        not applied (OLMo-core's rule; 128 and 6 there); 0 turns it off.
+    ema: the decay of an exponential moving average of the weights kept beside them (0: off;
+        0.999 is usual), evaluated beside the raw weights and saved with the run.
     """
 
     name: OptimizerName = "adamw"
@@ -81,8 +90,22 @@ class OptimSpec:
     muon_scale: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
     adafactor_decay_rate: Annotated[Float, Field(gt=0, le=1)] = 0.8
     adafactor_min_dim: Positive = 128
+    z_loss: Annotated[Float, Field(ge=0)] = 0.0
+    skip_spike_window: Count = 0
+    skip_spike_sigma: Annotated[Float, Field(gt=0)] = 6.0
+    ema: Fraction = 0.0
 
     def __post_init__(self) -> None:
+        if 0 < self.skip_spike_window < 4:
+            raise RecipeError(
+                f"optim.skip_spike_window={self.skip_spike_window} is too short for a mean and a "
+                "standard deviation; use 0 (off) or at least 4 (128 is usual)"
+            )
+        if not self.skip_spike_window and self.skip_spike_sigma != 6.0:
+            raise RecipeError(
+                f"optim.skip_spike_sigma={show(self.skip_spike_sigma)} has no effect with "
+                "optim.skip_spike_window=0; set optim.skip_spike_window (128 is usual)"
+            )
         for field in dataclasses.fields(self):
             users = _OPTIMIZER_FIELDS.get(field.name)
             value = getattr(self, field.name)

@@ -23,6 +23,7 @@ from eqllm.recipe.checks import (
     check_finetune,
     check_objective,
     check_plan,
+    check_stability,
     implied_objective,
     value_at,
 )
@@ -226,6 +227,7 @@ class Recipe:
         check_objective(self)
         check_finetune(self)
         check_plan(self)
+        check_stability(self)
         if inputs:
             self.check_inputs()
         labels = set()

@@ -116,6 +116,7 @@ class RunFolder:
     LOSS_PLOT = "loss.png"
     EXPERT_LOAD_PLOT = "expert_load.png"
     OBJECTIVE_PLOT = "objective.png"
+    EMA_DIR = "ema"  # optim.ema: the averaged weights as an eqllm model folder, with tokenizer
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path).expanduser()

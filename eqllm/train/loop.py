@@ -26,7 +26,6 @@ import equinox as eqx
 import jax
 
 from eqllm import lora
-from eqllm.errors import EqllmError
 from eqllm.eval.evaluate import evaluate_heldout
 from eqllm.model import param_count
 from eqllm.progress import progress_bar
@@ -45,6 +44,8 @@ from eqllm.train.setup import (
     prepare_data,
     start_run,
 )
+from eqllm.train.skips import NonFiniteLoss, RunState, skip_or_stop, spike
+from eqllm.train.stability import ema_model
 
 __all__ = [
     "NonFiniteLoss",
@@ -57,14 +58,6 @@ __all__ = [
 ]
 
 
-class NonFiniteLoss(EqllmError):
-    """The loss or gradient norm became inf/NaN; the step was not applied and the run stopped.
-
-    Bad input in the sense that the fix is in the recipe or the data (learning rate, warm-up,
-    `train.skip_nonfinite`); the message says which step and which checkpoint is intact.
-    """
-
-
 @dataclasses.dataclass
 class RunResult:
     """What `run` did: the folder, the last step, the summary, and why it stopped early."""
@@ -74,16 +67,6 @@ class RunResult:
     total_steps: int
     summary: dict
     interrupted: str | None = None  # "SIGINT" / "SIGTERM" / "stop_after" / "watch"
-
-
-@dataclasses.dataclass
-class RunState:
-    """The loop's counters: where it is, what it skipped, why it stopped early."""
-
-    step: int
-    skipped: int = 0  # non-finite steps skipped so far (train.skip_nonfinite)
-    interrupted: str | None = None
-    interrupted_by: int | None = None  # the process that received the signal
 
 
 class _Signals:
@@ -145,7 +128,9 @@ def run(
     _announce(setup, echo, resume=resume)
     state = RunState(step=setup.start, skipped=setup.skipped)
     meter = Throughput(setup.tokens_per_step)
-    model = _train(setup, state, meter, stop_after=stop_after, progress=progress, watch=watch)
+    model, opt_state = _train(
+        setup, state, meter, stop_after=stop_after, progress=progress, watch=watch
+    )
 
     if state.interrupted:
         setup.log.close()
@@ -161,10 +146,13 @@ def run(
     summary = summarize(
         setup, meter, step=state.step, traces=setup.train_step.n_traces, cache=cache
     )
+    if state.spikes is not None:
+        summary["spikes_skipped"] = state.spikes
     summary = finish_run(
         setup,
         model,
         summary,
+        ema=ema_model(model, opt_state),
         final_eval=final_eval,
         progress=progress,
         t_start=t_start,
@@ -183,7 +171,8 @@ def _train(
     watch: Callable[[int, float], bool] | None = None,
 ):
     """Steps from `state.step` to the end (or a signal, or `stop_after`), then a checkpoint of
-    the last step; returns the trained model. Updates `state` and `meter` as it goes."""
+    the last step; returns the trained model and its optimizer state. Updates `state` and
+    `meter` as it goes."""
     recipe = setup.recipe
     model, opt_state = setup.take_state()
     total, saver = setup.total, setup.checkpoints
@@ -215,7 +204,9 @@ def _train(
                 if compile_row is not None:
                     setup.log.log({"step": state.step, **compile_row})
                 if not finite:
-                    _skip_or_stop(setup, state, loss, bar)
+                    skip_or_stop(setup, state, loss, bar)
+                elif "spike" in metrics:
+                    spike(setup, state, loss, metrics, bar)
                 if watch is not None and watch(state.step, loss) and state.step < total:
                     state.interrupted = "watch"
                     break
@@ -224,7 +215,7 @@ def _train(
                     _log_train(setup, state, meter, metrics, bar)
                 if _due(recipe.train.eval_every, state.step, total):
                     with meter.paused():  # evaluation is not train time
-                        _evaluate(setup, state, model, bar)
+                        _evaluate(setup, state, model, bar, opt_state)
                 if _due(recipe.train.checkpoint_every, state.step, total):
                     meta = setup.checkpoint_meta(state.step, state.skipped)
                     saver.save(state.step, model, opt_state, meta)
@@ -242,7 +233,7 @@ def _train(
         bar.close()
         saver.close(failing=sys.exc_info()[1] is not None)
 
-    return model
+    return model, opt_state
 
 
 def _due(every: int, step: int, total: int) -> bool:
@@ -284,38 +275,6 @@ def _announce(setup: RunSetup, echo, *, resume: bool) -> None:
         echo(setup.train_step.pipeline.describe(cfg))
 
 
-def _skip_or_stop(setup: RunSetup, state: RunState, loss: float, bar) -> None:
-    """A non-finite step (not applied): skip it while train.skip_nonfinite allows, else raise
-    `NonFiniteLoss` naming the last good checkpoint."""
-    allowed = setup.recipe.train.skip_nonfinite
-    if state.skipped < allowed:
-        state.skipped += 1
-        setup.log.log({"step": state.step, "loss": loss, "finite": False, "skipped": state.skipped})
-        bar.write(
-            f"step {state.step}: non-finite loss ({loss}) or gradient norm; the update was not "
-            f"applied and the batch skipped ({state.skipped} of train.skip_nonfinite={allowed})",
-            file=sys.stderr,
-        )
-        return
-    last_saved = setup.checkpoints.last_saved
-    where = (
-        f"the last good checkpoint is step {last_saved} in {setup.checkpoints.directory}"
-        if last_saved is not None
-        else "no checkpoint was saved before it"
-    )
-    setup.log.log({"step": state.step, "loss": loss, "finite": False})
-    skip = (
-        f"after skipping {state.skipped} (train.skip_nonfinite={allowed})"
-        if state.skipped
-        else "set train.skip_nonfinite=K to skip up to K such steps"
-    )
-    raise NonFiniteLoss(
-        f"non-finite loss ({loss}) or gradient norm at step {state.step}; the update was not "
-        f"applied and the run stopped ({skip}). {where}. Lower optim.lr, raise "
-        "optim.warmup_steps or check the data."
-    )
-
-
 def _log_train(setup: RunSetup, state: RunState, meter: Throughput, metrics, bar) -> None:
     """One metrics row for the step just taken, and the progress bar's loss / tok/s / MFU."""
     tokens_per_s = meter.rate()
@@ -338,6 +297,7 @@ def _log_train(setup: RunSetup, state: RunState, meter: Throughput, metrics, bar
             **{k: [float(x) for x in m[k]] for k in ("grad_norm/layer",) if k in m},
             # A mixture of experts' load-balancing loss and per-layer expert load.
             **{k: m[k].tolist() for k in BALANCE_METRICS if k in m},
+            **{k: m[k].tolist() for k in ("z_loss", "spikes") if k in m},  # optim.z_loss, skips
             # The objective's own metrics (eqllm.train.objectives).
             **{k: float(m[k]) for k in objective.metrics if k in m},
         }
@@ -360,9 +320,10 @@ def _held_out(setup: RunSetup, state: RunState, model, bar) -> None:
         bar.write(f"step {state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in held_out.items()))
 
 
-def _evaluate(setup: RunSetup, state: RunState, model, bar) -> None:
+def _evaluate(setup: RunSetup, state: RunState, model, bar, opt_state) -> None:
     """Validation loss and bits per byte during training (one metrics row), on the run's
-    held-out tokens (each mixture source's too), and the objective's own held-out metrics."""
+    held-out tokens (each mixture source's too), and the objective's own held-out metrics; with
+    optim.ema those of the averaged weights too ("ema/val/...")."""
     _held_out(setup, state, model, bar)
     result = evaluate_heldout(model, setup.heldout, setup.recipe)
     if "val" not in result:
@@ -371,6 +332,10 @@ def _evaluate(setup: RunSetup, state: RunState, model, bar) -> None:
     per_source = {}
     for label, r in result.get("sources", {}).items():  # each source's own validation loss
         per_source |= {f"val/{label}/{k}": v for k, v in r.items() if k != "tokens"}
+    ema = ema_model(model, opt_state)
+    if ema is not None:
+        averaged = evaluate_heldout(ema, setup.heldout, setup.recipe)["val"]
+        per_source |= {f"ema/val/{k}": v for k, v in averaged.items() if k != "tokens"}
     setup.log.log(
         {
             "step": state.step,

@@ -1,5 +1,6 @@
 """AdamW, Muon, Lion or Adafactor with a warmup + decay schedule, global-norm clipping and
-weight decay on matrices only; parameter groups and muP factors from the layers' metadata."""
+weight decay on matrices only; parameter groups and muP factors from the layers' metadata; the
+optional stability wrappers (weight EMA, spike skipping) around them."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from eqllm.nn import param_info
 from eqllm.nn.linear import ParamInfo, is_param_info
 from eqllm.parametrization import Multipliers, Scales, role_multipliers, roles
 from eqllm.recipe import OptimSpec
+from eqllm.train.stability import skip_spikes, weight_ema
 
 
 def schedule(spec: OptimSpec, total_steps: int) -> optax.Schedule:
@@ -152,6 +154,9 @@ def make_optimizer(
     Under muP / CompleteP (`eqllm.parametrization`: a `CausalLM`'s config, or `scales` for any
     tree) each role gets its own optimizer, with the learning rate, eps and weight decay
     multiplied by the role's factors; `spec.lr` is then the base model's learning rate.
+
+    With `spec.ema` the chain keeps an EMA of the weights, with `spec.skip_spike_window` it skips
+    spiking steps (its update then takes the step's `loss=`); `eqllm.train.stability`.
     """
     groups = parameter_groups(model, scales)
     lr = schedule(spec, total_steps)
@@ -183,5 +188,10 @@ def make_optimizer(
             lambda params: labels,  # a function: a model (the labels' tree) is itself callable
         )
     if spec.clip_norm > 0:
-        return optax.chain(optax.clip_by_global_norm(spec.clip_norm), update)
+        update = optax.chain(optax.clip_by_global_norm(spec.clip_norm), update)
+    # Stability (eqllm.train.stability), off by default: the optimizer above, unchanged.
+    if spec.ema:
+        update = weight_ema(update, spec.ema)
+    if spec.skip_spike_window:
+        update = skip_spikes(update, spec.skip_spike_window, spec.skip_spike_sigma)
     return update

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import jax
 
-from eqllm.eval.evaluate import evaluate_run, format_eval
+from eqllm import lora
+from eqllm.eval.evaluate import evaluate_heldout, evaluate_run, format_eval
+from eqllm.hub import save_model
 from eqllm.model import CausalLM
 from eqllm.recipe import Recipe
 from eqllm.runs import RunFolder
@@ -84,8 +86,14 @@ def finish_run(
     progress: bool,
     t_start: float,
     echo: Callable[[str], None],
+    ema: CausalLM | None = None,
 ) -> dict:
-    """Evaluate (with `final_eval`), write summary.json, loss.png and report.md; the summary."""
+    """Evaluate (with `final_eval`), write summary.json, loss.png and report.md; the summary.
+
+    `ema` (optim.ema: the model with its trained weights' moving average) is evaluated beside
+    the raw weights (summary "ema": {"val": ...}) and written to the run folder's ema/ as an
+    eqllm model folder with the tokenizer (`eqllm generate RUN/ema`, `eqllm eval RUN/ema`);
+    the run's own model (`eqllm generate RUN`) stays the raw weights."""
     out, recipe, step = setup.out, setup.recipe, summary["steps"]
     if final_eval:  # the objective's own metrics on held-out data (none for some)
         held_out = setup.objective.evaluate(model)
@@ -113,6 +121,16 @@ def finish_run(
                     "unigram/bpb": result["unigram"]["bpb"],
                 }
             )
+        if ema is not None and "val" in result:
+            averaged = evaluate_heldout(ema, setup.heldout, recipe)["val"]
+            summary["ema"] = {"val": averaged}
+            setup.log.log(
+                {
+                    "step": step,
+                    "tokens": step * setup.tokens_per_step,
+                    **{f"ema/val/{k}": v for k, v in averaged.items() if k != "tokens"},
+                }
+            )
         samples = result.get("samples", [])
         if samples and writes_run_files():
             sep = "\n" + "=" * 72 + "\n"
@@ -122,6 +140,10 @@ def finish_run(
     setup.log.close()
     for line in format_summary(summary):
         echo(line)
+    if ema is not None and writes_run_files():
+        folder = RunFolder(out).file(RunFolder.EMA_DIR)
+        save_model(lora.merge(ema), folder, tokenizer=setup.data.tokenizer)
+        echo(f"EMA weights (optim.ema={recipe.optim.ema:g}): {folder}")
     if writes_run_files():  # the other processes of a multi-process run computed the same
         RunFolder(out).summary_file.write_text(json.dumps(summary, indent=2, default=str) + "\n")
         write_loss_plot(out)
@@ -135,6 +157,11 @@ def finish_run(
 def format_summary(s: dict) -> list[str]:
     """The lines `eqllm run` prints at the end: evaluation, throughput, compile and wall time."""
     lines = format_eval(s)
+    if s.get("ema"):
+        v = s["ema"]["val"]
+        lines.append(f"EMA weights: val loss {v['loss']:.4f}, bits/byte {v['bpb']:.4f}")
+    if s.get("spikes_skipped") is not None:
+        lines.append(f"spiking steps skipped: {s['spikes_skipped']}")
     util = f", MFU {s['mfu']:.1%}" if s.get("mfu") is not None else ""
     if s.get("hfu") is not None and s["hfu"] != s["mfu"]:
         util += f" (HFU {s['hfu']:.1%} with remat)"
@@ -152,7 +179,8 @@ def format_summary(s: dict) -> list[str]:
 
 
 def write_loss_plot(out_dir: Path) -> Path | None:
-    """loss.png: training and validation loss (nats/token) against tokens seen."""
+    """loss.png: training and validation loss (nats/token) against tokens seen (and the EMA
+    weights' validation loss with optim.ema)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -161,12 +189,15 @@ def write_loss_plot(out_dir: Path) -> Path | None:
     rows = read_metrics(out_dir)
     train = [(r["tokens"], r["loss"]) for r in rows if "loss" in r and "tokens" in r]
     val = [(r["tokens"], r["val/loss"]) for r in rows if "val/loss" in r]
+    ema = [(r["tokens"], r["ema/val/loss"]) for r in rows if "ema/val/loss" in r]
     if not train:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     ax.plot(*zip(*train, strict=True), label="train", lw=1.2)
     if val:
         ax.plot(*zip(*val, strict=True), "o-", label="validation", ms=4)
+    if ema:  # optim.ema: the averaged weights on the same held-out tokens
+        ax.plot(*zip(*ema, strict=True), "s--", label="validation (EMA weights)", ms=3)
     ax.set_xlabel("tokens seen")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(Path(out_dir).name)
@@ -263,6 +294,16 @@ def write_report(out_dir: Path, recipe: Recipe, s: dict) -> Path:
         f"| validation perplexity | {_fmt(val.get('perplexity'), '.2f')} |",
         f"| validation bits/byte | {_fmt(val.get('bpb'))} |",
         f"| unigram baseline bits/byte | {_fmt(uni.get('bpb'))} |",
+        *(
+            [f"| EMA weights' validation loss (RUN/ema) | {_fmt(s['ema']['val']['loss'])} |"]
+            if s.get("ema")
+            else []
+        ),
+        *(
+            [f"| spiking steps skipped | {s['spikes_skipped']} |"]
+            if s.get("spikes_skipped") is not None
+            else []
+        ),
         f"| train step throughput | {_fmt(s['step_tokens_per_s'], ',.0f')} tokens/s |",
         f"| loader throughput | {_fmt(s['loader_tokens_per_s'], ',.0f')} tokens/s |",
         f"| MFU | {_fmt(s.get('mfu'), '.2%')} (peak {_fmt(s.get('peak_flops'), '.3g')} FLOP/s: "

@@ -8,9 +8,10 @@ It takes one batch (a dict of arrays with a leading batch axis) and one loss, th
 runs pipelined alike. The batch of `grad_accum * micro_batch` rows is split into micro-batches
 whose gradients are summed with `lax.scan` inside the same compiled call. A step whose loss or
 gradient norm is not finite is not applied: the returned model and state are the inputs, and
-`metrics["finite"]` is False. A mixture of experts' correction bias (DeepSeek's
-auxiliary-loss-free balancing) moves after the update (`eqllm.train.balance`); a model without
-one is left as the optimizer made it.
+`metrics["finite"]` is False. With optim.skip_spike_window a step whose loss or gradient norm
+spikes is not applied either (`eqllm.train.stability`; `metrics["spike"]`). A mixture of
+experts' correction bias (DeepSeek's auxiliary-loss-free balancing) moves after the update
+(`eqllm.train.balance`); a model without one is left as the optimizer made it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from eqllm.stack import each_layer
 from eqllm.train.balance import bias_update
 from eqllm.train.objectives.lm import LanguageModel, next_token_loss
 from eqllm.train.pipeline import Pipeline
+from eqllm.train.stability import spike_state
 
 
 def _layer_grad_norms(grads) -> dict[str, Float[Array, " layers"]]:
@@ -87,7 +89,8 @@ class TrainStep:
 
     Metrics (device scalars unless noted): loss (the objective's loss, or the cross entropy it
     reports as "ce"), grad_norm (before clipping), lr, update_norm, param_norm, finite (bool),
-    grad_norm/layer (vector over layers, for models with stacked blocks); the objective's own
+    grad_norm/layer (vector over layers, for models with stacked blocks); with spike skipping
+    spike (bool: this step was skipped) and spikes (steps skipped so far); the objective's own
     metrics; for a mixture of experts also aux_loss (the load-balancing loss, before its
     coefficient) and expert_load (layers x experts: the fraction of token assignments each
     expert got).
@@ -252,14 +255,17 @@ class TrainStep:
             parts = jax.tree.map(lambda x: x.mean(0), parts)  # the micro-batches' mean
 
         grad_norm = optax.tree.norm(grads)
-        updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
+        spikes = spike_state(opt_state) is not None  # optim.skip_spike_window: it reads the loss
+        extra = {"loss": loss} if spikes else {}
+        updates, new_opt_state = self.optimizer.update(grads, opt_state, params, **extra)
         new_params = eqx.apply_updates(params, updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        # A non-finite step is dropped: keep the old parameters and optimizer state.
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        new_params = jax.tree.map(keep, new_params, params)
-        new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
-        new_params = bias_update(new_params, parts.get("expert_load"), finite, model)
+        # A non-finite step is dropped: keep the old parameters and optimizer state. A spiking
+        # one keeps the parameters; its optimizer state holds the inner state as it was.
+        applied = finite & ~new_opt_state.skipped if spikes else finite
+        new_params = jax.tree.map(lambda n, o: jnp.where(applied, n, o), new_params, params)
+        new_opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_opt_state, opt_state)
+        new_params = bias_update(new_params, parts.get("expert_load"), applied, model)
         if shardings is not None:  # keep everything where it was placed
             new_params = jax.lax.with_sharding_constraint(new_params, shardings)
             new_opt_state = jax.lax.with_sharding_constraint(
@@ -272,6 +278,7 @@ class TrainStep:
             "update_norm": optax.tree.norm(updates),
             "param_norm": optax.tree.norm(new_params),
             "finite": finite,
+            **({"spike": applied != finite, "spikes": new_opt_state.spikes} if spikes else {}),
             **_layer_grad_norms(grads),
             **parts,  # the objective's metrics; a mixture of experts' aux_loss and expert_load
         }

@@ -10,6 +10,7 @@ from eqllm.recipe import OptimSpec
 from eqllm.runs import Checkpointer
 from eqllm.sharding import MeshConfig, batch_sharding, make_mesh, param_shardings, shard_model
 from eqllm.train import TrainStep, init_opt_state, make_optimizer, schedule
+from eqllm.train.stability import ema_params
 from tests.multidevice import CFG, MESHES
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
@@ -25,15 +26,15 @@ def batches():
     return [jax.random.randint(jax.random.key(10 + i), (8, 33), 0, 96) for i in range(STEPS)]
 
 
-def train(mesh=None):
+def train(mesh=None, spec=SPEC):
     model = eqllm.CausalLM(CFG, key=jax.random.key(0))
     shardings = None
     if mesh is not None:
         shardings = param_shardings(model, mesh)
         model = shard_model(model, mesh)
-    optimizer = make_optimizer(SPEC, 10, eqx.filter(model, eqx.is_inexact_array))
+    optimizer = make_optimizer(spec, 10, eqx.filter(model, eqx.is_inexact_array))
     opt_state = init_opt_state(optimizer, model, shardings)
-    step = TrainStep(optimizer, schedule(SPEC, 10), param_shardings=shardings)
+    step = TrainStep(optimizer, schedule(spec, 10), param_shardings=shardings)
     losses = []
     for batch in batches():
         if mesh is not None:
@@ -121,3 +122,21 @@ def test_each_optimizer_trains_on_a_mesh_as_on_one_device(name, monkeypatch):
     _, _, losses, step = train(make_mesh(MeshConfig.parse("data=2,fsdp=4")))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert step.n_traces == 1
+
+
+def test_ema_and_spike_window_train_on_a_mesh_as_on_one_device():
+    """optim.ema and optim.skip_spike_window on a mesh: the same losses and EMA as on one
+    device, the EMA placed like the parameters, the window replicated."""
+    spec = OptimSpec(lr=1e-2, warmup_steps=0, eps=1e-3, ema=0.5, skip_spike_window=4)
+    _, ref_state, ref_losses, _ = train(None, spec)
+    mesh = make_mesh(MeshConfig.parse("data=2,fsdp=2,tensor=2"))
+    model, opt_state, losses, step = train(mesh, spec)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    ema, ref_ema = ema_params(opt_state), ema_params(ref_state)
+    expected = param_shardings(model, mesh)
+    for a, b, sharding in zip(
+        jax.tree.leaves(ema), jax.tree.leaves(ref_ema), jax.tree.leaves(expected), strict=True
+    ):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+        assert a.sharding.is_equivalent_to(sharding, a.ndim)
+    assert int(opt_state.filled) == STEPS and step.n_traces == 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jaxtyping import Array, Bool, Float, Int
@@ -30,18 +31,22 @@ class LanguageModel(Objective):
     window] (packed documents: attention kept inside each)}.
 
     document_token: segments open at this end-of-text id when the batch brings none (None:
-        off). reset_positions: positions restart at 0 in each segment.
+        off). reset_positions: positions restart at 0 in each segment. z_loss: the z-loss
+        coefficient (optim.z_loss; `next_token_loss`).
     """
 
     name = "lm"
 
     document_token: int | None = eqx.field(default=None, static=True)
     reset_positions: bool = eqx.field(default=False, static=True)
+    z_loss: float = eqx.field(default=0.0, static=True)
 
     def loss(self, model, batch: dict[str, Array]) -> tuple[Float[Array, ""], dict[str, Array]]:
         """`next_token_loss` of the batch."""
         _, positions, segment_ids = self.inputs(batch)
-        return next_token_loss(model, batch["tokens"], batch.get("mask"), positions, segment_ids)
+        return next_token_loss(
+            model, batch["tokens"], batch.get("mask"), positions, segment_ids, self.z_loss
+        )
 
     def inputs(self, batch: dict[str, Array]) -> tuple[Array, Array | None, Array | None]:
         """(input tokens, positions, segment ids) of the forward: segments from the batch or
@@ -84,6 +89,7 @@ class LanguageModel(Objective):
         return cls(
             document_token=eot,
             reset_positions=recipe.data.reset_positions,
+            z_loss=recipe.optim.z_loss,
             run=Run(recipe, data, folder, write=write),
         )
 
@@ -97,15 +103,37 @@ def next_token_loss(
     mask: Bool[Array, "batch window-1"] | None = None,
     positions: Int[Array, "batch window-1"] | None = None,
     segment_ids: Int[Array, "batch window-1"] | None = None,
+    z_loss: float = 0.0,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """The mean next-token cross entropy over the (masked-in) targets `tokens[:, 1:]`, plus a
     mixture of experts' balance term; its parts: "ce" (the cross entropy, which the step reports
     as its loss) and, with experts, "aux_loss" and "expert_load". `positions` and
-    `segment_ids` (of the inputs `tokens[:, :-1]`) go to the model as they are."""
+    `segment_ids` (of the inputs `tokens[:, :-1]`) go to the model as they are.
+
+    `z_loss` > 0 adds z_loss * mean(logsumexp(logits)^2) over the same targets (PaLM's z-loss,
+    which keeps the softmax normaliser near 1), the mean reported as the part "z_loss" (before
+    its coefficient, as a mixture's "aux_loss" is); the logsumexp is the cross entropy's own."""
     logits, balance = forward(model, tokens[:, :-1], positions, segment_ids)  # fp32
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    if not z_loss:
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+        ce = masked_mean(nll, mask)
+        return with_balance(model, ce, {"ce": ce}, balance)
+    nll, lse = cross_entropy_and_logsumexp(logits, tokens[:, 1:])
     ce = masked_mean(nll, mask)
-    return with_balance(model, ce, {"ce": ce}, balance)
+    z = masked_mean(jnp.square(lse), mask)
+    return with_balance(model, ce + z_loss * z, {"ce": ce, "z_loss": z}, balance)
+
+
+def cross_entropy_and_logsumexp(
+    logits: Float[Array, "*targets vocab"], labels: Int[Array, "*targets"]
+) -> tuple[Float[Array, "*targets"], Float[Array, "*targets"]]:
+    """(-log softmax(logits)[label], logsumexp(logits)) per target, from one logsumexp (as
+    optax's softmax_cross_entropy_with_integer_labels computes it: the max shifted out)."""
+    shift = jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))
+    shifted = logits - shift
+    label_logits = jnp.take_along_axis(shifted, labels[..., None], axis=-1)[..., 0]
+    log_normalizer = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
+    return log_normalizer - label_logits, log_normalizer + shift[..., 0]
 
 
 def check_windows(data: TokenData | MixtureData, recipe: Recipe) -> None:

@@ -46,6 +46,7 @@ class Instructions(LanguageModel):
         # Packed rows bring their segments and restart positions (as padded rows start at 0).
         return cls(
             reset_positions=data.segment_ids is not None,
+            z_loss=recipe.optim.z_loss,
             run=Run(recipe, data, folder, write=write),
         )
 
