@@ -191,6 +191,7 @@ def make_block(config: ModelConfig, key: PRNGKeyArray, *, dense: bool = False) -
             normalize=moe.norm_topk_prob,
             shared_d_ff=moe.shared_d_ff,
             impl=moe.impl,
+            capacity_factor=moe.capacity_factor,
             bias=moe.bias,
             activation=moe.activation,
             swiglu_alpha=moe.swiglu_alpha,

@@ -16,7 +16,7 @@ from eqllm.config.validation import (
     validated,
 )
 
-MoEImpl = Literal["dense", "ragged"]
+MoEImpl = Literal["dense", "ragged", "dispatch"]
 ExpertActivation = Literal["swiglu", "clamped_swiglu"]
 Scoring = Literal["softmax", "sigmoid"]
 GroupScore = Literal["max", "top2_sum"]
@@ -34,11 +34,14 @@ class MoEConfig:
     of them per token, their top-k router probabilities renormalised when `norm_topk_prob`;
     `shared_d_ff` adds Qwen-MoE's gated shared expert; `aux_loss_coef` weighs the load-balancing
     loss in training; `impl` picks how the experts are computed ("dense": every expert on every
-    token, fastest on CPU; "ragged": grouped matmul), same values. `bias`: biases on the router
-    and every expert's projections (gpt-oss). `activation`: "swiglu" (silu(gate) * up) or
-    "clamped_swiglu" (gpt-oss: g = min(gate, swiglu_limit), (clip(up, +-swiglu_limit) + 1) *
-    g * sigmoid(swiglu_alpha * g)); `swiglu_alpha` and `swiglu_limit` are set exactly when the
-    activation is clamped.
+    token, fastest on CPU; "ragged": grouped matmul; "dispatch": expert parallelism by token
+    dispatch, each token copy sent to the device holding its expert and back, eqllm.nn.dispatch),
+    same values; `capacity_factor` ("dispatch" only; None: dropless) bounds the copies one
+    device receives from another at that multiple of a fair share and drops the rest. `bias`:
+    biases on the router and every expert's projections (gpt-oss). `activation`: "swiglu"
+    (silu(gate) * up) or "clamped_swiglu" (gpt-oss: g = min(gate, swiglu_limit),
+    (clip(up, +-swiglu_limit) + 1) * g * sigmoid(swiglu_alpha * g)); `swiglu_alpha` and
+    `swiglu_limit` are set exactly when the activation is clamped.
 
     DeepSeek's settings: `shared_gated` False adds the shared expert without Qwen's gate
     (shared_d_ff = n_shared_experts * moe_intermediate_size); `scoring` "softmax" (V2) or
@@ -62,6 +65,7 @@ class MoEConfig:
     shared_d_ff: Positive | None = None
     aux_loss_coef: Annotated[float, Field(ge=0)] = 0.0
     impl: MoEImpl = "dense"
+    capacity_factor: PositiveFloat | None = None
     bias: bool = False
     activation: ExpertActivation = "swiglu"
     swiglu_alpha: PositiveFloat | None = None
@@ -108,6 +112,12 @@ class MoEConfig:
             f"{self.PATH}.experts_per_token",
             self.experts_per_token,
             f"must be <= n_experts={self.n_experts}",
+        )
+        require(
+            self.capacity_factor is None or self.impl == "dispatch",
+            f"{self.PATH}.capacity_factor",
+            self.capacity_factor,
+            "is only read by impl='dispatch'; set moe.impl='dispatch' or leave it unset",
         )
         clamped = self.activation == "clamped_swiglu"
         for name in ("swiglu_alpha", "swiglu_limit"):

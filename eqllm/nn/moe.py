@@ -10,19 +10,20 @@ the same values: "dense" runs every expert on every token and combines with a [t
 matrix that is zero off the top k (k/E of the work is useful, but it is plain batched matmuls);
 "ragged" sorts the token copies by expert and runs `jax.lax.ragged_dot` (grouped matmul: the
 useful work only, on backends with a grouped kernel; XLA on CPU lowers it to a masked dense
-product that costs every expert on every row).
+product that costs every expert on every row); "dispatch" sends each token copy to the device
+that holds its expert and back (all-to-all) and runs the local experts as one grouped matmul
+(`eqllm.nn.dispatch`: expert parallelism by token dispatch; on one device, "ragged" by
+another road), optionally with a capacity factor that drops copies past it.
 
-Expert parallelism: while tracing inside `place_experts(fn)`, the dense product passes its
-intermediates through `fn(array, logical_axes)`, so a caller that knows the mesh (the FSDP
-layer hook, `eqllm.sharding.FsdpGather`) can place them: the [experts, tokens, ...] arrays
-split over experts, so that each device runs only its own experts, on every token.
+Expert parallelism of the dense product: while tracing inside `place_experts(fn)`, the dense
+product passes its intermediates through `fn(array, logical_axes)`, so a caller that knows the
+mesh (the FSDP layer hook, `eqllm.sharding.FsdpGather`) can place them: the
+[experts, tokens, ...] arrays split over experts, so that each device runs only its own
+experts, on every token.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator
 from typing import Literal
 
 import equinox as eqx
@@ -30,10 +31,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from eqllm.nn.dispatch import dispatched, placement
 from eqllm.nn.linear import ExpertLinear, Linear
 from eqllm.nn.mlp import GatedMLP, gated
 
-MoEImpl = Literal["dense", "ragged"]
+MoEImpl = Literal["dense", "ragged", "dispatch"]
 ExpertActivation = Literal["swiglu", "clamped_swiglu"]
 Scoring = Literal["softmax", "sigmoid"]
 GroupScore = Literal["max", "top2_sum"]
@@ -48,32 +50,6 @@ def clamped_swiglu(
     gate = jnp.minimum(gate, limit)
     up = jnp.clip(up, -limit, limit)
     return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
-
-
-# (array, logical axes of its dimensions) -> the same values, placed (see `place_experts`).
-ExpertPlacement = Callable[[Array, tuple[str, ...]], Array]
-_PLACEMENT: contextvars.ContextVar[ExpertPlacement | None] = contextvars.ContextVar(
-    "eqllm_expert_placement", default=None
-)
-
-
-@contextlib.contextmanager
-def place_experts(fn: ExpertPlacement) -> Iterator[None]:
-    """While tracing inside this context, the dense expert product calls `fn(array, axes)` on
-    the tokens it gives every expert ("expert", "tokens", "d_model"), the experts' hidden
-    units ("expert", "tokens", "d_ff") and outputs ("expert", "tokens", "d_model"), the combine
-    weights ("tokens", "expert") and the combined output ("tokens", "d_model"), and uses what
-    `fn` returns (the same values: a sharding constraint, say, which also places their
-    gradients)."""
-    token = _PLACEMENT.set(fn)
-    try:
-        yield
-    finally:
-        _PLACEMENT.reset(token)
-
-
-def _unplaced(x, axes):
-    return x
 
 
 class MoE(eqx.Module):
@@ -97,7 +73,10 @@ class MoE(eqx.Module):
         normalize: renormalise the top-k probabilities to sum to 1 (Mixtral; Qwen-MoE and
             OLMoE by `norm_topk_prob`).
         shared_d_ff: hidden size of the always-on shared expert (None: none).
-        impl: "dense" or "ragged" (see the module docstring); the values are the same.
+        impl: "dense", "ragged" or "dispatch" (see the module docstring); the values are the
+            same (dropless).
+        capacity_factor: "dispatch" only: each device receives at most this multiple of a
+            fair share of another's token copies (None: dropless).
         bias: biases on the router and on every expert's projections (gpt-oss).
         activation: "swiglu" (silu(gate) * up) or "clamped_swiglu" (`clamped_swiglu`, which
             reads `swiglu_alpha` and `swiglu_limit`).
@@ -121,6 +100,7 @@ class MoE(eqx.Module):
     top_k: int = eqx.field(static=True)
     normalize: bool = eqx.field(static=True)
     impl: MoEImpl = eqx.field(static=True)
+    capacity_factor: float | None = eqx.field(static=True)
     activation: ExpertActivation = eqx.field(static=True)
     swiglu_alpha: float | None = eqx.field(static=True)
     swiglu_limit: float | None = eqx.field(static=True)
@@ -140,6 +120,7 @@ class MoE(eqx.Module):
         normalize: bool = True,
         shared_d_ff: int | None = None,
         impl: MoEImpl = "dense",
+        capacity_factor: float | None = None,
         bias: bool = False,
         activation: ExpertActivation = "swiglu",
         swiglu_alpha: float | None = None,
@@ -156,8 +137,10 @@ class MoE(eqx.Module):
     ):
         if not 0 < top_k <= n_experts:
             raise ValueError(f"MoE top_k={top_k} must be in [1, n_experts={n_experts}]")
-        if impl not in ("dense", "ragged"):
-            raise ValueError(f"MoE impl must be 'dense' or 'ragged', got {impl!r}")
+        if impl not in ("dense", "ragged", "dispatch"):
+            raise ValueError(f"MoE impl must be 'dense', 'ragged' or 'dispatch', got {impl!r}")
+        if capacity_factor is not None and (impl != "dispatch" or not capacity_factor > 0):
+            raise ValueError(f"MoE capacity_factor={capacity_factor} needs impl='dispatch', > 0")
         clamped = (swiglu_alpha, swiglu_limit)
         if activation == "clamped_swiglu" and None in clamped:
             raise ValueError("MoE activation='clamped_swiglu' needs swiglu_alpha and swiglu_limit")
@@ -192,6 +175,7 @@ class MoE(eqx.Module):
                 self.shared_gate = Linear(d_model, 1, axes=(None, "d_model"), key=kz, dtype=dtype)
         self.score_bias = jnp.zeros(n_experts, jnp.float32) if score_bias else None
         self.top_k, self.normalize, self.impl = top_k, normalize, impl
+        self.capacity_factor = capacity_factor
         self.activation, self.swiglu_alpha, self.swiglu_limit = activation, *clamped
         self.scoring, self.n_groups, self.topk_groups = scoring, n_groups, topk_groups
         self.group_score, self.routed_scale = group_score, routed_scale
@@ -260,7 +244,7 @@ class MoE(eqx.Module):
         return weights, experts
 
     def _dense(self, x, weights, experts):
-        place = _PLACEMENT.get() or _unplaced
+        place = placement()
         # combine[t, e]: token t's weight for expert e, zero unless e is among its top k.
         combine = jnp.einsum(
             "tk,tke->te", weights, jax.nn.one_hot(experts, self.n_experts, dtype=x.dtype)
@@ -289,13 +273,17 @@ class MoE(eqx.Module):
     ) -> tuple[Float[Array, "*rows d_model"], Float[Array, "*rows experts"]]:
         """The layer's output and its router logits (for the load-balancing loss).
 
-        `impl` overrides `self.impl`. "ragged" cannot run under `jax.vmap` (JAX's ragged_dot
-        has no batching rule): call the layer on the whole batch instead.
+        `impl` overrides `self.impl`. "ragged" and "dispatch" cannot run under `jax.vmap` (JAX's
+        ragged_dot has no batching rule): call the layer on the whole batch instead.
         """
         flat = x.reshape(-1, x.shape[-1])  # every leading axis folded into tokens
         logits, weights, experts = self.route(flat)
-        compute = self._dense if (impl or self.impl) == "dense" else self._ragged
-        out = compute(flat, weights, experts)
+        impl = impl or self.impl
+        if impl == "dispatch":
+            layers = (self.gate, self.up, self.down)
+            out = dispatched(layers, self._act, flat, weights, experts, self.capacity_factor)[0]
+        else:
+            out = (self._dense if impl == "dense" else self._ragged)(flat, weights, experts)
         if self.shared is not None and self.shared_gate is None:
             out = out + self.shared(flat)
         elif self.shared is not None:

@@ -17,8 +17,10 @@ expert weights (`FsdpGather.expert_parallel`), those weights are not gathered. E
 keeps and runs its own experts: the layer's tokens are all-gathered over fsdp instead (the
 [experts, tokens, d_model] input of the expert product placed split over experts and whole over
 the fsdp group's tokens), and the combined output, a partial sum over each device's experts, is
-reduce-scattered back to the batch split (`eqllm.nn.moe.place_experts`). Tokens move, weights
-stay; each expert's gradient stays on its device (all-reduced over `data` only).
+reduce-scattered back to the batch split (`eqllm.nn.dispatch.place_experts`). Tokens move, weights
+stay; each expert's gradient stays on its device (all-reduced over `data` only). A mixture of
+experts with `impl="dispatch"` whose experts the mesh splits keeps them split too and sends
+each token copy to its expert's device and back (`eqllm.sharding.dispatch`).
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eqllm.model import CausalLM
 from eqllm.nn import MoE, param_info
+from eqllm.nn.dispatch import dispatch_experts, place_experts
 from eqllm.nn.linear import is_param_info
-from eqllm.nn.moe import place_experts
+from eqllm.sharding.dispatch import ExpertDispatch
 from eqllm.sharding.rules import RULES, sizes_of, spec_for
 
 
@@ -54,6 +57,7 @@ class FsdpGather:
         self.sizes = sizes_of(mesh)
         self.batch = NamedSharding(mesh, PartitionSpec(RULES["batch"]))
         self.batch_split = math.prod(self.sizes[a] for a in RULES["batch"])
+        self.dispatch = ExpertDispatch(mesh)
 
     def _constrain(self, info, x, keep_experts=False):
         if not eqx.is_inexact_array(x):
@@ -91,8 +95,14 @@ class FsdpGather:
     def layer(self, block):
         def run(x, positions, local, segment_ids=None, rotate=None):
             parallel = self.expert_parallel(block, x)
-            gathered = self.gather(block, keep_experts=parallel)
-            with place_experts(self._place) if parallel else contextlib.nullcontext():
+            dispatched = self.dispatch.splits(block.mlp, x)
+            gathered = self.gather(block, keep_experts=parallel or dispatched)
+            context = contextlib.nullcontext()
+            if parallel:
+                context = place_experts(self._place)
+            elif dispatched:
+                context = dispatch_experts(self.dispatch)
+            with context:
                 out, router_logits = gathered.routed(
                     self._pin(x), positions, local, segment_ids, rotate
                 )

@@ -1,0 +1,85 @@
+"""Expert parallelism by token dispatch over the mesh (`MoE(impl="dispatch")`).
+
+The expert axis is a declared use of `fsdp` (`RULES["expert"]`), as for the dense product's
+expert parallelism: the batch is already split over fsdp, so the devices that exchange tokens
+are the ones that hold them, each device keeps E / fsdp experts whole (their d_model axis is
+not split again, `spec_for`) and no new mesh axis has to be sized, checked and planned. Each
+data group of fsdp devices runs its own exchange; the experts are replicated over `data`,
+whose gradient sum `shard_map` inserts. Where the rules split the experts' hidden units over
+`tensor`, each device runs its slice of every local expert and the down projection's partial
+sums are summed over `tensor` (every tensor device sends the same tokens).
+
+`eqllm.sharding.FsdpGather.layer` installs an `ExpertDispatch` (`eqllm.nn.dispatch_experts`)
+around each layer whose experts it splits, and keeps those experts' weights split.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from eqllm.nn import MoE, param_info
+from eqllm.nn.dispatch import dispatch
+from eqllm.nn.linear import is_param_info
+from eqllm.sharding.rules import RULES, sizes_of, spec_for
+
+
+class ExpertDispatch:
+    """`dispatch` on every device of `mesh` inside `shard_map`: the all-to-alls over the
+    expert axis, the hidden units' partial sums over the axes that split them, and the dropped
+    copies summed over the batch's devices."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self.sizes = sizes_of(mesh)
+        self.axis = RULES["expert"]
+        assert isinstance(self.axis, str), "the expert axis is one mesh axis"
+        self.shards = self.sizes[self.axis]
+        self.tokens = PartitionSpec(RULES["batch"])
+        self.batch_split = math.prod(self.sizes[a] for a in RULES["batch"])
+
+    def splits(self, moe, x) -> bool:
+        """Whether the layer `moe`, on the input `x` (*rows, d_model), is dispatched over the
+        mesh: impl "dispatch", experts that the expert axis divides, rows that the batch's
+        devices divide. Otherwise it runs on one shard's code, placed by the partitioner."""
+        if not isinstance(moe, MoE) or moe.impl != "dispatch" or self.shards == 1:
+            return False
+        rows = x.shape[0] if x.ndim > 2 else x.size // x.shape[-1]
+        return moe.n_experts % self.shards == 0 and rows % self.batch_split == 0
+
+    def __call__(self, experts, act, x, weights, ids, capacity_factor):
+        specs = jax.tree.map(
+            lambda info, a: spec_for(info.axes, a.shape, self.sizes),
+            param_info(experts),
+            experts,
+            is_leaf=is_param_info,
+        )
+        gate = specs[0].weight  # (expert, d_ff, d_model): the axes splitting d_ff, if any
+        partial = gate[1] if len(gate) > 1 else None
+        body = functools.partial(
+            self._body,
+            act=act,
+            partial_axis=partial,
+            capacity_factor=capacity_factor,
+        )
+        tok = self.tokens
+        return jax.shard_map(
+            body, mesh=self.mesh, in_specs=(specs, tok, tok, tok), out_specs=(tok, PartitionSpec())
+        )(experts, x, weights, ids)
+
+    def _body(self, experts, x, weights, ids, *, act, partial_axis, capacity_factor):
+        out, dropped = dispatch(
+            experts,
+            act,
+            x,
+            weights,
+            ids,
+            n_shards=self.shards,
+            axis=self.axis,
+            partial_axis=partial_axis,
+            capacity_factor=capacity_factor,
+        )
+        return out, jax.lax.psum(dropped, RULES["batch"])

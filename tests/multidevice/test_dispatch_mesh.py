@@ -1,0 +1,131 @@
+"""Expert parallelism by token dispatch (`moe.impl="dispatch"`) on 8 devices: training with the
+experts split over fsdp (data x fsdp, and data x fsdp x tensor) equals training on one device
+for a Mixtral-style, a Qwen3-MoE and a DeepSeek-V3 tiny model; the compiled step exchanges
+tokens by all-to-all and never gathers an expert's weights; capacity drops are counted."""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqllm.bench.mesh import mesh_bench
+from eqllm.nn import MoE
+from eqllm.nn.dispatch import dispatch_experts, dispatched
+from eqllm.recipe import OptimSpec
+from eqllm.sharding import (
+    MeshConfig,
+    batch_sharding,
+    make_mesh,
+    param_shardings,
+    shard_model,
+)
+from eqllm.sharding.dispatch import ExpertDispatch
+from eqllm.train import TrainStep, init_opt_state, make_optimizer, schedule
+from tests.families import TINY_CONFIGS
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+
+SPEC = OptimSpec(lr=1e-2, warmup_steps=0, eps=1e-3)  # see test_train_mesh.py
+STEPS = 3
+CONFIGS = {
+    "mixtral": TINY_CONFIGS["mixtral"],
+    "qwen3_moe": TINY_CONFIGS["qwen3_moe"],
+    # the correction bias moves after each step, from the dispatched layers' routing
+    "deepseek_v3": TINY_CONFIGS["deepseek_v3"].replace(
+        moe={"bias_update_speed": 0.01, "aux_loss_coef": 0.01}
+    ),
+}
+
+
+def train(cfg, mesh=None):
+    """STEPS AdamW steps from seed 0 (on `mesh`, or on one device): the model and the losses."""
+    import eqllm
+
+    model = eqllm.CausalLM(cfg, key=jax.random.key(0))
+    shardings = None
+    if mesh is not None:
+        shardings = param_shardings(model, mesh)
+        model = shard_model(model, mesh)
+    optimizer = make_optimizer(SPEC, 10, eqx.filter(model, eqx.is_inexact_array))
+    opt_state = init_opt_state(optimizer, model, shardings)
+    step = TrainStep(optimizer, schedule(SPEC, 10), param_shardings=shardings)
+    losses = []
+    for i in range(STEPS):
+        batch = jax.random.randint(jax.random.key(10 + i), (8, 33), 0, cfg.vocab_size)
+        if mesh is not None:
+            batch = jax.device_put(batch, batch_sharding(mesh))
+        model, opt_state, metrics = step(model, opt_state, batch)
+        losses.append(float(metrics["loss"]))
+    return model, losses
+
+
+@functools.cache
+def reference(family):
+    return train(CONFIGS[family])  # dense experts on one device
+
+
+@pytest.mark.slow  # about a minute each here; tests/test_dispatch.py runs them
+@pytest.mark.parametrize("mesh_text", ["data=2,fsdp=4", "data=2,fsdp=2,tensor=2"])
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_dispatched_training_equals_single_device(family, mesh_text):
+    cfg = CONFIGS[family]
+    ref_model, ref_losses = reference(family)
+    mesh = make_mesh(MeshConfig.parse(mesh_text))
+    model, losses = train(cfg.replace(**{"moe.impl": "dispatch"}), mesh)
+    assert model.blocks.mlp.gate.weight.sharding.spec[1] == "fsdp"  # experts split over fsdp
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(ref_model), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5)
+    if family == "deepseek_v3":
+        assert np.abs(np.asarray(model.blocks.mlp.score_bias)).max() > 0
+
+
+def test_dispatched_step_exchanges_tokens_and_keeps_expert_weights_split():
+    cfg = CONFIGS["qwen3_moe"].replace(scan_layers=True, **{"moe.impl": "dispatch"})
+    result = mesh_bench("dispatch", cfg, "data=2,fsdp=4", batch=8, seq=32)
+    e, f, d = cfg.moe.n_experts, cfg.moe.d_ff, cfg.d_model
+    assert not {(e, f, d), (e, d, f)} & set(result.gathered_shapes)  # no expert gathered whole
+    assert result.per_step["all-to-all"] > 0, result.per_step  # tokens there and back
+
+
+def _layer(capacity_factor=None):
+    moe = MoE(16, 8, 8, 2, impl="dispatch", capacity_factor=capacity_factor, key=jax.random.key(1))
+    return jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(2), a.shape), moe)
+
+
+def test_dispatched_layer_equals_dense_and_counts_capacity_drops():
+    """One layer on data=2,fsdp=4 (2 experts per device): dropless equals the dense product on
+    one device; with a capacity of one fair share the dropped copies equal a hand count."""
+    mesh = make_mesh(MeshConfig.parse("data=2,fsdp=4"))
+    run = ExpertDispatch(mesh)
+    x = jax.random.normal(jax.random.key(3), (64, 16))  # 8 rows per device
+    moe = _layer()
+    _, weights, ids = moe.route(x)
+
+    @jax.jit
+    def both(moe, x):
+        experts = (moe.gate, moe.up, moe.down)
+        with dispatch_experts(run):
+            return dispatched(experts, moe._act, x, weights, ids, moe.capacity_factor)
+
+    out, dropped = both(moe, x)
+    np.testing.assert_allclose(out, moe._dense(x, weights, ids), atol=1e-6)
+    assert int(dropped) == 0
+
+    # Capacity: each device sends each fsdp shard at most ceil(1.0 x 16 copies / 4) = 4 rows.
+    out, dropped = both(_layer(1.0), x)
+    ids_np = np.asarray(ids).reshape(8, 8 * 2)  # each device's 16 copies, device-major
+    hand, keep = 0, np.zeros(ids_np.shape, bool)
+    for r, copies in enumerate(ids_np):
+        shards = np.bincount(copies // 2, minlength=4)  # copies for each fsdp shard's experts
+        hand += np.maximum(shards - 4, 0).sum()
+        seen = np.zeros(4, int)
+        for c in np.argsort(copies, kind="stable"):  # kept: each shard's first 4 by expert
+            keep[r, c] = seen[copies[c] // 2] < 4
+            seen[copies[c] // 2] += 1
+    assert int(dropped) == hand > 0
+    kept_weights = jnp.where(keep.reshape(64, 2), weights, 0)
+    np.testing.assert_allclose(out, moe._dense(x, kept_weights, ids), atol=1e-6)

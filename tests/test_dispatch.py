@@ -1,0 +1,121 @@
+"""Expert parallelism by token dispatch (`moe.impl="dispatch"`): on one device it equals the
+dense experts for every routing the zoo has; on 8 simulated devices (a subprocess, as
+tests/test_sharding.py runs them) the dispatched layer equals the dense one and counts its
+capacity drops by hand, and training equals one device (slow)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+
+import eqllm
+from eqllm.config import ConfigError
+from eqllm.nn import MoE
+from eqllm.train.step import training_loss
+from tests.families import TINY_CONFIGS
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKENS = np.random.default_rng(0).integers(0, 97, (2, 17)).astype(np.int32)
+
+
+@eqx.filter_jit
+def _loss_and_grads(model, tokens):
+    return eqx.filter_value_and_grad(lambda m: training_loss(m, tokens)[0])(model)
+
+
+def _perturbed(model):
+    """Random weights everywhere (the correction bias included), so no routing is tied."""
+    leaves, treedef = jax.tree.flatten(eqx.filter(model, eqx.is_inexact_array))
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    noisy = [
+        x + 0.02 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)
+    ]
+    return eqx.combine(jax.tree.unflatten(treedef, noisy), model)
+
+
+ROUTINGS = {
+    "mixtral": dict(),  # softmax top-k renormalised
+    "qwen_moe": dict(normalize=False, shared_d_ff=16),  # not renormalised, gated shared expert
+    "deepseek_v3": dict(  # sigmoid scores, correction bias, groups, routed scale, plain shared
+        scoring="sigmoid",
+        score_bias=True,
+        n_groups=4,
+        topk_groups=2,
+        group_score="top2_sum",
+        routed_scale=2.5,
+        shared_d_ff=16,
+        shared_gated=False,
+    ),
+    "gpt_oss": dict(bias=True, activation="clamped_swiglu", swiglu_alpha=1.702, swiglu_limit=0.5),
+}
+
+
+@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+def test_dispatched_layer_equals_dense_one(routing):
+    """Output and gradients of one layer on one device: the dispatch (one shard, no exchange)
+    equals the dense product for every routing `MoE.route` computes before it."""
+    moe = _perturbed(MoE(16, 24, 8, 2, impl="dispatch", key=jax.random.key(0), **ROUTINGS[routing]))
+    x = jax.random.normal(jax.random.key(1), (3, 5, 16))
+
+    @eqx.filter_jit
+    def value_and_grads(moe, impl):
+        return jax.value_and_grad(lambda m: (m.routed(x, impl)[0] ** 2).sum())(moe)
+
+    loss, grads = value_and_grads(moe, "dense")
+    other_loss, other_grads = value_and_grads(moe, "dispatch")
+    np.testing.assert_allclose(other_loss, loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(other_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.slow  # the whole model of each family: 20-60 s each here
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_dispatched_models_equal_dense_ones(family):
+    """Loss and gradients of a whole tiny model on one device, dispatch against dense."""
+    dense = _perturbed(eqllm.CausalLM(TINY_CONFIGS[family], key=jax.random.key(0)))
+    dispatch = dense.with_config(moe={"impl": "dispatch"})
+    loss, grads = _loss_and_grads(dense, TOKENS)
+    other_loss, other_grads = _loss_and_grads(dispatch, TOKENS)
+    np.testing.assert_allclose(other_loss, loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(other_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_a_capacity_factor_needs_the_dispatch():
+    with pytest.raises(ConfigError, match="moe.capacity_factor=1.25 is only read by impl='disp"):
+        TINY_CONFIGS["mixtral"].replace(moe={"capacity_factor": 1.25})
+    cfg = TINY_CONFIGS["mixtral"].replace(moe={"impl": "dispatch", "capacity_factor": 1.25})
+    assert eqllm.CausalLM(cfg, key=jax.random.key(0)).blocks.mlp.capacity_factor == 1.25
+
+
+def _on_8_devices(*args: str) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "EQLLM_MULTIDEVICE": "1",
+        "JAX_PLATFORMS": "cpu",
+    }
+    test = ROOT / "tests" / "multidevice" / "test_dispatch_mesh.py"
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args]
+    return subprocess.run(
+        [*command, str(test)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200
+    )
+
+
+def test_dispatched_layer_on_8_devices_equals_dense_and_counts_drops():
+    """About 20 s: one layer's all-to-all dispatch on data=2,fsdp=4 (tests/multidevice)."""
+    result = _on_8_devices("-k", "layer")
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert "1 passed" in result.stdout, result.stdout[-3000:]
+
+
+@pytest.mark.slow  # about 8 minutes on 2 shared cores: 6 trainings on 8 devices, 3 on one
+def test_dispatched_training_on_8_devices_equals_one_device():
+    result = _on_8_devices("-m", "slow or not slow")
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert "8 passed" in result.stdout, result.stdout[-3000:]
