@@ -338,6 +338,40 @@ FAMILIES = [
         lora=_MLA_LORA,
         published={"deepseek-v3": 671_026_419_200},
     ),
+    # GLM-4.5: q/k/v biases, QK-norm, half of each 16-wide head rotated, a dense first layer and
+    # then sigmoid scores with a correction bias, the best 2 of 4 groups, a shared expert.
+    Tiny(
+        "glm4_moe",
+        _zoo(
+            "glm4_moe-nano",
+            n_layers=3,
+            attention={"n_kv_heads": 2, "head_dim": 16},
+            moe={
+                "n_experts": 8,
+                "experts_per_token": 3,
+                "d_ff": 16,
+                "shared_d_ff": 32,
+                "n_groups": 4,
+                "topk_groups": 2,
+                "routed_scale": 2.5,
+            },
+        ),
+        lora=_ROUTED_LORA,
+        published={"glm-4.5": ("355", "32"), "glm-4.5-air": ("106", "12")},
+    ),
+    # GLM-4.5-Air's block: no QK-norm, one group, one shared expert, weights not renormalised.
+    Tiny(
+        "glm4_moe-air",
+        _zoo(
+            "glm4_moe-nano",
+            n_layers=3,
+            attention={"n_kv_heads": 2, "head_dim": 16, "qk_norm": None},
+            moe={"n_experts": 4, "experts_per_token": 2, "d_ff": 16, "shared_d_ff": 16},
+            **{"moe.norm_topk_prob": False},
+        ),
+        variant=True,
+        lora=_ROUTED_LORA,
+    ),
     # Direct queries, softmax greedy top-k, not renormalised.
     Tiny(
         "deepseek_v2",
