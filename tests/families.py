@@ -336,9 +336,12 @@ FAMILIES = [
             },
         ),
         lora=_MLA_LORA,
-        published={"deepseek-v3": 671_026_419_200},
+        # Kimi K2's total as transformers' DeepSeek-V3 counts its config.json (its model card
+        # rounds it to 1T).
+        published={"deepseek-v3": 671_026_419_200, "kimi-k2": 1_026_408_232_448},
     ),
-    # GLM-4.5: q/k/v biases, QK-norm, half of each 16-wide head rotated, a dense first layer and
+    # GLM-4.5 (counts as transformers counts the published config.json files, without the
+    # multi-token-prediction layer; the model cards' 355B and 106B include it): q/k/v biases, QK-norm, half of each 16-wide head rotated, a dense first layer and
     # then sigmoid scores with a correction bias, the best 2 of 4 groups, a shared expert.
     Tiny(
         "glm4_moe",
@@ -357,7 +360,11 @@ FAMILIES = [
             },
         ),
         lora=_ROUTED_LORA,
-        published={"glm-4.5": ("355", "32"), "glm-4.5-air": ("106", "12")},
+        published={
+            "glm-4.5": 352_797_829_024,
+            "glm-4.6": 352_797_829_024,
+            "glm-4.5-air": 106_852_251_264,
+        },
     ),
     # GLM-4.5-Air's block: no QK-norm, one group, one shared expert, weights not renormalised.
     Tiny(

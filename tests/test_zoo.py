@@ -24,6 +24,7 @@ RESEARCH = [
     "qwen2_moe-nano",
     "olmoe-nano",
     "qwen3_moe-nano",
+    "glm4_moe-nano",
     "pythia-nano",
     "smollm3-nano",
 ]
@@ -78,6 +79,10 @@ PUBLISHED = [
     "pythia-12b",
     "gpt-neox-20b",
     "smollm3-3b",
+    "glm-4.5",
+    "glm-4.5-air",
+    "glm-4.6",
+    "kimi-k2",
 ]
 
 
@@ -97,6 +102,7 @@ NANOS = [
     "qwen2_moe-nano",
     "olmoe-nano",
     "qwen3_moe-nano",
+    "glm4_moe-nano",
     "pythia-nano",
     "smollm3-nano",
 ]
