@@ -341,8 +341,9 @@ FAMILIES = [
         published={"deepseek-v3": 671_026_419_200, "kimi-k2": 1_026_408_232_448},
     ),
     # GLM-4.5 (counts as transformers counts the published config.json files, without the
-    # multi-token-prediction layer; the model cards' 355B and 106B include it): q/k/v biases, QK-norm, half of each 16-wide head rotated, a dense first layer and
-    # then sigmoid scores with a correction bias, the best 2 of 4 groups, a shared expert.
+    # multi-token-prediction layer; the model cards' 355B and 106B include it): q/k/v biases,
+    # QK-norm, half of each 16-wide head rotated, a dense first layer and then sigmoid scores
+    # with a correction bias, the best 2 of 4 groups, a shared expert.
     Tiny(
         "glm4_moe",
         _zoo(

@@ -78,10 +78,8 @@ def test_published_config_json_has_transformers_parameter_count(name):
 
 
 def _rms_norm_sizes() -> list[str]:
-    classes = {
-        name: transformers.AutoConfig.for_model(_as_transformers_reads_it(_published(name))["model_type"])
-        for name in SOURCES
-    }
+    types = {name: _as_transformers_reads_it(_published(name))["model_type"] for name in SOURCES}
+    classes = {name: transformers.AutoConfig.for_model(kind) for name, kind in types.items()}
     return sorted(name for name, config in classes.items() if hasattr(config, "rms_norm_eps"))
 
 

@@ -40,9 +40,12 @@ _LAYER_ROWS = tuple(r for r in _ATTENTION if r.layered)
 # The dense prefix (attention and a dense MLP), then the mixture's stack: one tensor per expert,
 # as the published checkpoints and transformers' save_pretrained store them.
 _DENSE = dense_rows(_LAYER_ROWS + DENSE_MLP_ROWS)
-TABLE = _ATTENTION + _DENSE + expert_rows(
-    "model.layers.{i}.mlp", "gate_proj", "up_proj", "down_proj"
-) + SHARED_ROWS
+TABLE = (
+    _ATTENTION
+    + _DENSE
+    + expert_rows("model.layers.{i}.mlp", "gate_proj", "up_proj", "down_proj")
+    + SHARED_ROWS
+)
 # transformers' in-memory layout: the routed experts fused.
 FUSED = _ATTENTION + _DENSE + FUSED_EXPERT_ROWS + SHARED_ROWS
 # Glm4MoeConfig's defaults, for keys a config.json leaves out.
@@ -135,6 +138,10 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# What the Llama block fixes and config.json sets here.
+_READ = ("moe", "positions.fraction", "attention.qk_norm")
+
+
 def _check(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.moe is None:
         return has_experts(cfg)
@@ -149,7 +156,7 @@ FAMILY = Family(
     architecture="Glm4MoeForCausalLM",
     model_type="glm4_moe",
     fixed={
-        **{k: v for k, v in LLAMA_BLOCK.items() if k not in ("moe", "positions.fraction", "attention.qk_norm")},
+        **{k: v for k, v in LLAMA_BLOCK.items() if k not in _READ},
         "attention.out_bias": False,
         "attention.sliding_window": None,
         "mlp.bias": False,

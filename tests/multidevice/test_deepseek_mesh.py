@@ -1,8 +1,8 @@
 """A tiny DeepSeek-V3 (latent attention, a dense first layer, sigmoid routing with a moving
 correction bias over groups of experts), a tiny GLM-4.5 (the same routing and dense prefix on
-grouped-query attention with partial rotary, q/k/v biases and QK-norm) and a tiny gpt-oss (attention sinks, windowed and full
-layers, biased clamped experts) trained on 8 devices, split over data, fsdp (experts) and
-tensor (heads), equal training on one device."""
+grouped-query attention with partial rotary, q/k/v biases and QK-norm) and a tiny gpt-oss
+(attention sinks, windowed and full layers, biased clamped experts) trained on 8 devices, split
+over data, fsdp (experts) and tensor (heads), equal training on one device."""
 
 import jax
 import numpy as np
