@@ -26,6 +26,7 @@ from eqllm.data import Tokenizer
 from eqllm.hub import CheckpointError
 from eqllm.hub.folders import load_tokenizer
 from eqllm.recipe import load_recipe
+from eqllm.recipe.inputs import check_tokenizer
 from eqllm.train.step import TrainStep, init_opt_state
 from tests.families import params
 from tests.hf_parity import TOKENS, logits
@@ -268,6 +269,8 @@ def test_kimi_k2_tiktoken_tokenizer_is_refused_naming_the_fix(tmp_path, caplog):
         Tokenizer.load(tmp_path)
     with pytest.raises(eqllm.EqllmError, match=fix):
         Tokenizer.from_spec(str(tmp_path))
+    with pytest.raises(eqllm.EqllmError, match=fix):  # as a recipe's data.tokenizer
+        check_tokenizer(str(tmp_path))
     with caplog.at_level("WARNING", logger="eqllm.hub"):
         assert load_tokenizer(tmp_path) is None
     assert "TikTokenConverter" in caplog.text
