@@ -207,3 +207,4 @@ def test_human_count_rounds_before_choosing_the_unit():
     assert eqllm.zoo.human_count(999_885_952) == "1B"  # gemma3-1b, not "1e+03M"
     assert eqllm.zoo.human_count(8_190_735_360) == "8.19B"
     assert eqllm.zoo.human_count(999) == "999"
+    assert eqllm.zoo.human_count(1_026_408_232_448) == "1.03T"  # kimi-k2, not "1.03e+03B"
