@@ -367,7 +367,8 @@ FAMILIES = [
             "glm-4.5-air": 106_852_251_264,
         },
     ),
-    # GLM-4.5-Air's block: no QK-norm, one group, one shared expert, weights not renormalised.
+    # GLM-4.5-Air's block: no QK-norm, one group, one shared expert, weights not renormalised;
+    # YaRN on the 8 rotated dims (the original context, 16, shorter than the test sequences).
     Tiny(
         "glm4_moe-air",
         _zoo(
@@ -375,6 +376,15 @@ FAMILIES = [
             n_layers=3,
             attention={"n_kv_heads": 2, "head_dim": 16, "qk_norm": None},
             moe={"n_experts": 4, "experts_per_token": 2, "d_ff": 16, "shared_d_ff": 16},
+            positions={
+                "scaling": {
+                    "kind": "yarn",
+                    "factor": 4.0,
+                    "original_max_seq_len": 16,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                }
+            },
             **{"moe.norm_topk_prob": False},
         ),
         variant=True,
