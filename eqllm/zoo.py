@@ -111,9 +111,10 @@ def active_param_count(name_or_config: str | ModelConfig) -> int:
 
 
 def human_count(n: int) -> str:
-    """1234567 -> '1.23M'; 999885952 -> '1B' (rounded to 3 digits before the unit is chosen)."""
+    """1234567 -> '1.23M'; 999885952 -> '1B' (rounded to 3 digits before the unit is chosen);
+    Kimi K2's 1026408232448 -> '1.03T'."""
     rounded = float(f"{n:.3g}")
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if rounded >= size:
             return f"{rounded / size:.3g}{unit}"
     return str(n)

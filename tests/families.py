@@ -60,6 +60,20 @@ _MLA = {
     },
 }
 
+# DeepSeek-V3's routing (GLM-4.5's too): the best 2 of 4 groups, the weights scaled by 2.5; its
+# query latent; GLM-4.5's attention (2 kv heads of 16, half of each rotated) and count.
+_GROUPED = {**_MLA["moe"], "n_groups": 4, "topk_groups": 2, "routed_scale": 2.5}
+_MLA_Q = {**_MLA["attention"], "q_lora_rank": 16}
+_GQA_16 = {"n_kv_heads": 2, "head_dim": 16}
+_GLM_355B = 352_797_829_024
+# YaRN over an original context of 16, shorter than the test sequences.
+_YARN_16 = {
+    "kind": "yarn",
+    "factor": 4.0,
+    "original_max_seq_len": 16,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+}
 
 Count = int | str  # exact, or in billions as a model card rounds it ("46.7")
 
@@ -210,16 +224,7 @@ FAMILIES = [
             "olmo3-nano",
             n_layers=3,
             attention={"n_kv_heads": 2, "sliding_window": 5, "global_every": 2},
-            positions={
-                "local_theta": 500.0,
-                "scaling": {
-                    "kind": "yarn",
-                    "factor": 4.0,
-                    "original_max_seq_len": 16,
-                    "beta_fast": 32.0,
-                    "beta_slow": 1.0,
-                },
-            },
+            positions={"local_theta": 500.0, "scaling": _YARN_16},
         ),
     ),
     # Mixtures of experts: 4 experts, 2 per token (tests/test_moe.py: the grouped product).
@@ -327,16 +332,36 @@ FAMILIES = [
     # Query compression, sigmoid scores with a correction bias, the best 2 of 4 groups.
     Tiny(
         "deepseek_v3",
-        _zoo(
-            "deepseek_v3-nano",
-            **{
-                **_MLA,
-                "attention": {**_MLA["attention"], "q_lora_rank": 16},
-                "moe": {**_MLA["moe"], "n_groups": 4, "topk_groups": 2, "routed_scale": 2.5},
-            },
-        ),
+        _zoo("deepseek_v3-nano", **{**_MLA, "attention": _MLA_Q, "moe": _GROUPED}),
         lora=_MLA_LORA,
-        published={"deepseek-v3": 671_026_419_200},
+        # Kimi K2's total as transformers' DeepSeek-V3 counts its config.json (its model card
+        # rounds it to 1T).
+        published={"deepseek-v3": 671_026_419_200, "kimi-k2": 1_026_408_232_448},
+    ),
+    # GLM-4.5 (counts as transformers counts the published config.json files, without the
+    # multi-token-prediction layer; the model cards' 355B and 106B include it): q/k/v biases,
+    # QK-norm, half of each 16-wide head rotated, a dense first layer and then sigmoid scores
+    # with a correction bias, the best 2 of 4 groups, a shared expert.
+    Tiny(
+        "glm4_moe",
+        _zoo("glm4_moe-nano", n_layers=3, attention=_GQA_16, moe=_GROUPED),
+        lora=_ROUTED_LORA,
+        published={"glm-4.5": _GLM_355B, "glm-4.6": _GLM_355B, "glm-4.5-air": 106_852_251_264},
+    ),
+    # GLM-4.5-Air's block: no QK-norm, one group, one shared expert, weights not renormalised;
+    # YaRN on the 8 rotated dims (the original context, 16, shorter than the test sequences).
+    Tiny(
+        "glm4_moe-air",
+        _zoo(
+            "glm4_moe-nano",
+            n_layers=3,
+            attention={**_GQA_16, "qk_norm": None},
+            moe={"n_experts": 4, "experts_per_token": 2, "d_ff": 16, "shared_d_ff": 16},
+            positions={"scaling": _YARN_16},
+            **{"moe.norm_topk_prob": False},
+        ),
+        variant=True,
+        lora=_ROUTED_LORA,
     ),
     # Direct queries, softmax greedy top-k, not renormalised.
     Tiny(

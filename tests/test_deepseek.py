@@ -2,12 +2,14 @@
 scanned == unrolled, cached decoding, published counts): the settings read (a dense first layer,
 query compression on and off, group-limited routing on and off, the correction bias), the latent
 cache, multi-token-prediction layers skipped on import, the fp8 release refused, the published
-sizes' active parameters counted by transformers on the meta device, and the correction bias's
-auxiliary-loss-free balancing.
+sizes' active parameters counted by transformers on the meta device, the correction bias's
+auxiliary-loss-free balancing, and Kimi K2 (DeepSeek-V3 under model_type "kimi_k2", its
+tokenizer a tiktoken file with remote code, refused naming the fix).
 """
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import equinox as eqx
@@ -20,8 +22,11 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 import eqllm
+from eqllm.data import Tokenizer
 from eqllm.hub import CheckpointError
+from eqllm.hub.folders import load_tokenizer
 from eqllm.recipe import load_recipe
+from eqllm.recipe.inputs import check_tokenizer
 from eqllm.train.step import TrainStep, init_opt_state
 from tests.families import params
 from tests.hf_parity import TOKENS, logits
@@ -222,3 +227,52 @@ def test_the_nano_trains_and_generates_on_a_cpu():
     assert np.abs(np.asarray(model.blocks.mlp.score_bias)).max() > 0
     out = eqllm.generate(model, tokens[0, :8], max_new_tokens=6, key=jax.random.key(1))
     assert np.asarray(out).shape[-1] >= 6
+
+
+# Kimi K2 ---------------------------------------------------------------------------------------
+
+_KIMI_REMOTE_CODE = {
+    "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+    "AutoModel": "modeling_deepseek.DeepseekV3Model",
+    "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+}
+
+
+def test_kimi_k2_folder_reads_as_deepseek_v3(twins, tmp_path):
+    """A checkpoint whose config.json says model_type "kimi_k2" with the auto_map of its remote
+    code, as Kimi K2's does, is DeepSeek-V3's: the same config and transformers' logits; an
+    export names deepseek_v3, which transformers reads without remote code."""
+    pair = twins("deepseek_v3")
+    shutil.copytree(pair.folder, tmp_path, dirs_exist_ok=True)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    kimi = {**hf, "model_type": "kimi_k2", "auto_map": _KIMI_REMOTE_CODE}
+    (tmp_path / "config.json").write_text(json.dumps(kimi))
+    model = eqllm.hub.from_pretrained(tmp_path)
+    assert model.config == pair.model.config
+    np.testing.assert_allclose(logits(model, TOKENS), pair.ref, atol=1e-5, rtol=0)
+    assert eqllm.hub.to_hf_config(model.config)["model_type"] == "deepseek_v3"
+
+
+def test_kimi_k2_tiktoken_tokenizer_is_refused_naming_the_fix(tmp_path, caplog):
+    """Kimi K2 ships tiktoken.model with tokenization_kimi.py (its pre-tokenizer pattern and
+    special tokens live in that code), which eqllm does not run: loading the tokenizer names
+    the conversion to tokenizer.json; loading the model folder warns and goes on without one;
+    a tokenizer.json beside the tiktoken file is read."""
+    (tmp_path / "tiktoken.model").write_text("IQ== 0\nIg== 1\n")  # base64 token, rank
+    config = {
+        "tokenizer_class": "TikTokenTokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    fix = r"tiktoken.model with remote code.*TikTokenConverter\(vocab_file='tiktoken.model'"
+    with pytest.raises(eqllm.EqllmError, match=fix):
+        Tokenizer.load(tmp_path)
+    with pytest.raises(eqllm.EqllmError, match=fix):
+        Tokenizer.from_spec(str(tmp_path))
+    with pytest.raises(eqllm.EqllmError, match=fix):  # as a recipe's data.tokenizer
+        check_tokenizer(str(tmp_path))
+    with caplog.at_level("WARNING", logger="eqllm.hub"):
+        assert load_tokenizer(tmp_path) is None
+    assert "TikTokenConverter" in caplog.text
+    Tokenizer.bytes().save(tmp_path)
+    assert Tokenizer.load(tmp_path).encode("hi") == Tokenizer.bytes().encode("hi")

@@ -52,10 +52,14 @@ def test_published_config_json_reads_as_its_zoo_size(name):
 def _as_transformers_reads_it(hf: dict) -> dict:
     """`hf` with the first Phi-3 128K release's rope_scaling type "su" spelled "longrope": the
     installed transformers' Phi3Config checks a longrope's settings before it renames "su", and
-    refuses that file. Same factors, same model; eqllm reads the file as published."""
+    refuses that file. Same factors, same model; eqllm reads the file as published. Kimi K2's
+    model_type "kimi_k2" is one transformers does not know: its release names
+    DeepseekV3ForCausalLM and says to read it as "deepseek_v3"."""
     scaling = hf.get("rope_scaling") or {}
     if scaling.get("type") == "su":
         return {**hf, "rope_scaling": {**scaling, "type": "longrope"}}
+    if hf["model_type"] == "kimi_k2":
+        return {**hf, "model_type": "deepseek_v3"}
     return hf
 
 
@@ -74,9 +78,8 @@ def test_published_config_json_has_transformers_parameter_count(name):
 
 
 def _rms_norm_sizes() -> list[str]:
-    classes = {
-        name: transformers.AutoConfig.for_model(_published(name)["model_type"]) for name in SOURCES
-    }
+    types = {name: _as_transformers_reads_it(_published(name))["model_type"] for name in SOURCES}
+    classes = {name: transformers.AutoConfig.for_model(kind) for name, kind in types.items()}
     return sorted(name for name, config in classes.items() if hasattr(config, "rms_norm_eps"))
 
 
@@ -85,7 +88,9 @@ def test_config_json_without_rms_norm_eps_reads_transformers_default(name):
     """A config.json may leave `rms_norm_eps` to its config class (OLMoE-1B-7B-0924's does), whose
     default is 1e-5 for some families and 1e-6 for others."""
     hf = {k: v for k, v in _published(name).items() if k != "rms_norm_eps"}
-    default = transformers.AutoConfig.for_model(hf["model_type"]).rms_norm_eps
+    default = transformers.AutoConfig.for_model(
+        _as_transformers_reads_it(hf)["model_type"]
+    ).rms_norm_eps
     assert eqllm.hub.from_hf_config(hf).norms.eps == default
 
 

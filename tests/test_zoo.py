@@ -24,6 +24,7 @@ RESEARCH = [
     "qwen2_moe-nano",
     "olmoe-nano",
     "qwen3_moe-nano",
+    "glm4_moe-nano",
     "pythia-nano",
     "smollm3-nano",
 ]
@@ -78,6 +79,10 @@ PUBLISHED = [
     "pythia-12b",
     "gpt-neox-20b",
     "smollm3-3b",
+    "glm-4.5",
+    "glm-4.5-air",
+    "glm-4.6",
+    "kimi-k2",
 ]
 
 
@@ -97,6 +102,7 @@ NANOS = [
     "qwen2_moe-nano",
     "olmoe-nano",
     "qwen3_moe-nano",
+    "glm4_moe-nano",
     "pythia-nano",
     "smollm3-nano",
 ]
@@ -201,3 +207,4 @@ def test_human_count_rounds_before_choosing_the_unit():
     assert eqllm.zoo.human_count(999_885_952) == "1B"  # gemma3-1b, not "1e+03M"
     assert eqllm.zoo.human_count(8_190_735_360) == "8.19B"
     assert eqllm.zoo.human_count(999) == "999"
+    assert eqllm.zoo.human_count(1_026_408_232_448) == "1.03T"  # kimi-k2, not "1.03e+03B"

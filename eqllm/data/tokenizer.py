@@ -37,7 +37,13 @@ EOT = "<|endoftext|>"
 TokenizerKind = Literal["bytes", "bpe", "pretrained"]
 _EOT_FALLBACKS = (EOT, "</s>", "<eos>")
 # A hub repo's tokenizer files (`Tokenizer.from_pretrained`).
-_HUB_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "chat_template.jinja")
+_HUB_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tiktoken.model",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+)
 SPECIAL_TOKEN_KEYS = (
     "bos_token",
     "eos_token",
@@ -160,6 +166,8 @@ class Tokenizer:
         path = Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
         spm = path / "tokenizer.model" if path.is_dir() else None
+        if not file.is_file() and (path / "tiktoken.model").is_file():
+            raise DataError(tiktoken_refusal(path))
         if not file.is_file() and not (spm and spm.is_file()):
             raise DataNotFound(
                 f"No tokenizer file at {str(file)!r}; expected a tokenizer.json file or a folder "
@@ -190,7 +198,7 @@ class Tokenizer:
                 f"({type(e).__name__}: {e}). Check the repo id and the network (or the offline "
                 "cache), or pass a local tokenizer.json path, 'bytes' or 'bpe'."
             ) from e
-        if not any((folder / f).is_file() for f in files[:2]):
+        if not any((folder / f).is_file() for f in files[:3]):
             raise DataNotFound(
                 f"the Hugging Face hub repo {repo_id!r} has neither tokenizer.json nor "
                 "tokenizer.model; give a local tokenizer.json path, 'bytes' or 'bpe'"
@@ -358,3 +366,18 @@ def _add_config_tokens(hf: tokenizers.Tokenizer, config: dict, where: str) -> No
                 )
             ]
         )
+
+
+def tiktoken_refusal(folder: Path) -> str:
+    """Why a tokenizer shipped as a tiktoken file with remote code (Kimi K2's tiktoken.model and
+    tokenization_kimi.py) is not read, and the fix: eqllm runs no repository code, and the file
+    alone lacks the pre-tokenizer pattern and special tokens that code defines."""
+    return (
+        f"{str(folder)!r} holds its tokenizer as tiktoken.model with remote code (the "
+        "repository's tokenization_*.py, e.g. Kimi K2's TikTokenTokenizer), which eqllm does not "
+        "run; write a tokenizer.json beside it once: `pip install tiktoken`, then "
+        "transformers.convert_slow_tokenizer.TikTokenConverter(vocab_file='tiktoken.model', "
+        "pattern=TikTokenTokenizer.pat_str, extra_special_tokens=[its special tokens in id "
+        "order]).converted().save('tokenizer.json') (check its ids against the remote "
+        "tokenizer's), or pass another tokenizer.json"
+    )

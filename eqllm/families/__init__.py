@@ -51,7 +51,7 @@ def get(name: str) -> Family:
 def for_model_type(model_type: str | None) -> Family:
     """The family that reads a Hugging Face config.json with this `model_type`."""
     for family in _families().values():
-        if family.model_type == model_type:
+        if model_type == family.model_type or model_type in family.also_reads:
             return family
-    known = sorted(f.model_type for f in _families().values())
+    known = sorted(t for f in _families().values() for t in (f.model_type, *f.also_reads))
     raise ConfigError(f"unsupported model_type {model_type!r} in config.json; eqllm reads {known}")

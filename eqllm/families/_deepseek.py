@@ -43,12 +43,12 @@ _ATTENTION = rows(
     (f"{_L}.self_attn.o_proj.bias", "blocks.attn.o_proj.bias"),
     (f"{_L}.post_attention_layernorm.weight", "blocks.mlp_norm.weight"),
 )
-_DENSE_MLP = rows(
+DENSE_MLP_ROWS = rows(
     (f"{_L}.mlp.gate_proj.weight", "blocks.mlp.gate.weight"),
     (f"{_L}.mlp.up_proj.weight", "blocks.mlp.up.weight"),
     (f"{_L}.mlp.down_proj.weight", "blocks.mlp.down.weight"),
 )
-_SHARED = rows(
+SHARED_ROWS = rows(
     (f"{_L}.mlp.shared_experts.gate_proj.weight", "blocks.mlp.shared.gate.weight"),
     (f"{_L}.mlp.shared_experts.up_proj.weight", "blocks.mlp.shared.up.weight"),
     (f"{_L}.mlp.shared_experts.down_proj.weight", "blocks.mlp.shared.down.weight"),
@@ -61,8 +61,9 @@ _OUTSIDE = rows(
 )
 
 
-def _dense(table: tuple[Row, ...]) -> tuple[Row, ...]:
-    """The same rows filling the dense prefix's stack."""
+def dense_rows(table: tuple[Row, ...]) -> tuple[Row, ...]:
+    """The same rows filling the dense prefix's stack (DeepSeek's and GLM-4.5's
+    `first_k_dense_replace` layers)."""
     swap = lambda p: "dense_blocks." + p.removeprefix("blocks.")  # noqa: E731
     return tuple(Row(r.hf, tuple(map(swap, r.eqllm)), axis=r.axis) for r in table)
 
@@ -71,9 +72,9 @@ def _dense(table: tuple[Row, ...]) -> tuple[Row, ...]:
 TABLE = (
     _OUTSIDE
     + _ATTENTION
-    + _dense(_ATTENTION + _DENSE_MLP)
+    + dense_rows(_ATTENTION + DENSE_MLP_ROWS)
     + expert_rows(f"{_L}.mlp", "gate_proj", "up_proj", "down_proj")
-    + _SHARED
+    + SHARED_ROWS
 )
 
 KEYS = LLAMA_KEYS | {

@@ -92,6 +92,8 @@ class Family:
         module_renames: checkpoint module names transformers renames in the model it builds
             (GPT-NeoX's `embed_out` is `lm_head`): PEFT adapters name modules, so eqllm writes
             the new name and reads either.
+        also_reads: other `model_type` values of config.json files the family reads (Kimi K2
+            ships DeepSeek-V3's architecture as "kimi_k2"); export writes `model_type`.
     """
 
     name: str
@@ -111,6 +113,7 @@ class Family:
     gguf: str | None = None
     gguf_refuses: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: {}
     module_renames: dict[str, str] = dataclasses.field(default_factory=dict)
+    also_reads: tuple[str, ...] = ()
 
     @property
     def embed_name(self) -> str:

@@ -1,11 +1,11 @@
-"""DeepSeek-V3 (DeepSeek-AI, 2024, "DeepSeek-V3 Technical Report"; Kimi K2 shares it):
-multi-head latent attention with a compressed query (`eqllm.nn.mla`) and rotary dims in
-interleaved pairs, YaRN with DeepSeek's mscale in the softmax scale, the first
-`first_k_dense_replace` layers dense and the rest a mixture of 256 fine-grained routed experts
-(8 per token) plus one always-on shared expert. The router scores each expert by a sigmoid, adds
-the correction bias `e_score_correction_bias` to choose (not to weigh), keeps each token to the
-best `topk_group` of `n_group` groups (a group scored by its two best experts), renormalises
-the chosen scores and multiplies them by `routed_scaling_factor`.
+"""DeepSeek-V3 (DeepSeek-AI, 2024, "DeepSeek-V3 Technical Report"; Kimi K2 shares it, its
+config.json naming model_type "kimi_k2"): multi-head latent attention with a compressed query
+(`eqllm.nn.mla`) and rotary dims in interleaved pairs, YaRN with DeepSeek's mscale in the
+softmax scale, the first `first_k_dense_replace` layers dense and the rest a mixture of 256
+fine-grained routed experts (8 per token) plus one always-on shared expert. The router scores
+each expert by a sigmoid, adds the correction bias `e_score_correction_bias` to choose (not to
+weigh), keeps each token to the best `topk_group` of `n_group` groups (a group scored by its two
+best experts), renormalises the chosen scores and multiplies them by `routed_scaling_factor`.
 
 Published checkpoints add `num_nextn_predict_layers` multi-token-prediction layers after the
 last one (model.layers.61 in DeepSeek-V3); import skips them, as transformers does.
@@ -85,4 +85,5 @@ FAMILY = Family(
     check=has_experts,
     defaults=_DEFAULTS,
     skip_extra_layers=True,
+    also_reads=("kimi_k2",),
 )

@@ -8,6 +8,7 @@ cache first.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,11 @@ from huggingface_hub import snapshot_download
 
 from eqllm import zoo
 from eqllm.config import ModelConfig, dotted
-from eqllm.data.tokenizer import Tokenizer
+from eqllm.data.tokenizer import Tokenizer, tiktoken_refusal
 from eqllm.hub.files import CheckpointError
 from eqllm.model import EXECUTION_FIELDS, CausalLM
+
+log = logging.getLogger("eqllm.hub")
 
 INDEX = "model.safetensors.index.json"
 # What a hub download fetches: the config, the weights and the tokenizer files.
@@ -31,6 +34,7 @@ _HUB_FILES = [
     INDEX,
     "tokenizer.json",
     "tokenizer.model",
+    "tiktoken.model",
     "tokenizer_config.json",
     "chat_template.jinja",
     "special_tokens_map.json",
@@ -149,6 +153,10 @@ def save_tokenizer(tokenizer: Tokenizer, folder: Path) -> None:
 
 def load_tokenizer(folder: Path) -> Tokenizer | None:
     """The tokenizer saved in `folder` (tokenizer.json or a SentencePiece tokenizer.model, with
-    tokenizer_config.json and the chat template), if any."""
+    tokenizer_config.json and the chat template), if any. A tiktoken.model alone is not read:
+    the model loads without a tokenizer (prompts as token ids) and a warning names the fix."""
+    if not (folder / "tokenizer.json").is_file() and (folder / "tiktoken.model").is_file():
+        log.warning("%s", tiktoken_refusal(folder))
+        return None
     has = (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file()
     return Tokenizer.load(folder) if has else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 from pathlib import Path
 
+from eqllm.data.tokenizer import tiktoken_refusal
 from eqllm.recipe.errors import RecipeError
 from eqllm.recipe.sections import FinetuneSpec, PreferenceSpec, RLSpec, SourceSpec
 from eqllm.resources import data_dir
@@ -61,6 +62,8 @@ def check_tokenizer(spec: str) -> None:
     path = Path(spec).expanduser()
     if path.exists():
         if path.is_dir() and not (path / "tokenizer.json").is_file():
+            if (path / "tiktoken.model").is_file():
+                raise RecipeError(f"data.tokenizer: {tiktoken_refusal(path)}")
             raise RecipeError(f"data.tokenizer={spec!r}: folder has no tokenizer.json")
         return
     if spec.count("/") != 1 or spec.startswith((".", "/", "~")):

@@ -1,7 +1,8 @@
 """A tiny DeepSeek-V3 (latent attention, a dense first layer, sigmoid routing with a moving
-correction bias over groups of experts) and a tiny gpt-oss (attention sinks, windowed and full
-layers, biased clamped experts) trained on 8 devices, split over data, fsdp (experts) and
-tensor (heads), equal training on one device."""
+correction bias over groups of experts), a tiny GLM-4.5 (the same routing and dense prefix on
+grouped-query attention with partial rotary, q/k/v biases and QK-norm) and a tiny gpt-oss
+(attention sinks, windowed and full layers, biased clamped experts) trained on 8 devices, split
+over data, fsdp (experts) and tensor (heads), equal training on one device."""
 
 import jax
 import numpy as np
@@ -20,6 +21,12 @@ CONFIGS = {
         **SMALL,
         moe={"bias_update_speed": 0.01, "aux_loss_coef": 0.01},
     ),
+    "glm4_moe": eqllm.zoo.config(
+        "glm4_moe-nano",
+        **SMALL,
+        attention={"n_heads": 4, "n_kv_heads": 2, "head_dim": 16},
+        moe={"bias_update_speed": 0.01, "aux_loss_coef": 0.01},
+    ),
     "gpt_oss": eqllm.zoo.config(
         "gpt_oss-nano",
         **SMALL,
@@ -29,7 +36,13 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("family", sorted(CONFIGS))
+# GLM-4.5's case adds about a minute to the 8-device suite, which tests/test_sharding.py runs
+# under a 15-minute limit: it runs in the slow set, as `EQLLM_MULTIDEVICE=1
+# XLA_FLAGS=--xla_force_host_platform_device_count=8 pytest -m slow tests/multidevice`.
+@pytest.mark.parametrize(
+    "family",
+    [pytest.param(f, marks=pytest.mark.slow) if f == "glm4_moe" else f for f in sorted(CONFIGS)],
+)
 def test_mesh_training_equals_single_device(family):
     cfg = CONFIGS[family]
     ref_model, ref_losses = train(cfg)
@@ -37,5 +50,5 @@ def test_mesh_training_equals_single_device(family):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(ref_model), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
-    if family == "deepseek_v3":  # the correction bias moved, the same way on the mesh
+    if family in ("deepseek_v3", "glm4_moe"):  # the correction bias moved, the same way on the mesh
         assert np.abs(np.asarray(model.blocks.mlp.score_bias)).max() > 0
