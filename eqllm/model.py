@@ -62,6 +62,9 @@ class CausalLM(eqx.Module):
     # The first moe.dense_layers layers of a mixture of experts with a dense MLP (DeepSeek's
     # first_k_dense_replace), stacked alike; None otherwise. `blocks` holds the rest.
     dense_blocks: Block | None = None
+    # A hybrid's linear-attention (Gated DeltaNet) layers, stacked alike, in layer order; None
+    # otherwise. `blocks` then holds its full-attention layers (`ModelConfig.layer_kinds`).
+    linear_blocks: Block | None = None
 
     def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
         parts = _initial_parts(config, key)
@@ -72,6 +75,7 @@ class CausalLM(eqx.Module):
         self.lm_head = parts["lm_head"]
         self.config = config
         self.dense_blocks = parts["dense_blocks"]
+        self.linear_blocks = parts["linear_blocks"]
 
     def with_config(self, **changes) -> CausalLM:
         """The same weights under changed execution settings (EXECUTION_FIELDS, as dotted keys
@@ -142,7 +146,13 @@ class CausalLM(eqx.Module):
         model = cast_floating(self, dtype_of(cfg.compute_dtype))  # the one compute-dtype cast
         x = model.embed_inputs(tokens, positions)
         x, router_logits = run_stacks(
-            model.dense_blocks, model.blocks, x, None if in_order else positions, cfg, segment_ids
+            model.dense_blocks,
+            model.blocks,
+            x,
+            None if in_order else positions,
+            cfg,
+            segment_ids,
+            model.linear_blocks,
         )
         return model.final_norm(x), router_logits
 
@@ -185,6 +195,7 @@ class CausalLM(eqx.Module):
         are cached (grouped-query attention shares them), in the compute dtype.
         """
         cfg = self.config
+        refuse_cached(cfg)
         dtype = dtype_of(cfg.compute_dtype)
         full = min(length, cfg.max_seq_len)
         a = cfg.attention
@@ -202,6 +213,7 @@ class CausalLM(eqx.Module):
         Pass them to `prefill` / `decode` called in a compiled loop: sliced inside the loop, every
         layer's weights were copied at every step (halving decode speed on CPU, gpt2-small).
         """
+        refuse_cached(self.config)
         dtype = dtype_of(self.config.compute_dtype)
         layers = []
         for stack in (self.dense_blocks, self.blocks):
@@ -307,6 +319,7 @@ def _initial_parts(config: ModelConfig, key: PRNGKeyArray) -> dict:
     k_embed, k_pos, k_blocks, k_head, k_init = jax.random.split(key, 5)
     block_keys = jax.random.split(k_blocks, config.n_layers)
     dense = 0 if config.moe is None else config.moe.dense_layers
+    kinds = config.layer_kinds()[dense:]
     parts = {
         "embed": Embedding(
             config.vocab_size, config.d_model, axes=("vocab", "d_model"), key=k_embed, dtype=dtype
@@ -322,7 +335,16 @@ def _initial_parts(config: ModelConfig, key: PRNGKeyArray) -> dict:
             if config.positions.kind == "learned"
             else None
         ),
-        "blocks": eqx.filter_vmap(lambda k: make_block(config, k))(block_keys[dense:]),
+        "blocks": eqx.filter_vmap(lambda k: make_block(config, k))(
+            block_keys[dense:][np.array(kinds) == "full"]
+        ),
+        "linear_blocks": (
+            eqx.filter_vmap(lambda k: make_block(config, k, linear=True))(
+                block_keys[dense:][np.array(kinds) == "linear"]
+            )
+            if "linear" in kinds
+            else None
+        ),
         "dense_blocks": (
             eqx.filter_vmap(lambda k: make_block(config, k, dense=True))(block_keys[:dense])
             if dense
@@ -342,6 +364,17 @@ def _initial_parts(config: ModelConfig, key: PRNGKeyArray) -> dict:
     }
     weights = init_weights(parts, k_init, scales=scales(config), init_std=config.init_std)
     return {**weights, "final_norm": make_norm(config, dtype)}
+
+
+def refuse_cached(config: ModelConfig) -> None:
+    """Raise for a model cached inference cannot run yet: a hybrid's linear-attention layers
+    have recurrent state, which the KV cache does not carry."""
+    if config.linear is not None:
+        raise EqllmError(
+            f"generation of hybrid linear-attention models is not supported yet "
+            f"(family={config.family!r}, linear.kind={config.linear.kind!r}): the KV cache "
+            "carries no recurrent state; use the full forward, model(tokens), instead"
+        )
 
 
 def check_tokens(tokens, config: ModelConfig) -> None:

@@ -26,6 +26,7 @@ from eqllm.nn import (
     MLP,
     Attention,
     Block,
+    GatedDeltaNet,
     GatedMLP,
     LayerNorm,
     MoE,
@@ -168,20 +169,44 @@ def make_attention(config: ModelConfig, key: PRNGKeyArray, dtype):
         scale=scale,
         softcap=a.softcap,
         sinks=a.sinks,
+        output_gate=a.output_gate,
         kernel=attention_kernel(config),
         key=key,
         dtype=dtype,
     )
 
 
-def make_block(config: ModelConfig, key: PRNGKeyArray, *, dense: bool = False) -> Block:
+def make_linear_attention(config: ModelConfig, key: PRNGKeyArray, dtype) -> GatedDeltaNet:
+    """The token mixer of a hybrid stack's linear-attention layers (`config.linear`)."""
+    lin = config.linear
+    return GatedDeltaNet(
+        config.d_model,
+        lin.n_key_heads,
+        lin.n_value_heads,
+        lin.key_head_dim,
+        lin.value_head_dim,
+        conv_kernel=lin.conv_kernel,
+        norm_eps=config.norms.eps,
+        chunk_size=lin.chunk_size,
+        key=key,
+        dtype=dtype,
+    )
+
+
+def make_block(
+    config: ModelConfig, key: PRNGKeyArray, *, dense: bool = False, linear: bool = False
+) -> Block:
     """One Transformer block as `config` describes it (`dense`: with the dense MLP even in a
-    mixture of experts, one of its first `moe.dense_layers` layers)."""
+    mixture of experts, one of its first `moe.dense_layers` layers; `linear`: a Gated DeltaNet
+    in place of attention, a linear-attention layer of a hybrid stack)."""
     dtype = dtype_of(config.param_dtype)
     k_attn, k_mlp = jax.random.split(key)
     norms = config.norms
     s = scales(config)
-    attn = make_attention(config, k_attn, dtype)
+    if linear:
+        attn = make_linear_attention(config, k_attn, dtype)
+    else:
+        attn = make_attention(config, k_attn, dtype)
     if (moe := config.moe) is not None and not dense:
         mlp = MoE(
             config.d_model,
@@ -284,6 +309,63 @@ def run_blocks(
     return x, None if router_logits[0] is None else jnp.stack(router_logits)
 
 
+def run_groups(
+    stacks: dict[str, Block],
+    x: Float[Array, "*batch seq d_model"],
+    positions: Int[Array, "*batch seq"] | None,
+    config: ModelConfig,
+    segment_ids: Int[Array, "*batch seq"] | None = None,
+) -> tuple[Float[Array, "*batch seq d_model"], Float[Array, "layers *batch seq experts"] | None]:
+    """Apply a stack whose layers repeat a pattern of kinds (`ModelConfig.layer_kinds`: a
+    hybrid's linear-attention and full-attention layers), one stacked Block per kind.
+
+    Each kind's stack is viewed as (groups, layers of that kind per group, ...) and `lax.scan`
+    runs over the groups: one compiled body (the group's layers in pattern order) serves any
+    depth. Remat, the `each_layer` hook and `scan_layers=False` act per layer as in
+    `run_blocks`. Returns the output and every layer's router logits in layer order (None
+    without experts).
+    """
+    kinds = config.layer_kinds()
+    pattern = kinds[: config.linear.full_every]  # the repeating group
+    n_groups = len(kinds) // len(pattern)
+    parts = {k: eqx.partition(stack, eqx.is_array) for k, stack in stacks.items()}
+    grouped = {
+        k: jax.tree.map(lambda a: a.reshape(n_groups, -1, *a.shape[1:]), params)
+        for k, (params, _) in parts.items()
+    }
+    hook = _LAYER_HOOK.get()
+
+    def layer(h, params, kind):
+        block = eqx.combine(params, parts[kind][1])
+        if hook is not None:
+            return hook(block)(h, positions, None, segment_ids, None)
+        return block.routed(h, positions, None, segment_ids, None)
+
+    if config.remat != "none":
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[config.remat], static_argnums=2)
+    elif hook is not None:
+        layer = jax.checkpoint(layer, policy=_save_all_but_gathers, static_argnums=2)
+
+    def group(h, params):
+        seen = dict.fromkeys(params, 0)
+        logits = []
+        for kind in pattern:
+            h, out = layer(h, jax.tree.map(lambda a, i=seen[kind]: a[i], params[kind]), kind)
+            seen[kind] += 1
+            logits.append(out)
+        return h, None if logits[0] is None else jnp.stack(logits)
+
+    if config.scan_layers or config.remat != "none":
+        x, logits = jax.lax.scan(group, x, grouped)
+    else:
+        outs = []
+        for g in range(n_groups):
+            x, out = group(x, jax.tree.map(lambda a, g=g: a[g], grouped))
+            outs.append(out)
+        logits = None if outs[0] is None else jnp.stack(outs)
+    return x, None if logits is None else logits.reshape(-1, *logits.shape[2:])
+
+
 def run_stacks(
     dense_blocks: Block | None,
     blocks: Block,
@@ -291,10 +373,15 @@ def run_stacks(
     positions: Int[Array, "*batch seq"] | None,
     config: ModelConfig,
     segment_ids: Int[Array, "*batch seq"] | None = None,
+    linear_blocks: Block | None = None,
 ) -> tuple[Float[Array, "*batch seq d_model"], Float[Array, "layers *batch seq experts"] | None]:
     """`run_blocks` over a dense prefix (`moe.dense_layers` layers, None: none) and then the
     main stack: two scanned segments, each one compiled body. The router logits are those of
-    the main stack's layers."""
+    the main stack's layers. A hybrid (`linear_blocks`, its linear-attention layers) runs its
+    groups of layers of both kinds (`run_groups`)."""
+    if linear_blocks is not None:
+        stacks = {"linear": linear_blocks, "full": blocks}
+        return run_groups(stacks, x, positions, config, segment_ids)
     if dense_blocks is not None:
         x, _ = run_blocks(dense_blocks, x, positions, config, segment_ids)
     first = 0 if dense_blocks is None else config.moe.dense_layers

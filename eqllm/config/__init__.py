@@ -26,6 +26,7 @@ from eqllm.config.groups import (
     GROUPS,
     SUBGROUPS,
     AttentionConfig,
+    LinearAttentionConfig,
     MLPConfig,
     MoEConfig,
     NormsConfig,
@@ -50,6 +51,7 @@ __all__ = [
     "AttentionConfig",
     "ConfigError",
     "DType",
+    "LinearAttentionConfig",
     "MLPConfig",
     "ModelConfig",
     "MoEConfig",
@@ -89,7 +91,8 @@ class ModelConfig:
     `attention` (heads, kv heads, head size, biases, QK-norm, soft-cap, windows, scale, kernel),
     `positions` (RoPE with its base, fraction and scaling, or learned), `mlp` (kind, d_ff,
     bias), `moe` (None: a dense MLP in every block), `norms` (kind, eps, plus-one, bias,
-    placement).
+    placement), `linear` (None: attention in every layer; else Gated DeltaNet layers between
+    every `full_every`-th attention layer, a hybrid stack).
 
     Whole-model switches: `family` (a name of the families registry), `tie_embeddings`,
     `embed_scale` (multiply token embeddings by sqrt(d_model), as Gemma does), `final_softcap`
@@ -120,6 +123,7 @@ class ModelConfig:
     positions: PositionsConfig = dataclasses.field(default_factory=PositionsConfig)
     norms: NormsConfig = dataclasses.field(default_factory=NormsConfig)
     moe: MoEConfig | None = None
+    linear: LinearAttentionConfig | None = None
     family: Annotated[Family, Field(min_length=1)] = "llama"
     tie_embeddings: bool = False
     embed_scale: bool = False
@@ -199,6 +203,26 @@ class ModelConfig:
             "is only defined for dense models here (a router's width scaling is not); use 'sp' "
             "with moe",
         )
+        if (lin := self.linear) is not None:
+            require(
+                self.n_layers % lin.full_every == 0,
+                "ModelConfig.n_layers",
+                self.n_layers,
+                f"must be a multiple of linear.full_every={lin.full_every} (the stack scans "
+                "whole groups of layers)",
+            )
+            for path, plain in (
+                ("attention.global_every", None),
+                ("positions.nope_every", None),
+                ("attention.kind", "gqa"),
+                ("moe.dense_layers", None if self.moe is None else 0),
+            ):
+                require(
+                    self.at(path) == plain,
+                    f"ModelConfig.{path}",
+                    self.at(path),
+                    f"must be {plain} in a hybrid stack (with linear)",
+                )
         if self.moe is not None:
             require(
                 self.moe.dense_layers < self.n_layers,
@@ -229,6 +253,12 @@ class ModelConfig:
         if self.attention.kind == "mla":
             return self.attention.qk_rope_head_dim
         return int(self.attention.head_dim * self.positions.fraction)
+
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Per layer: "full" (softmax attention) or "linear" (Gated DeltaNet, `linear`)."""
+        if self.linear is None:
+            return ("full",) * self.n_layers
+        return self.linear.kinds(self.n_layers)
 
     def local_layers(self) -> tuple[bool, ...]:
         """Per layer: does it attend through the sliding window (True) or to everything?"""
