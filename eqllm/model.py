@@ -38,7 +38,14 @@ from eqllm.stack import REMAT_POLICIES as REMAT_POLICIES  # re-exported: the rem
 from eqllm.stack import dtype_of, layer_flag, layer_flags, make_block, make_norm, run_stacks
 
 # ModelConfig fields that change how the model runs, not what it computes.
-EXECUTION_FIELDS = ("scan_layers", "remat", "compute_dtype", "attention.kernel", "moe.impl")
+EXECUTION_FIELDS = (
+    "scan_layers",
+    "remat",
+    "compute_dtype",
+    "attention.kernel",
+    "moe.impl",
+    "linear.chunk_size",
+)
 
 
 class CausalLM(eqx.Module):
@@ -82,11 +89,14 @@ class CausalLM(eqx.Module):
         `**{"attention.kernel": "xla"}` or groups `attention={"kernel": "xla"}`).
 
         Architecture fields cannot change this way: they would change the weights' meaning.
-        `moe.impl` of a dense model is ignored (it has no experts to compute).
+        `moe.impl` of a dense model is ignored (it has no experts to compute), and so is
+        `linear.chunk_size` of a model without linear-attention layers.
         """
         changes = dotted(changes)
         if self.config.moe is None:
             changes.pop("moe.impl", None)
+        if self.config.linear is None:
+            changes.pop("linear.chunk_size", None)
         not_allowed = sorted(set(changes) - set(EXECUTION_FIELDS))
         if not_allowed:
             raise ValueError(
