@@ -33,9 +33,9 @@ from eqllm.nn import (
     Linear,
     RMSNorm,
 )
-from eqllm.parametrization import init_weights, scales
+from eqllm.parametrization import scales
 from eqllm.stack import REMAT_POLICIES as REMAT_POLICIES  # re-exported: the remat names
-from eqllm.stack import dtype_of, layer_flag, layer_flags, make_block, make_norm, run_stacks
+from eqllm.stack import dtype_of, initial_parts, layer_flag, layer_flags, run_stacks
 
 # ModelConfig fields that change how the model runs, not what it computes.
 EXECUTION_FIELDS = (
@@ -74,7 +74,7 @@ class CausalLM(eqx.Module):
     linear_blocks: Block | None = None
 
     def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
-        parts = _initial_parts(config, key)
+        parts = initial_parts(config, key)
         self.embed = parts["embed"]
         self.pos_embed = parts["pos_embed"]
         self.blocks = parts["blocks"]
@@ -316,64 +316,6 @@ class CausalLM(eqx.Module):
     ) -> tuple[Float[Array, " vocab"], tuple[KVCache | LatentCache, ...]]:
         """Feed one token at `position` after those in `cache`: `prefill` of a chunk of one."""
         return self.prefill(token[None], position[None], cache, layers=layers)
-
-
-@eqx.filter_jit
-def _initial_parts(config: ModelConfig, key: PRNGKeyArray) -> dict:
-    """The model's layers with their initial weights, built in one compiled call.
-
-    Compiled because building eagerly runs hundreds of tiny ops, each compiled on its own: for a
-    small model that is ~10x slower than this one XLA computation.
-    """
-    dtype = dtype_of(config.param_dtype)
-    k_embed, k_pos, k_blocks, k_head, k_init = jax.random.split(key, 5)
-    block_keys = jax.random.split(k_blocks, config.n_layers)
-    dense = 0 if config.moe is None else config.moe.dense_layers
-    kinds = config.layer_kinds()[dense:]
-    parts = {
-        "embed": Embedding(
-            config.vocab_size, config.d_model, axes=("vocab", "d_model"), key=k_embed, dtype=dtype
-        ),
-        "pos_embed": (
-            Embedding(
-                config.max_seq_len,
-                config.d_model,
-                axes=("positions", "d_model"),
-                key=k_pos,
-                dtype=dtype,
-            )
-            if config.positions.kind == "learned"
-            else None
-        ),
-        "blocks": eqx.filter_vmap(lambda k: make_block(config, k))(
-            block_keys[dense:][np.array(kinds) == "full"]
-        ),
-        "linear_blocks": (
-            eqx.filter_vmap(lambda k: make_block(config, k, linear=True))(
-                block_keys[dense:][np.array(kinds) == "linear"]
-            )
-            if "linear" in kinds
-            else None
-        ),
-        "dense_blocks": (
-            eqx.filter_vmap(lambda k: make_block(config, k, dense=True))(block_keys[:dense])
-            if dense
-            else None
-        ),
-        "lm_head": (
-            None
-            if config.tie_embeddings
-            else Linear(
-                config.d_model,
-                config.vocab_size,
-                axes=("vocab", "d_model"),
-                key=k_head,
-                dtype=dtype,
-            )
-        ),
-    }
-    weights = init_weights(parts, k_init, scales=scales(config), init_std=config.init_std)
-    return {**weights, "final_norm": make_norm(config, dtype)}
 
 
 def refuse_cached(config: ModelConfig) -> None:

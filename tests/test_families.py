@@ -117,9 +117,7 @@ def test_export_loads_in_transformers_with_the_same_logits(twin, tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     assert type(reloaded).__name__ == families.get(twin.tiny.family).architecture
     exported = hf_logits(reloaded.eval(), TOKENS)
-    np.testing.assert_allclose(
-        exported, logits(twin.model, TOKENS), atol=twin.tiny.atol, rtol=0
-    )
+    np.testing.assert_allclose(exported, logits(twin.model, TOKENS), atol=twin.tiny.atol, rtol=0)
     state = reloaded.state_dict()
     for name, p in twin.hf.state_dict().items():
         np.testing.assert_array_equal(state[name].numpy(), p.numpy(), name)
@@ -159,9 +157,7 @@ def test_cached_decoding_equals_the_full_forward(twin, prefill, length):
 
 
 # By default: learned positions, a ring-buffer cache that wraps, alternating windowed layers.
-@pytest.mark.parametrize(
-    "name", params({"gpt2", "mistral", "gemma2"}, where=lambda t: t.generates)
-)
+@pytest.mark.parametrize("name", params({"gpt2", "mistral", "gemma2"}, where=lambda t: t.generates))
 def test_greedy_equals_transformers_generate(twins, name):
     """eqllm.generate's greedy continuation is the one transformers' generate picks."""
     pair = twins(name)

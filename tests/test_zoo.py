@@ -26,6 +26,7 @@ RESEARCH = [
     "qwen3_moe-nano",
     "pythia-nano",
     "smollm3-nano",
+    "qwen3_5-nano",
 ]
 PUBLISHED = [
     "gpt2-small",
@@ -99,6 +100,7 @@ NANOS = [
     "qwen3_moe-nano",
     "pythia-nano",
     "smollm3-nano",
+    "qwen3_5-nano",
 ]
 
 

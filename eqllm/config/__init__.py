@@ -35,6 +35,7 @@ from eqllm.config.groups import (
 )
 from eqllm.config.keys import dotted, expand, merge
 from eqllm.config.legacy import from_flat
+from eqllm.config.linear import check_hybrid
 from eqllm.config.validation import (
     STRICT,
     ConfigError,
@@ -203,26 +204,8 @@ class ModelConfig:
             "is only defined for dense models here (a router's width scaling is not); use 'sp' "
             "with moe",
         )
-        if (lin := self.linear) is not None:
-            require(
-                self.n_layers % lin.full_every == 0,
-                "ModelConfig.n_layers",
-                self.n_layers,
-                f"must be a multiple of linear.full_every={lin.full_every} (the stack scans "
-                "whole groups of layers)",
-            )
-            for path, plain in (
-                ("attention.global_every", None),
-                ("positions.nope_every", None),
-                ("attention.kind", "gqa"),
-                ("moe.dense_layers", None if self.moe is None else 0),
-            ):
-                require(
-                    self.at(path) == plain,
-                    f"ModelConfig.{path}",
-                    self.at(path),
-                    f"must be {plain} in a hybrid stack (with linear)",
-                )
+        if self.linear is not None:
+            check_hybrid(self)
         if self.moe is not None:
             require(
                 self.moe.dense_layers < self.n_layers,
@@ -338,7 +321,9 @@ class ModelConfig:
         With experts, the matmul parameters are the active ones: the router, the
         `experts_per_token` experts a token reaches and the shared expert. Matmul parameters
         exclude the embedding table unless it is tied into the LM head (then
-        it is counted once, as the head). Attention uses the PaLM convention (appendix B) without
+        it is counted once, as the head); a hybrid's linear-attention layers count their
+        projections (the delta rule's own products, linear in T, are left out). Attention uses
+        the PaLM convention (appendix B) without
         halving for the causal mask; T is `seq_len` (default: max_seq_len), capped by the
         sliding window in the layers that have it.
         """
@@ -358,9 +343,19 @@ class ModelConfig:
             shared = 3 * d * moe.shared_d_ff + gate if moe.shared_d_ff else 0
             mlp = d * moe.n_experts + 3 * d * self.expert_d_ff * moe.experts_per_token + shared
             dense_layers = moe.dense_layers
+        if a.output_gate:
+            attn += d * h * q
         head = d * self.vocab_size
         sparse_layers = self.n_layers - dense_layers
-        matmul_params = self.n_layers * attn + sparse_layers * mlp + dense_layers * dense + head
+        full = self.layer_kinds().count("full")
+        matmul_params = full * attn + sparse_layers * mlp + dense_layers * dense + head
+        if (lin := self.linear) is not None:  # q, k, v, z, b, a and out of each linear layer
+            keys, values = (
+                lin.n_key_heads * lin.key_head_dim,
+                lin.n_value_heads * lin.value_head_dim,
+            )
+            linear = d * (2 * keys + 3 * values + 2 * lin.n_value_heads)
+            matmul_params += (self.n_layers - full) * linear
         return 6.0 * matmul_params + self.attention_flops_per_token(seq_len)
 
     def attention_flops_per_token(self, seq_len: int | None = None) -> float:
@@ -372,7 +367,8 @@ class ModelConfig:
         window = self.attention.sliding_window
         t = sum(min(full, window) if w else full for w in self.local_layers()) / self.n_layers
         values = self.attention.v_head_dim if self.attention.kind == "mla" else self.head_dim
-        return 6.0 * self.n_layers * self.attention.n_heads * (self.head_dim + values) * t
+        layers = self.layer_kinds().count("full")  # a hybrid's linear layers: no T-long scores
+        return 6.0 * layers * self.attention.n_heads * (self.head_dim + values) * t
 
 
 def field_names() -> list[str]:

@@ -53,4 +53,26 @@ class LinearAttentionConfig:
 
     def kinds(self, n_layers: int) -> tuple[str, ...]:
         """Per layer: "linear" or "full" (every full_every-th layer, counting from 1)."""
-        return tuple("full" if (i + 1) % self.full_every == 0 else "linear" for i in range(n_layers))
+        return tuple(
+            "full" if (i + 1) % self.full_every == 0 else "linear" for i in range(n_layers)
+        )
+
+
+def check_hybrid(cfg) -> None:
+    """Raise unless a ModelConfig with `linear` is a stack the groups scan can run: whole groups
+    of layers, and none of the per-layer switches of the other stacks."""
+    every = cfg.linear.full_every
+    require(
+        cfg.n_layers % every == 0,
+        "ModelConfig.n_layers",
+        cfg.n_layers,
+        f"must be a multiple of linear.full_every={every} (the stack scans whole groups)",
+    )
+    for path, plain in (
+        ("attention.global_every", None),
+        ("positions.nope_every", None),
+        ("attention.kind", "gqa"),
+        ("moe.dense_layers", None if cfg.moe is None else 0),
+    ):
+        value = cfg.at(path)
+        require(value == plain, f"ModelConfig.{path}", value, f"must be {plain} in a hybrid stack")

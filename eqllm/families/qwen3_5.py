@@ -24,6 +24,7 @@ from eqllm.families.base import (
     rows,
 )
 
+
 def _table(body: str) -> tuple:
     """The key table with the language model's tensors under `body` ("model." for
     Qwen3_5ForCausalLM, "model.language_model." for the published vision-language files)."""

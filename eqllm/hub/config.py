@@ -78,7 +78,8 @@ def language_model(hf: dict[str, Any]) -> dict[str, Any]:
         text.setdefault("tie_word_embeddings", hf["tie_word_embeddings"])
     left = sorted(k for k in hf if k.endswith("_config") and k != "text_config")
     log.warning(
-        "%s config.json: reading the language model (text_config) as %s; left out: %s (the vision tower)",
+        "%s config.json: reading the language model (text_config) as %s; left out: %s "
+        "(the vision tower)",
         hf["model_type"],
         wrapped.architecture,
         ", ".join(left) or "rest",

@@ -52,8 +52,8 @@ from eqllm.hub.tables import (
     TIED_HEAD,
     fused_order,
     indices,
-    stack_layers,
     rows_for,
+    stack_layers,
     tensor_name,
 )
 from eqllm.model import CausalLM, dtype_of
@@ -244,20 +244,15 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
     if config.tie_embeddings:
         _check_tied_head(reader, arrays["embed.weight"], used)
     extra = sorted(n for n in set(reader.tensors) - used if not BUFFERS.match(n))
-    ignored = families.get(config.family).ignored
-    skipped = [n for n in extra if ignored is not None and re.match(ignored, n)]
-    if skipped:
+    family = families.get(config.family)
+    skipped = [n for n in extra if family.ignored is not None and re.match(family.ignored, n)]
+    if skipped:  # a vision tower, multi-token prediction: as transformers' class skips them
         log.warning(
-            "skipping %d tensors eqllm's %s does not use (%s ...): %s",
-            len(skipped),
-            config.family,
-            skipped[0],
-            "the vision tower and multi-token prediction layers, as transformers' "
-            f"{families.get(config.family).architecture} does",
+            f"skipping {len(skipped)} tensors {family.architecture} does not use: {skipped[0]} ..."
         )
         extra = [n for n in extra if n not in skipped]
     beyond = [n for n in extra if _layer_of(n, prefix) >= config.n_layers]
-    if beyond and families.get(config.family).skip_extra_layers:
+    if beyond and family.skip_extra_layers:
         layers = sorted({_layer_of(n, prefix) for n in beyond})
         log.warning(
             "skipping %d tensors of layers %s past num_hidden_layers=%d (multi-token "

@@ -146,16 +146,10 @@ def chunked(
     # UT transform: (I + strictly_lower(k_beta k^T * decay)) u = v * beta, and w likewise for
     # the keys decayed from the chunk's start; v - w S is then what each token writes.
     system = jnp.einsum("nhid,nhjd->nhij", k_beta, k) * decay
-    system = jnp.tril(system, -1) + jnp.eye(chunk_size)
+    inverse = unit_lower_inverse(jnp.tril(system, -1))
     from_start = jnp.exp(cum) * carry[:, None]  # (n, heads, chunk)
-
-    def solve(b):
-        return jax.lax.linalg.triangular_solve(
-            system, b, left_side=True, lower=True, unit_diagonal=True
-        )
-
-    u = solve(v * beta[..., None])
-    w = solve(k_beta * from_start[..., None])
+    u = inverse @ (v * beta[..., None])
+    w = inverse @ (k_beta * from_start[..., None])
     attn = jnp.einsum("nhid,nhjd->nhij", q, k) * decay  # within the chunk, diagonal included
     q_start = q * from_start[..., None]
     # Keys decayed to the chunk's end (only the last document's tokens reach the state).
@@ -174,6 +168,23 @@ def chunked(
     # (chunks, heads, chunk, d_v) -> (chunks, chunk, heads, d_v) -> (seq, heads, d_v)
     out = jnp.swapaxes(out, 1, 2).reshape(n * chunk_size, *out.shape[1:2], out.shape[-1])
     return out[:seq].astype(out_dtype), state
+
+
+def unit_lower_inverse(lower: Float[Array, "*rows n n"]) -> Float[Array, "*rows n n"]:
+    """(I + lower)^-1 for a strictly lower triangular `lower`, by forward substitution one row
+    at a time (as transformers' `torch_chunk_gated_delta_rule` and FLA compute it).
+
+    Matrix products and a `fori_loop` only: LAPACK's triangular solve, which XLA on CPU calls
+    for `lax.linalg.triangular_solve`, hung training steps here when two ran at once.
+    """
+    n = lower.shape[-1]
+    cols = jnp.arange(n)
+
+    def row(i, a):  # a[i, :i] += a[i, :i] @ a[:i, :i], rows above i already final
+        update = jnp.einsum("...k,...kj->...j", a[..., i, :], a)
+        return a.at[..., i, :].add(jnp.where(cols < i, update, 0))
+
+    return jax.lax.fori_loop(1, n, row, -lower) + jnp.eye(n, dtype=lower.dtype)
 
 
 def causal_conv(
