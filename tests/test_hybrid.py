@@ -120,3 +120,25 @@ def test_vision_language_checkpoint_reads_as_its_language_model(tmp_path, caplog
     assert model.config.family == "qwen3_5"
     tokens = np.random.default_rng(0).integers(0, 97, 40)
     np.testing.assert_allclose(logits(model, tokens), hf_logits(hf, tokens), atol=1e-4, rtol=0)
+
+
+def test_a_hybrid_recipe_that_asks_for_samples_is_refused_before_training():
+    from eqllm.recipe import RecipeError, load_recipe
+    from eqllm.train.setup import build_model
+
+    recipe = load_recipe("qwen3_5-nano")
+    assert recipe.eval.sample_prompts == ()  # the shipped recipe trains without samples
+    with pytest.raises(RecipeError, match="set eval.sample_prompts = \\[\\]"):
+        build_model(recipe.replace("eval.sample_prompts", ["def "]), 4096)
+
+
+def test_remat_recomputes_the_same_gradients(model):
+    """Under a remat policy each layer of the group is checkpointed on its own."""
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 97, (2, 24)))
+
+    def grads(m):
+        return eqx.filter_grad(lambda m: m(tokens).mean())(m)
+
+    plain, remat = grads(model), grads(model.with_config(remat="full"))
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(remat), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
