@@ -111,8 +111,8 @@ def chunked(
     Within a chunk of `chunk_size` tokens the delta-rule updates are folded into a few matrix
     products by the UT transform (the inverse of a unit lower-triangular matrix, row by row, as
     transformers' `torch_chunk_gated_delta_rule` and FLA compute it); a `lax.scan` then carries
-    S across chunks. A sequence whose length is not a multiple of the chunk is padded with tokens that
-    change nothing (k = v = 0, g = 0). Arguments and results as `recurrent`.
+    S across chunks. A sequence whose length is not a multiple of the chunk is padded with tokens
+    that change nothing (k = v = 0, g = 0). Arguments and results as `recurrent`.
 
     This function is the one seam for a fused kernel: a Pallas (or Triton) implementation of
     the chunked rule with this signature can replace its body and nothing else changes.
