@@ -33,12 +33,19 @@ from eqllm.nn import (
     Linear,
     RMSNorm,
 )
-from eqllm.parametrization import init_weights, scales
+from eqllm.parametrization import scales
 from eqllm.stack import REMAT_POLICIES as REMAT_POLICIES  # re-exported: the remat names
-from eqllm.stack import dtype_of, layer_flag, layer_flags, make_block, make_norm, run_stacks
+from eqllm.stack import dtype_of, initial_parts, layer_flag, layer_flags, run_stacks
 
 # ModelConfig fields that change how the model runs, not what it computes.
-EXECUTION_FIELDS = ("scan_layers", "remat", "compute_dtype", "attention.kernel", "moe.impl")
+EXECUTION_FIELDS = (
+    "scan_layers",
+    "remat",
+    "compute_dtype",
+    "attention.kernel",
+    "moe.impl",
+    "linear.chunk_size",
+)
 
 
 class CausalLM(eqx.Module):
@@ -62,9 +69,12 @@ class CausalLM(eqx.Module):
     # The first moe.dense_layers layers of a mixture of experts with a dense MLP (DeepSeek's
     # first_k_dense_replace), stacked alike; None otherwise. `blocks` holds the rest.
     dense_blocks: Block | None = None
+    # A hybrid's linear-attention (Gated DeltaNet) layers, stacked alike, in layer order; None
+    # otherwise. `blocks` then holds its full-attention layers (`ModelConfig.layer_kinds`).
+    linear_blocks: Block | None = None
 
     def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
-        parts = _initial_parts(config, key)
+        parts = initial_parts(config, key)
         self.embed = parts["embed"]
         self.pos_embed = parts["pos_embed"]
         self.blocks = parts["blocks"]
@@ -72,17 +82,21 @@ class CausalLM(eqx.Module):
         self.lm_head = parts["lm_head"]
         self.config = config
         self.dense_blocks = parts["dense_blocks"]
+        self.linear_blocks = parts["linear_blocks"]
 
     def with_config(self, **changes) -> CausalLM:
         """The same weights under changed execution settings (EXECUTION_FIELDS, as dotted keys
         `**{"attention.kernel": "xla"}` or groups `attention={"kernel": "xla"}`).
 
         Architecture fields cannot change this way: they would change the weights' meaning.
-        `moe.impl` of a dense model is ignored (it has no experts to compute).
+        `moe.impl` of a dense model is ignored (it has no experts to compute), and so is
+        `linear.chunk_size` of a model without linear-attention layers.
         """
         changes = dotted(changes)
         if self.config.moe is None:
             changes.pop("moe.impl", None)
+        if self.config.linear is None:
+            changes.pop("linear.chunk_size", None)
         not_allowed = sorted(set(changes) - set(EXECUTION_FIELDS))
         if not_allowed:
             raise ValueError(
@@ -142,7 +156,13 @@ class CausalLM(eqx.Module):
         model = cast_floating(self, dtype_of(cfg.compute_dtype))  # the one compute-dtype cast
         x = model.embed_inputs(tokens, positions)
         x, router_logits = run_stacks(
-            model.dense_blocks, model.blocks, x, None if in_order else positions, cfg, segment_ids
+            model.dense_blocks,
+            model.blocks,
+            x,
+            None if in_order else positions,
+            cfg,
+            segment_ids,
+            model.linear_blocks,
         )
         return model.final_norm(x), router_logits
 
@@ -185,6 +205,7 @@ class CausalLM(eqx.Module):
         are cached (grouped-query attention shares them), in the compute dtype.
         """
         cfg = self.config
+        refuse_cached(cfg)
         dtype = dtype_of(cfg.compute_dtype)
         full = min(length, cfg.max_seq_len)
         a = cfg.attention
@@ -202,6 +223,7 @@ class CausalLM(eqx.Module):
         Pass them to `prefill` / `decode` called in a compiled loop: sliced inside the loop, every
         layer's weights were copied at every step (halving decode speed on CPU, gpt2-small).
         """
+        refuse_cached(self.config)
         dtype = dtype_of(self.config.compute_dtype)
         layers = []
         for stack in (self.dense_blocks, self.blocks):
@@ -296,52 +318,15 @@ class CausalLM(eqx.Module):
         return self.prefill(token[None], position[None], cache, layers=layers)
 
 
-@eqx.filter_jit
-def _initial_parts(config: ModelConfig, key: PRNGKeyArray) -> dict:
-    """The model's layers with their initial weights, built in one compiled call.
-
-    Compiled because building eagerly runs hundreds of tiny ops, each compiled on its own: for a
-    small model that is ~10x slower than this one XLA computation.
-    """
-    dtype = dtype_of(config.param_dtype)
-    k_embed, k_pos, k_blocks, k_head, k_init = jax.random.split(key, 5)
-    block_keys = jax.random.split(k_blocks, config.n_layers)
-    dense = 0 if config.moe is None else config.moe.dense_layers
-    parts = {
-        "embed": Embedding(
-            config.vocab_size, config.d_model, axes=("vocab", "d_model"), key=k_embed, dtype=dtype
-        ),
-        "pos_embed": (
-            Embedding(
-                config.max_seq_len,
-                config.d_model,
-                axes=("positions", "d_model"),
-                key=k_pos,
-                dtype=dtype,
-            )
-            if config.positions.kind == "learned"
-            else None
-        ),
-        "blocks": eqx.filter_vmap(lambda k: make_block(config, k))(block_keys[dense:]),
-        "dense_blocks": (
-            eqx.filter_vmap(lambda k: make_block(config, k, dense=True))(block_keys[:dense])
-            if dense
-            else None
-        ),
-        "lm_head": (
-            None
-            if config.tie_embeddings
-            else Linear(
-                config.d_model,
-                config.vocab_size,
-                axes=("vocab", "d_model"),
-                key=k_head,
-                dtype=dtype,
-            )
-        ),
-    }
-    weights = init_weights(parts, k_init, scales=scales(config), init_std=config.init_std)
-    return {**weights, "final_norm": make_norm(config, dtype)}
+def refuse_cached(config: ModelConfig) -> None:
+    """Raise for a model cached inference cannot run yet: a hybrid's linear-attention layers
+    have recurrent state, which the KV cache does not carry."""
+    if config.linear is not None:
+        raise EqllmError(
+            f"generation of hybrid linear-attention models is not supported yet "
+            f"(family={config.family!r}, linear.kind={config.linear.kind!r}): the KV cache "
+            "carries no recurrent state; use the full forward, model(tokens), instead"
+        )
 
 
 def check_tokens(tokens, config: ModelConfig) -> None:

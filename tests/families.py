@@ -93,6 +93,9 @@ class Tiny:
         published: zoo names of released sizes -> the parameter count their release gives: the
             total, or (total, active); each exact (an `int`) or in billions as the model card
             rounds them (a string, "46.7").
+        atol: the tolerance of its logits against transformers' (fp32 both sides).
+        generates: cached generation runs it; False: it refuses with an EqllmError (a
+            hybrid's recurrent state is not in the cache yet).
     """
 
     name: str
@@ -101,6 +104,8 @@ class Tiny:
     gguf: bool = False
     lora: tuple[str, ...] | None = None
     published: dict[str, Count | tuple[Count, Count]] = dataclasses.field(default_factory=dict)
+    atol: float = 1e-5
+    generates: bool = True
 
     @property
     def family(self) -> str:
@@ -369,6 +374,26 @@ FAMILIES = [
         _zoo("deepseek_v2-nano", **{**_MLA, "moe": {**_MLA["moe"], "routed_scale": 1.5}}),
         lora=tuple(t for t in _MLA_LORA if t not in ("q_a_proj", "q_b_proj")) + ("q_proj",),
         published={"deepseek-v2-lite": 15_706_484_224},
+    ),
+    # Gated DeltaNet, gated attention, Gated DeltaNet, gated attention: two groups of the
+    # pattern, key heads fewer than value heads, a quarter of each head rotated, (1 + w) norms.
+    # Both sides' chunked delta rule in fp32 lie ~1e-5 from an fp64 reference, hence 1e-4.
+    Tiny(
+        "qwen3_5",
+        _zoo(
+            "qwen3_5-nano",
+            n_layers=4,
+            attention={"n_kv_heads": 2, "head_dim": 16},
+            linear={
+                "full_every": 2,
+                "n_key_heads": 2,
+                "n_value_heads": 4,
+                "key_head_dim": 8,
+                "value_head_dim": 8,
+            },
+        ),
+        atol=1e-4,
+        generates=False,
     ),
 ]
 # tests/conftest.py records here the parametrised tests none of whose cases runs by default;

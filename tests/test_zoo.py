@@ -27,6 +27,7 @@ RESEARCH = [
     "glm4_moe-nano",
     "pythia-nano",
     "smollm3-nano",
+    "qwen3_5-nano",
 ]
 PUBLISHED = [
     "gpt2-small",
@@ -105,6 +106,7 @@ NANOS = [
     "glm4_moe-nano",
     "pythia-nano",
     "smollm3-nano",
+    "qwen3_5-nano",
 ]
 
 

@@ -26,6 +26,7 @@ from eqllm.config.groups import (
     GROUPS,
     SUBGROUPS,
     AttentionConfig,
+    LinearAttentionConfig,
     MLPConfig,
     MoEConfig,
     NormsConfig,
@@ -34,6 +35,7 @@ from eqllm.config.groups import (
 )
 from eqllm.config.keys import dotted, expand, merge
 from eqllm.config.legacy import from_flat
+from eqllm.config.linear import check_hybrid
 from eqllm.config.validation import (
     STRICT,
     ConfigError,
@@ -50,6 +52,7 @@ __all__ = [
     "AttentionConfig",
     "ConfigError",
     "DType",
+    "LinearAttentionConfig",
     "MLPConfig",
     "ModelConfig",
     "MoEConfig",
@@ -89,7 +92,8 @@ class ModelConfig:
     `attention` (heads, kv heads, head size, biases, QK-norm, soft-cap, windows, scale, kernel),
     `positions` (RoPE with its base, fraction and scaling, or learned), `mlp` (kind, d_ff,
     bias), `moe` (None: a dense MLP in every block), `norms` (kind, eps, plus-one, bias,
-    placement).
+    placement), `linear` (None: attention in every layer; else Gated DeltaNet layers between
+    every `full_every`-th attention layer, a hybrid stack).
 
     Whole-model switches: `family` (a name of the families registry), `tie_embeddings`,
     `embed_scale` (multiply token embeddings by sqrt(d_model), as Gemma does), `final_softcap`
@@ -120,6 +124,7 @@ class ModelConfig:
     positions: PositionsConfig = dataclasses.field(default_factory=PositionsConfig)
     norms: NormsConfig = dataclasses.field(default_factory=NormsConfig)
     moe: MoEConfig | None = None
+    linear: LinearAttentionConfig | None = None
     family: Annotated[Family, Field(min_length=1)] = "llama"
     tie_embeddings: bool = False
     embed_scale: bool = False
@@ -199,6 +204,8 @@ class ModelConfig:
             "is only defined for dense models here (a router's width scaling is not); use 'sp' "
             "with moe",
         )
+        if self.linear is not None:
+            check_hybrid(self)
         if self.moe is not None:
             require(
                 self.moe.dense_layers < self.n_layers,
@@ -229,6 +236,12 @@ class ModelConfig:
         if self.attention.kind == "mla":
             return self.attention.qk_rope_head_dim
         return int(self.attention.head_dim * self.positions.fraction)
+
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Per layer: "full" (softmax attention) or "linear" (Gated DeltaNet, `linear`)."""
+        if self.linear is None:
+            return ("full",) * self.n_layers
+        return self.linear.kinds(self.n_layers)
 
     def local_layers(self) -> tuple[bool, ...]:
         """Per layer: does it attend through the sliding window (True) or to everything?"""
@@ -308,7 +321,9 @@ class ModelConfig:
         With experts, the matmul parameters are the active ones: the router, the
         `experts_per_token` experts a token reaches and the shared expert. Matmul parameters
         exclude the embedding table unless it is tied into the LM head (then
-        it is counted once, as the head). Attention uses the PaLM convention (appendix B) without
+        it is counted once, as the head); a hybrid's linear-attention layers count their
+        projections (the delta rule's own products, linear in T, are left out). Attention uses
+        the PaLM convention (appendix B) without
         halving for the causal mask; T is `seq_len` (default: max_seq_len), capped by the
         sliding window in the layers that have it.
         """
@@ -328,9 +343,19 @@ class ModelConfig:
             shared = 3 * d * moe.shared_d_ff + gate if moe.shared_d_ff else 0
             mlp = d * moe.n_experts + 3 * d * self.expert_d_ff * moe.experts_per_token + shared
             dense_layers = moe.dense_layers
+        if a.output_gate:
+            attn += d * h * q
         head = d * self.vocab_size
         sparse_layers = self.n_layers - dense_layers
-        matmul_params = self.n_layers * attn + sparse_layers * mlp + dense_layers * dense + head
+        full = self.layer_kinds().count("full")
+        matmul_params = full * attn + sparse_layers * mlp + dense_layers * dense + head
+        if (lin := self.linear) is not None:  # q, k, v, z, b, a and out of each linear layer
+            keys, values = (
+                lin.n_key_heads * lin.key_head_dim,
+                lin.n_value_heads * lin.value_head_dim,
+            )
+            linear = d * (2 * keys + 3 * values + 2 * lin.n_value_heads)
+            matmul_params += (self.n_layers - full) * linear
         return 6.0 * matmul_params + self.attention_flops_per_token(seq_len)
 
     def attention_flops_per_token(self, seq_len: int | None = None) -> float:
@@ -342,7 +367,8 @@ class ModelConfig:
         window = self.attention.sliding_window
         t = sum(min(full, window) if w else full for w in self.local_layers()) / self.n_layers
         values = self.attention.v_head_dim if self.attention.kind == "mla" else self.head_dim
-        return 6.0 * self.n_layers * self.attention.n_heads * (self.head_dim + values) * t
+        layers = self.layer_kinds().count("full")  # a hybrid's linear layers: no T-long scores
+        return 6.0 * layers * self.attention.n_heads * (self.head_dim + values) * t
 
 
 def field_names() -> list[str]:

@@ -54,6 +54,10 @@ class AttentionConfig:
     attention in the model, "cudnn" uses cuDNN's fused
     kernel, "auto" the fused kernel where it can run (see `eqllm.attention_backend`).
 
+    `output_gate`: the heads' output is multiplied by sigmoid of a second query-sized
+    projection of the input before the output projection (Qwen3-Next and Qwen3.5's gated
+    attention).
+
     `kind` "gqa": the attention above; "mla": DeepSeek's multi-head latent attention
     (`eqllm.nn.mla`), keys and values from a shared `kv_lora_rank` latent, per-head
     `qk_nope_head_dim` and rotated `qk_rope_head_dim` query/key parts and `v_head_dim` values,
@@ -84,6 +88,7 @@ class AttentionConfig:
     qk_rope_head_dim: Positive | None = None
     v_head_dim: Positive | None = None
     rope_interleave: bool = False
+    output_gate: bool = False
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -108,6 +113,7 @@ class AttentionConfig:
                 "sliding_window": None,
                 "query_pre_attn_scalar": None,
                 "sinks": False,
+                "output_gate": False,
             }
             for name, wanted in plain.items():
                 value = getattr(self, name)
@@ -326,6 +332,7 @@ class NormsConfig:
 
 
 from eqllm.config.experts import MoEConfig  # noqa: E402  (it uses the helpers above)
+from eqllm.config.linear import LinearAttentionConfig  # noqa: E402
 
 # The groups ModelConfig holds, by field name.
 GROUPS: dict[str, type] = {
@@ -334,6 +341,7 @@ GROUPS: dict[str, type] = {
     "mlp": MLPConfig,
     "moe": MoEConfig,
     "norms": NormsConfig,
+    "linear": LinearAttentionConfig,
 }
 # Groups nested inside a group, by (group, field).
 SUBGROUPS: dict[tuple[str, str], type] = {("positions", "scaling"): RopeScalingConfig}

@@ -16,7 +16,7 @@ from eqllm.config import ConfigError
 from eqllm.errors import did_you_mean
 from eqllm.families.base import Family, Row
 
-__all__ = ["Family", "Row", "for_model_type", "get", "names"]
+__all__ = ["Family", "Row", "every", "for_model_type", "get", "names"]
 
 _NOT_FAMILIES = {"base"}
 
@@ -37,6 +37,11 @@ def _families() -> dict[str, Family]:
 def names() -> list[str]:
     """Family names, oldest first."""
     return list(_families())
+
+
+def every() -> list[Family]:
+    """Every family, oldest first."""
+    return list(_families().values())
 
 
 def get(name: str) -> Family:

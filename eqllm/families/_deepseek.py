@@ -3,7 +3,7 @@ keys, the dense prefix (`first_k_dense_replace`) and the routed plus always-on s
 
 A checkpoint's layers 0 .. first_k_dense_replace - 1 have a dense MLP (`dense_blocks` here),
 the rest the mixture (`blocks`); the key table names both stacks with the same `{i}` templates
-and the hub numbers each stack's layers from its first (`eqllm.hub.tables.layer_span`).
+and the hub numbers each stack's layers from its first (`eqllm.hub.tables.stack_layers`).
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ class Row:
     n_heads] (GPT-NeoX's query_key_value: q, k and v of head 0, then of head 1, ...) rather than
     one part after the other; `interleaved` one whose parts alternate entry by entry (gpt-oss's
     gate_up_proj: gate 0, up 0, gate 1, ...). `transposed` marks matrices stored (in, out), as
-    tensors used as x @ W are (gpt-oss's experts): the last two axes swapped.
+    tensors used as x @ W are (gpt-oss's experts): the last two axes swapped. `depthwise` marks
+    torch's depthwise Conv1d weight [channels, 1, kernel], held without its middle axis.
     """
 
     hf: str
@@ -40,6 +41,7 @@ class Row:
     per_head: bool = False
     interleaved: bool = False
     transposed: bool = False
+    depthwise: bool = False
 
     @property
     def layered(self) -> bool:
@@ -94,6 +96,11 @@ class Family:
             the new name and reads either.
         also_reads: other `model_type` values of config.json files the family reads (Kimi K2
             ships DeepSeek-V3's architecture as "kimi_k2"); export writes `model_type`.
+        wrapper: the `model_type` of a vision-language config.json that holds this family's
+            config in `text_config` (Qwen3.5's `qwen3_5`): import reads the language model and
+            says in one line that the vision tower is left out.
+        ignored: a pattern of checkpoint tensor names import skips, with one line saying so
+            (a vision tower, multi-token-prediction layers); None: every tensor must be read.
     """
 
     name: str
@@ -114,6 +121,8 @@ class Family:
     gguf_refuses: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: {}
     module_renames: dict[str, str] = dataclasses.field(default_factory=dict)
     also_reads: tuple[str, ...] = ()
+    wrapper: str | None = None
+    ignored: str | None = None
 
     @property
     def embed_name(self) -> str:
@@ -142,6 +151,8 @@ PLAIN = {
     "attention.sinks": False,
     "positions.nope_every": None,
     "attention.kind": "gqa",
+    "attention.output_gate": False,
+    "linear": None,
     **DENSE,
 }
 

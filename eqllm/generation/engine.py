@@ -51,7 +51,7 @@ from eqllm.generation.scheduler import Scheduler
 from eqllm.generation.sizing import MIN_CHUNK, Buckets, pool_blocks, round_up
 from eqllm.generation.steps import NO_TOKEN
 from eqllm.hostmem import release_free_memory
-from eqllm.model import CausalLM
+from eqllm.model import CausalLM, refuse_cached
 
 
 class Engine:
@@ -98,6 +98,7 @@ class Engine:
         view_lengths: Sequence[int] | None = None,
     ):
         cfg = model.config
+        refuse_cached(cfg)  # a hybrid's recurrent state has no place in the paged cache yet
         max_len = cfg.max_seq_len if max_len is None else max_len
         if not 1 <= max_batch <= 4096:
             raise ServeError(f"max_batch={max_batch} must be between 1 and 4096")

@@ -29,7 +29,7 @@ from safetensors.numpy import load_file, save_file
 
 from eqllm import families
 from eqllm.families import Row
-from eqllm.hub.tables import fused_order, layer_span
+from eqllm.hub.tables import fused_order, stack_layers
 from eqllm.lora import LoraError, LoraLinear, adapters, get_path, is_lora, module_names
 from eqllm.model import CausalLM
 from eqllm.nn import Linear
@@ -67,8 +67,8 @@ def _instances(row: Row, config) -> list[tuple[int | None, str]]:
     layered row fills its own stack (DeepSeek's dense prefix, or the layers after it)."""
     module = _module(row, config.family)
     if row.layered:
-        first, count = layer_span(row, config)
-        return [(i, _PREFIX + module.format(i=first + i)) for i in range(count)]
+        layers = stack_layers(row, config)
+        return [(i, _PREFIX + module.format(i=n)) for i, n in enumerate(layers)]
     return [(None, _PREFIX + module)]
 
 

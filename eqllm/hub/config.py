@@ -7,11 +7,14 @@ model. What differs between families is in `eqllm/families/<name>.py`.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from eqllm import families
 from eqllm.config import ConfigError, ModelConfig
 from eqllm.families.base import COMMON_KEYS, is_metadata
+
+log = logging.getLogger("eqllm.hub")
 
 
 def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -41,6 +44,7 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     token ids, private names, transformers' bookkeeping and generation defaults) is refused,
     naming the key.
     """
+    hf = language_model(hf)
     family = families.for_model_type(hf.get("model_type"))
     # transformers 4's PretrainedConfig writes `pruned_heads` (attention heads removed, per
     # layer) into every full dump of a config; empty, it is bookkeeping like the rest.
@@ -59,3 +63,25 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
         )
     hf = {**family.defaults, **hf}
     return ModelConfig.from_dict({**family.fixed, **family.from_hf(hf), "family": family.name})
+
+
+def language_model(hf: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config.json of a vision-language one whose `model_type` a family
+    names as its `wrapper` (its `text_config`, tied as the outer file says where it does not);
+    any other `hf` as it is. Says in one line what is left out."""
+    wrapped = next((f for f in families.every() if f.wrapper == hf.get("model_type")), None)
+    if wrapped is None or not isinstance(hf.get("text_config"), dict):
+        return hf
+    text = dict(hf["text_config"])
+    text.setdefault("model_type", wrapped.model_type)
+    if "tie_word_embeddings" in hf:
+        text.setdefault("tie_word_embeddings", hf["tie_word_embeddings"])
+    left = sorted(k for k in hf if k.endswith("_config") and k != "text_config")
+    log.warning(
+        "%s config.json: reading the language model (text_config) as %s; left out: %s "
+        "(the vision tower)",
+        hf["model_type"],
+        wrapped.architecture,
+        ", ".join(left) or "rest",
+    )
+    return text

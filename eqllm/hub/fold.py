@@ -60,6 +60,12 @@ def fold_multipliers(model: CausalLM) -> CausalLM:
             lambda b: b.attn.q_proj, blocks, _times(blocks.attn.q_proj, s.attention)
         )
     model = eqx.tree_at(lambda m: m.blocks, model, blocks)
+    if (linear := model.linear_blocks) is not None and s.branch != 1.0:  # a hybrid's other stack
+        linear = eqx.tree_at(
+            lambda b: b.attn.out_proj, linear, _times(linear.attn.out_proj, s.branch)
+        )
+        linear = eqx.tree_at(lambda b: b.mlp.down, linear, _times(linear.mlp.down, s.branch))
+        model = eqx.tree_at(lambda m: m.linear_blocks, model, linear)
     sp = cfg.replace(parametrization="sp", base_d_model=None, base_n_layers=None, output_mult=1.0)
     # Rebuild the static parts (the blocks' branch scale, attention scale) for the SP config.
     skeleton = eqx.filter_eval_shape(CausalLM, sp, key=jax.random.key(0))

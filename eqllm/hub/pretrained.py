@@ -52,8 +52,8 @@ from eqllm.hub.tables import (
     TIED_HEAD,
     fused_order,
     indices,
-    layer_span,
     rows_for,
+    stack_layers,
     tensor_name,
 )
 from eqllm.model import CausalLM, dtype_of
@@ -138,6 +138,8 @@ def _hf_shape(row: Row, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     shape[row.axis] = sum(s[row.axis] for s in shapes)
     if row.transposed:
         shape[-2:] = shape[-1:-3:-1]
+    if row.depthwise:
+        shape.insert(1, 1)
     return tuple(shape[::-1] if row.conv1d else shape)
 
 
@@ -151,7 +153,7 @@ def _layout(config: ModelConfig, leaves, reader: TensorReader) -> list[Row]:
     family = families.get(config.family)
     for table in (family.table, *family.layouts):
         rows = rows_for(config.family, set(leaves), table)
-        names = [tensor_name(r, indices(r, 1, 1)[0]) for r in rows]
+        names = [tensor_name(r, indices(r, 1, 1)[0], stack_layers(r, config)) for r in rows]
         if all(n in reader or n.removeprefix(family.prefix) in reader for n in names):
             return rows
     return rows_for(config.family, set(leaves))
@@ -199,10 +201,10 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
         order = fused_order(
             row, [t.shape[lead + row.axis] for t in targets], config.at("attention.n_heads")
         )
-        first, n_layers = layer_span(row, config)
-        for index in indices(row, n_layers, config.at("moe.n_experts")):
+        layers = stack_layers(row, config)
+        for index in indices(row, len(layers), config.at("moe.n_experts")):
             slots = [b[index] for b in buffers]
-            name = tensor_name(row, index, first)
+            name = tensor_name(row, index, layers)
             tensor = quantized(name)
             if tensor is not None:
                 if tensor.shape != expected:
@@ -218,7 +220,7 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
                         f"{info.file.name}: tensor {name!r} has shape {list(info.shape)}, but "
                         f"config.json describes {list(expected)}"
                     )
-                plain = not (row.conv1d or row.transposed)
+                plain = not (row.conv1d or row.transposed or row.depthwise)
                 if len(slots) == 1 and plain and info.dtype == slots[0].dtype:
                     reader.read(name, out=slots[0])  # straight into the stacked buffer
                     continue
@@ -227,6 +229,8 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
                 tensor = tensor.T  # Conv1D (in, out) -> Linear (out, in)
             if row.transposed:
                 tensor = np.swapaxes(tensor, -1, -2)  # (..., in, out) -> (..., out, in)
+            if row.depthwise:
+                tensor = tensor[:, 0]  # (channels, 1, kernel) -> (channels, kernel)
             if order is not None:  # interleaved per head -> the parts one after the other
                 tensor = np.take(tensor, np.argsort(order), axis=row.axis)
             start = 0
@@ -240,8 +244,15 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
     if config.tie_embeddings:
         _check_tied_head(reader, arrays["embed.weight"], used)
     extra = sorted(n for n in set(reader.tensors) - used if not BUFFERS.match(n))
+    family = families.get(config.family)
+    skipped = [n for n in extra if family.ignored is not None and re.match(family.ignored, n)]
+    if skipped:  # a vision tower, multi-token prediction: as transformers' class skips them
+        log.warning(
+            f"skipping {len(skipped)} tensors {family.architecture} does not use: {skipped[0]} ..."
+        )
+        extra = [n for n in extra if n not in skipped]
     beyond = [n for n in extra if _layer_of(n, prefix) >= config.n_layers]
-    if beyond and families.get(config.family).skip_extra_layers:
+    if beyond and family.skip_extra_layers:
         layers = sorted({_layer_of(n, prefix) for n in beyond})
         log.warning(
             "skipping %d tensors of layers %s past num_hidden_layers=%d (multi-token "
@@ -321,6 +332,8 @@ def save_pretrained(
                 out = out.T
             if row.transposed:
                 out = np.swapaxes(out, -1, -2)
+            if row.depthwise:
+                out = out[:, None]  # (channels, kernel) -> torch's (channels, 1, kernel)
             return np.ascontiguousarray(out, dtype=target)
 
         return tensor
@@ -330,15 +343,15 @@ def save_pretrained(
     def plan(row: Row, index: tuple[int, ...]) -> None:
         lead = int(row.layered) + int(row.per_expert)
         shapes = [leaves[p].shape[lead:] for p in row.eqllm]
-        name = tensor_name(row, index, layer_span(row, config)[0])
+        name = tensor_name(row, index, stack_layers(row, config))
         planned.append(PlannedTensor(name, _hf_shape(row, shapes), target, make(row, index)))
 
-    spans = {row: layer_span(row, config) for row in rows}
-    every = {row: indices(row, spans[row][1], config.at("moe.n_experts")) for row in rows}
+    spans = {row: stack_layers(row, config) for row in rows}
+    every = {row: indices(row, len(spans[row]), config.at("moe.n_experts")) for row in rows}
     for i in range(config.n_layers):  # layer-major order, as transformers writes
         for row in rows:
             for index in every[row] if row.layered else []:
-                if index[0] + spans[row][0] == i:
+                if spans[row][index[0]] == i:
                     plan(row, index)
     for row in rows:
         if not row.layered:

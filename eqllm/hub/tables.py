@@ -42,22 +42,25 @@ def indices(row: Row, n_layers: int, n_experts: int | None) -> list[tuple[int, .
     return [(*i, j) for i in layers for j in range(n_experts or 0)]
 
 
-def layer_span(row: Row, config) -> tuple[int, int]:
-    """(first layer, layers) of the stack a layered row fills: a mixture of experts' dense
-    prefix (`dense_blocks`, layers 0 .. moe.dense_layers - 1) or the main stack (`blocks`,
-    the rest); (0, n_layers) for a model without a prefix."""
+def stack_layers(row: Row, config) -> tuple[int, ...]:
+    """The model's layer index of each layer of the stack a layered row fills: a mixture of
+    experts' dense prefix (`dense_blocks`, layers 0 .. moe.dense_layers - 1), a hybrid's
+    linear-attention layers (`linear_blocks`) or the main stack (`blocks`, the rest); every
+    layer in order for a model with one stack."""
     prefix = config.at("moe.dense_layers") or 0
     if row.eqllm[0].startswith("dense_blocks."):
-        return 0, prefix
-    return prefix, config.n_layers - prefix
+        return tuple(range(prefix))
+    kinds = config.layer_kinds()
+    kind = "linear" if row.eqllm[0].startswith("linear_blocks.") else "full"
+    return tuple(i for i in range(prefix, config.n_layers) if kinds[i] == kind)
 
 
-def tensor_name(row: Row, index: tuple[int, ...], first: int = 0) -> str:
-    """The tensor's name at leading indices `index` (see `indices`) of a stack whose first
-    layer is the model's layer `first`."""
+def tensor_name(row: Row, index: tuple[int, ...], layers: tuple[int, ...] | None = None) -> str:
+    """The tensor's name at leading indices `index` (see `indices`) of a stack whose layers
+    are the model's layers `layers` (None: the same numbers, `stack_layers`)."""
     named = dict(zip(("i", "j") if row.layered else ("j",), index, strict=False))
-    if row.layered:
-        named["i"] += first
+    if row.layered and layers is not None:
+        named["i"] = layers[named["i"]]
     return row.hf.format(**named)
 
 

@@ -152,6 +152,8 @@ class Attention(eqx.Module):
         softcap: soft-capping of the scores (None: off).
         sinks: a learned sink logit per query head in the softmax denominator (gpt-oss; see
             `dot_product_attention`), initialised to 0.
+        output_gate: the heads' output times sigmoid(gate_proj(x)) before the output projection
+            (gated attention: Qwen3-Next, Qwen3.5).
         kernel: None computes attention here (scores materialised, fp32 softmax); "cudnn"
             calls `jax.nn.dot_product_attention(implementation="cudnn")`, cuDNN's fused kernel
             on a GPU with bf16/fp16 inputs ("xla": the same call, XLA's implementation). Cached
@@ -163,6 +165,7 @@ class Attention(eqx.Module):
     k_proj: Linear
     v_proj: Linear
     o_proj: Linear
+    gate_proj: Linear | None
     q_norm: RMSNorm | None
     k_norm: RMSNorm | None
     rope: RotaryEmbedding | None
@@ -194,6 +197,7 @@ class Attention(eqx.Module):
         scale: float | None = None,
         softcap: float | None = None,
         sinks: bool = False,
+        output_gate: bool = False,
         kernel: str | None = None,
         key: PRNGKeyArray,
         dtype=jnp.float32,
@@ -211,7 +215,7 @@ class Attention(eqx.Module):
             if d_model % n_heads:
                 raise ValueError(f"n_heads={n_heads} must divide d_model={d_model}")
             head_dim = d_model // n_heads
-        kq, kk, kv, ko = jax.random.split(key, 4)
+        kq, kk, kv, ko, kg = jax.random.split(key, 5)
         q_size, kv_size = n_heads * head_dim, n_kv_heads * head_dim
         self.q_proj = Linear(
             d_model, q_size, axes=("heads", "d_model"), use_bias=qkv_bias, key=kq, dtype=dtype
@@ -230,6 +234,11 @@ class Attention(eqx.Module):
             init="residual",
             key=ko,
             dtype=dtype,
+        )
+        self.gate_proj = (
+            Linear(d_model, q_size, axes=("heads", "d_model"), key=kg, dtype=dtype)
+            if output_gate
+            else None
         )
         q_dim, k_dim = (head_dim, head_dim) if qk_norm_per_head else (q_size, kv_size)
         norm = dict(eps=norm_eps, plus_one=norm_plus_one, dtype=dtype)
@@ -277,10 +286,17 @@ class Attention(eqx.Module):
         return q, k, v
 
     def output(
-        self, attended: Float[Array, "*batch seq heads head_dim"]
+        self,
+        attended: Float[Array, "*batch seq heads head_dim"],
+        x: Float[Array, "*batch seq d_model"] | None = None,
     ) -> Float[Array, "*batch seq d_model"]:
-        """The output projection of the concatenated heads."""
-        return self.o_proj(attended.reshape(*attended.shape[:-2], -1))
+        """The output projection of the concatenated heads, gated by `x` (the layer's input)
+        where the layer has an output gate."""
+        heads = attended.reshape(*attended.shape[:-2], -1)
+        if self.gate_proj is not None:
+            gate = jax.nn.sigmoid(self.gate_proj(x).astype(jnp.float32))
+            heads = (heads.astype(jnp.float32) * gate).astype(heads.dtype)
+        return self.o_proj(heads)
 
     @jax.named_scope("eqllm.Attention")
     def __call__(
@@ -317,18 +333,18 @@ class Attention(eqx.Module):
                 implementation=self.kernel,
                 segment_ids=segment_ids,
             )
-            return self.output(attended)
+            return self.output(attended, x)
         if positions is None:  # one row of positions serves the batch: rotations computed once
             q, k, v = self.project(x, jnp.arange(x.shape[-2]), local, rotate)
             attended = in_order_attention(
                 q, k, v, self.sliding_window, local=local, segment_ids=segment_ids, **extra
             )
-            return self.output(attended)
+            return self.output(attended, x)
         q, k, v = self.project(x, positions, local, rotate)
         mask = attention_mask(
             positions, positions, self.sliding_window, local, segment_ids, segment_ids
         )
-        return self.output(dot_product_attention(q, k, v, mask, **extra))
+        return self.output(dot_product_attention(q, k, v, mask, **extra), x)
 
     @jax.named_scope("eqllm.Attention.cached")
     def cached(
@@ -355,4 +371,4 @@ class Attention(eqx.Module):
         attended = dot_product_attention(
             q, keys, values, mask, scale=self.scale, softcap=self.softcap, sinks=self.sinks
         )
-        return self.output(attended), cache.write(k, v, positions)
+        return self.output(attended, x), cache.write(k, v, positions)

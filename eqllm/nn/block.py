@@ -7,7 +7,9 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Bool, Float, Int
 
+from eqllm.errors import EqllmError
 from eqllm.nn.attention import Attention
+from eqllm.nn.gated_deltanet import GatedDeltaNet
 from eqllm.nn.kv_cache import KVCache
 from eqllm.nn.mla import LatentCache, MultiHeadLatentAttention
 from eqllm.nn.mlp import MLP, GatedMLP
@@ -31,7 +33,9 @@ class Block(eqx.Module):
 
     Attributes:
         attn_norm: the norm applied before attention (None: none).
-        attn: the self-attention layer (grouped-query or latent).
+        attn: the token mixer: self-attention (grouped-query or latent), or a Gated DeltaNet
+            (a linear-attention layer of a hybrid stack; it takes no positions, and segment ids
+            reset its state).
         mlp_norm: the norm applied before the feed-forward layer (None: none).
         mlp: the feed-forward layer (a mixture of experts in a sparse model).
         attn_post_norm: the norm applied to attention's output before it is added to the
@@ -44,7 +48,7 @@ class Block(eqx.Module):
     """
 
     attn_norm: Norm | None
-    attn: Attention | MultiHeadLatentAttention
+    attn: Attention | MultiHeadLatentAttention | GatedDeltaNet
     mlp_norm: Norm | None
     mlp: MLP | GatedMLP | MoE
     attn_post_norm: Norm | None = None
@@ -86,7 +90,11 @@ class Block(eqx.Module):
         rotate: Bool[Array, ""] | bool | None = None,
     ) -> tuple[Float[Array, "*batch seq d_model"], Float[Array, "*batch seq experts"] | None]:
         """The block's output and its router logits (None unless `mlp` is a mixture of experts)."""
-        attended = self.attn(_apply(self.attn_norm, x), positions, local, segment_ids, rotate)
+        h = _apply(self.attn_norm, x)
+        if isinstance(self.attn, GatedDeltaNet):  # recurrent: order is position, as given
+            attended = self.attn(h, None, segment_ids)[0]
+        else:
+            attended = self.attn(h, positions, local, segment_ids, rotate)
         return self._residual(x, attended)
 
     @jax.named_scope("eqllm.Block.cached")
@@ -103,6 +111,11 @@ class Block(eqx.Module):
         Experts are computed densely here: generation runs this under `jax.vmap`, which the
         grouped ("ragged") product does not support, and a decode step has one token anyway.
         """
+        if isinstance(self.attn, GatedDeltaNet):
+            raise EqllmError(
+                "generation of hybrid linear-attention models is not supported yet; the "
+                "Gated DeltaNet layers carry no recurrent state in the KV cache"
+            )
         attended, cache = self.attn.cached(
             _apply(self.attn_norm, x), positions, cache, local, rotate
         )

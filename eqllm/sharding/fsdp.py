@@ -133,9 +133,14 @@ class FsdpGather:
         if not isinstance(model, CausalLM):
             # No stack whose loop gathers layer by layer: the partitioner places the gathers.
             return model
-        blocks = model.blocks
-        rest = self.gather(eqx.tree_at(lambda m: m.blocks, model, replace=None))
-        return eqx.tree_at(lambda m: m.blocks, rest, blocks, is_leaf=lambda x: x is None)
+        stacks = (model.blocks, model.linear_blocks)  # gathered layer by layer, in the loop
+        where = lambda m: (m.blocks, m.linear_blocks)  # noqa: E731
+        rest = self.gather(eqx.tree_at(where, model, replace=(None, None), is_leaf=_none))
+        return eqx.tree_at(where, rest, stacks, is_leaf=_none)
+
+
+def _none(x) -> bool:
+    return x is None
 
 
 def fsdp_gather(mesh: Mesh) -> FsdpGather | None:

@@ -50,12 +50,12 @@ def model_param_info(model):
     def named(info):
         return dataclasses.replace(info, axes=("layers", *info.axes[1:]))
 
-    stacked = jax.tree.map(named, infos.blocks, is_leaf=is_param_info)
-    infos = eqx.tree_at(lambda m: m.blocks, infos, stacked)
-    if infos.dense_blocks is None:
-        return infos
-    dense = jax.tree.map(named, infos.dense_blocks, is_leaf=is_param_info)
-    return eqx.tree_at(lambda m: m.dense_blocks, infos, dense)
+    for name in ("blocks", "dense_blocks", "linear_blocks"):  # every stack of layers
+        stack = getattr(infos, name)
+        if stack is not None:
+            stack = jax.tree.map(named, stack, is_leaf=is_param_info)
+            infos = eqx.tree_at(lambda m, n=name: getattr(m, n), infos, stack)
+    return infos
 
 
 def named_params(model) -> list[tuple[str, Any, tuple[str | None, ...]]]:

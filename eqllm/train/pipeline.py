@@ -79,6 +79,11 @@ class Pipeline:
                 "a mixture of experts does not run in a pipeline yet (the stages would drop its "
                 "load-balancing loss); set mesh.pipeline=1 and split the experts over fsdp"
             )
+        if config.linear is not None:
+            raise MeshError(
+                "a hybrid stack (linear-attention and attention layers) does not run in a "
+                "pipeline yet (the stages hold one stack of layers); set mesh.pipeline=1"
+            )
         if config.n_layers % self.stages:
             raise MeshError(
                 f"pipeline={self.stages} does not divide n_layers={config.n_layers}: each stage "

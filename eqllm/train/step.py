@@ -52,6 +52,11 @@ def _layer_grad_norms(grads) -> dict[str, Float[Array, " layers"]]:
 
     if getattr(grads, "blocks", None) is None:
         return {}
+    if getattr(grads, "linear_blocks", None) is not None:  # a hybrid: both stacks, layer order
+        kinds = np.array(grads.config.layer_kinds())
+        stacked = jnp.concatenate([norms(grads.linear_blocks), norms(grads.blocks)])
+        order = np.argsort(np.argsort(kinds == "full", kind="stable"), kind="stable")
+        return {"grad_norm/layer": stacked[order]}
     if getattr(grads, "dense_blocks", None) is None:
         return {"grad_norm/layer": norms(grads.blocks)}
     return {"grad_norm/layer": jnp.concatenate([norms(grads.dense_blocks), norms(grads.blocks)])}

@@ -1,0 +1,51 @@
+"""The stacked Transformer blocks: built from a ModelConfig (`build`) and run in order by
+`lax.scan` (`run`).
+
+Every layer is the same Block (`eqllm.nn.Block`), its arrays stacked on a leading `layers` axis
+so one compiled body serves any depth (Levanter, MaxText do the same). What differs between
+layers, the local/global attention pattern of Gemma 2 and 3 and OLMo 3 (with its own RoPE base)
+and SmolLM3's layers without rotary embedding (NoPE), are per-layer flags scanned alongside the
+weights rather than second stacks or an unrolled loop. A hybrid (`ModelConfig.linear`) holds
+one stack per layer kind, attention and Gated DeltaNet, and scans over the repeating group of
+kinds (`run_groups`).
+"""
+
+from eqllm.stack.build import (
+    dtype_of,
+    initial_parts,
+    make_attention,
+    make_block,
+    make_linear_attention,
+    make_norm,
+    make_rope,
+    mla_scale,
+)
+from eqllm.stack.run import (
+    REMAT_POLICIES,
+    LayerHook,
+    each_layer,
+    layer_flag,
+    layer_flags,
+    run_blocks,
+    run_groups,
+    run_stacks,
+)
+
+__all__ = [
+    "REMAT_POLICIES",
+    "LayerHook",
+    "dtype_of",
+    "each_layer",
+    "initial_parts",
+    "layer_flag",
+    "layer_flags",
+    "make_attention",
+    "make_block",
+    "make_linear_attention",
+    "make_norm",
+    "make_rope",
+    "mla_scale",
+    "run_blocks",
+    "run_groups",
+    "run_stacks",
+]

@@ -1,0 +1,271 @@
+"""Building the stacked blocks from a ModelConfig: each layer's Block (attention or latent
+attention, or a hybrid's Gated DeltaNet; MLP or experts; norms), and the model's initial parts
+with every layer kind stacked on a leading `layers` axis (`initial_parts`)."""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import PRNGKeyArray
+
+from eqllm.attention_backend import attention_kernel
+from eqllm.config import ModelConfig
+from eqllm.nn import (
+    MLP,
+    Attention,
+    Block,
+    Embedding,
+    GatedDeltaNet,
+    GatedMLP,
+    LayerNorm,
+    Linear,
+    MoE,
+    MultiHeadLatentAttention,
+    RMSNorm,
+    RopeScaling,
+    RotaryEmbedding,
+)
+from eqllm.parametrization import init_weights, scales
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def dtype_of(name: str):
+    """The jax dtype of a ModelConfig dtype name ("bfloat16" -> jnp.bfloat16)."""
+    return _DTYPES[name]
+
+
+def make_norm(config: ModelConfig, dtype) -> RMSNorm | LayerNorm:
+    """The config's norm over d_model (every norm of the model but the QK-norm)."""
+    norms = config.norms
+    if norms.kind == "rmsnorm":
+        return RMSNorm(config.d_model, eps=norms.eps, plus_one=norms.plus_one, dtype=dtype)
+    return LayerNorm(config.d_model, eps=norms.eps, use_bias=norms.bias, dtype=dtype)
+
+
+def make_rope(config: ModelConfig) -> RotaryEmbedding | None:
+    """The rotary embedding `config.positions` describes (None without RoPE)."""
+    pos = config.positions
+    if pos.kind != "rope":
+        return None
+    scaling = None
+    if (s := pos.scaling) is not None:
+        values = {k: getattr(s, k) for k in s.__pydantic_fields__ if getattr(s, k) is not None}
+        if s.kind == "longrope" and s.factor is None:  # transformers' default for Phi-3
+            values["factor"] = config.max_seq_len / s.original_max_seq_len
+        scaling = RopeScaling(**values)
+    if config.attention.kind == "mla":  # only the qk_rope_head_dim part rotates
+        return RotaryEmbedding(config.rotary_dim, pos.theta, scaling=scaling)
+    return RotaryEmbedding(
+        config.head_dim,
+        pos.theta,
+        scaling=scaling,
+        local_theta=pos.local_theta,
+        rotary_dim=None if pos.fraction == 1 else config.rotary_dim,
+    )
+
+
+def mla_scale(config: ModelConfig) -> float:
+    """Latent attention's softmax scale: 1 / sqrt(qk head size), times the square of YaRN's
+    mscale(factor, mscale_all_dim) where the RoPE scaling sets mscale_all_dim (transformers'
+    `yarn_apply_mscale` for DeepSeek)."""
+    scale = config.head_dim**-0.5
+    s = config.positions.scaling
+    if s is not None and s.mscale_all_dim and s.factor > 1:
+        m = 0.1 * s.mscale_all_dim * math.log(s.factor) + 1.0
+        scale = scale * m * m
+    return scale
+
+
+def make_attention(config: ModelConfig, key: PRNGKeyArray, dtype):
+    """The attention layer of a block: grouped-query or latent (`attention.kind`)."""
+    a, norms = config.attention, config.norms
+    if a.kind == "mla":
+        return MultiHeadLatentAttention(
+            config.d_model,
+            a.n_heads,
+            kv_lora_rank=a.kv_lora_rank,
+            qk_nope_head_dim=a.qk_nope_head_dim,
+            qk_rope_head_dim=a.qk_rope_head_dim,
+            v_head_dim=a.v_head_dim,
+            q_lora_rank=a.q_lora_rank,
+            bias=a.qkv_bias,
+            rope=make_rope(config),
+            interleaved=a.rope_interleave,
+            scale=mla_scale(config),
+            norm_eps=1e-6,  # transformers' latent norms keep their default eps, not rms_norm_eps
+            key=key,
+            dtype=dtype,
+        )
+    scalar = a.query_pre_attn_scalar
+    s = scales(config)
+    scale = None if scalar is None else scalar**-0.5
+    if s.attention != 1.0:  # muP: scores ~ 1 / head_dim when head_dim grows with width
+        scale = (config.head_dim**-0.5 if scale is None else scale) * s.attention
+    return Attention(
+        config.d_model,
+        a.n_heads,
+        n_kv_heads=a.n_kv_heads,
+        head_dim=a.head_dim,
+        qkv_bias=a.qkv_bias,
+        out_bias=a.out_bias,
+        qk_norm=a.qk_norm is not None,
+        qk_norm_per_head=a.qk_norm != "whole",
+        norm_plus_one=norms.plus_one,
+        rope=make_rope(config),
+        sliding_window=a.sliding_window,
+        norm_eps=norms.eps,
+        scale=scale,
+        softcap=a.softcap,
+        sinks=a.sinks,
+        output_gate=a.output_gate,
+        kernel=attention_kernel(config),
+        key=key,
+        dtype=dtype,
+    )
+
+
+def make_linear_attention(config: ModelConfig, key: PRNGKeyArray, dtype) -> GatedDeltaNet:
+    """The token mixer of a hybrid stack's linear-attention layers (`config.linear`)."""
+    lin = config.linear
+    return GatedDeltaNet(
+        config.d_model,
+        lin.n_key_heads,
+        lin.n_value_heads,
+        lin.key_head_dim,
+        lin.value_head_dim,
+        conv_kernel=lin.conv_kernel,
+        norm_eps=config.norms.eps,
+        chunk_size=lin.chunk_size,
+        key=key,
+        dtype=dtype,
+    )
+
+
+def make_block(
+    config: ModelConfig, key: PRNGKeyArray, *, dense: bool = False, linear: bool = False
+) -> Block:
+    """One Transformer block as `config` describes it (`dense`: with the dense MLP even in a
+    mixture of experts, one of its first `moe.dense_layers` layers; `linear`: a Gated DeltaNet
+    in place of attention, a linear-attention layer of a hybrid stack)."""
+    dtype = dtype_of(config.param_dtype)
+    k_attn, k_mlp = jax.random.split(key)
+    norms = config.norms
+    s = scales(config)
+    if linear:
+        attn = make_linear_attention(config, k_attn, dtype)
+    else:
+        attn = make_attention(config, k_attn, dtype)
+    if (moe := config.moe) is not None and not dense:
+        mlp = MoE(
+            config.d_model,
+            config.expert_d_ff,
+            moe.n_experts,
+            moe.experts_per_token,
+            normalize=moe.norm_topk_prob,
+            shared_d_ff=moe.shared_d_ff,
+            impl=moe.impl,
+            capacity_factor=moe.capacity_factor,
+            bias=moe.bias,
+            activation=moe.activation,
+            swiglu_alpha=moe.swiglu_alpha,
+            swiglu_limit=moe.swiglu_limit,
+            shared_gated=moe.shared_gated,
+            scoring=moe.scoring,
+            score_bias=moe.score_bias,
+            n_groups=moe.n_groups,
+            topk_groups=moe.topk_groups,
+            group_score=moe.group_score,
+            routed_scale=moe.routed_scale,
+            key=k_mlp,
+            dtype=dtype,
+        )
+    elif config.mlp.kind == "gelu":
+        mlp = MLP(
+            config.d_model,
+            config.mlp.d_ff,
+            use_bias=config.mlp.bias,
+            approximate=config.mlp.gelu == "tanh",
+            key=k_mlp,
+            dtype=dtype,
+        )
+    else:
+        activation = "silu" if config.mlp.kind == "swiglu" else "gelu"
+        mlp = GatedMLP(
+            config.d_model,
+            config.mlp.d_ff,
+            activation=activation,
+            use_bias=config.mlp.bias,
+            key=k_mlp,
+            dtype=dtype,
+        )
+
+    def norm(wanted: bool):
+        return make_norm(config, dtype) if wanted else None
+
+    pre, post = norms.pre, norms.post
+    return Block(
+        norm(pre), attn, norm(pre), mlp, norm(post), norm(post), s.branch, config.parallel_residual
+    )
+
+
+@eqx.filter_jit
+def initial_parts(config: ModelConfig, key: PRNGKeyArray) -> dict:
+    """The model's layers with their initial weights, built in one compiled call.
+
+    Compiled because building eagerly runs hundreds of tiny ops, each compiled on its own: for a
+    small model that is ~10x slower than this one XLA computation.
+    """
+    dtype = dtype_of(config.param_dtype)
+    k_embed, k_pos, k_blocks, k_head, k_init = jax.random.split(key, 5)
+    block_keys = jax.random.split(k_blocks, config.n_layers)
+    dense = 0 if config.moe is None else config.moe.dense_layers
+    kinds = config.layer_kinds()[dense:]
+    parts = {
+        "embed": Embedding(
+            config.vocab_size, config.d_model, axes=("vocab", "d_model"), key=k_embed, dtype=dtype
+        ),
+        "pos_embed": (
+            Embedding(
+                config.max_seq_len,
+                config.d_model,
+                axes=("positions", "d_model"),
+                key=k_pos,
+                dtype=dtype,
+            )
+            if config.positions.kind == "learned"
+            else None
+        ),
+        "blocks": eqx.filter_vmap(lambda k: make_block(config, k))(
+            block_keys[dense:][np.array(kinds) == "full"]
+        ),
+        "linear_blocks": (
+            eqx.filter_vmap(lambda k: make_block(config, k, linear=True))(
+                block_keys[dense:][np.array(kinds) == "linear"]
+            )
+            if "linear" in kinds
+            else None
+        ),
+        "dense_blocks": (
+            eqx.filter_vmap(lambda k: make_block(config, k, dense=True))(block_keys[:dense])
+            if dense
+            else None
+        ),
+        "lm_head": (
+            None
+            if config.tie_embeddings
+            else Linear(
+                config.d_model,
+                config.vocab_size,
+                axes=("vocab", "d_model"),
+                key=k_head,
+                dtype=dtype,
+            )
+        ),
+    }
+    weights = init_weights(parts, k_init, scales=scales(config), init_std=config.init_std)
+    return {**weights, "final_norm": make_norm(config, dtype)}
