@@ -6,7 +6,8 @@ Three parametrizations (docs/scaling-laws.md has the table and the reasons):
 - "mup", maximal update parametrization for Adam in the MuReadout form that works with tied
   embeddings (Yang et al. 2022, Tensor Programs V; microsoft/mup). With m = d_model /
   base_d_model: hidden matrices start at std / sqrt(m) and take Adam learning rate lr / m, Adam
-  eps / m and weight decay x m; the readout's logits are multiplied by output_mult / m;
+  eps / m and weight decay x m (AdamW and Lion; Adafactor and Muon take their own hidden
+  factor, `UPDATE_KINDS`); the readout's logits are multiplied by output_mult / m;
   embeddings, norms and biases keep SP's init and learning rate; attention scores are scaled by
   sqrt(base_head_dim) / head_dim (1 / head_dim up to a constant) when head_dim grows with width.
 - "completep", muP plus depth transfer (Dey et al. 2025, alpha = 1): with k = n_layers /
@@ -129,15 +130,33 @@ def scales(cfg: ModelConfig) -> Scales:
     )
 
 
-def role_multipliers(s: Scales, role: str) -> Multipliers:
-    """The factors for a parameter of `role` under scales `s` (the docs' table)."""
+# How an optimizer sizes a hidden matrix's step, which fixes muP's learning-rate factor for it:
+# "adam": entrywise-normalised (AdamW, Lion): a low-rank gradient's step moves an output by
+#   lr x fan_in, so lr / m; "relative" (Adafactor): the step is lr x the matrix's RMS, which
+#   muP's init already shrinks by 1 / sqrt(m), so lr / sqrt(m); "spectral" (Muon, "original"
+#   scale): an orthogonalised step of spectral norm lr x sqrt(max(1, fan_out / fan_in)), the
+#   same at every width, so lr; "spectral_rms" (Muon, "match_rms_adamw"): spectral norm
+#   lr x 0.2 x sqrt(max(fan_in, fan_out)), which grows as sqrt(m), so lr / sqrt(m).
+UPDATE_KINDS = ("adam", "relative", "spectral", "spectral_rms")
+
+
+def role_multipliers(s: Scales, role: str, update: str = "adam") -> Multipliers:
+    """The factors for a parameter of `role` under scales `s` (the docs' table), for an
+    optimizer whose hidden steps are sized as `update` says (`UPDATE_KINDS`)."""
+    if update not in UPDATE_KINDS:
+        raise EqllmError(f"update={update!r}: choose one of {', '.join(UPDATE_KINDS)}")
     if s.kind == "sp" or role != "hidden":
         return Multipliers()
     m, k = s.width, s.depth
-    eps = 1.0 / m if s.kind == "mup" else 1.0 / (m * k)
-    # optax's AdamW decays by lr x weight_decay: with lr / m the decay must be x m, or the
-    # hidden weights' decay per step would shrink with width.
-    return Multipliers(init=1.0 / math.sqrt(m), lr=1.0 / m, eps=eps, decay=m)
+    # how the step's effect on a layer's output grows with m; the learning rate divides it out
+    grow = {"adam": m, "relative": math.sqrt(m), "spectral": 1.0, "spectral_rms": math.sqrt(m)}
+    grow = grow[update]
+    # Adam's eps sits beside gradients that shrink as 1 / m (muP) or 1 / (m k) (CompleteP);
+    # the other optimizers have no such eps.
+    eps = (1.0 / m if s.kind == "mup" else 1.0 / (m * k)) if update == "adam" else 1.0
+    # optax's optimizers decay by lr x weight_decay: with the learning rate x lr the decay must
+    # be / lr, or the hidden weights' decay per step would change with width.
+    return Multipliers(init=1.0 / math.sqrt(m), lr=1.0 / grow, eps=eps, decay=grow)
 
 
 def roles(tree: PyTree) -> PyTree:

@@ -9,6 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import eqllm
@@ -17,9 +18,11 @@ from eqllm.errors import EqllmError
 from eqllm.nn import param_info
 from eqllm.parametrization import Multipliers, role_multipliers, scales
 from eqllm.recipe import OptimSpec
-from eqllm.train.optim import make_optimizer, parameter_groups, schedule
+from eqllm.train.optim import MUON_AXES, make_optimizer, parameter_groups, schedule
 from eqllm.train.step import TrainStep, init_opt_state
 
+# One learning rate throughout the step: no warmup, no decay, no clipping.
+FLAT = dict(schedule="constant", warmup_steps=0, clip_norm=0.0)
 BASE = eqllm.zoo.config(
     "llama-nano",
     d_model=32,
@@ -84,6 +87,52 @@ def test_multipliers_follow_the_table(kind):
     labels, factors = parameter_groups(eqllm.CausalLM(cfg, key=jax.random.key(0)))
     assert factors["hidden"].lr == pytest.approx(1 / m)
     assert labels.blocks.attn.q_proj.weight == "hidden" and labels.embed.weight == "embedding"
+
+
+def test_each_optimizer_takes_its_own_hidden_factor():
+    # With m = 4: an entrywise-normalised step (AdamW, Lion) moves an output by lr x fan_in, so
+    # lr / m; Adafactor's step is lr x RMS(W), which the init already shrinks by 1 / sqrt(m);
+    # Muon's orthogonalised step has spectral norm lr x 0.2 sqrt(max(fan_in, fan_out))
+    # ("match_rms_adamw", growing as sqrt(m)) or lr x sqrt(max(1, fan_out / fan_in)) ("original",
+    # flat). Decay per step (lr x wd) stays put; every other role keeps factor 1.
+    s = scales(BASE.replace(d_model=128, parametrization="mup", base_d_model=32))
+    init = 1 / math.sqrt(4)
+    expected = {
+        "adam": Multipliers(init, 1 / 4, 1 / 4, 4.0),
+        "relative": Multipliers(init, 1 / 2, 1.0, 2.0),
+        "spectral": Multipliers(init, 1.0, 1.0, 1.0),
+        "spectral_rms": Multipliers(init, 1 / 2, 1.0, 2.0),
+    }
+    for update, factors in expected.items():
+        assert role_multipliers(s, "hidden", update) == factors
+        assert role_multipliers(s, "readout", update) == Multipliers()
+    with pytest.raises(EqllmError, match="update='sgd'"):
+        role_multipliers(s, "hidden", "sgd")
+
+
+@pytest.mark.parametrize(("muon_scale", "factor"), [("match_rms_adamw", 0.5), ("original", 1.0)])
+def test_muon_matrices_take_the_spectral_factor(muon_scale, factor):
+    # One Muon step of a muP model at m = 4 on a hidden matrix equals optax's own Muon at
+    # lr x factor on that matrix alone (1 / sqrt(4) under "match_rms_adamw", 1 under "original").
+    cfg = BASE.replace(d_model=128, parametrization="mup", base_d_model=32)
+    model = eqllm.CausalLM(cfg, key=jax.random.key(0))
+    spec = OptimSpec(name="muon", lr=0.02, muon_scale=muon_scale, weight_decay=0.0, **FLAT)
+    optimizer = make_optimizer(spec, 10, model)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    grads = jax.tree.map(
+        lambda x: jnp.cos(jnp.arange(x.size, dtype=x.dtype)).reshape(x.shape), params
+    )
+    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    w = lambda t: t.blocks.mlp.up.weight  # noqa: E731
+    reference = optax.contrib.muon(
+        0.02 * factor,
+        beta=spec.muon_momentum,
+        ns_steps=spec.muon_ns_steps,
+        muon_weight_dimension_numbers=MUON_AXES,
+        consistent_rms=0.2 if muon_scale == "match_rms_adamw" else None,
+    )
+    expected, _ = reference.update(w(grads), reference.init(w(params)), w(params))
+    np.testing.assert_allclose(w(updates), expected, rtol=1e-5, atol=1e-7)
 
 
 def test_init_std_follows_width_and_depth():

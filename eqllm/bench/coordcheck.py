@@ -1,8 +1,8 @@
 """The coordinate check (Yang et al. 2022, Tensor Programs V, appendix D.1): train a model at
-several widths (or depths) a few Adam steps at a large learning rate and see how the size of
-its activations grows. Under a parametrization that transfers, the mean |activation| of every
-layer stays put as the width grows (slope ~0 against log2 width); under SP the hidden layers'
-outputs grow with it after the first update (slope ~1).
+several widths (or depths) a few optimizer steps at a large learning rate and see how the size
+of its activations grows. Under a parametrization that transfers, the mean |activation| of
+every layer stays put as the width grows (slope ~0 against log2 width); under SP the hidden
+layers' outputs grow with it after the first update (slope ~1).
 
 Run it first after changing a layer: a slope away from 0 under muP names the layer that breaks
 transfer, before any sweep is paid for.
@@ -25,6 +25,11 @@ from eqllm.model import CausalLM
 from eqllm.recipe import OptimSpec
 from eqllm.train.optim import make_optimizer, schedule
 from eqllm.train.step import TrainStep, init_opt_state
+
+# The check's learning rate per optimizer: large enough that a hidden layer's update is a good
+# part of its initial output within the 3 steps (what makes the check able to fail), no larger.
+# Adafactor's is a relative step (lr x the weights' RMS).
+CHECK_LR = {"adamw": 1e-2, "lion": 1e-2, "muon": 1e-2, "adafactor": 1e-1}
 
 
 @dataclass(frozen=True)
@@ -114,34 +119,47 @@ def coord_check(
     *,
     widths: tuple[int, ...],
     depths: tuple[int, ...] | None = None,
-    steps: int = 5,
-    lr: float = 1e-2,
+    steps: int = 3,
+    lr: float | None = None,
     batch: int = 2,
     seq_len: int = 8,
     vocab_size: int = 256,
     seeds: int = 3,
     seed: int = 0,
     init_std: float | None = None,
-    zero_readout: bool = False,
+    zero_readout: bool | None = None,
+    optimizer: str = "adamw",
 ) -> CoordCheck:
-    """Train each size `steps` Adam steps (no warmup, no clipping, no decay) on one fixed
-    random batch and record `activations` after every step; each mean |activation| is the
-    average over `seeds` runs (initialisation and batch drawn from seed, seed + 1, ...).
+    """Train each size `steps` steps of `optimizer` (no warmup, no clipping, no decay; its other
+    settings `OptimSpec`'s defaults) on one fixed random batch and record `activations` after
+    every step; each mean |activation| is the average over `seeds` runs (initialisation and
+    batch drawn from seed, seed + 1, ...). The defaults are microsoft/mup's check (3 steps at
+    lr 1e-2, fan-in init, a zero head), which a correct muP passes at 64-256 wide; `lr` None
+    takes the optimizer's `CHECK_LR`.
 
     The batch is small on purpose: muP's limit holds the batch fixed as the width grows, and an
     update's effect on a layer's output only reaches its large-width size once the width is
     well above the number of distinct tokens (`batch * seq_len`); with more tokens than width
     the update acts like a random matrix and every slope sits below 0 (docs/scaling-laws.md).
 
-    `init_std` replaces the variant's (a std far below 1 / sqrt(base width) leaves every layer's
-    output to its updates, whose large-width size is reached only at larger widths);
-    `zero_readout` starts the LM head at zero, as microsoft/mup's examples do, which removes the
-    logits' initial part (it shrinks as 1 / sqrt(width) under muP, correctly, but dominates the
-    logits of a few steps at small widths). An untied head is needed for it.
+    `init_std` replaces the variant's; None takes 1 / sqrt(base width), microsoft/mup's fan-in
+    init (the variant's 0.02, far below it, leaves every layer's output to its updates, whose
+    large-width size is reached only at larger widths). `zero_readout` starts the LM head at
+    zero, as microsoft/mup's examples do, which removes the logits' initial part (it shrinks as
+    1 / sqrt(width) under muP, correctly, but dominates the logits of a few steps at small
+    widths); None zeroes it when the head is untied, and True with a tied head is refused.
     """
     axis = "depth" if depths else "width"
     sizes = tuple(depths) if depths else tuple(widths)
-    spec = OptimSpec(lr=lr, warmup_steps=0, schedule="constant", weight_decay=0.0, clip_norm=0.0)
+    spec = OptimSpec(
+        name=optimizer,
+        lr=CHECK_LR[optimizer] if lr is None else lr,
+        warmup_steps=0,
+        schedule="constant",
+        weight_decay=0.0,
+        clip_norm=0.0,
+    )
+    std = init_std if init_std is not None else 1.0 / widths[0] ** 0.5
     measure = jax.jit(lambda model, t: activations(model, t)[0])
     table: dict[str, list[list[float]]] = {}
     for size in sizes:
@@ -155,18 +173,18 @@ def coord_check(
             vocab_size=vocab_size,
             seq_len=seq_len,
         )
-        if init_std is not None:
-            cfg = cfg.replace(init_std=init_std)
+        cfg = cfg.replace(init_std=std)
         if zero_readout and cfg.tie_embeddings:
             raise EqllmError(
                 f"zero_readout with {variant} (tie_embeddings = true) would zero the embedding; "
                 "check an untied variant or leave the head's initialisation as it is"
             )
+        zero_head = not cfg.tie_embeddings if zero_readout is None else zero_readout
         rows: dict[str, np.ndarray] = {}
         step = None
         for s in range(seed, seed + seeds):
             model = CausalLM(cfg, key=jax.random.key(s))
-            if zero_readout:
+            if zero_head:
                 model = eqx.tree_at(lambda m: m.lm_head.weight, model, model.lm_head.weight * 0)
             tokens = jax.random.randint(jax.random.key(s), (batch, seq_len), 0, vocab_size)
             if step is None:  # one optimizer and compiled step per size, shared by its seeds

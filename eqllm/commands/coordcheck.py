@@ -1,6 +1,6 @@
-"""`eqllm coordcheck VARIANT --parametrization sp|mup|completep --widths 64,128,256,512
-[--depths 2,4,8,16] [--steps 5] [--seeds 3] [--init-std S] [--zero-readout] [--json]`: the
-coordinate check of a parametrization.
+"""`eqllm coordcheck VARIANT --parametrization sp|mup|completep --widths 64,128,256
+[--depths 2,4,8,16] [--optimizer adamw|muon|lion|adafactor] [--steps 3] [--lr LR] [--seeds 3]
+[--init-std S] [--[no-]zero-readout] [--json]`: the coordinate check of a parametrization.
 
 Writes coord_check.png (in --out, default the working directory) and prints the slope of
 log2 mean |activation| against log2 width (or depth) per layer and step; `--json` prints
@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import typing
 from pathlib import Path
 
-from eqllm.bench.coordcheck import coord_check, plot_coord_check
+from eqllm.bench.coordcheck import CHECK_LR, coord_check, plot_coord_check
 from eqllm.errors import EqllmError
+from eqllm.recipe.optim import OptimizerName
 
 
 def _sizes(text: str, flag: str, least: int = 2) -> tuple[int, ...]:
@@ -35,6 +37,8 @@ def coordcheck_command(args: argparse.Namespace) -> int:
     for flag, value in (("--steps", args.steps), ("--batch", args.batch), ("--seeds", args.seeds)):
         if value < 1:
             raise EqllmError(f"{flag} {value} must be at least 1")
+    if args.lr is not None and args.lr <= 0:
+        raise EqllmError(f"--lr {args.lr} must be positive, e.g. 1e-2")
     if args.init_std is not None and args.init_std <= 0:
         raise EqllmError(f"--init-std {args.init_std} must be positive, e.g. 0.1")
     result = coord_check(
@@ -49,10 +53,12 @@ def coordcheck_command(args: argparse.Namespace) -> int:
         seeds=args.seeds,
         init_std=args.init_std,
         zero_readout=args.zero_readout,
+        optimizer=args.optimizer,
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    title = f"{args.variant}, {args.parametrization}, lr {args.lr:g}"
+    lr = CHECK_LR[args.optimizer] if args.lr is None else args.lr
+    title = f"{args.variant}, {args.parametrization}, {args.optimizer} lr {lr:g}"
     path = plot_coord_check(result, out / "coord_check.png", title)
     if args.json:
         print(json.dumps(result.to_json()))
@@ -69,18 +75,35 @@ def add_parser(commands) -> None:
     p = commands.add_parser("coordcheck", help="coordinate check of a parametrization")
     p.add_argument("variant", help="a zoo name; its width, d_ff (in proportion) and depth change")
     p.add_argument("--parametrization", choices=["sp", "mup", "completep"], default="mup")
-    p.add_argument(
-        "--widths", default="64,128,256,512", help="d_model values; the first is the base"
-    )
+    p.add_argument("--widths", default="64,128,256", help="d_model values; the first is the base")
     p.add_argument("--depths", default=None, help="n_layers values (at the first width) instead")
-    p.add_argument("--steps", type=int, default=5, help="Adam steps per size")
-    p.add_argument("--lr", type=float, default=1e-2, help="the (base) learning rate")
+    p.add_argument(
+        "--optimizer",
+        choices=list(typing.get_args(OptimizerName)),
+        default="adamw",
+        help="the optimizer, with its muP learning-rate factors (OptimSpec's other defaults)",
+    )
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps per size")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="the (base) learning rate (default: 1e-2; 0.1 for Adafactor's relative step)",
+    )
     p.add_argument("--batch", type=int, default=2, help="sequences in the fixed batch")
     p.add_argument("--seq-len", type=int, default=8, help="tokens per sequence")
     p.add_argument("--seeds", type=int, default=3, help="runs averaged per size")
-    p.add_argument("--init-std", type=float, default=None, help="init std instead of the variant's")
     p.add_argument(
-        "--zero-readout", action="store_true", help="start the LM head at zero (untied head)"
+        "--init-std",
+        type=float,
+        default=None,
+        help="init std instead of the variant's (default: 1/sqrt(first width), the fan-in init)",
+    )
+    p.add_argument(
+        "--zero-readout",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="start the LM head at zero (default: when the head is untied)",
     )
     p.add_argument("--out", default=".", help="folder for coord_check.png")
     p.add_argument("--json", action="store_true", help="print the slopes as JSON")

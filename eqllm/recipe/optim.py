@@ -35,8 +35,11 @@ class OptimSpec:
 
     name: "adamw" (optax.adamw), "muon" (optax.contrib.muon on the hidden matrices, AdamW on
         the rest), "lion" (optax.lion) or "adafactor" (optax.adafactor). The schedule, the
-        clipping, the weight-decay mask and muP's per-parameter learning-rate factors apply to
-        each of them alike; weight decay is multiplied by the learning rate for all four.
+        clipping and the weight-decay mask apply to each of them alike; muP's hidden
+        learning-rate factor follows how each sizes its step (lr / m for AdamW and Lion,
+        lr / sqrt(m) for Adafactor and for Muon's matrices under "match_rms_adamw", lr under
+        "original"; docs/scaling-laws.md); weight decay is multiplied by the learning rate for
+        all four.
     schedule: "cosine" (warmup, then cosine to lr * min_lr_ratio), "linear" (warmup, then linear
         decay), "constant" (warmup, then flat), "wsd" (warmup, flat, then linear decay over the
         last `decay_fraction` of the steps).

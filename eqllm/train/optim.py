@@ -57,14 +57,15 @@ def decay_mask(model):
 
 
 def parameter_groups(
-    model, scales: Scales | None = None
+    model, scales: Scales | None = None, update: str = "adam"
 ) -> tuple[object, dict[str, Multipliers]] | None:
     """(a role label at every trainable array, the factors of each role) under muP or
     CompleteP; None under SP, at the base size (every factor 1: the plain AdamW, so the update
     is SP's bit for bit; separate AdamWs per group fuse differently and drift by an ulp).
 
     `scales` (`eqllm.parametrization.Scales.of`) gives the parametrization of any tree of
-    eqllm layers; None takes a `CausalLM`'s from its config, and SP for any other tree."""
+    eqllm layers; None takes a `CausalLM`'s from its config, and SP for any other tree.
+    `update` names how the optimizer sizes its steps (`eqllm.parametrization.UPDATE_KINDS`)."""
     if scales is None:
         if not isinstance(model, CausalLM):
             return None
@@ -73,10 +74,16 @@ def parameter_groups(
         return None
     labels = eqx.filter(roles(model), trainable(model))
     found = sorted(set(jax.tree.leaves(labels)))
-    factors = {role: role_multipliers(scales, role) for role in found}
+    factors = {role: role_multipliers(scales, role, update) for role in found}
     if all(f == Multipliers() for f in factors.values()):
         return None
     return labels, factors
+
+
+def muon_update(spec: OptimSpec) -> str:
+    """How Muon sizes a hidden matrix's step under `spec.muon_scale`
+    (`eqllm.parametrization.UPDATE_KINDS`): its muP learning-rate factor follows."""
+    return "spectral_rms" if spec.muon_scale == "match_rms_adamw" else "spectral"
 
 
 # Muon's view of a weight stored (..., fan_out, fan_in): optax's MuonDimensionNumbers name the
@@ -153,12 +160,15 @@ def make_optimizer(
 
     Under muP / CompleteP (`eqllm.parametrization`: a `CausalLM`'s config, or `scales` for any
     tree) each role gets its own optimizer, with the learning rate, eps and weight decay
-    multiplied by the role's factors; `spec.lr` is then the base model's learning rate.
+    multiplied by the role's factors; `spec.lr` is then the base model's learning rate. The
+    hidden factor follows how the optimizer sizes its steps: lr / m for AdamW and Lion (and
+    Muon's AdamW group), lr / sqrt(m) for Adafactor (its steps scale with the weights' RMS)
+    and for Muon's matrices under "match_rms_adamw", lr for Muon under "original".
 
     With `spec.ema` the chain keeps an EMA of the weights, with `spec.skip_spike_window` it skips
     spiking steps (its update then takes the step's `loss=`); `eqllm.train.stability`.
     """
-    groups = parameter_groups(model, scales)
+    groups = parameter_groups(model, scales, "relative" if spec.name == "adafactor" else "adam")
     lr = schedule(spec, total_steps)
     mask = decay_mask(model)
     if spec.name != "muon" and groups is None:
@@ -172,10 +182,15 @@ def make_optimizer(
         else:
             labels, factors = groups
         if spec.name == "muon":
-            # A Muon matrix is "hidden": under muP it takes the hidden role's factors.
+            # A Muon matrix is "hidden": under muP it takes the hidden role's factors for
+            # Muon's own step (`muon_update`).
             is_muon = muon_labels(model)
             labels = jax.tree.map(lambda m, role: "muon" if m == "muon" else role, is_muon, labels)
-            factors = {**factors, "muon": factors.get("hidden", Multipliers())}
+            muon = Multipliers()
+            if groups is not None:
+                s = scales or parametrization.scales(model.config)
+                muon = role_multipliers(s, "hidden", muon_update(spec))
+            factors = {**factors, "muon": muon}
         found = set(jax.tree.leaves(labels))
         update = optax.multi_transform(
             {
