@@ -5,6 +5,8 @@ each request. The device side, and the rule that keeps the target's distribution
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import equinox as eqx
 import jax
 import numpy as np
@@ -21,7 +23,7 @@ NGRAM = (3, 2, 1)  # the suffix lengths prompt lookup tries, longest first
 MAX_SPECULATE = 16
 
 
-def lookup(sequence: np.ndarray, k: int) -> np.ndarray:
+def lookup(sequence: Sequence[int] | np.ndarray, k: int) -> np.ndarray:
     """Prompt lookup: the (up to `k`) tokens that followed the latest earlier occurrence of the
     sequence's last n tokens, for the longest n in NGRAM that occurs; none if none does."""
     sequence = np.asarray(sequence)
