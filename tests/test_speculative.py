@@ -265,3 +265,39 @@ def test_bad_speculation_settings_are_refused(model):
             Engine(model, max_batch=2, max_len=LENGTH, prefill_chunk=CHUNK, **kwargs)
     with pytest.raises(EqllmError, match="speculate=0"):
         eqllm.generate(model, [1, 2], max_new_tokens=3, key=jax.random.key(0), speculate=0)
+
+
+def test_serve_refuses_a_draft_without_speculate(capsys):
+    from eqllm import cli
+
+    assert cli.main(["serve", "llama-nano", "--draft", "llama-nano"]) == 2
+    assert "--draft needs --speculate K" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_server_speculates_through_the_openai_client(tmp_path):
+    """A served model drafting with itself and with prompt lookup: greedy completions (plain
+    and streamed) equal `eqllm.generate`'s."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("transformers")
+    from eqllm import loading
+    from eqllm.serve.app import Service, create_app
+    from tests.serve_helpers import ServerThread, tiny_folder
+
+    model, tokenizer = loading.load(tiny_folder(tmp_path / "model"))
+    prompt = "the cat sat on the mat and the cat sat on"
+    ids = tokenizer.encode(prompt)
+    want = eqllm.generate(model, ids, max_new_tokens=16, key=jax.random.key(0), temperature=0)
+    want = want.tolist()
+    if tokenizer.eot_id in want:
+        want = want[: want.index(tokenizer.eot_id)]
+    for draft in (None, model):
+        engine = Engine(model, max_batch=2, max_len=128, prefill_chunk=32, speculate=3, draft=draft)
+        with ServerThread(create_app(Service(engine, tokenizer, model_name="m"))) as server:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+            settings = dict(model="m", prompt=prompt, max_tokens=16, temperature=0)
+            text = client.completions.create(**settings).choices[0].text
+            streamed = "".join(
+                c.choices[0].text for c in client.completions.create(**settings, stream=True)
+            )
+            assert text == streamed == tokenizer.decode(want)

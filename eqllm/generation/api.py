@@ -119,6 +119,7 @@ def _engine(
         model,
         max_batch=len(rows),
         max_len=max_len,
+        max_queue=len(rows),  # every prompt is queued before the first step
         prefill_chunk=1 << (width * len(rows) - 1).bit_length(),
         kv_blocks=len(rows) * -(-max_len // 16),
         block_size=16,

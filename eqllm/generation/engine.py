@@ -167,6 +167,7 @@ class Engine:
             f"{positions:,} positions ({positions / self.max_len:.1f} x max_len={self.max_len:,}), "
             f"{self.kv_bytes / 2**30:.2f} GiB reserved; {self.max_batch} slots"
             + ("" if self.pool.prefix_cache else "; prefix cache off")
+            + ("" if self.speculator is None else f"; {self.speculator.describe()}")
         )
 
     def shapes(self) -> list[str]:

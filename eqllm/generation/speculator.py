@@ -64,6 +64,14 @@ class Speculator:
                 "propose", jitted("propose", propose, static, (1,), names), params
             )
 
+    def describe(self) -> str:
+        """One line on the speculation: K and the guesses' source (and the draft's cache)."""
+        if self.draft is None:
+            return f"speculating {self.k} tokens per round by prompt lookup"
+        state = self.draft.state.cache
+        size = sum(x.nbytes for pool in state for x in pool.data.values())
+        return f"speculating {self.k} tokens per round from a draft ({size / 2**30:.2f} GiB cache)"
+
     def _counted(self, name: str, fn, params):
         def call(*args, **sizes):
             before = TRACES.get(name, 0)
