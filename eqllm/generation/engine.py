@@ -25,6 +25,9 @@ compiles them all before serving (an engine made for one batch, as `generate_bat
 compiles what it meets instead). The engine runs in its own thread when started; results reach
 each request through the callback it was submitted with.
 
+With `speculate`, every decode call is a speculative round instead: K guesses per slot
+verified by one target call (`eqllm.generation.speculator`, `eqllm.generation.speculate`).
+
 This module decides what runs when. The slots, the queue and the blocks each request holds are
 kept by `eqllm.generation.scheduler`; the device state and the arrays of each call by
 `eqllm.generation.runner`; the cache's size and the shape buckets come from
@@ -175,7 +178,10 @@ class Engine:
         lines = self.buckets.lines(self.block_size, self.mesh)
         if self.speculator is None:
             return lines
-        return self.speculator.lines(self.buckets) + [x for x in lines if x[:7] != "decode:"]
+        drafted = self.speculator.draft is not None  # every decode call is a round
+        return self.speculator.lines(self.buckets) + [
+            x for x in lines if not (drafted and x.startswith("decode:"))
+        ]
 
     def warm(self) -> None:
         """Compile every shape in `shapes()` (decoding no slot, prefilling padding only).
@@ -188,9 +194,9 @@ class Engine:
             self.runner.prefill([], width, rows, pages)
             release_free_memory()
         for slots, pages, steps in self.buckets.decode_shapes():
-            if self.speculator is None:
+            if self.speculator is None or self.speculator.draft is None:
                 self._run_decode(np.zeros(slots, bool), pages, steps)
-            elif steps == 1:  # a speculative round for no slot
+            if self.speculator is not None:  # a speculative round for no slot
                 k = self.speculator.k
                 zeros = np.zeros(slots, np.int32)
                 self.speculator.run(self.scheduler, pages, np.zeros((slots, k), np.int32), zeros)

@@ -168,7 +168,8 @@ def verify(
     )
     back = jnp.clip(jnp.arange(width)[None] + (width - n)[:, None], 0, width - 1)
     hidden = jnp.take_along_axis(hidden, back[:, :, None], axis=1)  # in order again
-    logits = jax.vmap(jax.vmap(lambda h: model.logits(model.final_norm(h))))(hidden)
+    rows = hidden.reshape(slots * width, -1)  # one 2-D product with the head
+    logits = model.logits(model.final_norm(rows)).reshape(slots, width, -1)
     # The target's present set after the first j guesses, for j = 0 .. K.
     guessed = jnp.cumsum(jax.nn.one_hot(guesses, vocab, dtype=jnp.int32), axis=1) > 0
     seen = present[:, None] | jnp.concatenate([jnp.zeros_like(guessed[:, :1]), guessed], axis=1)

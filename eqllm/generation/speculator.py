@@ -83,7 +83,8 @@ class Speculator:
         return call
 
     def lines(self, buckets: Buckets) -> list[str]:
-        """The compiled shapes of a round, one line each (they replace the decode shapes)."""
+        """The compiled shapes of a round, one line each (with a draft they replace the decode
+        shapes; prompt lookup decodes plainly when it has no guess for any slot)."""
         b, source = buckets.block_size, "prompt lookup" if self.draft is None else "draft model"
         return [
             f"speculate ({source}): {s} slots x {p * b} positions x {self.k + 1} tokens"
@@ -130,13 +131,16 @@ class Speculator:
         for request in ready:
             g = guesses[id(request)]
             guess[request.slot, : len(g)], count[request.slot] = g, len(g)
-        out = self.run(scheduler, pages, guess, count)
+        if self.draft is None and not count.any():  # no guess anywhere: a plain decode step
+            out = self.plain(scheduler, pages, slots)
+        else:
+            out = self.run(scheduler, pages, guess, count)
         for request in ready:
             row = request.slot
             kept = int(np.sum(out.token[row] != NO_TOKEN)) - 1
             self.proposed, self.accepted = self.proposed + int(count[row]), self.accepted + kept
             self.rounds += 1
-            for i in range(self.k + 1):
+            for i in range(out.token.shape[1]):
                 token = int(out.token[row, i])
                 if token == NO_TOKEN or request.slot is None or request.cancelled:
                     break
@@ -145,6 +149,12 @@ class Speculator:
                 scheduler.emit(request, token, float(out.logprob[row, i]), top)
             if request.slot is not None:
                 scheduler.register(request)
+
+    def plain(self, scheduler: Scheduler, pages: int, slots: int):
+        """The decode step of one token for the first `slots` slots' decoding requests."""
+        active = np.asarray([r is not None and r.decoding for r in scheduler.slots[:slots]])
+        settings, stops = scheduler.settings.stacked(slots), scheduler.stops[:slots]
+        return self.runner.decode(scheduler.slots, active, pages, 1, settings, stops)
 
     def run(self, scheduler: Scheduler, pages: int, guess: np.ndarray, count: np.ndarray):
         """One compiled round for the first len(count) slots (a slot is active when it holds
