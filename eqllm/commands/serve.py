@@ -5,7 +5,8 @@ size is logged (a pool of blocks sized by `--kv-cache-memory`, by default a shar
 memory), the engine's compiled shapes are listed and compiled, and only then does the server
 listen, on 127.0.0.1 unless `--host` says otherwise. `--mesh tensor=N` splits the weights and
 the KV cache over N devices (`data=D` also splits the slots over D replicas). SIGTERM or Ctrl-C
-stops accepting connections, lets the requests in flight finish, and exits 0. See
+stops accepting connections, lets the requests in flight finish, and exits 0. `--speculate K`
+decodes speculatively, K guesses per round from prompt lookup or from `--draft MODEL`. See
 docs/serve.md.
 """
 
