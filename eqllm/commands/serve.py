@@ -5,7 +5,8 @@ size is logged (a pool of blocks sized by `--kv-cache-memory`, by default a shar
 memory), the engine's compiled shapes are listed and compiled, and only then does the server
 listen, on 127.0.0.1 unless `--host` says otherwise. `--mesh tensor=N` splits the weights and
 the KV cache over N devices (`data=D` also splits the slots over D replicas). SIGTERM or Ctrl-C
-stops accepting connections, lets the requests in flight finish, and exits 0. See
+stops accepting connections, lets the requests in flight finish, and exits 0. `--speculate K`
+decodes speculatively, K guesses per round from prompt lookup or from `--draft MODEL`. See
 docs/serve.md.
 """
 
@@ -57,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
+    if args.draft is not None and args.speculate is None:
+        raise EqllmError("--draft needs --speculate K (guesses per round, e.g. --speculate 4)")
     if args.api_key is not None and not args.api_key:
         raise EqllmError("--api-key is empty; give a key or leave the option out")
     mesh = None if args.mesh is None else serving_mesh(args.mesh)
@@ -70,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
             model = quantize(model, args.quantize)
     if args.tokenizer is not None:
         tokenizer = Tokenizer.from_spec(args.tokenizer)
+    draft = _draft(args)
     engine = Engine(
         model,
         max_batch=args.max_batch,
@@ -81,8 +85,10 @@ def run(args: argparse.Namespace) -> int:
         kv_memory=None if args.kv_cache_memory is None else parse_size(args.kv_cache_memory),
         prefix_cache=not args.no_prefix_cache,
         decode_steps=args.decode_steps,
+        speculate=args.speculate,
+        draft=draft,
     )
-    del model  # the engine holds the weights it runs on (sliced into layers)
+    del model, draft  # the engine holds the weights it runs on (sliced into layers)
     log.info("loaded %s in %.1f s", args.model, time.perf_counter() - start)
     log.info("%s", engine.describe())
     log.info("compiling:")
@@ -116,6 +122,14 @@ def run(args: argparse.Namespace) -> int:
     server.run()
     log.info("stopped")
     return 0
+
+
+def _draft(args: argparse.Namespace):
+    """The draft model `--draft` names (loaded as the target is), or None."""
+    if args.draft is None:
+        return None
+    draft, _ = loading.load(args.draft, dtype=args.dtype, seed=args.seed)
+    return draft
 
 
 def parse_size(text: str) -> int:
@@ -174,6 +188,22 @@ def add_parser(commands) -> None:
         type=int,
         default=1,
         help="tokens a decode call runs on device while no prompt waits (default 1)",
+    )
+    p.add_argument(
+        "--speculate",
+        type=int,
+        default=None,
+        metavar="K",
+        help="speculative decoding: verify K guessed tokens per round in one forward; the "
+        "guesses come from --draft, else from prompt lookup (n-gram matches in the prompt and "
+        "output); greedy output is unchanged, sampled output keeps its distribution",
+    )
+    p.add_argument(
+        "--draft",
+        default=None,
+        metavar="MODEL",
+        help="a smaller model sharing the tokenizer that guesses for --speculate (a zoo name, "
+        "folder or repo id, as MODEL); default: prompt lookup",
     )
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights")

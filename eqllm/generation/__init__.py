@@ -5,7 +5,9 @@ Every generation in eqllm (these functions, evaluation samples, the lm-evaluatio
 backend, GRPO rollouts, `eqllm serve`) runs on the one engine: the model's own `prefill` /
 `decode` over views of a pool of cache blocks, one compiled prefill step and one compiled decode
 step that loops on device until its tokens are drawn or every row produced a stop token.
-Sampling settings are arrays, so changing them does not recompile.
+Sampling settings are arrays, so changing them does not recompile. With `speculate=K` the
+decode step is a speculative round (guesses from prompt lookup or a draft model, verified in
+one target call; `eqllm.generation.speculate`).
 """
 
 from eqllm.generation.api import bucket, generate, generate_batch, stream

@@ -108,19 +108,25 @@ def _prepare(model, prompts, max_new_tokens, stop_tokens):
     return rows, tuple(stop.tolist())
 
 
-def _engine(model: CausalLM, rows, *, max_len: int, steps: int) -> Engine:
+def _engine(
+    model: CausalLM, rows, *, max_len: int, steps: int, speculate=None, draft=None
+) -> Engine:
     """An engine with a slot per row and the blocks of `max_len` positions for each, taking
-    every prompt in one prefill call and decoding `steps` tokens per call."""
+    every prompt in one prefill call and decoding `steps` tokens per call (one speculative
+    round per call when `speculate`)."""
     width = bucket(max(len(r) for r in rows), model.config.max_seq_len)
     return Engine(
         model,
         max_batch=len(rows),
         max_len=max_len,
+        max_queue=len(rows),  # every prompt is queued before the first step
         prefill_chunk=1 << (width * len(rows) - 1).bit_length(),
         kv_blocks=len(rows) * -(-max_len // 16),
         block_size=16,
         prefix_cache=False,
-        decode_steps=steps,
+        decode_steps=1 if speculate else steps,
+        speculate=speculate,
+        draft=draft,
     )
 
 
@@ -140,6 +146,8 @@ def generate_batch(
     min_p: float | int | None = None,
     repetition_penalty: float | int | None = None,
     stop_tokens: Sequence | np.ndarray = (),
+    speculate: int | None = None,
+    draft: CausalLM | None = None,
 ) -> list[np.ndarray]:
     """Continue several prompts of any lengths at once; one compiled call.
 
@@ -155,6 +163,11 @@ def generate_batch(
         min_p: see `filter_logits`.
         repetition_penalty: see `penalize_repetition`.
         stop_tokens: a row ends after producing one of these (it is included in the output).
+        speculate: speculative decoding with K guesses per round (None: off). Greedy output is
+            the same token for token; sampled output has the same distribution (not the same
+            draws). See `eqllm.generation.speculate`.
+        draft: the model that guesses (sharing the vocabulary; None: prompt lookup, guesses
+            copied from earlier in the sequence).
 
     Returns:
         One int32 array of new tokens per prompt.
@@ -176,7 +189,14 @@ def generate_batch(
     max_len = min(
         bucket(longest, model.config.max_seq_len) + max_new_tokens, model.config.max_seq_len
     )
-    engine = _engine(model, rows, max_len=max_len, steps=max(1, max_new_tokens - 1))
+    engine = _engine(
+        model,
+        rows,
+        max_len=max_len,
+        steps=max(1, max_new_tokens - 1),
+        speculate=speculate,
+        draft=draft,
+    )
     outputs: list[list[int]] = [[] for _ in rows]
     for row, key_i, out in zip(rows, keys, outputs, strict=True):
         engine.submit(row, _params(max_new_tokens, settings, stop), _tokens_into(out), key=key_i)
@@ -204,6 +224,8 @@ def generate(
     min_p: float | int | None = None,
     repetition_penalty: float | int | None = None,
     stop_tokens: Sequence | np.ndarray = (),
+    speculate: int | None = None,
+    draft: CausalLM | None = None,
 ) -> np.ndarray:
     """Continue one prompt of token ids: the new tokens (int32), ending at a stop token if one
     was produced. Same key, same output. See `generate_batch` for the arguments."""
@@ -218,6 +240,8 @@ def generate(
         min_p=min_p,
         repetition_penalty=repetition_penalty,
         stop_tokens=stop_tokens,
+        speculate=speculate,
+        draft=draft,
     )
     return out
 

@@ -25,6 +25,9 @@ compiles them all before serving (an engine made for one batch, as `generate_bat
 compiles what it meets instead). The engine runs in its own thread when started; results reach
 each request through the callback it was submitted with.
 
+With `speculate`, every decode call is a speculative round instead: K guesses per slot
+verified by one target call (`eqllm.generation.speculator`, `eqllm.generation.speculate`).
+
 This module decides what runs when. The slots, the queue and the blocks each request holds are
 kept by `eqllm.generation.scheduler`; the device state and the arrays of each call by
 `eqllm.generation.runner`; the cache's size and the shape buckets come from
@@ -44,11 +47,11 @@ from jax.sharding import Mesh
 from eqllm.generation.paged import bytes_per_token
 from eqllm.generation.pages import BlockPool
 from eqllm.generation.placement import check_mesh
-from eqllm.generation.requests import Params, Request, ServeError
+from eqllm.generation.requests import Params, Request, ServeError, check_request
 from eqllm.generation.runner import Runner, top_alternatives
-from eqllm.generation.sampling import GenerationError, sampling
 from eqllm.generation.scheduler import Scheduler
 from eqllm.generation.sizing import MIN_CHUNK, Buckets, pool_blocks, round_up
+from eqllm.generation.speculator import Speculator, check_speculation
 from eqllm.generation.steps import NO_TOKEN
 from eqllm.hostmem import release_free_memory
 from eqllm.model import CausalLM, refuse_cached
@@ -76,6 +79,9 @@ class Engine:
             (1: a new request joins after at most one token of the others).
         view_lengths: the cache positions a step may read, as buckets (None: 128, 512, 2048, ...
             up to `max_len`, so one request does not pay for the whole context).
+        speculate: guesses K per speculative round (None: off): each decode round then
+            verifies K guessed tokens per slot in one target call (`eqllm.generation.speculate`).
+        draft: the model the guesses come from (same vocabulary; None: prompt lookup).
 
     `scheduler` holds the slots, the queue and the blocks; `runner` the device state and the
     compiled steps.
@@ -96,6 +102,8 @@ class Engine:
         prefix_cache: bool = True,
         decode_steps: int = 1,
         view_lengths: Sequence[int] | None = None,
+        speculate: int | None = None,
+        draft: CausalLM | None = None,
     ):
         cfg = model.config
         refuse_cached(cfg)  # a hybrid's recurrent state has no place in the paged cache yet
@@ -115,6 +123,7 @@ class Engine:
             raise ServeError(f"decode_steps={decode_steps} must be at least 1")
         if mesh is not None:
             check_mesh(cfg, mesh, max_batch)
+        check_speculation(model, speculate, draft, max_len, decode_steps, mesh)
         self.config, self.mesh = cfg, mesh
         self.max_batch, self.max_len, self.max_queue = max_batch, max_len, max_queue
         self.prefill_chunk, self.block_size, self.decode_steps = (
@@ -146,6 +155,9 @@ class Engine:
         self.runner = Runner(model, mesh, max_batch, self.kv_blocks, block_size)
         self.pool = BlockPool(self.kv_blocks, block_size, prefix_cache=prefix_cache)
         self.scheduler = Scheduler(self.pool, max_batch, max_len)
+        self.speculator = (
+            Speculator(self.runner, speculate, draft, self.kv_blocks) if speculate else None
+        )
         self._running = False
         self._thread: threading.Thread | None = None
 
@@ -159,11 +171,18 @@ class Engine:
             f"{positions:,} positions ({positions / self.max_len:.1f} x max_len={self.max_len:,}), "
             f"{self.kv_bytes / 2**30:.2f} GiB reserved; {self.max_batch} slots"
             + ("" if self.pool.prefix_cache else "; prefix cache off")
+            + ("" if self.speculator is None else f"; {self.speculator.describe()}")
         )
 
     def shapes(self) -> list[str]:
         """Every compiled shape the engine uses, one line each."""
-        return self.buckets.lines(self.block_size, self.mesh)
+        lines = self.buckets.lines(self.block_size, self.mesh)
+        if self.speculator is None:
+            return lines
+        drafted = self.speculator.draft is not None  # every decode call is a round
+        return self.speculator.lines(self.buckets) + [
+            x for x in lines if not (drafted and x.startswith("decode:"))
+        ]
 
     def warm(self) -> None:
         """Compile every shape in `shapes()` (decoding no slot, prefilling padding only).
@@ -176,7 +195,12 @@ class Engine:
             self.runner.prefill([], width, rows, pages)
             release_free_memory()
         for slots, pages, steps in self.buckets.decode_shapes():
-            self._run_decode(np.zeros(slots, bool), pages, steps)
+            if self.speculator is None or self.speculator.draft is None:
+                self._run_decode(np.zeros(slots, bool), pages, steps)
+            if self.speculator is not None:  # a speculative round for no slot
+                k = self.speculator.k
+                zeros = np.zeros(slots, np.int32)
+                self.speculator.run(self.scheduler, pages, np.zeros((slots, k), np.int32), zeros)
             release_free_memory()
         for width in self.buckets.scores:
             jax.block_until_ready(self.runner.steps["score"](np.zeros(width, np.int32)))
@@ -186,29 +210,7 @@ class Engine:
 
     def check(self, prompt: Sequence[int] | np.ndarray, params: Params) -> None:
         """Raise ServeError (GenerationError for sampling values) for a request that cannot run."""
-        n, vocab = len(prompt), self.config.vocab_size
-        if n == 0:
-            raise ServeError("prompt is empty; give at least one token")
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ServeError(f"prompt has token ids outside [0, vocab_size={vocab})")
-        if params.max_tokens < 0:
-            raise ServeError(f"max_tokens must be >= 0, got {params.max_tokens}")
-        if n + params.max_tokens > self.max_len:
-            raise ServeError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"of {self.max_len} tokens; shorten the prompt or lower max_tokens"
-            )
-        if params.max_tokens == 0 and not params.prompt_logprobs:
-            raise ServeError("max_tokens=0 generates nothing; ask for echo with logprobs or >= 1")
-        sampling(
-            params.temperature,
-            params.top_k,
-            params.top_p,
-            params.min_p,
-            params.repetition_penalty,
-        )
-        if any(not 0 <= t < vocab for t in params.stop_tokens):
-            raise GenerationError(f"stop token ids must lie in [0, vocab_size={vocab})")
+        check_request(prompt, params, vocab=self.config.vocab_size, max_len=self.max_len)
 
     def submit(
         self, prompt: Sequence[int] | np.ndarray, params: Params, sink, *, key=None
@@ -237,7 +239,7 @@ class Engine:
             "prompt_tokens": self.pool.looked_up_tokens,
             "evicted_blocks": self.pool.evicted,
             "preempted": self.scheduler.preempted,
-        }
+        } | ({} if self.speculator is None else self.speculator.stats())
 
     # The loop ------------------------------------------------------------------------------------
 
@@ -357,6 +359,8 @@ class Engine:
         ready = [r for r in held if r is not None and r.decoding]
         if not ready:
             return
+        if self.speculator is not None:
+            return self.speculator.decode(self.scheduler, ready, self.buckets)
         waiting = self.scheduler.waiting or any(r is not None and not r.decoding for r in held)
         steps = 1 if waiting else self.decode_steps
         if max(r.cursor for r in ready) + steps > self.max_pages * self.block_size:

@@ -145,9 +145,24 @@ def forward(
     start: Int[Array, " rows"],
     block_size: int,
 ) -> tuple[Float[Array, "rows vocab"], tuple[Pool, ...]]:
+    """`forward_hidden`, and the logits after each row's last position."""
+    x, written = forward_hidden(fixed, cache, pages, tokens, positions, start, block_size)
+    return jax.vmap(fixed[0].next_logits)(x), written
+
+
+def forward_hidden(
+    fixed,
+    cache: tuple[Pool, ...],
+    pages: Int[Array, "rows pages"],
+    tokens: Int[Array, "rows new"],
+    positions: Int[Array, "rows new"],
+    start: Int[Array, " rows"],
+    block_size: int,
+) -> tuple[Float[Array, "rows new d_model"], tuple[Pool, ...]]:
     """The model's own cached forward on each row's new positions (negative: padding), one
     layer at a time: a layer's views are gathered from its pool right before it runs, and the
-    positions it computed written back right after; the logits after each row's last position.
+    positions it computed written back right after; the last layer's output at every position
+    (before the final norm).
 
     The order is held by data: a layer's write, and the next layer's reads, depend on the
     layer's output through a zero XLA cannot see is zero (an argmax is >= 0). Left to itself
@@ -170,4 +185,4 @@ def forward(
         x, view = jax.vmap(call)(x, positions, view)
         after = jnp.minimum(jnp.min(jnp.argmax(x[:, -1, :2], axis=-1)), 0).astype(jnp.int32)
         written.append(_write(pool, view, pages, positions + after, block_size))
-    return jax.vmap(model.next_logits)(x), tuple(written)
+    return x, tuple(written)

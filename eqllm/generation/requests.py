@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from eqllm.errors import EqllmError
+from eqllm.generation.sampling import GenerationError, sampling
 
 
 class ServeError(EqllmError):
@@ -108,3 +109,33 @@ class Request:
     def cancel(self) -> None:
         """Stop the request at the next step and free its slot (thread-safe)."""
         self.cancelled = True
+
+
+def check_request(
+    prompt: Sequence[int] | np.ndarray, params: Params, *, vocab: int, max_len: int
+) -> None:
+    """Raise ServeError (GenerationError for sampling values) for a request an engine of
+    `vocab` tokens and `max_len` positions cannot run."""
+    n = len(prompt)
+    if n == 0:
+        raise ServeError("prompt is empty; give at least one token")
+    if min(prompt) < 0 or max(prompt) >= vocab:
+        raise ServeError(f"prompt has token ids outside [0, vocab_size={vocab})")
+    if params.max_tokens < 0:
+        raise ServeError(f"max_tokens must be >= 0, got {params.max_tokens}")
+    if n + params.max_tokens > max_len:
+        raise ServeError(
+            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+            f"of {max_len} tokens; shorten the prompt or lower max_tokens"
+        )
+    if params.max_tokens == 0 and not params.prompt_logprobs:
+        raise ServeError("max_tokens=0 generates nothing; ask for echo with logprobs or >= 1")
+    sampling(
+        params.temperature,
+        params.top_k,
+        params.top_p,
+        params.min_p,
+        params.repetition_penalty,
+    )
+    if any(not 0 <= t < vocab for t in params.stop_tokens):
+        raise GenerationError(f"stop token ids must lie in [0, vocab_size={vocab})")

@@ -41,6 +41,7 @@ class Runner:
             block_size,
         )
         self.traces: dict[str, int] = {}
+        self.draft: Runner | None = None  # a draft model's runner: prefills what this one does
         steps, self.weights = compiled(model, mesh)
         self.steps = {name: self._counted(name, fn) for name, fn in steps.items()}
         self.state = empty_state(model, max_batch, blocks, block_size)
@@ -88,21 +89,13 @@ class Runner:
                 i, sampling(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty)
             )
         top = any(r.params.logprobs for r, _ in chunks)
-        self.state, out = self.steps["prefill"](
-            self.state,
-            slots,
-            table,
-            tokens,
-            positions,
-            first,
-            last,
-            jnp.stack(keys),
-            step,
-            seen,
-            settings.stacked(),
-            np.asarray(top),
-            block_size=self.block_size,
-        )
+        args = (slots, table, tokens, positions, first, last, jnp.stack(keys), step, seen)
+        args = (*args, settings.stacked(), np.asarray(top))
+        self.state, out = self.steps["prefill"](self.state, *args, block_size=self.block_size)
+        if self.draft is not None:  # the draft's pools hold every position the target's do
+            self.draft.state, _ = self.draft.steps["prefill"](
+                self.draft.state, *args, block_size=self.block_size
+            )
         if not last.any():
             return [None] * len(chunks)
         out = jax.device_get(out)
