@@ -294,8 +294,7 @@ def _depth(points: dict) -> list[str]:
         f"llama3-8b's layer at {layers} scanned layers, on v5p-128 (64 chips, fsdp=64, "
         "64 x 4,096 tokens, remat full): `--set model.overrides.n_layers=N`.",
         "",
-        "| layers | compile s | peak GiB | temporaries GiB | collective GiB per step | "
-        "step s >= |",
+        "| layers | compile s | peak GiB | temporaries GiB | collective GiB per step | step s >= |",
         "|---|---|---|---|---|---|",
     ]
     for layers, p, row in sorted(rows, key=lambda t: t[0]):
