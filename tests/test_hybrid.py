@@ -86,6 +86,9 @@ def test_generation_refuses_hybrids_by_name(model):
 
     with pytest.raises(EqllmError, match="hybrid linear-attention"):
         Engine(model, max_batch=2, max_len=32)
+    target = eqllm.CausalLM(TINY_CONFIGS["qwen3"], key=jax.random.key(1))
+    with pytest.raises(EqllmError, match="hybrid linear-attention"):  # nor as a draft
+        Engine(target, max_batch=2, max_len=32, speculate=2, draft=model)
 
 
 def test_gguf_export_refuses_qwen3_5_by_name(model, tmp_path):

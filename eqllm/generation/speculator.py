@@ -17,7 +17,7 @@ from eqllm.generation.scheduler import Scheduler
 from eqllm.generation.sizing import Buckets, round_up
 from eqllm.generation.speculate import jitted, propose, verify
 from eqllm.generation.steps import NO_TOKEN, TRACES
-from eqllm.model import CausalLM
+from eqllm.model import CausalLM, refuse_cached
 
 NGRAM = (3, 2, 1)  # the suffix lengths prompt lookup tries, longest first
 MAX_SPECULATE = 16
@@ -211,6 +211,7 @@ def check_speculation(
         return
     if not isinstance(draft, CausalLM):
         raise ServeError(f"draft must be an eqllm CausalLM, got {type(draft).__name__}")
+    refuse_cached(draft.config)  # a hybrid draft's recurrent state has no place in the cache
     vocab, draft_vocab = model.config.vocab_size, draft.config.vocab_size
     if draft_vocab != vocab:
         raise ServeError(
