@@ -1,4 +1,5 @@
-"""The one list of tiny models the family contract runs over (tests/test_families.py).
+"""The one list of tiny models the family contract runs over (tests/test_families.py); the case
+type and the tiny sizes entries share are in tests/tiny.py.
 
 Each entry is one line: a name, a tiny `ModelConfig`, and what the model supports. Every family in
 `eqllm/families/` has an entry that runs in the default suite; a second entry of one family (a
@@ -16,100 +17,13 @@ what runs by default.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 
 import pytest
 
 import eqllm
 from eqllm.config import ModelConfig
-
-TINY = {
-    "vocab_size": 97,
-    "d_model": 32,
-    "n_layers": 2,
-    "attention.n_heads": 4,
-    "mlp.d_ff": 64,
-    "max_seq_len": 64,
-}
-# DeepSeek's latent attention: a 12-wide key/value latent, 8 + 6 rotated query/key dims, values
-# of 10; three layers, the first dense, then 8 experts of 16 in 4 groups, 3 per token, and a
-# shared expert of 32; YaRN with the attention-scale factors of the published checkpoints.
-_MLA = {
-    **TINY,
-    "n_layers": 3,
-    "attention": {
-        "n_kv_heads": 4,
-        "kv_lora_rank": 12,
-        "qk_nope_head_dim": 8,
-        "qk_rope_head_dim": 6,
-        "v_head_dim": 10,
-        "head_dim": 14,
-    },
-    "moe": {"n_experts": 8, "experts_per_token": 3, "d_ff": 16, "shared_d_ff": 32},
-    "positions": {
-        "scaling": {
-            "kind": "yarn",
-            "factor": 4.0,
-            "original_max_seq_len": 64,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "mscale": 0.707,
-            "mscale_all_dim": 0.707,
-        }
-    },
-}
-
-# DeepSeek-V3's routing (GLM-4.5's too): the best 2 of 4 groups, the weights scaled by 2.5; its
-# query latent; GLM-4.5's attention (2 kv heads of 16, half of each rotated) and count.
-_GROUPED = {**_MLA["moe"], "n_groups": 4, "topk_groups": 2, "routed_scale": 2.5}
-_MLA_Q = {**_MLA["attention"], "q_lora_rank": 16}
-_GQA_16 = {"n_kv_heads": 2, "head_dim": 16}
-_GLM_355B = 352_797_829_024
-# YaRN over an original context of 16, shorter than the test sequences.
-_YARN_16 = {
-    "kind": "yarn",
-    "factor": 4.0,
-    "original_max_seq_len": 16,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-}
-
-Count = int | str  # exact, or in billions as a model card rounds it ("46.7")
-
-
-@dataclasses.dataclass(frozen=True)
-class Tiny:
-    """One tiny model the contract runs over.
-
-    Arguments:
-        name: the case's name in test ids (`llama3`); the family is `config.family`.
-        config: the tiny config (97 tokens, width 32, 2 or 3 layers).
-        variant: a second case of a family already listed: it runs in the slow set only.
-        gguf: eqllm writes it as a GGUF file (`eqllm.hub.save_gguf`); the contract checks the
-            file with transformers' GGUF loader, or that a model without it is refused.
-        lora: the Hugging Face module names peft adapts in its transformers twin, when they are
-            not all of `eqllm.lora.available_targets` (None: all of them).
-        published: zoo names of released sizes -> the parameter count their release gives: the
-            total, or (total, active); each exact (an `int`) or in billions as the model card
-            rounds them (a string, "46.7").
-        atol: the tolerance of its logits against transformers' (fp32 both sides).
-        generates: cached generation runs it; False: it refuses with an EqllmError (a
-            hybrid's recurrent state is not in the cache yet).
-    """
-
-    name: str
-    config: ModelConfig
-    variant: bool = False
-    gguf: bool = False
-    lora: tuple[str, ...] | None = None
-    published: dict[str, Count | tuple[Count, Count]] = dataclasses.field(default_factory=dict)
-    atol: float = 1e-5
-    generates: bool = True
-
-    @property
-    def family(self) -> str:
-        return self.config.family
+from tests.tiny import GLM_355B, GQA_16, GROUPED, MLA, MLA_Q, TINY, YARN_16, Tiny
 
 
 def _zoo(name: str, **overrides) -> ModelConfig:
@@ -229,7 +143,7 @@ FAMILIES = [
             "olmo3-nano",
             n_layers=3,
             attention={"n_kv_heads": 2, "sliding_window": 5, "global_every": 2},
-            positions={"local_theta": 500.0, "scaling": _YARN_16},
+            positions={"local_theta": 500.0, "scaling": YARN_16},
         ),
     ),
     # Mixtures of experts: 4 experts, 2 per token (tests/test_moe.py: the grouped product).
@@ -337,7 +251,7 @@ FAMILIES = [
     # Query compression, sigmoid scores with a correction bias, the best 2 of 4 groups.
     Tiny(
         "deepseek_v3",
-        _zoo("deepseek_v3-nano", **{**_MLA, "attention": _MLA_Q, "moe": _GROUPED}),
+        _zoo("deepseek_v3-nano", **{**MLA, "attention": MLA_Q, "moe": GROUPED}),
         lora=_MLA_LORA,
         # Kimi K2's total as transformers' DeepSeek-V3 counts its config.json (its model card
         # rounds it to 1T).
@@ -349,9 +263,9 @@ FAMILIES = [
     # with a correction bias, the best 2 of 4 groups, a shared expert.
     Tiny(
         "glm4_moe",
-        _zoo("glm4_moe-nano", n_layers=3, attention=_GQA_16, moe=_GROUPED),
+        _zoo("glm4_moe-nano", n_layers=3, attention=GQA_16, moe=GROUPED),
         lora=_ROUTED_LORA,
-        published={"glm-4.5": _GLM_355B, "glm-4.6": _GLM_355B, "glm-4.5-air": 106_852_251_264},
+        published={"glm-4.5": GLM_355B, "glm-4.6": GLM_355B, "glm-4.5-air": 106_852_251_264},
     ),
     # GLM-4.5-Air's block: no QK-norm, one group, one shared expert, weights not renormalised;
     # YaRN on the 8 rotated dims (the original context, 16, shorter than the test sequences).
@@ -360,9 +274,9 @@ FAMILIES = [
         _zoo(
             "glm4_moe-nano",
             n_layers=3,
-            attention={**_GQA_16, "qk_norm": None},
+            attention={**GQA_16, "qk_norm": None},
             moe={"n_experts": 4, "experts_per_token": 2, "d_ff": 16, "shared_d_ff": 16},
-            positions={"scaling": _YARN_16},
+            positions={"scaling": YARN_16},
             **{"moe.norm_topk_prob": False},
         ),
         variant=True,
@@ -371,7 +285,7 @@ FAMILIES = [
     # Direct queries, softmax greedy top-k, not renormalised.
     Tiny(
         "deepseek_v2",
-        _zoo("deepseek_v2-nano", **{**_MLA, "moe": {**_MLA["moe"], "routed_scale": 1.5}}),
+        _zoo("deepseek_v2-nano", **{**MLA, "moe": {**MLA["moe"], "routed_scale": 1.5}}),
         lora=tuple(t for t in _MLA_LORA if t not in ("q_a_proj", "q_b_proj")) + ("q_proj",),
         published={"deepseek-v2-lite": 15_706_484_224},
     ),

@@ -1,0 +1,95 @@
+"""The case type of the family contract's list (tests/families.py) and the tiny sizes its entries
+share: 97 tokens, width 32, 2 or 3 layers; DeepSeek's latent attention and grouped routing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from eqllm.config import ModelConfig
+
+TINY = {
+    "vocab_size": 97,
+    "d_model": 32,
+    "n_layers": 2,
+    "attention.n_heads": 4,
+    "mlp.d_ff": 64,
+    "max_seq_len": 64,
+}
+# DeepSeek's latent attention: a 12-wide key/value latent, 8 + 6 rotated query/key dims, values
+# of 10; three layers, the first dense, then 8 experts of 16 in 4 groups, 3 per token, and a
+# shared expert of 32; YaRN with the attention-scale factors of the published checkpoints.
+MLA = {
+    **TINY,
+    "n_layers": 3,
+    "attention": {
+        "n_kv_heads": 4,
+        "kv_lora_rank": 12,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 6,
+        "v_head_dim": 10,
+        "head_dim": 14,
+    },
+    "moe": {"n_experts": 8, "experts_per_token": 3, "d_ff": 16, "shared_d_ff": 32},
+    "positions": {
+        "scaling": {
+            "kind": "yarn",
+            "factor": 4.0,
+            "original_max_seq_len": 64,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        }
+    },
+}
+
+# DeepSeek-V3's routing (GLM-4.5's too): the best 2 of 4 groups, the weights scaled by 2.5; its
+# query latent; GLM-4.5's attention (2 kv heads of 16, half of each rotated) and count.
+GROUPED = {**MLA["moe"], "n_groups": 4, "topk_groups": 2, "routed_scale": 2.5}
+MLA_Q = {**MLA["attention"], "q_lora_rank": 16}
+GQA_16 = {"n_kv_heads": 2, "head_dim": 16}
+GLM_355B = 352_797_829_024
+# YaRN over an original context of 16, shorter than the test sequences.
+YARN_16 = {
+    "kind": "yarn",
+    "factor": 4.0,
+    "original_max_seq_len": 16,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+}
+
+Count = int | str  # exact, or in billions as a model card rounds it ("46.7")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiny:
+    """One tiny model the contract runs over.
+
+    Arguments:
+        name: the case's name in test ids (`llama3`); the family is `config.family`.
+        config: the tiny config (97 tokens, width 32, 2 or 3 layers).
+        variant: a second case of a family already listed: it runs in the slow set only.
+        gguf: eqllm writes it as a GGUF file (`eqllm.hub.save_gguf`); the contract checks the
+            file with transformers' GGUF loader, or that a model without it is refused.
+        lora: the Hugging Face module names peft adapts in its transformers twin, when they are
+            not all of `eqllm.lora.available_targets` (None: all of them).
+        published: zoo names of released sizes -> the parameter count their release gives: the
+            total, or (total, active); each exact (an `int`) or in billions as the model card
+            rounds them (a string, "46.7").
+        atol: the tolerance of its logits against transformers' (fp32 both sides).
+        generates: cached generation runs it; False: it refuses with an EqllmError (a
+            hybrid's recurrent state is not in the cache yet).
+    """
+
+    name: str
+    config: ModelConfig
+    variant: bool = False
+    gguf: bool = False
+    lora: tuple[str, ...] | None = None
+    published: dict[str, Count | tuple[Count, Count]] = dataclasses.field(default_factory=dict)
+    atol: float = 1e-5
+    generates: bool = True
+
+    @property
+    def family(self) -> str:
+        return self.config.family
