@@ -22,6 +22,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqllm.attention_backend import attention_kernel
 from eqllm.config import ModelConfig
+from eqllm.config.experts import choose_impl
 from eqllm.nn import (
     MLP,
     Attention,
@@ -33,6 +34,7 @@ from eqllm.nn import (
     RMSNorm,
     RopeScaling,
     RotaryEmbedding,
+    Routing,
 )
 from eqllm.parametrization import scales
 
@@ -58,7 +60,7 @@ _LAYER_HOOK: contextvars.ContextVar[LayerHook | None] = contextvars.ContextVar(
 def each_layer(hook: LayerHook) -> Iterator[None]:
     """While tracing inside this context, `run_blocks` runs `hook(block)` in place of each
     layer's Block, inside the loop body (scanned or unrolled); the hook's result is called like
-    `Block.routed`, `(x, positions, local, segment_ids, rotate) -> (x, router_logits)`.
+    `Block.routed`, `(x, positions, local, segment_ids, rotate) -> (x, routing)`.
 
     This is how FSDP gathers one layer's weights at a time (`eqllm.sharding.FsdpGather`):
     sharding constraints placed here stay inside the loop, where XLA otherwise gathers every
@@ -190,7 +192,9 @@ def make_block(config: ModelConfig, key: PRNGKeyArray, *, dense: bool = False) -
             moe.experts_per_token,
             normalize=moe.norm_topk_prob,
             shared_d_ff=moe.shared_d_ff,
-            impl=moe.impl,
+            impl=choose_impl(  # "auto" without a mesh; a run chooses again with its mesh
+                moe.impl, backend=jax.default_backend(), expert_shards=1, n_experts=moe.n_experts
+            )[0],
             capacity_factor=moe.capacity_factor,
             bias=moe.bias,
             activation=moe.activation,
@@ -242,15 +246,15 @@ def run_blocks(
     config: ModelConfig,
     segment_ids: Int[Array, "*batch seq"] | None = None,
     first: int = 0,
-) -> tuple[Float[Array, "*batch seq d_model"], Float[Array, "layers *batch seq experts"] | None]:
+) -> tuple[Float[Array, "*batch seq d_model"], Routing | None]:
     """Apply the stacked blocks in order: `lax.scan` or an unrolled Python loop (see below).
 
     `positions` None means 0..seq-1 (see `Attention.__call__`); `segment_ids` (None: one
     segment) keep every layer's attention inside each packed document. A model whose layers differ
     (`layer_flags`) scans the flags alongside the weights: one compiled body for every layer.
     `first`: the model's index of the stack's first layer (a mixture of experts after a dense
-    prefix). Returns the output and, for a mixture of experts, every layer's router logits
-    (else None).
+    prefix). Returns the output and, for a mixture of experts, every layer's `Routing` (router
+    logits and dropped copies, stacked on a leading layers axis; else None).
     """
     params, static = eqx.partition(blocks, eqx.is_array)
     n_layers = jax.tree.leaves(params)[0].shape[0]
@@ -277,12 +281,14 @@ def run_blocks(
     # 480 MiB unrolled vs 360 MiB scanned, 493 / 449 MiB without remat).
     if config.scan_layers or config.remat != "none":
         return jax.lax.scan(step, x, xs)
-    router_logits = []
+    routings = []
     for i in range(n_layers):  # each layer's flags are known here: Python bools
         flags = (layer_flag(local, i), layer_flag(rotate, i))
-        x, logits = step(x, (jax.tree.map(lambda a, i=i: a[i], params), *flags))
-        router_logits.append(logits)
-    return x, None if router_logits[0] is None else jnp.stack(router_logits)
+        x, routing = step(x, (jax.tree.map(lambda a, i=i: a[i], params), *flags))
+        routings.append(routing)
+    if routings[0] is None:
+        return x, None
+    return x, jax.tree.map(lambda *layers: jnp.stack(layers), *routings)
 
 
 def run_stacks(
@@ -292,10 +298,10 @@ def run_stacks(
     positions: Int[Array, "*batch seq"] | None,
     config: ModelConfig,
     segment_ids: Int[Array, "*batch seq"] | None = None,
-) -> tuple[Float[Array, "*batch seq d_model"], Float[Array, "layers *batch seq experts"] | None]:
+) -> tuple[Float[Array, "*batch seq d_model"], Routing | None]:
     """`run_blocks` over a dense prefix (`moe.dense_layers` layers, None: none) and then the
-    main stack: two scanned segments, each one compiled body. The router logits are those of
-    the main stack's layers."""
+    main stack: two scanned segments, each one compiled body. The `Routing` is that of the
+    main stack's layers."""
     if dense_blocks is not None:
         x, _ = run_blocks(dense_blocks, x, positions, config, segment_ids)
     first = 0 if dense_blocks is None else config.moe.dense_layers

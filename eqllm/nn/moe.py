@@ -24,7 +24,7 @@ experts, on every token.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import equinox as eqx
 import jax
@@ -39,6 +39,15 @@ MoEImpl = Literal["dense", "ragged", "dispatch"]
 ExpertActivation = Literal["swiglu", "clamped_swiglu"]
 Scoring = Literal["softmax", "sigmoid"]
 GroupScore = Literal["max", "top2_sum"]
+
+
+class Routing(NamedTuple):
+    """What a mixture of experts' router did on a forward: its logits (for the balance
+    losses) and the token copies dropped past the capacity (`MoE.capacity_factor`; always 0
+    dropless), summed over every device of the batch. Stacked, each gets a leading layers axis."""
+
+    logits: Float[Array, "*rows experts"]
+    dropped: Int[Array, ""]
 
 
 def clamped_swiglu(
@@ -270,8 +279,9 @@ class MoE(eqx.Module):
     @jax.named_scope("eqllm.MoE")
     def routed(
         self, x: Float[Array, "*rows d_model"], impl: MoEImpl | None = None
-    ) -> tuple[Float[Array, "*rows d_model"], Float[Array, "*rows experts"]]:
-        """The layer's output and its router logits (for the load-balancing loss).
+    ) -> tuple[Float[Array, "*rows d_model"], Routing]:
+        """The layer's output and its `Routing` (router logits for the load-balancing loss,
+        dropped copies).
 
         `impl` overrides `self.impl`. "ragged" and "dispatch" cannot run under `jax.vmap` (JAX's
         ragged_dot has no batching rule): call the layer on the whole batch instead.
@@ -279,16 +289,20 @@ class MoE(eqx.Module):
         flat = x.reshape(-1, x.shape[-1])  # every leading axis folded into tokens
         logits, weights, experts = self.route(flat)
         impl = impl or self.impl
+        dropped = jnp.zeros((), jnp.int32)
         if impl == "dispatch":
             layers = (self.gate, self.up, self.down)
-            out = dispatched(layers, self._act, flat, weights, experts, self.capacity_factor)[0]
+            out, dropped = dispatched(
+                layers, self._act, flat, weights, experts, self.capacity_factor
+            )
         else:
             out = (self._dense if impl == "dense" else self._ragged)(flat, weights, experts)
         if self.shared is not None and self.shared_gate is None:
             out = out + self.shared(flat)
         elif self.shared is not None:
             out = out + jax.nn.sigmoid(self.shared_gate(flat)) * self.shared(flat)
-        return out.reshape(x.shape), logits.reshape(*x.shape[:-1], -1)
+        logits = logits.reshape(*x.shape[:-1], -1)
+        return out.reshape(x.shape), Routing(logits, dropped.astype(jnp.int32))
 
     def __call__(self, x: Float[Array, "*rows d_model"]) -> Float[Array, "*rows d_model"]:
         return self.routed(x)[0]
