@@ -119,6 +119,26 @@ def test_dropped_copies_are_a_training_metric():
     assert "moe/dropped" not in parts and "expert_load" in parts
 
 
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_the_expert_load_is_the_routed_ids_counts(family):
+    """The step's expert_load is counted once, from the ids each layer routed (and dispatched)
+    with: it equals a second top-k over the router logits under the layer's own routing
+    (DeepSeek's correction bias and groups included), and every layer sums to 1."""
+    from eqllm.nn import chosen_load
+    from eqllm.train.balance import balance_terms
+
+    cfg = TINY_CONFIGS[family].replace(moe={"impl": "dispatch", "capacity_factor": 0.6})  # drops
+    model = _perturbed(eqllm.CausalLM(cfg, key=jax.random.key(0)))
+    routing = eqx.filter_jit(lambda m, t: m.routing(t)[1])(model, jnp.asarray(TOKENS))
+    load = balance_terms(model, routing)["expert_load"]
+    np.testing.assert_allclose(load, chosen_load(model.blocks.mlp, routing.logits), rtol=1e-6)
+    np.testing.assert_allclose(load.sum(-1), 1.0, rtol=1e-6)
+    assert (
+        routing.load.sum()
+        == routing.load.shape[0] * TOKENS.size * model.config.moe.experts_per_token
+    )
+
+
 def _on_8_devices(*args: str) -> subprocess.CompletedProcess:
     env = {
         **os.environ,

@@ -3,8 +3,10 @@
 - `forward(model, tokens, ...)`: the logits every objective's loss starts from, with the
   forward's balance terms: "aux_loss" (the load-balancing loss over all layers, as transformers
   adds it, or DeepSeek-V3's sequence-wise one: moe.balance_loss) and "expert_load" (per layer,
-  the fraction of token assignments each expert received: the plain top-k choice, or with
-  DeepSeek's biased routing the experts the correction bias chose, `eqllm.nn.chosen_load`);
+  the fraction of token assignments each expert received, counted once by each layer from the
+  expert ids it routed and dispatched with, `eqllm.nn.Routing.load`: under DeepSeek's biased
+  routing the experts the correction bias chose; a model that gives router logits alone, a
+  second top-k over them, `eqllm.nn.expert_load` / `eqllm.nn.chosen_load`);
   with a capacity factor (moe.capacity_factor) also "moe/dropped": the fraction of token
   copies (tokens x experts per token, over every expert layer) that the dispatch dropped past
   the capacity, counted by the dispatch itself and summed over the devices.
@@ -58,7 +60,10 @@ def balance_terms(model, routing: Routing | Array | None) -> dict[str, Array]:
     k = moe_config.experts_per_token
     moe = model.blocks.mlp
     aux = balance_loss(moe, router_logits, moe_config.balance_loss, k)
-    if moe.plain_routing:
+    if isinstance(routing, Routing):  # counted from the ids the layers routed with
+        load = routing.load.astype(jnp.float32)
+        load = load / load.sum(-1, keepdims=True)
+    elif moe.plain_routing:
         load = expert_load(router_logits, k)[0]
     else:  # DeepSeek's biased choice: the experts the correction bias picked
         load = chosen_load(moe, router_logits)
