@@ -86,11 +86,10 @@ def with_experts_impl(recipe: Recipe, model: CausalLM) -> tuple[CausalLM, dict |
     """`model` computing its experts as its moe.impl asks for this backend and the recipe's
     mesh ("auto": `eqllm.config.experts.choose_impl`), and {"impl", "why", "requested"} for the
     run's summary (None without experts)."""
-    sizes = dict(zip(MESH_AXES, recipe.mesh.resolve(len(jax.devices())), strict=True))
-    chosen = experts_impl(model.config, jax.default_backend(), sizes)
-    if chosen is None:
+    if model.config.moe is None:
         return model, None
-    impl, why = chosen
+    sizes = dict(zip(MESH_AXES, recipe.mesh.resolve(len(jax.devices())), strict=True))
+    impl, why = experts_impl(model.config, jax.default_backend(), sizes)
     requested = model.config.moe.impl
     return model.with_config(moe={"impl": impl}), {"impl": impl, "why": why, "requested": requested}
 
