@@ -32,6 +32,7 @@ from eqllm.nn import (
     LayerNorm,
     Linear,
     RMSNorm,
+    Routing,
 )
 from eqllm.parametrization import scales
 from eqllm.stack import REMAT_POLICIES as REMAT_POLICIES  # re-exported: the remat names
@@ -135,9 +136,20 @@ class CausalLM(eqx.Module):
     ) -> tuple[Float[Array, "*batch seq vocab"], Float[Array, "layers *batch seq experts"] | None]:
         """`self(tokens, positions, segment_ids)` and every layer's router logits (None without
         experts), for the load-balancing loss (`eqllm.nn.load_balancing_loss`)."""
+        logits, routing = self.routing(tokens, positions, segment_ids)
+        return logits, None if routing is None else routing.logits
+
+    def routing(
+        self,
+        tokens: Int[Array, "*batch seq"],
+        positions: Int[Array, "*batch seq"] | None = None,
+        segment_ids: Int[Array, "*batch seq"] | None = None,
+    ) -> tuple[Float[Array, "*batch seq vocab"], Routing | None]:
+        """`self(tokens, positions, segment_ids)` and every layer's `Routing` stacked (router
+        logits and the copies dropped past the capacity; None without experts)."""
         check_tokens(tokens, self.config)
-        hidden, router_logits = self._forward(tokens, positions, segment_ids)
-        return self.logits(hidden), router_logits
+        hidden, routing = self._forward(tokens, positions, segment_ids)
+        return self.logits(hidden), routing
 
     def hidden(
         self,
@@ -155,7 +167,7 @@ class CausalLM(eqx.Module):
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
         model = cast_floating(self, dtype_of(cfg.compute_dtype))  # the one compute-dtype cast
         x = model.embed_inputs(tokens, positions)
-        x, router_logits = run_stacks(
+        x, routing = run_stacks(
             model.dense_blocks,
             model.blocks,
             x,
@@ -164,7 +176,7 @@ class CausalLM(eqx.Module):
             segment_ids,
             model.linear_blocks,
         )
-        return model.final_norm(x), router_logits
+        return model.final_norm(x), routing
 
     def embed_inputs(
         self, tokens: Int[Array, "*batch seq"], positions: Int[Array, "*batch seq"]

@@ -283,3 +283,12 @@ def test_a_run_logs_and_draws_the_expert_load(tmp_path):
     np.testing.assert_allclose(load.sum(-1), 1.0, rtol=1e-5)
     assert (out / "expert_load.png").is_file()
     assert "![expert load](expert_load.png)" in (out / "report.md").read_text()
+    summary = json.loads((out / "summary.json").read_text())  # moe.impl "auto" on CPU: dense
+    assert summary["experts"] == {
+        "impl": "dense",
+        "why": "auto on cpu: dense experts are fastest there (grouped matmul is masked)",
+        "requested": "auto",
+    }
+    assert "moe_dropped" not in summary
+    assert json.loads((out / "model_config.json").read_text())["moe"]["impl"] == "auto"
+    assert 'computed by moe.impl = "dense" (auto on cpu' in (out / "report.md").read_text()

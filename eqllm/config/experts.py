@@ -16,7 +16,7 @@ from eqllm.config.validation import (
     validated,
 )
 
-MoEImpl = Literal["dense", "ragged", "dispatch"]
+MoEImpl = Literal["auto", "dense", "ragged", "dispatch"]
 ExpertActivation = Literal["swiglu", "clamped_swiglu"]
 Scoring = Literal["softmax", "sigmoid"]
 GroupScore = Literal["max", "top2_sum"]
@@ -35,8 +35,9 @@ class MoEConfig:
     `shared_d_ff` adds Qwen-MoE's gated shared expert; `aux_loss_coef` weighs the load-balancing
     loss in training; `impl` picks how the experts are computed ("dense": every expert on every
     token, fastest on CPU; "ragged": grouped matmul; "dispatch": expert parallelism by token
-    dispatch, each token copy sent to the device holding its expert and back, eqllm.nn.dispatch),
-    same values; `capacity_factor` ("dispatch" only; None: dropless) bounds the copies one
+    dispatch, each token copy sent to the device holding its expert and back, eqllm.nn.dispatch;
+    "auto", the default: chosen per backend and mesh by `choose_impl`), same values;
+    `capacity_factor` ("dispatch" only; None: dropless) bounds the copies one
     device receives from another at that multiple of a fair share and drops the rest. `bias`:
     biases on the router and every expert's projections (gpt-oss). `activation`: "swiglu"
     (silu(gate) * up) or "clamped_swiglu" (gpt-oss: g = min(gate, swiglu_limit),
@@ -64,7 +65,7 @@ class MoEConfig:
     norm_topk_prob: bool = True
     shared_d_ff: Positive | None = None
     aux_loss_coef: Annotated[float, Field(ge=0)] = 0.0
-    impl: MoEImpl = "dense"
+    impl: MoEImpl = "auto"
     capacity_factor: PositiveFloat | None = None
     bias: bool = False
     activation: ExpertActivation = "swiglu"
@@ -130,3 +131,28 @@ class MoEConfig:
                 if clamped
                 else "is only read by activation='clamped_swiglu'",
             )
+
+
+def choose_impl(
+    requested: str, *, backend: str, expert_shards: int, n_experts: int
+) -> tuple[str, str]:
+    """(the experts' computation, why) for `moe.impl = requested` on `backend` ("cpu", "gpu",
+    "tpu") with the experts' mesh axis of `expert_shards` devices (1: no mesh splits them).
+
+    An explicit impl is kept. "auto" (measured in docs/moe.md and
+    docs/experiments/moe_vs_dense.md): on CPU "dense", since XLA lowers `ragged_dot` there to a
+    masked product over every expert, so plain batched matmuls are faster (ragged 1.15x slower
+    on one device, dispatch 1.4-1.6x slower dropless on 8 simulated devices); on an accelerator
+    "dispatch" where the mesh splits the experts (each device computes only its routed rows, and
+    the dense product costs n_experts / k times the useful FLOPs: deepseek-v3 with dense
+    experts does not fit 512 v5p chips), else "ragged" (grouped kernels, the useful rows only).
+    """
+    if requested != "auto":
+        return requested, "set by moe.impl"
+    if backend == "cpu":
+        return "dense", "auto on cpu: dense experts are fastest there (grouped matmul is masked)"
+    if expert_shards > 1 and n_experts % expert_shards == 0:
+        return "dispatch", (
+            f"auto on {backend}: the mesh splits the experts over {expert_shards} devices"
+        )
+    return "ragged", f"auto on {backend}: grouped matmul over the routed rows only"

@@ -18,6 +18,7 @@ from eqllm.nn.mla import LatentCache, MultiHeadLatentAttention
 from eqllm.nn.mlp import MLP, GatedMLP
 from eqllm.nn.moe import (
     MoE,
+    Routing,
     balance_loss,
     balanced_bias,
     chosen_load,
@@ -43,6 +44,7 @@ __all__ = [
     "LayerNorm",
     "Linear",
     "MoE",
+    "Routing",
     "MultiHeadLatentAttention",
     "ParamInfo",
     "RMSNorm",

@@ -13,7 +13,7 @@ from eqllm.nn.gated_deltanet import GatedDeltaNet
 from eqllm.nn.kv_cache import KVCache
 from eqllm.nn.mla import LatentCache, MultiHeadLatentAttention
 from eqllm.nn.mlp import MLP, GatedMLP
-from eqllm.nn.moe import MoE
+from eqllm.nn.moe import MoE, Routing
 from eqllm.nn.norm import LayerNorm, RMSNorm
 
 Norm = RMSNorm | LayerNorm
@@ -61,12 +61,10 @@ class Block(eqx.Module):
         after_attn = x + _scaled(_apply(self.attn_post_norm, attended), self.branch_scale)
         h = _apply(self.mlp_norm, x if self.parallel else after_attn)
         if isinstance(self.mlp, MoE):
-            out, router_logits = self.mlp.routed(h, moe_impl)
+            out, routing = self.mlp.routed(h, moe_impl)
         else:
-            out, router_logits = self.mlp(h), None
-        return after_attn + _scaled(_apply(self.mlp_post_norm, out), self.branch_scale), (
-            router_logits
-        )
+            out, routing = self.mlp(h), None
+        return after_attn + _scaled(_apply(self.mlp_post_norm, out), self.branch_scale), routing
 
     @jax.named_scope("eqllm.Block")
     def __call__(
@@ -88,8 +86,9 @@ class Block(eqx.Module):
         local: Bool[Array, ""] | bool | None = None,
         segment_ids: Int[Array, "*batch seq"] | None = None,
         rotate: Bool[Array, ""] | bool | None = None,
-    ) -> tuple[Float[Array, "*batch seq d_model"], Float[Array, "*batch seq experts"] | None]:
-        """The block's output and its router logits (None unless `mlp` is a mixture of experts)."""
+    ) -> tuple[Float[Array, "*batch seq d_model"], Routing | None]:
+        """The block's output and its `Routing` (router logits, dropped copies; None unless
+        `mlp` is a mixture of experts)."""
         h = _apply(self.attn_norm, x)
         if isinstance(self.attn, GatedDeltaNet):  # recurrent: order is position, as given
             attended = self.attn(h, None, segment_ids)[0]

@@ -4,10 +4,10 @@ of the Switch Transformer (Fedus et al., 2021) as transformers computes it.
 
 Routing is transformers': softmax over all experts in fp32, the top k, renormalised to sum to 1
 where the family does it, cast to the compute dtype (gpt-oss's softmax over the top k logits is
-the renormalised case). Dropless: every token reaches its k experts
-(no capacity factor), so the outputs equal transformers'. Two ways to compute the experts give
-the same values: "dense" runs every expert on every token and combines with a [tokens, experts]
-matrix that is zero off the top k (k/E of the work is useful, but it is plain batched matmuls);
+the renormalised case). Dropless: every token reaches its k experts (no capacity factor), so
+the outputs equal transformers'. Three ways to compute the experts give the same values:
+"dense" runs every expert on every token and combines with a [tokens, experts] matrix that is
+zero off the top k (k/E of the work is useful, but it is plain batched matmuls);
 "ragged" sorts the token copies by expert and runs `jax.lax.ragged_dot` (grouped matmul: the
 useful work only, on backends with a grouped kernel; XLA on CPU lowers it to a masked dense
 product that costs every expert on every row); "dispatch" sends each token copy to the device
@@ -24,7 +24,7 @@ experts, on every token.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import equinox as eqx
 import jax
@@ -39,6 +39,17 @@ MoEImpl = Literal["dense", "ragged", "dispatch"]
 ExpertActivation = Literal["swiglu", "clamped_swiglu"]
 Scoring = Literal["softmax", "sigmoid"]
 GroupScore = Literal["max", "top2_sum"]
+
+
+class Routing(NamedTuple):
+    """What a mixture of experts' router did on a forward: its logits (for the balance
+    losses), the token copies each expert was sent (the routed ids' counts, dropped copies
+    included: the expert load, measured here once for every impl) and the copies dropped past
+    the capacity (`MoE.capacity_factor`; 0 dropless), summed over the batch's devices."""
+
+    logits: Float[Array, "*rows experts"]
+    load: Int[Array, " experts"]
+    dropped: Int[Array, ""]
 
 
 def clamped_swiglu(
@@ -270,8 +281,8 @@ class MoE(eqx.Module):
     @jax.named_scope("eqllm.MoE")
     def routed(
         self, x: Float[Array, "*rows d_model"], impl: MoEImpl | None = None
-    ) -> tuple[Float[Array, "*rows d_model"], Float[Array, "*rows experts"]]:
-        """The layer's output and its router logits (for the load-balancing loss).
+    ) -> tuple[Float[Array, "*rows d_model"], Routing]:
+        """The layer's output and its `Routing` (router logits, expert load, dropped copies).
 
         `impl` overrides `self.impl`. "ragged" and "dispatch" cannot run under `jax.vmap` (JAX's
         ragged_dot has no batching rule): call the layer on the whole batch instead.
@@ -279,16 +290,19 @@ class MoE(eqx.Module):
         flat = x.reshape(-1, x.shape[-1])  # every leading axis folded into tokens
         logits, weights, experts = self.route(flat)
         impl = impl or self.impl
+        dropped = jnp.zeros((), jnp.int32)
         if impl == "dispatch":
-            layers = (self.gate, self.up, self.down)
-            out = dispatched(layers, self._act, flat, weights, experts, self.capacity_factor)[0]
+            layers, cf = (self.gate, self.up, self.down), self.capacity_factor
+            out, dropped = dispatched(layers, self._act, flat, weights, experts, cf)
         else:
             out = (self._dense if impl == "dense" else self._ragged)(flat, weights, experts)
         if self.shared is not None and self.shared_gate is None:
             out = out + self.shared(flat)
         elif self.shared is not None:
             out = out + jax.nn.sigmoid(self.shared_gate(flat)) * self.shared(flat)
-        return out.reshape(x.shape), logits.reshape(*x.shape[:-1], -1)
+        logits = logits.reshape(*x.shape[:-1], -1)
+        load = jnp.bincount(experts.reshape(-1), length=self.n_experts)
+        return out.reshape(x.shape), Routing(logits, load, dropped.astype(jnp.int32))
 
     def __call__(self, x: Float[Array, "*rows d_model"]) -> Float[Array, "*rows d_model"]:
         return self.routed(x)[0]

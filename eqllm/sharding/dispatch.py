@@ -21,10 +21,22 @@ import math
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
+from eqllm.config.experts import choose_impl
 from eqllm.nn import MoE, param_info
 from eqllm.nn.dispatch import dispatch
 from eqllm.nn.linear import is_param_info
-from eqllm.sharding.rules import RULES, sizes_of, spec_for
+from eqllm.sharding.rules import RULES, AxisSizes, sizes_of, spec_for
+
+
+def experts_impl(config, backend: str, mesh: AxisSizes) -> tuple[str, str] | None:
+    """(how the experts of `config` are computed, why) on `backend` over `mesh` (a Mesh or axis
+    sizes): `moe.impl`'s own value, or "auto"'s choice (`eqllm.config.experts.choose_impl`) with
+    the size of the mesh axis that splits the experts (`RULES["expert"]`). None without experts."""
+    moe = config.moe
+    if moe is None:
+        return None
+    shards = sizes_of(mesh)[RULES["expert"]]
+    return choose_impl(moe.impl, backend=backend, expert_shards=shards, n_experts=moe.n_experts)
 
 
 class ExpertDispatch:

@@ -103,10 +103,8 @@ class FsdpGather:
             elif dispatched:
                 context = dispatch_experts(self.dispatch)
             with context:
-                out, router_logits = gathered.routed(
-                    self._pin(x), positions, local, segment_ids, rotate
-                )
-            return self._pin(out), router_logits
+                out, routing = gathered.routed(self._pin(x), positions, local, segment_ids, rotate)
+            return self._pin(out), routing
 
         return run
 

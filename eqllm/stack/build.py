@@ -14,6 +14,7 @@ from jaxtyping import PRNGKeyArray
 
 from eqllm.attention_backend import attention_kernel
 from eqllm.config import ModelConfig
+from eqllm.config.experts import choose_impl
 from eqllm.nn import (
     MLP,
     Attention,
@@ -168,7 +169,9 @@ def make_block(
             moe.experts_per_token,
             normalize=moe.norm_topk_prob,
             shared_d_ff=moe.shared_d_ff,
-            impl=moe.impl,
+            impl=choose_impl(  # "auto" without a mesh; a run chooses again with its mesh
+                moe.impl, backend=jax.default_backend(), expert_shards=1, n_experts=moe.n_experts
+            )[0],
             capacity_factor=moe.capacity_factor,
             bias=moe.bias,
             activation=moe.activation,

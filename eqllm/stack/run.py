@@ -15,7 +15,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from eqllm.config import ModelConfig
-from eqllm.nn import Block
+from eqllm.nn import Block, Routing
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -36,7 +36,7 @@ _LAYER_HOOK: contextvars.ContextVar[LayerHook | None] = contextvars.ContextVar(
 def each_layer(hook: LayerHook) -> Iterator[None]:
     """While tracing inside this context, `run_blocks` runs `hook(block)` in place of each
     layer's Block, inside the loop body (scanned or unrolled); the hook's result is called like
-    `Block.routed`, `(x, positions, local, segment_ids, rotate) -> (x, router_logits)`.
+    `Block.routed`, `(x, positions, local, segment_ids, rotate) -> (x, routing)`.
 
     This is how FSDP gathers one layer's weights at a time (`eqllm.sharding.FsdpGather`):
     sharding constraints placed here stay inside the loop, where XLA otherwise gathers every
@@ -65,15 +65,15 @@ def run_blocks(
     config: ModelConfig,
     segment_ids: Int[Array, "*batch seq"] | None = None,
     first: int = 0,
-) -> tuple[Float[Array, "*batch seq d_model"], Float[Array, "layers *batch seq experts"] | None]:
+) -> tuple[Float[Array, "*batch seq d_model"], Routing | None]:
     """Apply the stacked blocks in order: `lax.scan` or an unrolled Python loop (see below).
 
     `positions` None means 0..seq-1 (see `Attention.__call__`); `segment_ids` (None: one
     segment) keep every layer's attention inside each packed document. A model whose layers differ
     (`layer_flags`) scans the flags alongside the weights: one compiled body for every layer.
     `first`: the model's index of the stack's first layer (a mixture of experts after a dense
-    prefix). Returns the output and, for a mixture of experts, every layer's router logits
-    (else None).
+    prefix). Returns the output and, for a mixture of experts, every layer's `Routing` (router
+    logits and dropped copies, stacked on a leading layers axis; else None).
     """
     params, static = eqx.partition(blocks, eqx.is_array)
     n_layers = jax.tree.leaves(params)[0].shape[0]
@@ -100,12 +100,12 @@ def run_blocks(
     # 480 MiB unrolled vs 360 MiB scanned, 493 / 449 MiB without remat).
     if config.scan_layers or config.remat != "none":
         return jax.lax.scan(step, x, xs)
-    router_logits = []
+    routings = []
     for i in range(n_layers):  # each layer's flags are known here: Python bools
         flags = (layer_flag(local, i), layer_flag(rotate, i))
-        x, logits = step(x, (jax.tree.map(lambda a, i=i: a[i], params), *flags))
-        router_logits.append(logits)
-    return x, None if router_logits[0] is None else jnp.stack(router_logits)
+        x, routing = step(x, (jax.tree.map(lambda a, i=i: a[i], params), *flags))
+        routings.append(routing)
+    return x, _stacked(routings)
 
 
 def run_groups(
@@ -114,14 +114,14 @@ def run_groups(
     positions: Int[Array, "*batch seq"] | None,
     config: ModelConfig,
     segment_ids: Int[Array, "*batch seq"] | None = None,
-) -> tuple[Float[Array, "*batch seq d_model"], Float[Array, "layers *batch seq experts"] | None]:
+) -> tuple[Float[Array, "*batch seq d_model"], Routing | None]:
     """Apply a stack whose layers repeat a pattern of kinds (`ModelConfig.layer_kinds`: a
     hybrid's linear-attention and full-attention layers), one stacked Block per kind.
 
     Each kind's stack is viewed as (groups, layers of that kind per group, ...) and `lax.scan`
     runs over the groups: one compiled body (the group's layers in pattern order) serves any
     depth. Remat, the `each_layer` hook and `scan_layers=False` act per layer as in
-    `run_blocks`. Returns the output and every layer's router logits in layer order (None
+    `run_blocks`. Returns the output and every layer's `Routing` in layer order (None
     without experts).
     """
     kinds = config.layer_kinds()
@@ -152,7 +152,7 @@ def run_groups(
             h, out = layer(h, jax.tree.map(lambda a, i=seen[kind]: a[i], params[kind]), kind)
             seen[kind] += 1
             logits.append(out)
-        return h, None if logits[0] is None else jnp.stack(logits)
+        return h, _stacked(logits)
 
     if config.scan_layers or config.remat != "none":
         x, logits = jax.lax.scan(group, x, grouped)
@@ -161,8 +161,9 @@ def run_groups(
         for g in range(n_groups):
             x, out = group(x, jax.tree.map(lambda a, g=g: a[g], grouped))
             outs.append(out)
-        logits = None if outs[0] is None else jnp.stack(outs)
-    return x, None if logits is None else logits.reshape(-1, *logits.shape[2:])
+        logits = _stacked(outs)
+    # (groups, layers per group, ...) -> (layers, ...), in layer order
+    return x, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), logits)
 
 
 def run_stacks(
@@ -173,10 +174,10 @@ def run_stacks(
     config: ModelConfig,
     segment_ids: Int[Array, "*batch seq"] | None = None,
     linear_blocks: Block | None = None,
-) -> tuple[Float[Array, "*batch seq d_model"], Float[Array, "layers *batch seq experts"] | None]:
+) -> tuple[Float[Array, "*batch seq d_model"], Routing | None]:
     """`run_blocks` over a dense prefix (`moe.dense_layers` layers, None: none) and then the
-    main stack: two scanned segments, each one compiled body. The router logits are those of
-    the main stack's layers. A hybrid (`linear_blocks`, its linear-attention layers) runs its
+    main stack: two scanned segments, each one compiled body. The `Routing` is that of the
+    main stack's layers. A hybrid (`linear_blocks`, its linear-attention layers) runs its
     groups of layers of both kinds (`run_groups`)."""
     if linear_blocks is not None:
         stacks = {"linear": linear_blocks, "full": blocks}
@@ -185,6 +186,13 @@ def run_stacks(
         x, _ = run_blocks(dense_blocks, x, positions, config, segment_ids)
     first = 0 if dense_blocks is None else config.moe.dense_layers
     return run_blocks(blocks, x, positions, config, segment_ids, first)
+
+
+def _stacked(routings: list[Routing | None]) -> Routing | None:
+    """Per-layer `Routing`s stacked on a leading layers axis (None without experts)."""
+    if routings[0] is None:
+        return None
+    return jax.tree.map(lambda *layers: jnp.stack(layers), *routings)
 
 
 def layer_flags(config: ModelConfig) -> tuple[np.ndarray | None, np.ndarray | None]:

@@ -3,8 +3,13 @@
 - `forward(model, tokens, ...)`: the logits every objective's loss starts from, with the
   forward's balance terms: "aux_loss" (the load-balancing loss over all layers, as transformers
   adds it, or DeepSeek-V3's sequence-wise one: moe.balance_loss) and "expert_load" (per layer,
-  the fraction of token assignments each expert received: the plain top-k choice, or with
-  DeepSeek's biased routing the experts the correction bias chose, `eqllm.nn.chosen_load`).
+  the fraction of token assignments each expert received, counted once by each layer from the
+  expert ids it routed and dispatched with, `eqllm.nn.Routing.load`: under DeepSeek's biased
+  routing the experts the correction bias chose; a model that gives router logits alone, a
+  second top-k over them, `eqllm.nn.expert_load` / `eqllm.nn.chosen_load`);
+  with a capacity factor (moe.capacity_factor) also "moe/dropped": the fraction of token
+  copies (tokens x experts per token, over every expert layer) that the dispatch dropped past
+  the capacity, counted by the dispatch itself and summed over the devices.
   Every token is routed, padding included: a loss mask marks the targets that are scored, not
   tokens to leave out of the balance.
 - `with_balance(model, loss, parts, balance)`: the objective's loss plus moe.aux_loss_coef times
@@ -22,9 +27,9 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from eqllm.nn import balance_loss, balanced_bias, chosen_load, expert_load
+from eqllm.nn import Routing, balance_loss, balanced_bias, chosen_load, expert_load
 
-METRICS = ("aux_loss", "expert_load")
+METRICS = ("aux_loss", "expert_load", "moe/dropped")
 
 
 def forward(
@@ -34,6 +39,10 @@ def forward(
     segment_ids: Int[Array, "batch seq"] | None = None,
 ) -> tuple[Float[Array, "batch seq vocab"], dict[str, Array]]:
     """(logits in fp32, balance terms: {} without experts) of `model` on `tokens`."""
+    routing = getattr(model, "routing", None)  # a CausalLM: router logits and dropped copies
+    if routing is not None:
+        logits, routed = routing(tokens, positions, segment_ids)
+        return logits, balance_terms(model, routed)
     routed = getattr(model, "routed", None)
     if routed is None:  # a module of one's own: its logits, no router
         return model(tokens), {}
@@ -41,19 +50,28 @@ def forward(
     return logits, balance_terms(model, router_logits)
 
 
-def balance_terms(model, router_logits) -> dict[str, Array]:
-    """{"aux_loss", "expert_load"} of one forward's router logits ({} for a dense model)."""
-    if router_logits is None:
+def balance_terms(model, routing: Routing | Array | None) -> dict[str, Array]:
+    """{"aux_loss", "expert_load"} of one forward's `Routing` or router logits ({} for a dense
+    model), and "moe/dropped" from a `Routing` under a capacity factor."""
+    if routing is None:
         return {}
+    router_logits = routing.logits if isinstance(routing, Routing) else routing
     moe_config = model.config.moe
     k = moe_config.experts_per_token
     moe = model.blocks.mlp
     aux = balance_loss(moe, router_logits, moe_config.balance_loss, k)
-    if moe.plain_routing:
+    if isinstance(routing, Routing):  # counted from the ids the layers routed with
+        load = routing.load.astype(jnp.float32)
+        load = load / load.sum(-1, keepdims=True)
+    elif moe.plain_routing:
         load = expert_load(router_logits, k)[0]
     else:  # DeepSeek's biased choice: the experts the correction bias picked
         load = chosen_load(moe, router_logits)
-    return {"aux_loss": aux, "expert_load": load}
+    terms = {"aux_loss": aux, "expert_load": load}
+    if moe_config.capacity_factor is not None and isinstance(routing, Routing):
+        copies = router_logits.size // router_logits.shape[-1] * k  # every layer's copies
+        terms["moe/dropped"] = routing.dropped.sum() / copies
+    return terms
 
 
 def with_balance(

@@ -74,7 +74,16 @@ def summarize(setup: RunSetup, meter: Throughput, *, step: int, traces: int, cac
         "final_train_loss": train_rows[-1]["loss"] if train_rows else None,
         "padding_fraction": padding,
         "example_tokens_per_s": example_tokens_per_s,
+        # A mixture of experts: how its experts were computed and why (moe.impl), and the mean
+        # fraction of token copies dropped past the capacity (moe.capacity_factor).
+        **({"experts": setup.experts} if setup.experts is not None else {}),
+        **_mean_dropped(train_rows),
     }
+
+
+def _mean_dropped(train_rows: list[dict]) -> dict:
+    dropped = [r["moe/dropped"] for r in train_rows if "moe/dropped" in r]
+    return {"moe_dropped": sum(dropped) / len(dropped)} if dropped else {}
 
 
 def finish_run(
@@ -170,6 +179,12 @@ def format_summary(s: dict) -> list[str]:
         f"(loader {_fmt(s['loader_tokens_per_s'], ',.0f')} tokens/s); compile "
         f"{_fmt(s['compile_s'], '.1f')} s; wall {s['wall_s']:.0f} s"
     )
+    if s.get("experts"):
+        dropped = s.get("moe_dropped")
+        lines.append(
+            f"experts: moe.impl {s['experts']['impl']} ({s['experts']['why']})"
+            + (f"; {dropped:.2%} of token copies dropped" if dropped is not None else "")
+        )
     if s.get("padding_fraction") is not None:
         lines.append(
             f"padding: {s['padding_fraction']:.1%} of the rows' tokens; example tokens "
@@ -329,8 +344,15 @@ def write_report(out_dir: Path, recipe: Recipe, s: dict) -> Path:
         held = {k: v for k, v in s.items() if k.startswith("val_")}
         lines += ["## Objective", ""] + [f"- {k}: {_fmt(v)}" for k, v in held.items()]
         lines += ["", "![objective](objective.png)", ""]
-    if RunFolder(out_dir).file(RunFolder.EXPERT_LOAD_PLOT).is_file():  # a mixture of experts
-        lines += ["## Expert load", "", "![expert load](expert_load.png)", ""]
+    if s.get("experts") or RunFolder(out_dir).file(RunFolder.EXPERT_LOAD_PLOT).is_file():
+        lines += ["## Experts", ""]  # a mixture of experts
+        if s.get("experts"):
+            lines += [f'- computed by moe.impl = "{s["experts"]["impl"]}" ({s["experts"]["why"]})']
+        if s.get("moe_dropped") is not None:
+            lines += [f"- token copies dropped past the capacity: {s['moe_dropped']:.2%} (mean)"]
+        if RunFolder(out_dir).file(RunFolder.EXPERT_LOAD_PLOT).is_file():
+            lines += ["", "![expert load](expert_load.png)"]
+        lines += [""]
     samples = s.get("samples") or []
     before_file = RunFolder(out_dir).file(RunFolder.SAMPLES_BEFORE_FILE)
     if samples and before_file.is_file():  # a fine-tuning run: the same prompts before and after

@@ -27,6 +27,7 @@ from eqllm.model import CausalLM, param_count
 from eqllm.recipe import Recipe, RecipeError
 from eqllm.runs import Adapters, HeldOut, RunFolder
 from eqllm.sharding import (
+    MESH_AXES,
     batch_sharding,
     check_divisible,
     check_fits,
@@ -35,6 +36,7 @@ from eqllm.sharding import (
     param_shardings,
     shard_model,
 )
+from eqllm.sharding.dispatch import experts_impl
 from eqllm.train import guards
 from eqllm.train.checkpoint import RunCheckpoints
 from eqllm.train.metrics import MetricsLog
@@ -53,7 +55,13 @@ def prepare_data(recipe: Recipe, *, progress: bool = True):
 
 def build_model(recipe: Recipe, tokenizer_vocab: int) -> CausalLM:
     """The recipe's model: `init_from` weights (a Hugging Face folder or repo, or an eqllm run
-    folder), or a fresh one sized to the tokenizer; with finetune.method "lora", adapted."""
+    folder), or a fresh one sized to the tokenizer; its experts computed as moe.impl chooses
+    for this backend and mesh (`with_experts_impl`); with finetune.method "lora", adapted."""
+    return _build_model(recipe, tokenizer_vocab)[0]
+
+
+def _build_model(recipe: Recipe, tokenizer_vocab: int) -> tuple[CausalLM, dict | None]:
+    """`build_model` and its experts' {"impl", "why"} (None without experts)."""
     if recipe.model.init_from:
         init_from = recipe.model.init_from
         if RunFolder.is_run(init_from):
@@ -75,7 +83,20 @@ def build_model(recipe: Recipe, tokenizer_vocab: int) -> CausalLM:
             f"eval.sample_prompts={list(recipe.eval.sample_prompts)} needs generation, which "
             "hybrid linear-attention models do not support yet; set eval.sample_prompts = []"
         )
-    return with_adapters(recipe, model)
+    model, experts = with_experts_impl(recipe, model)
+    return with_adapters(recipe, model), experts
+
+
+def with_experts_impl(recipe: Recipe, model: CausalLM) -> tuple[CausalLM, dict | None]:
+    """`model` computing its experts as its moe.impl asks for this backend and the recipe's
+    mesh ("auto": `eqllm.config.experts.choose_impl`), and {"impl", "why", "requested"} for the
+    run's summary (None without experts)."""
+    if model.config.moe is None:
+        return model, None
+    sizes = dict(zip(MESH_AXES, recipe.mesh.resolve(len(jax.devices())), strict=True))
+    impl, why = experts_impl(model.config, jax.default_backend(), sizes)
+    requested = model.config.moe.impl
+    return model.with_config(moe={"impl": impl}), {"impl": impl, "why": why, "requested": requested}
 
 
 def with_adapters(recipe: Recipe, model: CausalLM) -> CausalLM:
@@ -194,6 +215,7 @@ class RunSetup:
     hardware_flops_per_token: float  # the same plus remat's recomputation, for HFU
     peak_flops: float | None  # the device's peak FLOP/s, None when unknown
     peak_source: str  # where `peak_flops` comes from
+    experts: dict | None = None  # a mixture of experts' {"impl", "why"} (`with_experts_impl`)
 
     @property
     def tokens_per_step(self) -> int:
@@ -254,13 +276,16 @@ def start_run(
         if kind.chat:
             tokenizer = tokenizer.with_chat_template(data.template)
         folder.write_tokenizer(tokenizer)
-    model = build_model(recipe, data.tokenizer.vocab_size)
+    model, experts = _build_model(recipe, data.tokenizer.vocab_size)
     n_params = param_count(eqx.filter(model, eqx.is_array))
     total = recipe.total_steps(n_params)
     if writer:
         adapters = Adapters.of(recipe)
         folder.write_run(objective=recipe.train.objective, adapters=adapters, chat=kind.chat)
-        folder.write_model_config(model.config)  # the checkpoints load without init_from
+        config = model.config  # as asked: "auto" chooses again where the folder is loaded
+        if experts is not None:
+            config = config.replace(moe={"impl": experts["requested"]})
+        folder.write_model_config(config)  # the checkpoints load without init_from
         folder.write_recipe(recipe)
     # What every evaluation scores, kept in the folder: `eqllm eval` then needs no data.
     heldout = (folder.heldout() if resume else None) or heldout_of(data, recipe)
@@ -323,4 +348,5 @@ def start_run(
         hardware_flops_per_token=flops.hardware,
         peak_flops=peak,
         peak_source=peak_source,
+        experts=experts,
     )
