@@ -118,7 +118,9 @@ def _as_batch(x: Array, matrix: bool) -> Matrix:
     return x.reshape(-1, *x.shape[-2:]) if matrix else x.reshape(1, 1, -1)
 
 
-def _leaf_init(matrix: bool, param: Array, max_dim: int) -> SoapLeaf | optax.MaskedNode:
+def _leaf_init(
+    matrix: bool, param: Array | optax.MaskedNode, max_dim: int
+) -> SoapLeaf | optax.MaskedNode:
     if isinstance(param, optax.MaskedNode):
         return param
     zeros = jnp.zeros_like(param)
