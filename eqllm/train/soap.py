@@ -93,8 +93,15 @@ def _eigenbasis(stat: Array | None) -> Array | None:
     if stat is None:
         return None
     eye = jnp.eye(stat.shape[-1], dtype=stat.dtype)
-    _, vectors = jnp.linalg.eigh(stat + 1e-30 * eye)
+    _, vectors = _one_at_a_time(jnp.linalg.eigh, stat + 1e-30 * eye)
     return vectors[..., ::-1]
+
+
+def _one_at_a_time(decompose, batch: Array):
+    """`decompose` over a batch of matrices one matrix at a time (`lax.map`): jaxlib's batched
+    CPU LAPACK kernels split a batch over XLA's intra-op thread pool and wait for it, and two
+    such waits at once left every thread idle for good (a llama-nano train step on 2 cores)."""
+    return jax.lax.map(decompose, batch)
 
 
 def _refresh(stats: Side, bases: Side, nu: Matrix) -> tuple[Side, Matrix]:
@@ -109,7 +116,8 @@ def _refresh(stats: Side, bases: Side, nu: Matrix) -> tuple[Side, Matrix]:
         order = jnp.argsort(-estimate, axis=-1)  # descending
         nu = jax.vmap(lambda v, o, a=axis: jnp.take(v, o, axis=a))(nu, order)
         basis = jnp.take_along_axis(basis, order[:, None, :], axis=-1)
-        new.append(jnp.linalg.qr(jnp.einsum("bij,bjm->bim", stat, basis))[0])
+        power = jnp.einsum("bij,bjm->bim", stat, basis)
+        new.append(_one_at_a_time(lambda m: jnp.linalg.qr(m)[0], power))
     return (new[0], new[1]), nu
 
 
