@@ -156,7 +156,10 @@ def _recipe(**optim) -> dict:
 @pytest.mark.parametrize(
     "optim, message",
     [
-        ({"name": "sgd"}, "optim.name='sgd' must be one of 'adamw', 'muon', 'lion', 'adafactor'"),
+        (
+            {"name": "sgd"},
+            "optim.name='sgd' must be one of 'adamw', 'muon', 'soap', 'lion', 'adafactor'",
+        ),
         (
             {"muon_momentum": 0.9},
             'optim.muon_momentum=0.9 is not used by optim.name="adamw" (only by "muon"); '
@@ -182,7 +185,7 @@ def test_muon_refuses_lora():
 
 
 def test_each_optimizer_keeps_its_defaults_valid():
-    for name in ("adamw", "muon", "lion", "adafactor"):
+    for name in ("adamw", "muon", "soap", "lion", "adafactor"):
         assert Recipe.from_dict(_recipe(name=name), inputs=False).optim.name == name
     # A run folder written before optim.name existed reads as AdamW.
     assert Recipe.from_dict(_recipe(lr=1e-3), inputs=False).optim == OptimSpec(lr=1e-3)

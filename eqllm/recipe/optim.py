@@ -14,15 +14,18 @@ from eqllm.recipe.errors import RecipeError
 from eqllm.recipe.sections import Count, Float, Fraction, Positive, section
 
 Schedule = Literal["cosine", "linear", "constant", "wsd"]
-OptimizerName = Literal["adamw", "muon", "lion", "adafactor"]
+OptimizerName = Literal["adamw", "muon", "soap", "lion", "adafactor"]
 # The OptimSpec fields that only some optimizers read (`OptimSpec.__post_init__`).
 _OPTIMIZER_FIELDS = {
-    "b1": ("adamw", "muon", "lion"),
-    "b2": ("adamw", "muon", "lion"),
-    "eps": ("adamw", "muon"),
+    "b1": ("adamw", "muon", "soap", "lion"),
+    "b2": ("adamw", "muon", "soap", "lion"),
+    "eps": ("adamw", "muon", "soap"),
     "muon_momentum": ("muon",),
     "muon_ns_steps": ("muon",),
     "muon_scale": ("muon",),
+    "soap_precondition_frequency": ("soap",),
+    "soap_shampoo_beta": ("soap",),
+    "soap_max_precond_dim": ("soap",),
     "adafactor_decay_rate": ("adafactor",),
     "adafactor_min_dim": ("adafactor",),
 }
@@ -34,18 +37,19 @@ class OptimSpec:
     """The optimizer, its learning-rate schedule and global-norm clipping.
 
     name: "adamw" (optax.adamw), "muon" (optax.contrib.muon on the hidden matrices, AdamW on
-        the rest), "lion" (optax.lion) or "adafactor" (optax.adafactor). The schedule, the
-        clipping and the weight-decay mask apply to each of them alike; muP's hidden
-        learning-rate factor follows how each sizes its step (lr / m for AdamW and Lion,
+        the rest), "soap" (`eqllm.train.soap`: Adam in the eigenbasis of Shampoo's
+        preconditioners), "lion" (optax.lion) or "adafactor" (optax.adafactor). The schedule,
+        the clipping and the weight-decay mask apply to each of them alike; muP's hidden
+        learning-rate factor follows how each sizes its step (lr / m for AdamW, Lion and SOAP,
         lr / sqrt(m) for Adafactor and for Muon's matrices under "match_rms_adamw", lr under
         "original"; docs/scaling-laws.md); weight decay is multiplied by the learning rate for
-        all four.
+        all five.
     schedule: "cosine" (warmup, then cosine to lr * min_lr_ratio), "linear" (warmup, then linear
         decay), "constant" (warmup, then flat), "wsd" (warmup, flat, then linear decay over the
         last `decay_fraction` of the steps).
     weight_decay applies to Linear weights only (not to norms, biases or embeddings).
-    b1, b2: the moment decay rates of AdamW (Muon's AdamW group too) and of Lion.
-    eps: AdamW's denominator term (not used by Lion or Adafactor).
+    b1, b2: the moment decay rates of AdamW (Muon's AdamW group too), SOAP and Lion.
+    eps: AdamW's and SOAP's denominator term (not used by Lion or Adafactor).
     clip_norm: global gradient-norm clip; 0 disables it.
     muon_momentum, muon_ns_steps: Muon's Nesterov momentum and its Newton-Schulz iterations.
     muon_scale: the factor on each orthogonalised update of a (fan_out, fan_in) matrix,
@@ -60,11 +64,18 @@ class OptimSpec:
         experts and MLA's latent projections (one axis a fixed rank) take AdamW with this
         section's b1, b2, eps and weight decay. With finetune.method "lora" Muon is refused
         (the adapters' matrices each have a rank axis: Muon would take none of them).
+    soap_precondition_frequency: SOAP refreshes its eigenbases every this many steps (one power
+        iteration and a QR; the reference's default 10).
+    soap_shampoo_beta: the decay of SOAP's Shampoo statistics G G^T and G^T G.
+    soap_max_precond_dim: a matrix side longer than this keeps the identity basis (the
+        reference's 10000 leaves a vocabulary axis out). SOAP takes every Linear, expert and
+        embedding weight as a matrix (each matrix of a stack on its own) and biases and norms
+        as Adam; with finetune.method "lora" it preconditions the adapters' matrices.
     adafactor_decay_rate: Adafactor's second-moment decay exponent (beta2 = 1 - step^-rate).
     adafactor_min_dim: Adafactor factors a matrix's second moment only when both of its last
         two dimensions are at least this large. Adafactor scales each update by the
         parameter's RMS (optax's multiply_by_parameter_scale), so `lr` is a relative step.
-    A field of one optimizer (muon_*, adafactor_*, or b1 / b2 / eps where they are not used)
+    A field of one optimizer (muon_*, soap_*, adafactor_*, or b1 / b2 / eps where they are not used)
     set away from its default under another name is an error.
 
     Stability (all off by default; `eqllm.train.stability`):
@@ -91,6 +102,9 @@ class OptimSpec:
     muon_momentum: Fraction = 0.95
     muon_ns_steps: Positive = 5
     muon_scale: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    soap_precondition_frequency: Positive = 10
+    soap_shampoo_beta: Fraction = 0.95
+    soap_max_precond_dim: Positive = 10000
     adafactor_decay_rate: Annotated[Float, Field(gt=0, le=1)] = 0.8
     adafactor_min_dim: Positive = 128
     z_loss: Annotated[Float, Field(ge=0)] = 0.0

@@ -1,4 +1,4 @@
-"""AdamW, Muon, Lion or Adafactor with a warmup + decay schedule, global-norm clipping and
+"""AdamW, Muon, SOAP, Lion or Adafactor with a warmup + decay schedule, global-norm clipping and
 weight decay on matrices only; parameter groups and muP factors from the layers' metadata; the
 optional stability wrappers (weight EMA, spike skipping) around them."""
 
@@ -16,6 +16,7 @@ from eqllm.nn import param_info
 from eqllm.nn.linear import ParamInfo, is_param_info
 from eqllm.parametrization import Multipliers, Scales, role_multipliers, roles
 from eqllm.recipe import OptimSpec
+from eqllm.train.soap import soap
 from eqllm.train.stability import skip_spikes, weight_ema
 
 
@@ -110,15 +111,39 @@ def muon_labels(model):
     return eqx.filter(labels, trainable(model))
 
 
+def soap_matrices(model):
+    """True at every trainable array SOAP preconditions as a matrix (its last two axes): the
+    weights of Linear, ExpertLinear and Embedding layers (the layers give them an
+    initialisation role), the embeddings and the LM head included, as the reference does;
+    False at biases, norm scales and other arrays (Adam). None at frozen arrays."""
+    matrices = jax.tree.map(
+        lambda info: info.init in ("normal", "residual"), param_info(model), is_leaf=is_param_info
+    )
+    return eqx.filter(matrices, trainable(model))
+
+
 def _scaled(lr: optax.Schedule, factor: float) -> optax.Schedule:
     return lambda step: lr(step) * factor
 
 
 def _transform(
-    spec: OptimSpec, kind: str, lr: optax.Schedule, f: Multipliers, mask
+    spec: OptimSpec, kind: str, lr: optax.Schedule, f: Multipliers, mask, model
 ) -> optax.GradientTransformation:
     """One optimizer of `kind` with the role factors `f` (learning rate, eps, decay)."""
     decay = spec.weight_decay * f.decay
+    if kind == "soap":
+        return soap(
+            lr,
+            soap_matrices(model),
+            b1=spec.b1,
+            b2=spec.b2,
+            eps=spec.eps * f.eps,
+            shampoo_beta=spec.soap_shampoo_beta,
+            precondition_frequency=spec.soap_precondition_frequency,
+            max_precond_dim=spec.soap_max_precond_dim,
+            weight_decay=decay,
+            mask=mask,
+        )
     if kind == "adamw":
         return optax.adamw(
             lr, b1=spec.b1, b2=spec.b2, eps=spec.eps * f.eps, weight_decay=decay, mask=mask
@@ -152,11 +177,12 @@ def make_optimizer(
     spec: OptimSpec, total_steps: int, model, *, scales: Scales | None = None
 ) -> optax.GradientTransformation:
     """optax chain: clip by global norm (if clip_norm > 0) -> the optimizer `spec.name`
-    (AdamW, Muon, Lion or Adafactor) on the schedule, with masked weight decay.
+    (AdamW, Muon, SOAP, Lion or Adafactor) on the schedule, with masked weight decay.
 
     `model` (or `eqx.filter(model, eqx.is_inexact_array)`; any tree of eqllm layers) fixes the
     weight-decay mask over its trainable arrays (only the adapters of a LoRA model) and, for
-    Muon, which arrays it takes (`muon_labels`); the others take AdamW.
+    Muon, which arrays it takes (`muon_labels`); the others take AdamW. For SOAP it fixes which
+    arrays are preconditioned as matrices (`soap_matrices`; `eqllm.train.soap`).
 
     Under muP / CompleteP (`eqllm.parametrization`: a `CausalLM`'s config, or `scales` for any
     tree) each role gets its own optimizer, with the learning rate, eps and weight decay
@@ -172,7 +198,7 @@ def make_optimizer(
     lr = schedule(spec, total_steps)
     mask = decay_mask(model)
     if spec.name != "muon" and groups is None:
-        update = _transform(spec, spec.name, lr, Multipliers(), mask)
+        update = _transform(spec, spec.name, lr, Multipliers(), mask, model)
     else:
         kind = "adamw" if spec.name == "muon" else spec.name
         if groups is None:
@@ -195,7 +221,7 @@ def make_optimizer(
         update = optax.multi_transform(
             {
                 label: _transform(
-                    spec, "muon" if label == "muon" else kind, _scaled(lr, f.lr), f, mask
+                    spec, "muon" if label == "muon" else kind, _scaled(lr, f.lr), f, mask, model
                 )
                 for label, f in factors.items()
                 if label in found
