@@ -209,10 +209,12 @@ def test_zoo_show_sizes_deepseek_v3_per_device(capsys):
 
 
 @pytest.mark.slow
-def test_the_nano_trains_and_generates_on_a_cpu():
-    """deepseek_v3-nano: the loss falls over a few steps of its own batch, the correction bias
-    moves, and eqllm.generate decodes from the latent cache."""
-    recipe = load_recipe("deepseek_v3-nano")
+@pytest.mark.parametrize("name", ["deepseek_v3-nano", "glm4_moe-nano"])
+def test_the_nano_trains_and_generates_on_a_cpu(name):
+    """deepseek_v3-nano (latent attention) and glm4_moe-nano (grouped-query attention) as their
+    recipes build them: the loss falls over a few steps of one batch, the correction bias
+    moves, and eqllm.generate decodes from the cache."""
+    recipe = load_recipe(name)
     model = eqllm.CausalLM(recipe.model_config(), key=jax.random.key(0))
     assert model.config.moe.bias_update_speed == 0.001
     tokens = np.random.default_rng(0).integers(0, 4096, (4, 33))

@@ -2,21 +2,18 @@
 unrolled, cached decoding, LoRA against peft, published counts): the settings read (half of
 each head rotated, q/k/v biases without an output bias, QK-norm, a dense prefix, the shared
 expert, one group as no grouping), multi-token-prediction layers skipped on import, the
-settings refused, and the nano size training on a CPU.
+settings refused (the nano size training on a CPU: tests/test_deepseek.py, beside
+deepseek_v3-nano's).
 """
 
 import json
 from pathlib import Path
 
-import jax
 import numpy as np
-import optax
 import pytest
 from safetensors.numpy import load_file, save_file
 
 import eqllm
-from eqllm.recipe import load_recipe
-from eqllm.train.step import TrainStep, init_opt_state
 from tests.hf_parity import TOKENS, logits
 
 transformers = pytest.importorskip("transformers")
@@ -86,24 +83,3 @@ def test_a_config_without_shared_experts_is_not_exported():
     cfg = eqllm.zoo.config("glm4_moe-nano", moe={"shared_d_ff": None})
     with pytest.raises(eqllm.ConfigError, match="moe.shared_d_ff"):
         eqllm.hub.to_hf_config(cfg)
-
-
-@pytest.mark.slow
-def test_the_nano_trains_and_generates_on_a_cpu():
-    """glm4_moe-nano as its recipe builds it: the loss falls over a few steps of one batch, the
-    correction bias moves, and eqllm.generate decodes."""
-    recipe = load_recipe("glm4_moe-nano")
-    model = eqllm.CausalLM(recipe.model_config(), key=jax.random.key(0))
-    assert model.config.moe.bias_update_speed == 0.001
-    tokens = np.random.default_rng(0).integers(0, 4096, (4, 33))
-    optimizer = optax.adam(3e-3)
-    step = TrainStep(optimizer, lambda count: 3e-3)
-    state = init_opt_state(optimizer, model)
-    losses = []
-    for _ in range(5):
-        model, state, metrics = step(model, state, tokens)
-        losses.append(float(metrics["loss"]))
-    assert losses[-1] < losses[0] - 0.5
-    assert np.abs(np.asarray(model.blocks.mlp.score_bias)).max() > 0
-    out = eqllm.generate(model, tokens[0, :8], max_new_tokens=6, key=jax.random.key(1))
-    assert np.asarray(out).shape[-1] >= 6
