@@ -42,6 +42,7 @@ class Row:
     interleaved: bool = False
     transposed: bool = False
     depthwise: bool = False
+    heads: str = "attention.n_heads"
 
     @property
     def layered(self) -> bool:
@@ -52,9 +53,10 @@ class Row:
         return "{j}" in self.hf
 
 
-def rows(*specs: tuple, axis: int = 0, per_head: bool = False, **layout: bool) -> tuple[Row, ...]:
+def rows(*specs: tuple, axis: int = 0, per_head: bool = False, **layout: Any) -> tuple[Row, ...]:
     """Rows from `(hf, eqllm_path_or_paths[, conv1d])` tuples, fused along `axis` (interleaved
-    per attention head if `per_head`); `layout`: `interleaved` and `transposed` (see `Row`)."""
+    per attention head if `per_head`); `layout`: `interleaved`, `transposed`, `depthwise` and
+    `heads` (see `Row`)."""
     out = []
     for hf, eqllm, *conv1d in specs:
         paths = (eqllm,) if isinstance(eqllm, str) else tuple(eqllm)
