@@ -320,6 +320,8 @@ FAMILIES = [
         "qwen3_5_moe",
         _zoo("qwen3_5_moe-nano", **{**_HYBRID, "mlp.d_ff": 16}, moe=_HYBRID_MOE),
         lora=_HYBRID_LORA + ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+        # The 397B-A17B's language model is 396.3B: its 397B counts the vision tower.
+        published={"qwen3.5-35b-a3b": ("35", "3")},
         atol=1e-4,
         generates=False,
     ),
@@ -329,6 +331,7 @@ FAMILIES = [
         "qwen3_next",
         _zoo("qwen3_next-nano", **_HYBRID, moe={**_HYBRID_MOE, "d_ff": 16}),
         lora=_HYBRID_LORA + ("in_proj_qkvz", "in_proj_ba"),
+        published={"qwen3-next-80b-a3b": "80"},  # 3.87B active, named "A3B"
         atol=1e-4,
         generates=False,
     ),

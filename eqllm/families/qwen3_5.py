@@ -6,6 +6,10 @@ side by side), a quarter of each head rotated, and QK-norm; every RMSNorm scales
 except the Gated DeltaNet's own gated output norm, which scales by w. Published checkpoints are
 vision-language models (`qwen3_5`, `Qwen3_5ForConditionalGeneration`): eqllm reads their
 language model (`text_config`, `model.language_model.*`) and leaves the vision tower out.
+
+The hybrid's key table and config translation (`hybrid_table`, `hybrid_to_hf`,
+`hybrid_from_hf`) take the MLP's rows and the Gated DeltaNet's projection rows as arguments:
+Qwen3.5-MoE and Qwen3-Next (`qwen3_5_moe`, `qwen3_next`) reuse them with their experts.
 """
 
 from typing import Any
