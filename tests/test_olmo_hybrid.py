@@ -1,0 +1,90 @@
+"""OLMo hybrid (`olmo_hybrid`): what the family contract (tests/test_families.py, entries
+`olmo_hybrid` and `olmo_hybrid-nope`) does not cover. Its config.json read as transformers'
+OlmoHybridConfig reads it (the default layer pattern, RoPE or none), and checkpoints with the
+tensor names of transformers' model (one conv1d, input_layernorm) as well as the published ones.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+import eqllm
+from eqllm.config import ConfigError
+from tests.hf_parity import TOKENS, hf_logits, logits
+
+BASE = {
+    "model_type": "olmo_hybrid",
+    "vocab_size": 97,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "pad_token_id": None,
+    "eos_token_id": None,
+}
+
+
+def _both(**hf):
+    """eqllm's config and transformers' OlmoHybridConfig of one config.json."""
+    transformers = pytest.importorskip("transformers")
+    raw = {**BASE, **hf}
+    theirs = transformers.OlmoHybridConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+    return eqllm.hub.from_hf_config(raw), theirs
+
+
+@pytest.mark.parametrize("n_layers, every", [(2, 2), (3, 3), (8, 4)])
+def test_default_layer_types_are_transformers(n_layers, every):
+    """Without layer_types, every fourth layer attends, or the last of fewer than four."""
+    ours, theirs = _both(num_hidden_layers=n_layers)
+    assert [f"{k}_attention" for k in ours.layer_kinds()] == theirs.layer_types
+    assert ours.linear.full_every == every
+
+
+def test_default_linear_sizes_are_transformers():
+    ours, theirs = _both(num_hidden_layers=4)
+    lin = ours.linear
+    assert (lin.n_key_heads, lin.n_value_heads) == (4, 4)
+    assert (lin.key_head_dim, lin.value_head_dim) == (
+        theirs.linear_key_head_dim,
+        theirs.linear_value_head_dim,
+    )
+    assert lin.allow_neg_eigval and lin.norm_eps == 1e-5 and lin.pre_norm
+
+
+def test_rope_or_none_as_transformers_reads_it():
+    """A null rope_theta is no RoPE (the 7B release); no rope settings at all is RoPE with
+    base 10000, as transformers fills it in."""
+    nope, _ = _both(num_hidden_layers=4, rope_parameters={"rope_theta": None})
+    assert nope.positions.kind == "none"
+    assert eqllm.hub.to_hf_config(nope)["rope_parameters"]["rope_theta"] is None
+    plain, theirs = _both(num_hidden_layers=4)
+    assert plain.positions.kind == "rope"
+    assert plain.positions.theta == theirs.rope_parameters["rope_theta"] == 10000.0
+
+
+@pytest.mark.parametrize(
+    "types",
+    [
+        ["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        ["full_attention", "linear_attention"],
+        ["linear_attention", "linear_attention", "full_attention", "full_attention"],
+    ],
+)
+def test_layer_types_that_are_not_whole_groups_are_refused(types):
+    raw = {**BASE, "num_hidden_layers": len(types), "layer_types": types}
+    with pytest.raises(ConfigError, match="layer_types"):
+        eqllm.hub.from_hf_config(raw)
+
+
+def test_checkpoint_with_the_model_s_tensor_names_imports(twins, tmp_path):
+    """A file holding transformers' model names (one conv1d, input_layernorm and
+    post_attention_layernorm) reads as the published layout does."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    pair = twins("olmo_hybrid")
+    state = {k: v.contiguous() for k, v in pair.hf.state_dict().items()}
+    assert "model.layers.0.linear_attn.conv1d.weight" in state
+    safetensors.save_file(state, tmp_path / "model.safetensors")
+    config = json.loads((pair.folder / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = eqllm.hub.from_pretrained(tmp_path)
+    np.testing.assert_allclose(logits(model, TOKENS), hf_logits(pair.hf, TOKENS), atol=1e-4, rtol=0)
