@@ -1,17 +1,22 @@
 """OLMo hybrid (`olmo_hybrid`): what the family contract (tests/test_families.py, entries
 `olmo_hybrid` and `olmo_hybrid-nope`) does not cover. Its config.json read as transformers'
 OlmoHybridConfig reads it (the default layer pattern, RoPE or none), and checkpoints with the
-tensor names of transformers' model (one conv1d, input_layernorm) as well as the published ones.
+tensor names of transformers' model (one conv1d, input_layernorm) as well as the published ones;
+packed documents with pre-norm DeltaNet layers between post-norm attention layers.
 """
 
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import eqllm
 from eqllm.config import ConfigError
+from tests.families import TINY_CONFIGS
 from tests.hf_parity import TOKENS, hf_logits, logits
+from tests.test_segments import assert_each_document_alone, forward, packed_row
 
 BASE = {
     "model_type": "olmo_hybrid",
@@ -88,3 +93,13 @@ def test_checkpoint_with_the_model_s_tensor_names_imports(twins, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     model = eqllm.hub.from_pretrained(tmp_path)
     np.testing.assert_allclose(logits(model, TOKENS), hf_logits(pair.hf, TOKENS), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow  # its own compiles; qwen3_5's twin of it runs by default (tests/test_hybrid.py)
+def test_packed_documents_have_their_logits_alone():
+    """Segment ids reset the DeltaNet state in the pre-norm layers and confine the post-norm
+    attention layers (no RoPE: positions reach the model only through the recurrence)."""
+    model = eqllm.CausalLM(TINY_CONFIGS["olmo_hybrid-nope"], key=jax.random.key(0))
+    tokens, segments, positions = packed_row(1)
+    packed = forward(model, *(jnp.stack([a] * 3) for a in (tokens, positions, segments)))
+    assert_each_document_alone(model, packed, tokens)
