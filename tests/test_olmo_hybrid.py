@@ -1,11 +1,10 @@
 """OLMo hybrid (`olmo_hybrid`): what the family contract (tests/test_families.py, entries
 `olmo_hybrid` and `olmo_hybrid-nope`) does not cover. Its config.json read as transformers'
 OlmoHybridConfig reads it (the default layer pattern, RoPE or none), and checkpoints with the
-tensor names of transformers' model (one conv1d, input_layernorm) as well as the published ones;
-packed documents with pre-norm DeltaNet layers between post-norm attention layers.
+names of transformers' model (input_layernorm, one conv1d) and of the release (the convolution
+cut at q, k and v) as well as those transformers' save_pretrained writes; packed documents with
+pre-norm DeltaNet layers between post-norm attention layers.
 """
-
-import json
 
 import jax
 import jax.numpy as jnp
@@ -81,16 +80,25 @@ def test_layer_types_that_are_not_whole_groups_are_refused(types):
         eqllm.hub.from_hf_config(raw)
 
 
-def test_checkpoint_with_the_model_s_tensor_names_imports(twins, tmp_path):
-    """A file holding transformers' model names (one conv1d, input_layernorm and
-    post_attention_layernorm) reads as the published layout does."""
+@pytest.mark.parametrize("conv", ["one", "qkv"])
+def test_checkpoint_with_the_model_s_norm_names_imports(twins, tmp_path, conv):
+    """A file with the norm names of transformers' model (input_layernorm and
+    post_attention_layernorm) and one conv1d (the model's state dict), or the convolution cut
+    at the q, k and v channels (the release's layout), reads with transformers' logits."""
     safetensors = pytest.importorskip("safetensors.torch")
     pair = twins("olmo_hybrid")
     state = {k: v.contiguous() for k, v in pair.hf.state_dict().items()}
-    assert "model.layers.0.linear_attn.conv1d.weight" in state
+    lin = pair.config.linear
+    keys = lin.n_key_heads * lin.key_head_dim
+    for name in [n for n in state if n.endswith("linear_attn.conv1d.weight")]:
+        if conv == "qkv":
+            whole = state.pop(name)
+            pieces = whole.split([keys, keys, whole.shape[0] - 2 * keys])
+            for part, piece in zip("qkv", pieces, strict=True):
+                state[name.replace("conv1d", f"{part}_conv1d")] = piece.contiguous()
+    assert any(n.endswith("input_layernorm.weight") for n in state)
     safetensors.save_file(state, tmp_path / "model.safetensors")
-    config = json.loads((pair.folder / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "config.json").write_text((pair.folder / "config.json").read_text())
     model = eqllm.hub.from_pretrained(tmp_path)
     np.testing.assert_allclose(logits(model, TOKENS), hf_logits(pair.hf, TOKENS), atol=1e-4, rtol=0)
 

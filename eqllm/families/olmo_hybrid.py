@@ -9,11 +9,16 @@ before the MLP, as Llama), key heads as many as value heads by default, the writ
 `g_proj`, `o_proj`). Only the attention layers rotate; the 7B release has no RoPE at all
 (`rope_parameters.rope_theta` null), which eqllm reads as `positions.kind = "none"`.
 
-The published checkpoints name the DeltaNet layers' norms `attention_layer_norm` and
-`feedforward_layer_norm` and store the convolution as three tensors (`q_conv1d`, `k_conv1d`,
-`v_conv1d`), which transformers renames and concatenates on load; eqllm reads the
-names of transformers' model too (`input_layernorm`, `post_attention_layernorm`, one `conv1d`)
-and writes the published ones, as transformers' save_pretrained does.
+Checkpoints name the DeltaNet layers' tensors three ways, all of which transformers loads (its
+conversion mapping renames `attention_layer_norm` and `feedforward_layer_norm` and concatenates
+`q_conv1d`, `k_conv1d` and `v_conv1d` into its model's one `conv1d`):
+- transformers' save_pretrained writes the renamed norms, on every layer, and the convolution in
+  three near-equal thirds (torch.chunk), not at the q/k/v boundaries; export writes these names,
+  as transformers does, with the convolution cut at the q, k and v channels;
+- the release, as a public account of the 7B file's header gives it: the model's norm names and
+  the convolution cut at q, k and v;
+- transformers' model itself (`input_layernorm`, `post_attention_layernorm`, one `conv1d`).
+Import reads all three, and any cut of the convolution (the parts are concatenated in order).
 """
 
 from typing import Any
@@ -77,14 +82,13 @@ def _table(pre: str, post: str, attn_post: str, conv: tuple[tuple[str, str], ...
     )
 
 
-# The published names, which transformers' save_pretrained writes too (its conversion mapping
-# reversed, on every layer's norms): export writes these.
+# The names transformers' save_pretrained writes (its conversion mapping reversed, on every
+# layer's norms): export writes these.
 _QKV = tuple((p, f"linear_blocks.attn.{p}_proj.weight") for p in "qkv")
 TABLE = _table("attention_layer_norm", "feedforward_layer_norm", "feedforward_layer_norm", _QKV)
-# The names of transformers' model (what it loads either way), and the published DeltaNet names
-# with the attention layers' norm under its model name.
+# The release's names (the model's norms, the convolution in three) and the model's own.
+RELEASE = _table("input_layernorm", "post_attention_layernorm", "post_attention_layernorm", _QKV)
 MODEL_TABLE = _table("input_layernorm", "post_attention_layernorm", "post_attention_layernorm", ())
-MIXED = _table("attention_layer_norm", "feedforward_layer_norm", "post_attention_layernorm", _QKV)
 
 _TOKEN_IDS = {"eos_token_id": 100257, "pad_token_id": 100277}  # OlmoHybridConfig's
 _GATED_NORM_EPS = 1e-5  # transformers' OlmoHybridGatedDeltaNet fixes its o_norm's epsilon
@@ -197,7 +201,7 @@ FAMILY = Family(
         "norms.post": True,
     },
     table=TABLE,
-    layouts=(MODEL_TABLE, MIXED),
+    layouts=(RELEASE, MODEL_TABLE),
     prefix=LLAMA_PREFIX,
     hf_keys=LLAMA_KEYS
     | {
