@@ -28,6 +28,7 @@ RESEARCH = [
     "pythia-nano",
     "smollm3-nano",
     "qwen3_5-nano",
+    "olmo_hybrid-nano",
 ]
 PUBLISHED = [
     "gpt2-small",
@@ -107,6 +108,7 @@ NANOS = [
     "pythia-nano",
     "smollm3-nano",
     "qwen3_5-nano",
+    "olmo_hybrid-nano",
 ]
 
 

@@ -32,6 +32,10 @@ class Row:
     gate_up_proj: gate 0, up 0, gate 1, ...). `transposed` marks matrices stored (in, out), as
     tensors used as x @ W are (gpt-oss's experts): the last two axes swapped. `depthwise` marks
     torch's depthwise Conv1d weight [channels, 1, kernel], held without its middle axis.
+    `parts` marks the one eqllm array stored as several tensors, concatenated along `axis`:
+    (part, path) pairs, each tensor named with `{part}` in `hf` replaced by its part and as
+    long along `axis` as the eqllm array at `path` (OLMo hybrid's q_conv1d, k_conv1d and
+    v_conv1d, as many channels as q_proj, k_proj and v_proj have rows).
     """
 
     hf: str
@@ -42,6 +46,7 @@ class Row:
     interleaved: bool = False
     transposed: bool = False
     depthwise: bool = False
+    parts: tuple[tuple[str, str], ...] = ()
 
     @property
     def layered(self) -> bool:
