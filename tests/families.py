@@ -47,6 +47,13 @@ _HYBRID = {
 }
 _HYBRID_MOE = {"n_experts": 4, "experts_per_token": 2, "shared_d_ff": 24}
 _HYBRID_LORA = ("q_proj", "k_proj", "v_proj", "o_proj", "shared_expert_gate", "out_proj")
+_OLMO_LINEAR = {
+    "full_every": 2,
+    "n_key_heads": 2,
+    "n_value_heads": 4,
+    "key_head_dim": 8,
+    "value_head_dim": 8,
+}
 _MLA_LORA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "lm_head")
 
 FAMILIES = [
@@ -332,6 +339,28 @@ FAMILIES = [
         _zoo("qwen3_next-nano", **_HYBRID, moe={**_HYBRID_MOE, "d_ff": 16}),
         lora=_HYBRID_LORA + ("in_proj_qkvz", "in_proj_ba"),
         published={"qwen3-next-80b-a3b": "80"},  # 3.87B active, named "A3B"
+        atol=1e-4,
+        generates=False,
+    ),
+    # Pre-norm Gated DeltaNet layers between post-norm attention layers with whole QK-norm, the
+    # write strength up to 2, the gated norm's own epsilon; fewer key heads than value heads.
+    Tiny(
+        "olmo_hybrid",
+        _zoo("olmo_hybrid-nano", n_layers=4, attention={"n_kv_heads": 2}, linear=_OLMO_LINEAR),
+        atol=1e-4,
+        generates=False,
+        published={"olmo-hybrid-7b": "7"},
+    ),
+    # The 7B release's positions: none (rope_theta null), key heads as many as value heads.
+    Tiny(
+        "olmo_hybrid-nope",
+        _zoo(
+            "olmo_hybrid-nano",
+            n_layers=4,
+            positions={"kind": "none"},
+            linear={**_OLMO_LINEAR, "n_value_heads": 2},
+        ),
+        variant=True,
         atol=1e-4,
         generates=False,
     ),

@@ -30,6 +30,7 @@ RESEARCH = [
     "qwen3_5-nano",
     "qwen3_5_moe-nano",
     "qwen3_next-nano",
+    "olmo_hybrid-nano",
 ]
 PUBLISHED = [
     "gpt2-small",
@@ -114,6 +115,7 @@ NANOS = [
     "qwen3_5-nano",
     "qwen3_5_moe-nano",
     "qwen3_next-nano",
+    "olmo_hybrid-nano",
 ]
 
 

@@ -6,7 +6,14 @@ from __future__ import annotations
 import typing
 from typing import ClassVar, Literal
 
-from eqllm.config.validation import STRICT, Positive, config_error, require, validated
+from eqllm.config.validation import (
+    STRICT,
+    Positive,
+    PositiveFloat,
+    config_error,
+    require,
+    validated,
+)
 
 LinearKind = Literal["gated_deltanet"]
 
@@ -23,7 +30,12 @@ class LinearAttentionConfig:
     sizes: `n_key_heads` query/key heads of `key_head_dim`, `n_value_heads` value heads of
     `value_head_dim` (a multiple of the key heads), a causal convolution `conv_kernel` wide over
     q, k and v; `chunk_size` tokens per chunk of the chunked delta rule (how it runs, not what
-    it computes). The gated output norm uses `norms.eps`.
+    it computes). The gated output norm uses `norm_eps` (None: `norms.eps`; OLMo hybrid fixes
+    1e-5 whatever its rms_norm_eps). `allow_neg_eigval`: the write strength is 2 * sigmoid(b),
+    in (0, 2), so the state's transition may have negative eigenvalues (OLMo hybrid).
+    `pre_norm`: these layers normalise their inputs (pre-norm, no output norms) whatever
+    `norms.pre` and `norms.post` say for the attention layers (OLMo hybrid: post-norm
+    attention layers, pre-norm Gated DeltaNet layers); False: every layer as `norms` says.
     """
 
     PATH: ClassVar[str] = "ModelConfig.linear"
@@ -36,6 +48,9 @@ class LinearAttentionConfig:
     conv_kernel: Positive = 4
     chunk_size: Positive = 64
     kind: LinearKind = "gated_deltanet"
+    norm_eps: PositiveFloat | None = None
+    allow_neg_eigval: bool = False
+    pre_norm: bool = False
 
     def __post_init__(self) -> None:
         require(
