@@ -5,7 +5,8 @@ The family contract (tests/test_families.py, entries `qwen3_5_moe` and `qwen3_ne
 logits against transformers both ways, peft's adapters and the published counts. Here: both
 stacks carry experts with the same metadata (sharding, muP roles), the routing of every layer
 reaches the balancing loss, Qwen3.5-MoE's vision-language checkpoints read as their language
-model, and the dense layers transformers could give Qwen3-Next are refused by name.
+model, both expert layouts import, and the dense layers transformers could give Qwen3-Next are
+refused by name.
 """
 
 import json
@@ -15,6 +16,8 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 import eqllm
 from eqllm.config import ConfigError
@@ -115,3 +118,25 @@ def test_vision_language_checkpoint_reads_as_its_language_model(tmp_path, caplog
     assert model.config.family == "qwen3_5_moe"
     tokens = np.random.default_rng(0).integers(0, 97, 40)
     np.testing.assert_allclose(logits(model, tokens), hf_logits(hf, tokens), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", HYBRID_MOE)
+def test_both_expert_layouts_import(twins, name, tmp_path):
+    """transformers' fused in-memory experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) and
+    the per-expert tensors its save_pretrained writes (as published checkpoints hold them) give
+    the same model, in both stacks."""
+    pair = twins(name)
+    with safe_open(pair.folder / "model.safetensors", framework="numpy") as f:
+        per_expert = {k: f.get_tensor(k) for k in f.keys()}
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in per_expert  # a linear layer's
+    fused = {
+        k: v.detach().numpy() for k, v in pair.hf.state_dict().items() if k != "lm_head.weight"
+    }
+    assert "model.layers.0.mlp.experts.gate_up_proj" in fused
+    for layout, weights in (("fused", fused), ("per_expert", per_expert)):
+        (tmp_path / layout).mkdir()
+        save_file(weights, tmp_path / layout / "model.safetensors", metadata={"format": "pt"})
+        (tmp_path / layout / "config.json").write_text((pair.folder / "config.json").read_text())
+        again = eqllm.hub.from_pretrained(tmp_path / layout)
+        for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(pair.model), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
