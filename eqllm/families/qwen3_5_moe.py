@@ -100,8 +100,7 @@ FAMILY = Family(
     hf_keys=HYBRID_KEYS
     | MOE_KEYS
     | set(_PUBLISHED_MOE)
-    | {"intermediate_size", "num_experts", "moe_intermediate_size"}
-    | {"shared_expert_intermediate_size"},
+    | {"num_experts", "moe_intermediate_size", "shared_expert_intermediate_size"},
     to_hf=to_hf,
     from_hf=from_hf,
     # transformers' Qwen3.5-MoE always has the shared expert.
