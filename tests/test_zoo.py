@@ -28,6 +28,8 @@ RESEARCH = [
     "pythia-nano",
     "smollm3-nano",
     "qwen3_5-nano",
+    "qwen3_5_moe-nano",
+    "qwen3_next-nano",
     "olmo_hybrid-nano",
 ]
 PUBLISHED = [
@@ -85,6 +87,9 @@ PUBLISHED = [
     "glm-4.5-air",
     "glm-4.6",
     "kimi-k2",
+    "qwen3.5-35b-a3b",
+    "qwen3.5-397b-a17b",
+    "qwen3-next-80b-a3b",
 ]
 
 
@@ -108,6 +113,8 @@ NANOS = [
     "pythia-nano",
     "smollm3-nano",
     "qwen3_5-nano",
+    "qwen3_5_moe-nano",
+    "qwen3_next-nano",
     "olmo_hybrid-nano",
 ]
 

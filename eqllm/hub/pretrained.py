@@ -207,9 +207,7 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
         buffers = [aligned_empty(t.shape, t.dtype) for t in targets]
         lead = int(row.layered) + int(row.per_expert)  # leading axes indexed by the tensor name
         expected = _hf_shape(row, [t.shape[lead:] for t in targets])
-        order = fused_order(
-            row, [t.shape[lead + row.axis] for t in targets], config.at("attention.n_heads")
-        )
+        order = fused_order(row, [t.shape[lead + row.axis] for t in targets], config.at(row.heads))
         layers = stack_layers(row, config)
         for index in indices(row, len(layers), config.at("moe.n_experts")):
             slots = [b[index] for b in buffers]
@@ -342,7 +340,7 @@ def save_pretrained(
         def tensor() -> np.ndarray:
             parts = [host[p][index] for p in row.eqllm]
             out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=row.axis)
-            order = fused_order(row, [p.shape[row.axis] for p in parts], config.attention.n_heads)
+            order = fused_order(row, [p.shape[row.axis] for p in parts], config.at(row.heads))
             if order is not None:  # the parts one after the other -> interleaved per head
                 out = np.take(out, order, axis=row.axis)
             if row.conv1d and out.ndim == 2:
