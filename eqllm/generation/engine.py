@@ -44,6 +44,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from eqllm.generation.constrain import refuse_speculation
 from eqllm.generation.paged import bytes_per_token
 from eqllm.generation.pages import BlockPool
 from eqllm.generation.placement import check_mesh
@@ -212,13 +213,12 @@ class Engine:
         """Raise ServeError (GenerationError for sampling values) for a request that cannot run."""
         check_request(prompt, params, vocab=self.config.vocab_size, max_len=self.max_len)
 
-    def submit(
-        self, prompt: Sequence[int] | np.ndarray, params: Params, sink, *, key=None
-    ) -> Request:
+    def submit(self, prompt, params: Params, sink, *, key=None, constraint=None) -> Request:
         """Queue a request (checked first); QueueFull when `max_queue` requests already wait.
-        `key` (a PRNG key) overrides the params' seed."""
+        `key` (a PRNG key) overrides the params' seed; `constraint` masks its tokens."""
         self.check(prompt, params)
-        request = Request(prompt, params, sink)
+        refuse_speculation(constraint, self.speculator)
+        request = Request(prompt, params, sink, constraint)
         if key is None:
             key = jax.random.key(secrets.randbits(63) if params.seed is None else params.seed)
         request.key = key
@@ -362,7 +362,7 @@ class Engine:
         if self.speculator is not None:
             return self.speculator.decode(self.scheduler, ready, self.buckets)
         waiting = self.scheduler.waiting or any(r is not None and not r.decoding for r in held)
-        steps = 1 if waiting else self.decode_steps
+        steps = 1 if waiting or any(r.constraint for r in ready) else self.decode_steps
         if max(r.cursor for r in ready) + steps > self.max_pages * self.block_size:
             steps = 1
         for request in sorted(ready, key=lambda r: r.admitted):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, Key
 
+from eqllm.generation.constrain import masked_logits
 from eqllm.generation.paged import Pool, forward
 from eqllm.generation.placement import place_weights, state_shardings
 from eqllm.generation.sampling import Sampling, sample_tokens
@@ -100,6 +101,7 @@ def prefill_chunk(
     seen: Bool[Array, "rows vocab"],
     settings: Sampling,
     top: Bool[Array, ""],
+    allowed: Int[Array, "rows words"],
     *,
     block_size: int,
 ) -> tuple[SlotState, Sampled]:
@@ -109,7 +111,8 @@ def prefill_chunk(
     A `first` chunk starts its slot afresh: its repetition set becomes `seen` (the tokens before
     the chunk that are cached already, a reused prefix) plus the chunk. The sample at the end of
     a `last` chunk is the sequence's step-th (`step`, 0 for a new prompt), so that a sequence
-    computed again after it was preempted draws what it would have drawn.
+    computed again after it was preempted draws what it would have drawn. `allowed` is each
+    row's bitmask of the tokens it may sample (`eqllm.generation.constrain`).
     """
     vocab = state.present.shape[1]
     n = jnp.sum(positions >= 0, axis=1)
@@ -119,7 +122,8 @@ def prefill_chunk(
     kept = state.present.at[slots].get(mode="fill", fill_value=False)
     present = jnp.where(first[:, None], seen, kept | seen)
     present = present.at[rows, jnp.where(positions >= 0, tokens, vocab)].set(True, mode="drop")
-    token = sample_tokens(logits, jax.vmap(jax.random.fold_in)(keys, step), present, settings)
+    folded = jax.vmap(jax.random.fold_in)(keys, step)
+    token = sample_tokens(masked_logits(logits, allowed), folded, present, settings)
     out = _sample_rows(logits, token, top)
     present = present.at[rows[:, 0], jnp.where(last, token, vocab)].set(True, mode="drop")
 
@@ -146,6 +150,7 @@ def decode_steps(
     stop: Int[Array, "slots n_stop"],
     settings: Sampling,
     top: Bool[Array, ""],
+    allowed: Int[Array, "slots words"],
     *,
     slots: int,
     steps: int,
@@ -157,7 +162,8 @@ def decode_steps(
     sampled `remaining` tokens or one of its `stop` ids (-1: none), and the loop ends early when
     every slot stopped. Each step runs `forward` over the pools, which the loop carries (the
     pages must cover position + steps). Outputs of a slot that did not sample at a step are
-    NO_TOKEN. Other slots are untouched.
+    NO_TOKEN. Other slots are untouched. `allowed` (each slot's bitmask of the tokens it may
+    sample) holds at every step: a constrained slot runs one step per call.
     """
     vocab = state.present.shape[1]
     keys = state.keys[:slots]
@@ -172,7 +178,7 @@ def decode_steps(
         fed = jnp.where(live, position, -1)[:, None]  # a stopped slot writes nothing
         logits, cache = forward(fixed, cache, pages, token[:, None], fed, position, block_size)
         folded = jax.vmap(jax.random.fold_in)(keys, step)
-        new = sample_tokens(logits, folded, present, settings)
+        new = sample_tokens(masked_logits(logits, allowed), folded, present, settings)
         sampled = _sample_rows(logits, new, top)
         sampled = eqx.tree_at(lambda s: s.token, sampled, jnp.where(live, new, NO_TOKEN))
         out = jax.tree.map(lambda o, s: o.at[:, i].set(s), out, sampled)
