@@ -307,7 +307,6 @@ FAMILIES = [
             },
         ),
         atol=1e-4,
-        generates=False,
     ),
 ]
 # tests/conftest.py records here the parametrised tests none of whose cases runs by default;

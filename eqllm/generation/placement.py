@@ -17,6 +17,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eqllm.config import ModelConfig
+from eqllm.generation.recurrent import is_state
 from eqllm.sharding import MeshConfig, MeshError, check_divisible, make_mesh, param_shardings
 
 
@@ -89,6 +90,10 @@ def state_shardings(state, mesh: Mesh):
     `tensor` by kv head (latents, without a head axis, over `data` only)."""
     by_row = NamedSharding(mesh, PartitionSpec("data"))
     by_head = NamedSharding(mesh, PartitionSpec("data", "tensor"))
-    cache = jax.tree.map(lambda a: by_head if a.ndim == 3 else by_row, state.cache)
+    pools = [c for c in state.cache if not is_state(c)]  # recurrent states: by slot alone
+    pools = jax.tree.map(lambda a: by_head if a.ndim == 3 else by_row, pools)
+    cache = tuple(
+        jax.tree.map(lambda a: by_row, c) if is_state(c) else pools.pop(0) for c in state.cache
+    )
     rest = jax.tree.map(lambda a: by_row, eqx.tree_at(lambda s: s.cache, state, ()))
     return eqx.tree_at(lambda s: s.cache, rest, cache)
