@@ -307,6 +307,7 @@ FAMILIES = [
             },
         ),
         atol=1e-4,
+        cached_atol=3e-5,
     ),
 ]
 # tests/conftest.py records here the parametrised tests none of whose cases runs by default;

@@ -148,7 +148,8 @@ def test_cached_decoding_equals_the_full_forward(twin, prefill, length):
     linear-attention layers carry their recurrent state from the prefill to the last token."""
     full = logits(twin.model, TOKENS)  # causal: its first rows are those of any prefix
     cached = cached_logits(twin.model, TOKENS[:length], prefill)
-    np.testing.assert_allclose(cached, full[prefill - 1 : length - 1], atol=1e-5, rtol=0)
+    want = full[prefill - 1 : length - 1]
+    np.testing.assert_allclose(cached, want, atol=twin.tiny.cached_atol, rtol=0)
 
 
 # By default: learned positions, a ring-buffer cache that wraps, alternating windowed layers.
