@@ -152,3 +152,15 @@ def test_the_cache_holds_the_state_per_slot_and_no_prefix_reuse(model):
     engine = Engine(model, max_batch=SLOTS, max_len=LENGTH, kv_memory=budget)
     assert engine.kv_blocks == 4  # 5 had the slots' state not been paid for
     assert not engine.pool.prefix_cache and "prefix cache off" in engine.describe()
+
+
+def test_layers_slice_both_stacks_in_layer_order_and_restack(model):
+    """`layers()` (what the engine keeps) interleaves the two stacks as the layers run, and
+    `with_layers` (the engine's prompt scores) rebuilds both stacks from them."""
+    layers = model.layers()
+    kinds = ["linear" if hasattr(block.attn, "A_log") else "full" for block in layers]
+    assert tuple(kinds) == model.config.layer_kinds()
+    np.testing.assert_array_equal(layers[2].attn.A_log, model.linear_blocks.attn.A_log[1])
+    again = model.without_stacks().with_layers(layers)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(model), strict=True):
+        np.testing.assert_array_equal(a, b)
