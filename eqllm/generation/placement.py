@@ -67,15 +67,14 @@ def place_weights(model, layers: tuple, mesh: Mesh):
     def sliced(stack):  # one layer's shardings: the stack's, less the `layers` axis
         return jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(*s.spec[1:])), stack)
 
-    per_layer = [
-        sliced(where)
-        for stack, where in (
-            (model.dense_blocks, shardings.dense_blocks),
-            (model.blocks, shardings.blocks),
-        )
-        if stack is not None
-        for _ in range(jax.tree.leaves(stack)[0].shape[0])
-    ]
+    dense = 0 if model.dense_blocks is None else jax.tree.leaves(model.dense_blocks)[0].shape[0]
+    kinds = ["dense"] * dense + list(model.config.layer_kinds()[dense:])  # as layers() orders
+    stacks = {
+        "dense": shardings.dense_blocks,
+        "full": shardings.blocks,
+        "linear": shardings.linear_blocks,
+    }
+    per_layer = [sliced(stacks[kind]) for kind in kinds]
     layers = tuple(
         jax.tree.map(jax.device_put, layer, where)
         for layer, where in zip(layers, per_layer, strict=True)
