@@ -45,7 +45,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from eqllm.generation.constrain import refuse_speculation
-from eqllm.generation.paged import bytes_per_token
+from eqllm.generation.paged import bytes_per_token, state_bytes
 from eqllm.generation.pages import BlockPool
 from eqllm.generation.placement import check_mesh
 from eqllm.generation.requests import Params, Request, ServeError, check_request
@@ -55,7 +55,7 @@ from eqllm.generation.sizing import MIN_CHUNK, Buckets, pool_blocks, round_up
 from eqllm.generation.speculator import Speculator, check_speculation
 from eqllm.generation.steps import NO_TOKEN
 from eqllm.hostmem import release_free_memory
-from eqllm.model import CausalLM, refuse_cached
+from eqllm.model import CausalLM
 
 
 class Engine:
@@ -75,7 +75,7 @@ class Engine:
         kv_blocks: blocks in the cache pool (None: as many as `kv_memory` holds, at most enough
             for every slot at `max_len`).
         kv_memory: the cache's budget in bytes (None: `sizing.default_kv_memory()`).
-        prefix_cache: reuse the cached blocks of equal prompt prefixes.
+        prefix_cache: reuse the cached blocks of equal prompt prefixes (not for a hybrid).
         decode_steps: tokens a decode call runs on device while no prompt waits to be prefilled
             (1: a new request joins after at most one token of the others).
         view_lengths: the cache positions a step may read, as buckets (None: 128, 512, 2048, ...
@@ -107,7 +107,7 @@ class Engine:
         draft: CausalLM | None = None,
     ):
         cfg = model.config
-        refuse_cached(cfg)  # a hybrid's recurrent state has no place in the paged cache yet
+        prefix_cache = prefix_cache and cfg.linear is None  # see eqllm.generation.recurrent
         max_len = cfg.max_seq_len if max_len is None else max_len
         if not 1 <= max_batch <= 4096:
             raise ServeError(f"max_batch={max_batch} must be between 1 and 4096")
@@ -141,6 +141,7 @@ class Engine:
             max_batch=max_batch,
             max_len=max_len,
             mesh=mesh,
+            slot_bytes=state_bytes(model),
         )
         self.kv_bytes = self.kv_blocks * block_size * bytes_per_token(model)
         # Slots split over `data` replicas always run whole, so that each replica keeps its share.

@@ -3,8 +3,9 @@
 Each step runs the model's forward over the paged pools (`eqllm.generation.paged`). Per-slot
 arrays (the pending token, its position, the repetition-penalty set, the key and the sampling
 step) have a leading `slots` axis. State that a layer kind keeps per sequence at a fixed size (a
-recurrent layer's state and its convolution window) would live beside them, one array per layer
-with a leading `slots` axis: see docs/serve.md ("Where per-sequence state goes").
+hybrid's linear-attention layers: the recurrent state and the convolution's last inputs) sits
+in the cache in place of that layer's pool, with a leading `slots` axis too
+(`eqllm.generation.recurrent`).
 
 The state is donated to every step, so it is updated in place. Shapes are fixed by the call's
 static sizes (rows, chunk width, view length, decode steps), never by a request.
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, Key
 
+from eqllm.generation import recurrent
 from eqllm.generation.constrain import masked_logits
 from eqllm.generation.paged import Pool, forward
 from eqllm.generation.placement import place_weights, state_shardings
@@ -38,7 +40,7 @@ class SlotState(eqx.Module):
     of its prompt and output (repetition penalty).
     """
 
-    cache: tuple[Pool, ...]
+    cache: tuple  # per layer: a Pool, or a recurrent state per slot (GatedDeltaNetState)
     token: Int[Array, " slots"]
     position: Int[Array, " slots"]
     present: Bool[Array, "slots vocab"]
@@ -60,7 +62,10 @@ def empty_state(model: CausalLM, slots: int, blocks: int, block_size: int) -> Sl
     """Every slot empty; pools of `blocks` blocks of `block_size` positions per layer."""
     rows = blocks * block_size
     return SlotState(
-        cache=tuple(Pool.empty(t, rows) for t in model.init_cache(1)),
+        cache=tuple(
+            recurrent.for_slots(t, slots) if recurrent.is_state(t) else Pool.empty(t, rows)
+            for t in model.init_cache(1)
+        ),
         token=jnp.zeros((slots,), jnp.int32),
         position=jnp.zeros((slots,), jnp.int32),
         present=jnp.zeros((slots, model.config.vocab_size), bool),
@@ -117,7 +122,9 @@ def prefill_chunk(
     vocab = state.present.shape[1]
     n = jnp.sum(positions >= 0, axis=1)
     start = jnp.max(positions, axis=1) + 1 - n
-    logits, cache = forward(fixed, state.cache, pages, tokens, positions, start, block_size)
+    cache = recurrent.gather(state.cache, slots, first)  # a first chunk starts from zeros
+    logits, cache = forward(fixed, cache, pages, tokens, positions, start, block_size)
+    cache = recurrent.scatter(state.cache, cache, slots)
     rows = jnp.arange(slots.shape[0])[:, None]
     kept = state.present.at[slots].get(mode="fill", fill_value=False)
     present = jnp.where(first[:, None], seen, kept | seen)
@@ -207,7 +214,7 @@ def decode_steps(
     carry = (
         0,
         live,
-        state.cache,
+        recurrent.first_slots(state.cache, slots),
         state.token[:slots],
         state.position[:slots],
         state.step[:slots],
@@ -217,7 +224,7 @@ def decode_steps(
     )
     _, _, cache, token, position, step, present, _, out = jax.lax.while_loop(running, one, carry)
     state = SlotState(
-        cache=cache,
+        cache=recurrent.put_first(state.cache, cache, slots),
         token=state.token.at[:slots].set(token),
         position=state.position.at[:slots].set(position),
         present=state.present.at[:slots].set(present),

@@ -7,9 +7,8 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Bool, Float, Int
 
-from eqllm.errors import EqllmError
 from eqllm.nn.attention import Attention
-from eqllm.nn.gated_deltanet import GatedDeltaNet
+from eqllm.nn.gated_deltanet import GatedDeltaNet, GatedDeltaNetState
 from eqllm.nn.kv_cache import KVCache
 from eqllm.nn.mla import LatentCache, MultiHeadLatentAttention
 from eqllm.nn.mlp import MLP, GatedMLP
@@ -101,20 +100,21 @@ class Block(eqx.Module):
         self,
         x: Float[Array, "seq d_model"],
         positions: Int[Array, " seq"],
-        cache: KVCache | LatentCache,
+        cache: KVCache | LatentCache | GatedDeltaNetState,
         local: Bool[Array, ""] | bool | None = None,
         rotate: Bool[Array, ""] | bool | None = None,
-    ) -> tuple[Float[Array, "seq d_model"], KVCache | LatentCache]:
-        """The block on a chunk of new positions, attending to `cache` (see Attention.cached).
+    ) -> tuple[Float[Array, "seq d_model"], KVCache | LatentCache | GatedDeltaNetState]:
+        """The block on a chunk of new positions, attending to `cache` (see Attention.cached);
+        a Gated DeltaNet layer continues its recurrent state instead (its `cache`), skipping
+        the chunk's left padding (negative positions).
 
         Experts are computed densely here: generation runs this under `jax.vmap`, which the
         grouped ("ragged") product does not support, and a decode step has one token anyway.
         """
         if isinstance(self.attn, GatedDeltaNet):
-            raise EqllmError(
-                "generation of hybrid linear-attention models is not supported yet; the "
-                "Gated DeltaNet layers carry no recurrent state in the KV cache"
-            )
+            h = _apply(self.attn_norm, x)
+            attended, cache = self.attn(h, cache, valid=positions >= 0)
+            return self._residual(x, attended, "dense")[0], cache
         attended, cache = self.attn.cached(
             _apply(self.attn_norm, x), positions, cache, local, rotate
         )
