@@ -319,7 +319,7 @@ FAMILIES = [
         "qwen3_5",
         _zoo("qwen3_5-nano", **_HYBRID),
         atol=1e-4,
-        generates=False,
+        cached_atol=3e-5,  # the chunked and token-by-token delta rules round differently
     ),
     # Qwen3.5's hybrid with 4 experts of 16 (renormalised top 2) and a gated shared expert of
     # 24 in every layer.
@@ -330,7 +330,7 @@ FAMILIES = [
         # The 397B-A17B's language model is 396.3B: its 397B counts the vision tower.
         published={"qwen3.5-35b-a3b": ("35", "3")},
         atol=1e-4,
-        generates=False,
+        cached_atol=3e-5,  # the chunked and token-by-token delta rules round differently
     ),
     # The same stack with the Gated DeltaNet's projections grouped by key head (in_proj_qkvz,
     # in_proj_ba).
@@ -340,7 +340,7 @@ FAMILIES = [
         lora=_HYBRID_LORA + ("in_proj_qkvz", "in_proj_ba"),
         published={"qwen3-next-80b-a3b": "80"},  # 3.87B active, named "A3B"
         atol=1e-4,
-        generates=False,
+        cached_atol=3e-5,  # the chunked and token-by-token delta rules round differently
     ),
     # Pre-norm Gated DeltaNet layers between post-norm attention layers with whole QK-norm, the
     # write strength up to 2, the gated norm's own epsilon; fewer key heads than value heads.
@@ -348,7 +348,7 @@ FAMILIES = [
         "olmo_hybrid",
         _zoo("olmo_hybrid-nano", n_layers=4, attention={"n_kv_heads": 2}, linear=_OLMO_LINEAR),
         atol=1e-4,
-        generates=False,
+        cached_atol=3e-5,  # the chunked and token-by-token delta rules round differently
         published={"olmo-hybrid-7b": "7"},
     ),
     # The 7B release's positions: none (rope_theta null), key heads as many as value heads.
@@ -362,7 +362,6 @@ FAMILIES = [
         ),
         variant=True,
         atol=1e-4,
-        cached_atol=3e-5,
     ),
 ]
 # tests/conftest.py records here the parametrised tests none of whose cases runs by default;
