@@ -28,6 +28,7 @@ RESEARCH = [
     "pythia-nano",
     "smollm3-nano",
     "qwen3_5-nano",
+    "llama4-nano",
 ]
 PUBLISHED = [
     "gpt2-small",
@@ -84,6 +85,7 @@ PUBLISHED = [
     "glm-4.5-air",
     "glm-4.6",
     "kimi-k2",
+    "llama4-scout",
 ]
 
 
@@ -107,6 +109,7 @@ NANOS = [
     "pythia-nano",
     "smollm3-nano",
     "qwen3_5-nano",
+    "llama4-nano",
 ]
 
 
