@@ -112,14 +112,15 @@ def greedy(models):
     "family", params(where=lambda t: t.config.attention.kind != "mla" and t.generates)
 )
 def test_each_layer_caches_its_window_or_the_whole_context(family):
-    """A windowed layer's cache is a ring of just its window; a global layer's holds LENGTH."""
+    """A windowed layer's cache is a ring of just its window (a chunked layer's, of one chunk);
+    a global layer's holds LENGTH."""
     config = TINY_CONFIGS[family]
     shapes = eqx.filter_eval_shape(eqllm.CausalLM, config, key=jax.random.key(0))
     cache = eqx.filter_eval_shape(lambda m: m.init_cache(LENGTH), shapes)
     assert len(cache) == config.n_layers
     attention = config.attention
     for layer_cache, local in zip(cache, config.local_layers(), strict=True):
-        slots = attention.sliding_window if local else LENGTH
+        slots = (attention.sliding_window or attention.chunk_size) if local else LENGTH
         assert layer_cache.k.shape == (slots, attention.n_kv_heads, config.head_dim)
 
 
