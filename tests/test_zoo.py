@@ -31,6 +31,7 @@ RESEARCH = [
     "qwen3_5_moe-nano",
     "qwen3_next-nano",
     "olmo_hybrid-nano",
+    "llama4-nano",
 ]
 PUBLISHED = [
     "gpt2-small",
@@ -90,6 +91,7 @@ PUBLISHED = [
     "qwen3.5-35b-a3b",
     "qwen3.5-397b-a17b",
     "qwen3-next-80b-a3b",
+    "llama4-scout",
 ]
 
 
@@ -116,6 +118,7 @@ NANOS = [
     "qwen3_5_moe-nano",
     "qwen3_next-nano",
     "olmo_hybrid-nano",
+    "llama4-nano",
 ]
 
 
