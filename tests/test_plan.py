@@ -103,6 +103,32 @@ def test_tpu_hlo_collectives_are_counted_once_each_with_their_loop_trips():
     assert found["all-reduce"].group == (0, 1, 2, 3)  # [2,4]<=[8]: the first of two groups
 
 
+# shard_map's collectives all carry channel_id=1 (here the expert dispatch's forward exchange
+# and its transpose in the backward pass); a continuation clone keeps its op's metadata too.
+SHARD_MAP_HLO = """
+%fwd_fusion (p: bf16[4,8,16]) -> bf16[4,8,16] {
+  %p = bf16[4,8,16]{2,1,0} parameter(0)
+  ROOT %a2a.9 = bf16[4,8,16]{2,1,0} all-to-all(%p), channel_id=1, replica_groups={{0,1,2,3}}, \
+dimensions={0}, metadata={op_name="jit(step)/jvp()/shard_map/all_to_all" stack_frame_id=7}
+}
+
+ENTRY %main (x: bf16[4,8,16]) -> bf16[4,8,16] {
+  %x = bf16[4,8,16]{2,1,0} parameter(0)
+  %a2a.1 = bf16[4,8,16]{2,1,0} all-to-all(%x), channel_id=1, replica_groups={{0,1,2,3}}, \
+dimensions={0}, metadata={op_name="jit(step)/jvp()/shard_map/all_to_all" stack_frame_id=7}
+  %c = bf16[4,8,16]{2,1,0} fusion(%a2a.1), kind=kCustom, calls=%fwd_fusion
+  ROOT %a2a.2 = bf16[4,8,16]{2,1,0} all-to-all(%c), channel_id=1, replica_groups={{0,1,2,3}}, \
+dimensions={0}, metadata={op_name="jit(step)/transpose(jvp())/shard_map/all_to_all" \
+stack_frame_id=7}
+}
+""".replace("\\\n", "")
+
+
+def test_shard_map_collectives_sharing_a_channel_are_counted_each():
+    _, per_step = count_collectives(SHARD_MAP_HLO)
+    assert per_step["all-to-all"] == 2  # forward and backward; the clone is the forward's
+
+
 def test_trip_count_reads_the_counters_start_and_step():
     hlo = TPU_HLO.replace("%step = s32[] constant(1)", "%step = s32[] constant(2)")
     hlo = hlo.replace("%zero = s32[] constant(0)\n  %z", "%zero = s32[] constant(2)\n  %z")
