@@ -373,14 +373,23 @@ def test_tpu_probe_is_quiet_and_tests_see_the_cpu():
 # At real size, on the recipes' own slices ------------------------------------------------------
 
 
+# DeepSeek-V3's dropless dispatch on its 512 chips is refused (202.61G of temporaries: the
+# all-to-all blocks hold fsdp x each chip's copies); with a capacity factor of 1.0 it fits with
+# 60% of HBM free (docs/moe.md, "At scale, compiled for TPU").
+CAPACITY = ['model.overrides.moe.impl="dispatch"', "model.overrides.moe.capacity_factor=1.0"]
+
+
 @pytest.mark.slow
 @needs_libtpu
-@pytest.mark.parametrize("name", ["llama3-8b", "mixtral-8x7b", "deepseek-v3"])
-def test_large_recipes_compile_and_fit_on_their_slices(name):
+@pytest.mark.parametrize(
+    "name, sets", [("llama3-8b", []), ("mixtral-8x7b", []), ("deepseek-v3", CAPACITY)]
+)
+def test_large_recipes_compile_and_fit_on_their_slices(name, sets):
     """A dense model, a mixture of experts and DeepSeek-V3 (latent attention, 256 experts) at
     their published sizes, compiled by the TPU compiler on the slice their [plan] names (minutes
-    each; DeepSeek-V3 on 512 chips the longest: docs/experiments/at_scale.md)."""
-    recipe = load_recipe(name)
+    each; DeepSeek-V3 on 512 chips the longest: docs/experiments/at_scale.md); the mixtures of
+    experts with the token dispatch, as "auto" chooses for the TPU."""
+    recipe = load_or_set(load_recipe(name), sets)
     tpu = parse_slice(recipe.plan.topology, recipe.plan.slices)
     plan = plan_recipe(recipe, tpu, plan_devices.slice_devices(tpu))
     assert plan.fits and plan.headroom >= 0.1, plan.to_dict()
