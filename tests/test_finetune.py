@@ -278,3 +278,25 @@ def test_a_lora_run_folder_records_its_adapters_and_an_older_one_reads_the_recip
     b, _ = older.load_model()
     tokens = jnp.arange(20) % 200
     np.testing.assert_array_equal(np.asarray(a(tokens)), np.asarray(b(tokens)))
+
+
+def test_init_from_takes_the_overrides_that_keep_its_weights(tmp_path):
+    """model.overrides apply to init_from's weights (DeepSeek-V3's and GLM's recipes set
+    moe.bias_update_speed there); an override that changes a weight's shape is refused."""
+    from eqllm.recipe import Recipe, RecipeError
+    from eqllm.train.setup import build_model
+
+    base = eqllm.zoo.create("llama-nano", n_layers=2, d_model=32, key=jax.random.key(0))
+    eqllm.hub.save_pretrained(base, tmp_path / "base")
+
+    def built(overrides):
+        model = {"variant": "llama-nano", "init_from": str(tmp_path / "base")}
+        recipe = {"model": {**model, "overrides": overrides}, "train": {"steps": 1}}
+        return build_model(Recipe.from_dict(recipe), 257)
+
+    model = built({"norms": {"eps": 1e-3}, "positions": {"theta": 5e4}})
+    assert (model.config.norms.eps, model.config.positions.theta) == (1e-3, 5e4)
+    for ours, theirs in zip(jax.tree.leaves(model), jax.tree.leaves(base), strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+    with pytest.raises(RecipeError, match=r"\['n_layers'\] change the shapes"):
+        built({"n_layers": 3})

@@ -19,7 +19,7 @@ import equinox as eqx
 import jax
 
 from eqllm import lora
-from eqllm.config import ModelConfig
+from eqllm.config import ConfigError, ModelConfig
 from eqllm.data.instruct import ChatFormat
 from eqllm.eval.evaluate import heldout_of, recipe_samples
 from eqllm.hub import from_pretrained
@@ -68,6 +68,7 @@ def _build_model(recipe: Recipe, tokenizer_vocab: int) -> tuple[CausalLM, dict |
             model, _ = RunFolder(init_from).load_model()
         else:
             model = from_pretrained(init_from)
+        model = with_overrides(recipe, model)
         model = model.with_config(compute_dtype=recipe.train.precision, remat=recipe.train.remat)
     else:
         cfg = recipe.model_config(vocab_size=tokenizer_vocab)
@@ -80,6 +81,27 @@ def _build_model(recipe: Recipe, tokenizer_vocab: int) -> tuple[CausalLM, dict |
         )
     model, experts = with_experts_impl(recipe, model)
     return with_adapters(recipe, model), experts
+
+
+def with_overrides(recipe: Recipe, model: CausalLM) -> CausalLM:
+    """`init_from`'s weights under the recipe's `model.overrides`: any setting that keeps every
+    weight's shape (a training setting such as moe.bias_update_speed, an execution setting, RoPE
+    scaling for a longer context); one that changes a shape is refused by name."""
+    overrides = dict(recipe.model.overrides)
+    if not overrides:
+        return model
+    try:
+        config = model.config.replace(**overrides)
+    except ConfigError as e:
+        raise RecipeError(f"model.overrides: {e}") from None
+    skeleton = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0))
+    shapes = [(x.shape, x.dtype) for x in jax.tree.leaves(skeleton)]
+    if shapes != [(x.shape, x.dtype) for x in jax.tree.leaves(model)]:
+        raise RecipeError(
+            f"model.overrides {sorted(overrides)} change the shapes of model.init_from's weights "
+            f"({recipe.model.init_from}); drop them, or train from scratch without init_from"
+        )
+    return jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(model))
 
 
 def with_experts_impl(recipe: Recipe, model: CausalLM) -> tuple[CausalLM, dict | None]:
