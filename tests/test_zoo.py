@@ -28,6 +28,7 @@ RESEARCH = [
     "pythia-nano",
     "smollm3-nano",
     "qwen3_5-nano",
+    "mamba2-nano",
 ]
 PUBLISHED = [
     "gpt2-small",
@@ -84,6 +85,12 @@ PUBLISHED = [
     "glm-4.5-air",
     "glm-4.6",
     "kimi-k2",
+    "mamba2-130m",
+    "mamba2-370m",
+    "mamba2-780m",
+    "mamba2-1.3b",
+    "mamba2-2.7b",
+    "mamba-codestral-7b",
 ]
 
 
@@ -107,6 +114,7 @@ NANOS = [
     "pythia-nano",
     "smollm3-nano",
     "qwen3_5-nano",
+    "mamba2-nano",
 ]
 
 
