@@ -99,6 +99,7 @@ def test_generation_refuses_by_name(model):
         Engine(model, max_batch=2, max_len=32)
 
 
+@pytest.mark.slow
 def test_a_hybrid_of_mamba2_and_attention_layers_runs_in_groups():
     """Mamba-2 layers with MLPs between attention layers: the groups scan, as Gated DeltaNet's
     hybrids do (Nemotron-H and Granite 4.0-H lay their layers out so)."""
