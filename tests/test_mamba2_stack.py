@@ -118,3 +118,29 @@ def test_a_hybrid_of_mamba2_and_attention_layers_runs_in_groups():
     np.testing.assert_allclose(unrolled, scanned, atol=1e-5, rtol=0)
     grads = eqx.filter_grad(lambda m: m(jnp.asarray(tokens)).mean())(hybrid)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize(
+    "written, limit",
+    [
+        ([0.0, {"__float__": "Infinity"}], None),  # transformers 5's own writing of infinity
+        ([0.0, "Infinity"], None),
+        ([0.0, float("inf")], None),
+        ([0.001, 100.0], 100.0),
+    ],
+)
+def test_time_step_limit_reads_as_config_json_writes_it(written, limit):
+    hf = {**eqllm.hub.to_hf_config(CONFIG), "time_step_limit": written}
+    cfg = eqllm.hub.from_hf_config(hf)
+    assert cfg.linear.dt_max == limit and cfg.linear.dt_min == written[0]
+    assert eqllm.hub.from_hf_config(eqllm.hub.to_hf_config(cfg)) == cfg
+
+
+def test_config_json_it_cannot_compute_is_refused():
+    hf = eqllm.hub.to_hf_config(CONFIG)
+    with pytest.raises(ConfigError, match="use_bias=True is not supported"):
+        eqllm.hub.from_hf_config({**hf, "use_bias": True})
+    with pytest.raises(ConfigError, match="must equal num_heads \\* head_dim"):
+        eqllm.hub.from_hf_config({**hf, "expand": 3})
+    with pytest.raises(ConfigError, match="no Hugging Face equivalent"):
+        eqllm.hub.to_hf_config(CONFIG.replace(linear={"n_value_heads": 6}))  # inner 48 = 1.5 x 32
