@@ -5,10 +5,20 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import eqllm
-from eqllm.sharding import MeshConfig, MeshError, batch_sharding, make_mesh, shard_model
+from eqllm.eval.loss import mean_loss
+from eqllm.sharding import (
+    MeshConfig,
+    MeshError,
+    batch_sharding,
+    make_mesh,
+    param_shardings,
+    shard_model,
+)
+from eqllm.train import TrainStep
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 
@@ -53,3 +63,23 @@ def test_tensor_must_split_whole_heads(model):
     narrow = CFG.replace(linear={"n_value_heads": 4, "value_head_dim": 32})
     with pytest.raises(MeshError, match="tensor=8 does not divide linear.n_value_heads=4"):
         shard_model(eqllm.CausalLM(narrow, key=jax.random.key(0)), mesh)
+
+
+def test_a_train_step_with_fsdp_gathers_equals_one_device():
+    """One SGD step (rate 1: the update is the gradient) on data x fsdp x tensor, the layers'
+    weights gathered one layer at a time inside the scan, against one device."""
+    model = eqllm.CausalLM(CFG, key=jax.random.key(0))  # its own: the step donates the weights
+    batch = jax.random.randint(jax.random.key(7), (8, 33), 0, CFG.vocab_size)
+    loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(mean_loss))(model, batch)
+    before = [np.asarray(a) for a in jax.tree.leaves(model)]  # the step donates what it gets
+    mesh = make_mesh(MeshConfig.parse("data=2,fsdp=2,tensor=2"))
+    sharded = shard_model(model, mesh)
+    step = TrainStep(optax.sgd(1.0), lambda _: 1.0, param_shardings=param_shardings(model, mesh))
+    new, _, metrics = step(
+        sharded,
+        optax.sgd(1.0).init(eqx.filter(sharded, eqx.is_inexact_array)),
+        jax.device_put(batch, batch_sharding(mesh)),
+    )
+    np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-6)
+    for a, b, g in zip(before, jax.tree.leaves(new), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a - np.asarray(b), g, atol=2e-6, rtol=1e-4)
