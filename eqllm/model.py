@@ -27,6 +27,7 @@ from eqllm.errors import EqllmError
 from eqllm.nn import (
     Block,
     Embedding,
+    GatedDeltaNetState,
     KVCache,
     LatentCache,
     LayerNorm,
@@ -37,6 +38,9 @@ from eqllm.nn import (
 from eqllm.parametrization import scales
 from eqllm.stack import REMAT_POLICIES as REMAT_POLICIES  # re-exported: the remat names
 from eqllm.stack import dtype_of, initial_parts, layer_flag, layer_flags, run_stacks
+
+# Cached inference, per layer: K and V (or latents) per position, or a fixed recurrent state.
+Cache = tuple[KVCache | LatentCache | GatedDeltaNetState, ...]
 
 # ModelConfig fields that change how the model runs, not what it computes.
 EXECUTION_FIELDS = (
@@ -209,12 +213,13 @@ class CausalLM(eqx.Module):
     # stacked arrays at every decode step, 3-4x slower than reading them in place (gpt2-small).
     # Compile time of cached inference therefore grows with depth; training is unaffected.
 
-    def init_cache(self, length: int) -> tuple[KVCache | LatentCache, ...]:
+    def init_cache(self, length: int) -> Cache:
         """An empty KV cache for one sequence of up to `length` positions, one per layer.
 
         Each layer's cache has `min(length, max_seq_len)` slots, `sliding_window` at most in a
         layer that attends through a window: a ring that holds just the window. Only the kv heads
-        are cached (grouped-query attention shares them), in the compute dtype.
+        are cached (grouped-query attention shares them), in the compute dtype. A hybrid's
+        linear-attention layer holds zeros of its fixed-size state (`GatedDeltaNet.init_state`).
         """
         cfg = self.config
         refuse_cached(cfg)
@@ -227,7 +232,18 @@ class CausalLM(eqx.Module):
         window, kv_heads = cfg.attention.sliding_window, cfg.attention.n_kv_heads
         local = KVCache.empty(min(full, window or full), kv_heads, cfg.head_dim, dtype)
         world = KVCache.empty(full, kv_heads, cfg.head_dim, dtype)
-        return tuple(local if w else world for w in cfg.local_layers())
+        caches = tuple(local if w else world for w in cfg.local_layers())
+        lin = cfg.linear
+        if lin is None:
+            return caches
+        conv_dim = 2 * lin.n_key_heads * lin.key_head_dim + lin.n_value_heads * lin.value_head_dim
+        state = GatedDeltaNetState(
+            jnp.zeros((lin.conv_kernel - 1, conv_dim), dtype),
+            jnp.zeros((lin.n_value_heads, lin.key_head_dim, lin.value_head_dim), jnp.float32),
+        )
+        return tuple(
+            state if k == "linear" else c for k, c in zip(cfg.layer_kinds(), caches, strict=True)
+        )
 
     def layers(self) -> tuple[Block, ...]:
         """The stacked blocks sliced apart, one Block per layer, in the compute dtype.
@@ -237,37 +253,49 @@ class CausalLM(eqx.Module):
         """
         refuse_cached(self.config)
         dtype = dtype_of(self.config.compute_dtype)
-        layers = []
-        for stack in (self.dense_blocks, self.blocks):
+
+        def sliced(stack):
             if stack is None:
-                continue
+                return []
             params, static = eqx.partition(stack, eqx.is_array)
             params = cast_floating(params, dtype)
             n = jax.tree.leaves(params)[0].shape[0]
-            layers += [
+            return [
                 eqx.combine(jax.tree.map(lambda a, i=i: a[i], params), static) for i in range(n)
             ]
-        return tuple(layers)
+
+        layers = sliced(self.dense_blocks) + sliced(self.blocks)
+        if self.linear_blocks is None:
+            return tuple(layers)
+        by_kind = {"full": iter(layers), "linear": iter(sliced(self.linear_blocks))}
+        return tuple(next(by_kind[k]) for k in self.config.layer_kinds())  # in layer order
 
     def without_stacks(self) -> CausalLM:
         """The model with its stacked blocks removed (None): what stays beside `layers()` when
         only the sliced layers are kept."""
         return eqx.tree_at(
-            lambda m: (m.dense_blocks, m.blocks), self, (None, None), is_leaf=lambda x: x is None
+            lambda m: (m.dense_blocks, m.blocks, m.linear_blocks),
+            self,
+            (None, None, None),
+            is_leaf=lambda x: x is None,
         )
 
     def with_layers(self, layers: Sequence[Block]) -> CausalLM:
         """The model with its stacks rebuilt from `layers` as `layers()` slices them (the dense
         prefix first): the inverse, for a call that needs the stacked form."""
         prefix = self.config.moe.dense_layers if self.config.moe is not None else 0
+        kinds = self.config.layer_kinds()[prefix:]
 
-        def stack(part):
+        def stack(kind):
+            part = [layer for layer, k in zip(layers[prefix:], kinds, strict=True) if k == kind]
             return jax.tree.map(lambda *a: jnp.stack(a), *part) if part else None
 
+        dense = layers[:prefix]
+        dense = jax.tree.map(lambda *a: jnp.stack(a), *dense) if dense else None
         return eqx.tree_at(
-            lambda m: (m.dense_blocks, m.blocks),
+            lambda m: (m.dense_blocks, m.blocks, m.linear_blocks),
             self,
-            (stack(layers[:prefix]), stack(layers[prefix:])),
+            (dense, stack("full"), stack("linear")),
             is_leaf=lambda x: x is None,
         )
 
@@ -276,10 +304,10 @@ class CausalLM(eqx.Module):
         self,
         tokens: Int[Array, " seq"],
         positions: Int[Array, " seq"],
-        cache: tuple[KVCache | LatentCache, ...],
+        cache: Cache,
         *,
         layers: tuple[Block, ...] | None = None,
-    ) -> tuple[Float[Array, " vocab"], tuple[KVCache | LatentCache, ...]]:
+    ) -> tuple[Float[Array, " vocab"], Cache]:
         """Write a chunk of a sequence into `cache`; the logits (fp32) after its last token.
 
         Arguments:
@@ -322,22 +350,22 @@ class CausalLM(eqx.Module):
         self,
         token: Int[Array, ""],
         position: Int[Array, ""],
-        cache: tuple[KVCache | LatentCache, ...],
+        cache: Cache,
         *,
         layers: tuple[Block, ...] | None = None,
-    ) -> tuple[Float[Array, " vocab"], tuple[KVCache | LatentCache, ...]]:
+    ) -> tuple[Float[Array, " vocab"], Cache]:
         """Feed one token at `position` after those in `cache`: `prefill` of a chunk of one."""
         return self.prefill(token[None], position[None], cache, layers=layers)
 
 
 def refuse_cached(config: ModelConfig) -> None:
-    """Raise for a model cached inference cannot run yet: a hybrid's linear-attention layers
-    have recurrent state, which the KV cache does not carry."""
-    if config.linear is not None:
+    """Raise for a model cached inference cannot run yet: Mamba-2 layers, whose SSM and
+    convolution state the cache does not carry (a Gated DeltaNet's it does)."""
+    if config.linear is not None and config.linear.kind == "mamba2":
         raise EqllmError(
-            f"generation of hybrid linear-attention models is not supported yet "
-            f"(family={config.family!r}, linear.kind={config.linear.kind!r}): the KV cache "
-            "carries no recurrent state; use the full forward, model(tokens), instead"
+            f"generation of Mamba-2 models is not supported yet (family={config.family!r}, "
+            "linear.kind='mamba2'): the cache carries no SSM state; use the full forward, "
+            "model(tokens), instead"
         )
 
 

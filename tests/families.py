@@ -31,6 +31,29 @@ def _zoo(name: str, **overrides) -> ModelConfig:
 
 
 _ROUTED_LORA = ("q_proj", "k_proj", "v_proj", "o_proj", "lm_head")  # transformers' routers
+# The hybrids' tiny stack: two groups of (Gated DeltaNet, gated attention), 2 key heads to 4
+# value heads, a tied head; their mixtures' experts and the modules peft adapts in them
+# (transformers' routers and fused experts are not nn.Linear).
+_HYBRID = {
+    "n_layers": 4,
+    "attention": {"n_kv_heads": 2, "head_dim": 16},
+    "linear": {
+        "full_every": 2,
+        "n_key_heads": 2,
+        "n_value_heads": 4,
+        "key_head_dim": 8,
+        "value_head_dim": 8,
+    },
+}
+_HYBRID_MOE = {"n_experts": 4, "experts_per_token": 2, "shared_d_ff": 24}
+_HYBRID_LORA = ("q_proj", "k_proj", "v_proj", "o_proj", "shared_expert_gate", "out_proj")
+_OLMO_LINEAR = {
+    "full_every": 2,
+    "n_key_heads": 2,
+    "n_value_heads": 4,
+    "key_head_dim": 8,
+    "value_head_dim": 8,
+}
 _MLA_LORA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "lm_head")
 
 FAMILIES = [
@@ -294,20 +317,51 @@ FAMILIES = [
     # Both sides' chunked delta rule in fp32 lie ~1e-5 from an fp64 reference, hence 1e-4.
     Tiny(
         "qwen3_5",
-        _zoo(
-            "qwen3_5-nano",
-            n_layers=4,
-            attention={"n_kv_heads": 2, "head_dim": 16},
-            linear={
-                "full_every": 2,
-                "n_key_heads": 2,
-                "n_value_heads": 4,
-                "key_head_dim": 8,
-                "value_head_dim": 8,
-            },
-        ),
+        _zoo("qwen3_5-nano", **_HYBRID),
         atol=1e-4,
-        generates=False,
+        cached_atol=3e-5,  # the chunked and token-by-token delta rules round differently
+    ),
+    # Qwen3.5's hybrid with 4 experts of 16 (renormalised top 2) and a gated shared expert of
+    # 24 in every layer.
+    Tiny(
+        "qwen3_5_moe",
+        _zoo("qwen3_5_moe-nano", **{**_HYBRID, "mlp.d_ff": 16}, moe=_HYBRID_MOE),
+        lora=_HYBRID_LORA + ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+        # The 397B-A17B's language model is 396.3B: its 397B counts the vision tower.
+        published={"qwen3.5-35b-a3b": ("35", "3")},
+        atol=1e-4,
+        cached_atol=3e-5,  # the chunked and token-by-token delta rules round differently
+    ),
+    # The same stack with the Gated DeltaNet's projections grouped by key head (in_proj_qkvz,
+    # in_proj_ba).
+    Tiny(
+        "qwen3_next",
+        _zoo("qwen3_next-nano", **_HYBRID, moe={**_HYBRID_MOE, "d_ff": 16}),
+        lora=_HYBRID_LORA + ("in_proj_qkvz", "in_proj_ba"),
+        published={"qwen3-next-80b-a3b": "80"},  # 3.87B active, named "A3B"
+        atol=1e-4,
+        cached_atol=3e-5,  # the chunked and token-by-token delta rules round differently
+    ),
+    # Pre-norm Gated DeltaNet layers between post-norm attention layers with whole QK-norm, the
+    # write strength up to 2, the gated norm's own epsilon; fewer key heads than value heads.
+    Tiny(
+        "olmo_hybrid",
+        _zoo("olmo_hybrid-nano", n_layers=4, attention={"n_kv_heads": 2}, linear=_OLMO_LINEAR),
+        atol=1e-4,
+        cached_atol=3e-5,  # the chunked and token-by-token delta rules round differently
+        published={"olmo-hybrid-7b": "7"},
+    ),
+    # The 7B release's positions: none (rope_theta null), key heads as many as value heads.
+    Tiny(
+        "olmo_hybrid-nope",
+        _zoo(
+            "olmo_hybrid-nano",
+            n_layers=4,
+            positions={"kind": "none"},
+            linear={**_OLMO_LINEAR, "n_value_heads": 2},
+        ),
+        variant=True,
+        atol=1e-4,
     ),
     # Mamba-2 layers alone (no attention, no MLP): 8 heads of 8 in 2 groups of B and C, a state
     # of 8, chunks of 16 (the test sequence padded to whole chunks, as transformers pads it).

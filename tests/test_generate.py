@@ -112,13 +112,19 @@ def greedy(models):
     "family", params(where=lambda t: t.config.attention.kind != "mla" and t.generates)
 )
 def test_each_layer_caches_its_window_or_the_whole_context(family):
-    """A windowed layer's cache is a ring of just its window; a global layer's holds LENGTH."""
+    """A windowed layer's cache is a ring of just its window; a global layer's holds LENGTH; a
+    hybrid's linear-attention layer holds its recurrent state, the same at any length."""
     config = TINY_CONFIGS[family]
     shapes = eqx.filter_eval_shape(eqllm.CausalLM, config, key=jax.random.key(0))
     cache = eqx.filter_eval_shape(lambda m: m.init_cache(LENGTH), shapes)
     assert len(cache) == config.n_layers
-    attention = config.attention
-    for layer_cache, local in zip(cache, config.local_layers(), strict=True):
+    attention, lin = config.attention, config.linear
+    kinds = config.layer_kinds()
+    for layer_cache, local, kind in zip(cache, config.local_layers(), kinds, strict=True):
+        if kind == "linear":
+            heads = (lin.n_value_heads, lin.key_head_dim, lin.value_head_dim)
+            assert layer_cache.recurrent.shape == heads
+            continue
         slots = attention.sliding_window if local else LENGTH
         assert layer_cache.k.shape == (slots, attention.n_kv_heads, config.head_dim)
 

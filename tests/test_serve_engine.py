@@ -17,6 +17,7 @@ from conftest import TINY_CONFIGS
 
 import eqllm
 from eqllm.generation import paged, sizing, steps
+from eqllm.generation.constrain import all_allowed
 from eqllm.generation.pages import BlockPool, block_hashes
 from eqllm.generation.settings import RowSettings
 from eqllm.serve import Engine, Finished, Params, PromptScores, QueueFull, ServeError, Token
@@ -405,6 +406,7 @@ def test_a_decode_step_holds_one_layers_views_at_a_time():
             np.full((slots, 8), -1, np.int32),
             RowSettings(slots).stacked(slots),
             np.asarray(False),
+            all_allowed(slots, cfg.vocab_size),
             slots=slots,
             steps=1,
             block_size=16,

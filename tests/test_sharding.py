@@ -16,7 +16,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # The 8-device suite in two halves, one subprocess each: with `-n 2` they run side by side, and
 # each half keeps its own time limit as the suite grows.
 _HALVES = {
-    "experts": ("test_dispatch_mesh.py", "test_moe_mesh.py", "test_deepseek_mesh.py"),
+    "experts": (
+        "test_dispatch_mesh.py",
+        "test_moe_mesh.py",
+        "test_deepseek_mesh.py",
+        "test_hybrid_mesh.py",
+    ),
     "rest": (
         "test_train_mesh.py",
         "test_pipeline_mesh.py",

@@ -28,6 +28,9 @@ RESEARCH = [
     "pythia-nano",
     "smollm3-nano",
     "qwen3_5-nano",
+    "qwen3_5_moe-nano",
+    "qwen3_next-nano",
+    "olmo_hybrid-nano",
     "mamba2-nano",
 ]
 PUBLISHED = [
@@ -85,6 +88,9 @@ PUBLISHED = [
     "glm-4.5-air",
     "glm-4.6",
     "kimi-k2",
+    "qwen3.5-35b-a3b",
+    "qwen3.5-397b-a17b",
+    "qwen3-next-80b-a3b",
     "mamba2-130m",
     "mamba2-370m",
     "mamba2-780m",
@@ -114,6 +120,9 @@ NANOS = [
     "pythia-nano",
     "smollm3-nano",
     "qwen3_5-nano",
+    "qwen3_5_moe-nano",
+    "qwen3_next-nano",
+    "olmo_hybrid-nano",
     "mamba2-nano",
 ]
 

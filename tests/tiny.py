@@ -77,8 +77,10 @@ class Tiny:
             total, or (total, active); each exact (an `int`) or in billions as the model card
             rounds them (a string, "46.7").
         atol: the tolerance of its logits against transformers' (fp32 both sides).
-        generates: cached generation runs it; False: it refuses with an EqllmError (a
-            hybrid's recurrent state is not in the cache yet).
+        cached_atol: the tolerance of cached decoding against the full forward (a hybrid's
+            chunked delta rule and the token-by-token one round differently, ~1e-5 apart).
+        generates: cached generation runs it (False: a model whose cache cannot carry its
+            state, refused with an EqllmError).
     """
 
     name: str
@@ -88,6 +90,7 @@ class Tiny:
     lora: tuple[str, ...] | None = None
     published: dict[str, Count | tuple[Count, Count]] = dataclasses.field(default_factory=dict)
     atol: float = 1e-5
+    cached_atol: float = 1e-5
     generates: bool = True
 
     @property

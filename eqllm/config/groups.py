@@ -26,7 +26,7 @@ from eqllm.config.validation import (
 NormKind = Literal["rmsnorm", "layernorm"]
 MLPKind = Literal["gelu", "swiglu", "geglu"]
 GeluForm = Literal["tanh", "exact"]
-PositionKind = Literal["learned", "rope"]
+PositionKind = Literal["learned", "rope", "none"]
 RopeScalingKind = Literal["linear", "llama3", "yarn", "longrope", "dynamic"]
 QKNorm = Literal["head", "whole"]
 AttentionKernel = Literal["auto", "xla", "cudnn"]
@@ -250,7 +250,8 @@ class PositionsConfig:
     rotated, Phi-3's partial_rotary_factor), `scaling` (None: plain RoPE) and `nope_every`
     (every nope_every-th layer, counting from 1, rotates nothing: a "NoPE" layer whose attention
     sees no positions, SmolLM3; None: every layer rotates); "learned": a trained table of
-    max_seq_len positions (GPT-2), which uses none of the RoPE settings.
+    max_seq_len positions (GPT-2), which uses none of the RoPE settings; "none": no position
+    information but the causal mask and the recurrent layers' order (OLMo hybrid's release).
     """
 
     PATH: ClassVar[str] = "ModelConfig.positions"

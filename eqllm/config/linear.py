@@ -32,7 +32,12 @@ class LinearAttentionConfig:
     sizes: `n_key_heads` query/key heads of `key_head_dim`, `n_value_heads` value heads of
     `value_head_dim` (a multiple of the key heads), a causal convolution `conv_kernel` wide over
     q, k and v; `chunk_size` tokens per chunk of the chunked form (how it runs, not what it
-    computes). The gated output norm uses `norms.eps`.
+    computes). The gated output norm uses `norm_eps` (None: `norms.eps`; OLMo hybrid fixes
+    1e-5 whatever its rms_norm_eps). `allow_neg_eigval`: the write strength is 2 * sigmoid(b),
+    in (0, 2), so the state's transition may have negative eigenvalues (OLMo hybrid).
+    `pre_norm`: these layers normalise their inputs (pre-norm, no output norms) whatever
+    `norms.pre` and `norms.post` say for the attention layers (OLMo hybrid: post-norm
+    attention layers, pre-norm Gated DeltaNet layers); False: every layer as `norms` says.
 
     Mamba-2 (`kind = "mamba2"`) reads the same sizes the way state-space duality pairs them:
     B and C are keys and queries shared by groups of heads (`n_key_heads` = n_groups,
@@ -53,6 +58,9 @@ class LinearAttentionConfig:
     conv_kernel: Positive = 4
     chunk_size: Positive = 64
     kind: LinearKind = "gated_deltanet"
+    norm_eps: PositiveFloat | None = None
+    allow_neg_eigval: bool = False
+    pre_norm: bool = False
     mlp: bool = True
     dt_min: float = 0.0
     dt_max: PositiveFloat | None = None

@@ -135,7 +135,8 @@ def render(
     continue_final_message: bool = False,
     **variables: Any,
 ) -> str:
-    """`messages` as text: `template` rendered with the special tokens as variables.
+    """`messages` as text: `template` rendered with the special tokens as variables (and any
+    `variables`, e.g. `tools`: function schemas, as transformers passes them).
 
     `continue_final_message` ends the text inside the last message (as transformers does: the
     message is tagged, rendered and cut at the tag), for a continuation to be scored.
@@ -145,10 +146,8 @@ def render(
         messages[-1]["content"] = messages[-1]["content"] + _CONTINUE_TAG
     text = compile_template(template).render(
         messages=messages,
-        tools=None,
-        documents=None,
         add_generation_prompt=add_generation_prompt,
-        **{**(special_tokens or {}), **variables},
+        **{"tools": None, "documents": None, **(special_tokens or {}), **variables},
     )
     if continue_final_message:
         if _CONTINUE_TAG.strip() not in text:

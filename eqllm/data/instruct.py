@@ -98,12 +98,13 @@ class ChatFormat:
     def __post_init__(self):
         self.template = template_or_default(self.template or self.tokenizer.chat_template)
 
-    def render(self, messages: Messages, *, add_generation_prompt: bool = False) -> str:
+    def render(self, messages: Messages, *, add_generation_prompt: bool = False, tools=None) -> str:
         return render(
             self.template,
             messages,
             special_tokens=self.tokenizer.special_tokens,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
         )
 
     def encode_text(self, text: str) -> list[int]:

@@ -32,6 +32,12 @@ class Row:
     gate_up_proj: gate 0, up 0, gate 1, ...). `transposed` marks matrices stored (in, out), as
     tensors used as x @ W are (gpt-oss's experts): the last two axes swapped. `depthwise` marks
     torch's depthwise Conv1d weight [channels, 1, kernel], held without its middle axis.
+    `parts` marks the one eqllm array stored as several tensors, concatenated along `axis`:
+    (part, path) pairs, each tensor named with `{part}` in `hf` replaced by its part and as
+    long along `axis` as the eqllm array at `path` (OLMo hybrid's q_conv1d, k_conv1d and
+    v_conv1d, as many channels as q_proj, k_proj and v_proj have rows). `heads`: the
+    ModelConfig path of a `per_head` row's head count (Qwen3-Next's Gated DeltaNet groups its
+    fused projections by key head: "linear.n_key_heads").
     """
 
     hf: str
@@ -42,6 +48,8 @@ class Row:
     interleaved: bool = False
     transposed: bool = False
     depthwise: bool = False
+    parts: tuple[tuple[str, str], ...] = ()
+    heads: str = "attention.n_heads"
 
     @property
     def layered(self) -> bool:
@@ -52,9 +60,10 @@ class Row:
         return "{j}" in self.hf
 
 
-def rows(*specs: tuple, axis: int = 0, per_head: bool = False, **layout: bool) -> tuple[Row, ...]:
+def rows(*specs: tuple, axis: int = 0, per_head: bool = False, **layout: Any) -> tuple[Row, ...]:
     """Rows from `(hf, eqllm_path_or_paths[, conv1d])` tuples, fused along `axis` (interleaved
-    per attention head if `per_head`); `layout`: `interleaved` and `transposed` (see `Row`)."""
+    per attention head if `per_head`); `layout`: `interleaved`, `transposed`, `depthwise`,
+    `parts` and `heads` (see `Row`)."""
     out = []
     for hf, eqllm, *conv1d in specs:
         paths = (eqllm,) if isinstance(eqllm, str) else tuple(eqllm)

@@ -13,6 +13,7 @@ from eqllm.families._moe import (
     has_experts,
     moe_from_hf,
     moe_to_hf,
+    shared_expert_rows,
 )
 from eqllm.families.base import (
     LLAMA_BLOCK,
@@ -25,15 +26,9 @@ from eqllm.families.base import (
     llama_to_hf,
     need,
     refuse,
-    rows,
 )
 
-SHARED_ROWS = rows(
-    ("model.layers.{i}.mlp.shared_expert.gate_proj.weight", "blocks.mlp.shared.gate.weight"),
-    ("model.layers.{i}.mlp.shared_expert.up_proj.weight", "blocks.mlp.shared.up.weight"),
-    ("model.layers.{i}.mlp.shared_expert.down_proj.weight", "blocks.mlp.shared.down.weight"),
-    ("model.layers.{i}.mlp.shared_expert_gate.weight", "blocks.mlp.shared_gate.weight"),
-)
+SHARED_ROWS = shared_expert_rows("model.layers.{i}.mlp")
 _EXPERTS = expert_rows("model.layers.{i}.mlp", "gate_proj", "up_proj", "down_proj")
 TABLE = MOE_ATTENTION_TABLE + _EXPERTS + SHARED_ROWS
 FUSED = MOE_ATTENTION_TABLE + FUSED_EXPERT_ROWS + SHARED_ROWS

@@ -6,6 +6,10 @@ side by side), a quarter of each head rotated, and QK-norm; every RMSNorm scales
 except the Gated DeltaNet's own gated output norm, which scales by w. Published checkpoints are
 vision-language models (`qwen3_5`, `Qwen3_5ForConditionalGeneration`): eqllm reads their
 language model (`text_config`, `model.language_model.*`) and leaves the vision tower out.
+
+The hybrid's key table and config translation (`hybrid_table`, `hybrid_to_hf`,
+`hybrid_from_hf`) take the MLP's rows and the Gated DeltaNet's projection rows as arguments:
+Qwen3.5-MoE and Qwen3-Next (`qwen3_5_moe`, `qwen3_next`) reuse them with their experts.
 """
 
 from typing import Any
@@ -25,18 +29,44 @@ from eqllm.families.base import (
 )
 
 
-def _table(body: str) -> tuple:
-    """The key table with the language model's tensors under `body` ("model." for
-    Qwen3_5ForCausalLM, "model.language_model." for the published vision-language files)."""
+def dense_mlp(layer: str, stack: str) -> tuple:
+    """The SwiGLU MLP rows of one stack's layers (`layer`: "model.layers.{i}.")."""
+    return rows(
+        *(
+            (f"{layer}mlp.{p}_proj.weight", f"{stack}.mlp.{p}.weight")
+            for p in ("gate", "up", "down")
+        )
+    )
+
+
+def gdn_projections(gdn: str) -> tuple:
+    """Qwen3.5's Gated DeltaNet input projections (`gdn`: "model.layers.{i}.linear_attn."):
+    q, k and v fused in that order, then z, b and a on their own."""
+    ours = "linear_blocks.attn."
+    return (
+        *rows(
+            (f"{gdn}in_proj_z.weight", f"{ours}z_proj.weight"),
+            (f"{gdn}in_proj_b.weight", f"{ours}b_proj.weight"),
+            (f"{gdn}in_proj_a.weight", f"{ours}a_proj.weight"),
+        ),
+        *rows((f"{gdn}in_proj_qkv.weight", tuple(f"{ours}{p}_proj.weight" for p in "qkv"))),
+    )
+
+
+def hybrid_table(body: str, mlp=dense_mlp, projections=gdn_projections) -> tuple:
+    """The key table of a Qwen3.5-style hybrid with the language model's tensors under `body`
+    ("model." for *ForCausalLM, "model.language_model." for the published vision-language
+    files). `mlp(layer, stack)`: the MLP's rows of a stack ("blocks" or "linear_blocks");
+    `projections(gdn)`: the Gated DeltaNet's input projection rows (Qwen3.5's or Qwen3-Next's)."""
     layer = body + "layers.{i}."
-    both = [
-        (f"{layer}input_layernorm.weight", "attn_norm.weight"),
-        (f"{layer}post_attention_layernorm.weight", "mlp_norm.weight"),
-        (f"{layer}mlp.gate_proj.weight", "mlp.gate.weight"),
-        (f"{layer}mlp.up_proj.weight", "mlp.up.weight"),
-        (f"{layer}mlp.down_proj.weight", "mlp.down.weight"),
-    ]
-    full = [(hf, f"blocks.{p}") for hf, p in both] + [
+
+    def norms(stack: str) -> list[tuple[str, str]]:
+        return [
+            (f"{layer}input_layernorm.weight", f"{stack}.attn_norm.weight"),
+            (f"{layer}post_attention_layernorm.weight", f"{stack}.mlp_norm.weight"),
+        ]
+
+    full = [
         (f"{layer}self_attn.k_proj.weight", "blocks.attn.k_proj.weight"),
         (f"{layer}self_attn.v_proj.weight", "blocks.attn.v_proj.weight"),
         (f"{layer}self_attn.o_proj.weight", "blocks.attn.o_proj.weight"),
@@ -44,17 +74,17 @@ def _table(body: str) -> tuple:
         (f"{layer}self_attn.k_norm.weight", "blocks.attn.k_norm.weight"),
     ]
     gdn = f"{layer}linear_attn."
-    linear = [(hf, f"linear_blocks.{p}") for hf, p in both] + [
-        (f"{gdn}in_proj_z.weight", "linear_blocks.attn.z_proj.weight"),
-        (f"{gdn}in_proj_b.weight", "linear_blocks.attn.b_proj.weight"),
-        (f"{gdn}in_proj_a.weight", "linear_blocks.attn.a_proj.weight"),
+    linear = [
         (f"{gdn}out_proj.weight", "linear_blocks.attn.out_proj.weight"),
         (f"{gdn}dt_bias", "linear_blocks.attn.dt_bias"),
         (f"{gdn}A_log", "linear_blocks.attn.A_log"),
         (f"{gdn}norm.weight", "linear_blocks.attn.norm.weight"),
     ]
     return (
-        *rows((f"{body}embed_tokens.weight", "embed.weight"), *full, *linear),
+        *rows((f"{body}embed_tokens.weight", "embed.weight"), *norms("blocks"), *full),
+        *rows(*norms("linear_blocks"), *linear),
+        *mlp(layer, "blocks"),
+        *mlp(layer, "linear_blocks"),
         # Each head's query, then its gate: q_proj's rows viewed as [heads, 2, head_dim].
         *rows(
             (
@@ -63,28 +93,26 @@ def _table(body: str) -> tuple:
             ),
             per_head=True,
         ),
-        *rows(
-            (
-                f"{gdn}in_proj_qkv.weight",
-                tuple(f"linear_blocks.attn.{p}_proj.weight" for p in "qkv"),
-            )
-        ),
+        *projections(gdn),
         *rows((f"{gdn}conv1d.weight", "linear_blocks.attn.conv_weight"), depthwise=True),
         *rows((f"{body}norm.weight", "final_norm.weight"), ("lm_head.weight", "lm_head.weight")),
     )
 
 
-TABLE = _table(LLAMA_PREFIX)
-VISION_LANGUAGE_TABLE = _table("model.language_model.")
+TABLE = hybrid_table(LLAMA_PREFIX)
+VISION_LANGUAGE_TABLE = hybrid_table("model.language_model.")
 
 
 def _layer_types(cfg: ModelConfig) -> list[str]:
     return [f"{kind}_attention" for kind in cfg.layer_kinds()]
 
 
-def to_hf(cfg: ModelConfig) -> dict[str, Any]:
+def hybrid_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The config.json fields of a Qwen3.5-style hybrid: Llama's, without the MLP size, the
+    layer pattern, the Gated DeltaNet's sizes and partial rotary in `rope_parameters`."""
     lin = cfg.linear
-    hf = {k: v for k, v in llama_to_hf(cfg).items() if k not in ("rope_theta", "rope_scaling")}
+    drop = ("rope_theta", "rope_scaling", "intermediate_size")
+    hf = {k: v for k, v in llama_to_hf(cfg).items() if k not in drop}
     return {
         **hf,
         "hidden_act": "silu",
@@ -103,16 +131,24 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
+def to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return {**hybrid_to_hf(cfg), "intermediate_size": cfg.mlp.d_ff}
+
+
 # Keys of the published files that transformers' Qwen3_5TextConfig does not read, accepted at
 # the values with which both compute this model: the attention's output gate (always on in
 # transformers), the recurrent state's dtype (eqllm keeps it in fp32) and no MLP-only layers.
-_PUBLISHED = {"attn_output_gate": True, "mamba_ssm_dtype": "float32", "mlp_only_layers": []}
+PUBLISHED = {"attn_output_gate": True, "mamba_ssm_dtype": "float32", "mlp_only_layers": []}
 
 
-def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+def hybrid_from_hf(hf: dict[str, Any], published: dict[str, Any] = PUBLISHED) -> dict[str, Any]:
+    """ModelConfig settings of a Qwen3.5-style hybrid's config.json: Llama's (the MLP size
+    from `intermediate_size`), the layer pattern, partial rotary and the Gated DeltaNet's sizes
+    (transformers' defaults where a file leaves them out). `published`: keys transformers
+    does not read, accepted only at the value with which both compute the same model."""
     refuse(hf, "hidden_act", ("silu",))
     refuse(hf, "attention_bias", (False,))
-    for key, plain in _PUBLISHED.items():
+    for key, plain in published.items():
         refuse(hf, key, (plain,))
     n_layers = need(hf, "num_hidden_layers")
     every = hf.get("full_attention_interval", 4)
@@ -154,42 +190,52 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# What every Qwen3.5-style hybrid fixes: gated attention with QK-norm, (1 + w) norms.
+HYBRID_FIXED = {
+    **{k: v for k, v in LLAMA_BLOCK.items() if k not in ("positions.fraction", "linear")},
+    "linear.kind": "gated_deltanet",
+    "linear.norm_eps": None,  # the gated norm uses rms_norm_eps
+    "linear.allow_neg_eigval": False,
+    "linear.pre_norm": False,
+    "norms.plus_one": True,
+    "attention.qk_norm": "head",
+    "attention.output_gate": True,
+    "attention.qkv_bias": False,
+    "attention.out_bias": False,
+    "attention.sliding_window": None,
+    "mlp.bias": False,
+}
+# The config.json keys every Qwen3.5-style hybrid reads (besides Llama's).
+HYBRID_KEYS = LLAMA_KEYS | {
+    "attention_bias",
+    "layer_types",
+    "full_attention_interval",
+    "partial_rotary_factor",
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "mtp_num_hidden_layers",
+    "mtp_use_dedicated_embeddings",
+}
+# Tensors of the published files that are not the language model: multi-token prediction
+# layers and the vision tower.
+IGNORED = r"^(mtp\.|model\.visual\.)"
+
+
 FAMILY = Family(
     name="qwen3_5",
     released="2026-02",
     architecture="Qwen3_5ForCausalLM",
     model_type="qwen3_5_text",
-    fixed={
-        **{k: v for k, v in LLAMA_BLOCK.items() if k not in ("positions.fraction", "linear")},
-        "linear.kind": "gated_deltanet",
-        "norms.plus_one": True,
-        "attention.qk_norm": "head",
-        "attention.output_gate": True,
-        "attention.qkv_bias": False,
-        "attention.out_bias": False,
-        "attention.sliding_window": None,
-        "mlp.bias": False,
-    },
+    fixed=HYBRID_FIXED,
     table=TABLE,
     layouts=(VISION_LANGUAGE_TABLE,),
     prefix=LLAMA_PREFIX,
-    hf_keys=LLAMA_KEYS
-    | set(_PUBLISHED)
-    | {
-        "attention_bias",
-        "layer_types",
-        "full_attention_interval",
-        "partial_rotary_factor",
-        "linear_conv_kernel_dim",
-        "linear_key_head_dim",
-        "linear_value_head_dim",
-        "linear_num_key_heads",
-        "linear_num_value_heads",
-        "mtp_num_hidden_layers",
-        "mtp_use_dedicated_embeddings",
-    },
+    hf_keys=HYBRID_KEYS | set(PUBLISHED),
     to_hf=to_hf,
-    from_hf=from_hf,
+    from_hf=hybrid_from_hf,
     wrapper="qwen3_5",
-    ignored=r"^(mtp\.|model\.visual\.)",
+    ignored=IGNORED,
 )

@@ -14,6 +14,7 @@ from eqllm.families._moe import (
     has_experts,
     moe_from_hf,
     moe_to_hf,
+    sparse_everywhere,
 )
 from eqllm.families.base import (
     LLAMA_BLOCK,
@@ -65,31 +66,11 @@ def _n_experts(hf: dict[str, Any]) -> int:
     return next(iter(spellings.values()))
 
 
-def _sparse_everywhere(hf: dict[str, Any]) -> None:
-    """Refuse a config.json that gives some layers a dense MLP: eqllm's stacked blocks have one
-    MLP kind for all layers. transformers puts experts in layer i when i is not in
-    `mlp_only_layers` and (i + 1) % decoder_sparse_step == 0."""
-    n_layers = need(hf, "num_hidden_layers")
-    step = hf.get("decoder_sparse_step")
-    if step not in (1, None):
-        dense = [i for i in range(n_layers) if (i + 1) % step != 0] if step > 0 else "every"
-        raise ConfigError(
-            f"config.json decoder_sparse_step={step} gives layers {dense} a dense MLP; eqllm's "
-            "Qwen3-MoE has experts in every layer (decoder_sparse_step=1)"
-        )
-    only = [i for i in hf.get("mlp_only_layers") or () if 0 <= i < n_layers]
-    if only:
-        raise ConfigError(
-            f"config.json mlp_only_layers={list(hf['mlp_only_layers'])} gives layers {only} a "
-            "dense MLP; eqllm's Qwen3-MoE has experts in every layer (mlp_only_layers=[])"
-        )
-
-
 def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     refuse(hf, "hidden_act", ("silu",))
     refuse(hf, "use_sliding_window", (False, None))
     full_attention_only(hf, "Qwen3-MoE")
-    _sparse_everywhere(hf)
+    sparse_everywhere(hf, "Qwen3-MoE")
     return {
         **llama_from_hf(hf),
         **moe_from_hf(hf, _DEFAULTS),

@@ -44,7 +44,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from eqllm.generation.paged import bytes_per_token
+from eqllm.generation.constrain import refuse_speculation
+from eqllm.generation.paged import bytes_per_token, state_bytes
 from eqllm.generation.pages import BlockPool
 from eqllm.generation.placement import check_mesh
 from eqllm.generation.requests import Params, Request, ServeError, check_request
@@ -54,7 +55,7 @@ from eqllm.generation.sizing import MIN_CHUNK, Buckets, pool_blocks, round_up
 from eqllm.generation.speculator import Speculator, check_speculation
 from eqllm.generation.steps import NO_TOKEN
 from eqllm.hostmem import release_free_memory
-from eqllm.model import CausalLM, refuse_cached
+from eqllm.model import CausalLM
 
 
 class Engine:
@@ -74,7 +75,7 @@ class Engine:
         kv_blocks: blocks in the cache pool (None: as many as `kv_memory` holds, at most enough
             for every slot at `max_len`).
         kv_memory: the cache's budget in bytes (None: `sizing.default_kv_memory()`).
-        prefix_cache: reuse the cached blocks of equal prompt prefixes.
+        prefix_cache: reuse the cached blocks of equal prompt prefixes (not for a hybrid).
         decode_steps: tokens a decode call runs on device while no prompt waits to be prefilled
             (1: a new request joins after at most one token of the others).
         view_lengths: the cache positions a step may read, as buckets (None: 128, 512, 2048, ...
@@ -106,7 +107,7 @@ class Engine:
         draft: CausalLM | None = None,
     ):
         cfg = model.config
-        refuse_cached(cfg)  # a hybrid's recurrent state has no place in the paged cache yet
+        prefix_cache = prefix_cache and cfg.linear is None  # see eqllm.generation.recurrent
         max_len = cfg.max_seq_len if max_len is None else max_len
         if not 1 <= max_batch <= 4096:
             raise ServeError(f"max_batch={max_batch} must be between 1 and 4096")
@@ -140,6 +141,7 @@ class Engine:
             max_batch=max_batch,
             max_len=max_len,
             mesh=mesh,
+            slot_bytes=state_bytes(model),
         )
         self.kv_bytes = self.kv_blocks * block_size * bytes_per_token(model)
         # Slots split over `data` replicas always run whole, so that each replica keeps its share.
@@ -212,13 +214,12 @@ class Engine:
         """Raise ServeError (GenerationError for sampling values) for a request that cannot run."""
         check_request(prompt, params, vocab=self.config.vocab_size, max_len=self.max_len)
 
-    def submit(
-        self, prompt: Sequence[int] | np.ndarray, params: Params, sink, *, key=None
-    ) -> Request:
+    def submit(self, prompt, params: Params, sink, *, key=None, constraint=None) -> Request:
         """Queue a request (checked first); QueueFull when `max_queue` requests already wait.
-        `key` (a PRNG key) overrides the params' seed."""
+        `key` (a PRNG key) overrides the params' seed; `constraint` masks its tokens."""
         self.check(prompt, params)
-        request = Request(prompt, params, sink)
+        refuse_speculation(constraint, self.speculator)
+        request = Request(prompt, params, sink, constraint)
         if key is None:
             key = jax.random.key(secrets.randbits(63) if params.seed is None else params.seed)
         request.key = key
@@ -362,7 +363,7 @@ class Engine:
         if self.speculator is not None:
             return self.speculator.decode(self.scheduler, ready, self.buckets)
         waiting = self.scheduler.waiting or any(r is not None and not r.decoding for r in held)
-        steps = 1 if waiting else self.decode_steps
+        steps = 1 if waiting or any(r.constraint for r in ready) else self.decode_steps
         if max(r.cursor for r in ready) + steps > self.max_pages * self.block_size:
             steps = 1
         for request in sorted(ready, key=lambda r: r.admitted):

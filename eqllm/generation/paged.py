@@ -15,6 +15,9 @@ p is at p % (m x block_size), the convention of a ring cache. A global layer's v
 block up to the step's last position (m = the step's pages); a sliding-window layer's only the
 blocks its window can reach from the step's positions, so decoding reads the window, not the
 sequence.
+
+A hybrid's linear-attention layer has no pool: its entry of the cache is the recurrent state of
+the call's rows (`eqllm.generation.recurrent`), which the layer continues and `forward` returns.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from jaxtyping import Array, Float, Int
 
 from eqllm.config import ModelConfig
 from eqllm.model import CausalLM
-from eqllm.nn import KVCache, LatentCache
+from eqllm.nn import GatedDeltaNetState, KVCache, LatentCache
 
 
 class Pool(eqx.Module):
@@ -72,7 +75,19 @@ def bytes_per_token(model: CausalLM) -> int:
     return sum(
         math.prod(getattr(c, name).shape[1:]) * getattr(c, name).dtype.itemsize
         for c in model.init_cache(1)
+        if not isinstance(c, GatedDeltaNetState)  # a fixed size per sequence, not per token
         for name in data_fields(type(c))
+    )
+
+
+def state_bytes(model: CausalLM) -> int:
+    """Bytes of recurrent state one sequence holds in all of the model's linear-attention
+    layers, whatever its length (0 without any)."""
+    return sum(
+        math.prod(a.shape) * a.dtype.itemsize
+        for c in model.init_cache(1)
+        if isinstance(c, GatedDeltaNetState)
+        for a in jax.tree.leaves(c)
     )
 
 
@@ -138,13 +153,13 @@ def _write(
 
 def forward(
     fixed,
-    cache: tuple[Pool, ...],
+    cache: tuple[Pool | GatedDeltaNetState, ...],
     pages: Int[Array, "rows pages"],
     tokens: Int[Array, "rows new"],
     positions: Int[Array, "rows new"],
     start: Int[Array, " rows"],
     block_size: int,
-) -> tuple[Float[Array, "rows vocab"], tuple[Pool, ...]]:
+) -> tuple[Float[Array, "rows vocab"], tuple[Pool | GatedDeltaNetState, ...]]:
     """`forward_hidden`, and the logits after each row's last position."""
     x, written = forward_hidden(fixed, cache, pages, tokens, positions, start, block_size)
     return jax.vmap(fixed[0].next_logits)(x), written
@@ -152,13 +167,13 @@ def forward(
 
 def forward_hidden(
     fixed,
-    cache: tuple[Pool, ...],
+    cache: tuple[Pool | GatedDeltaNetState, ...],
     pages: Int[Array, "rows pages"],
     tokens: Int[Array, "rows new"],
     positions: Int[Array, "rows new"],
     start: Int[Array, " rows"],
     block_size: int,
-) -> tuple[Float[Array, "rows new d_model"], tuple[Pool, ...]]:
+) -> tuple[Float[Array, "rows new d_model"], tuple[Pool | GatedDeltaNetState, ...]]:
     """The model's own cached forward on each row's new positions (negative: padding), one
     layer at a time: a layer's views are gathered from its pool right before it runs, and the
     positions it computed written back right after; the last layer's output at every position
@@ -180,6 +195,11 @@ def forward_hidden(
     written = []
     calls = model.cached_calls(layers)
     for call, pool, window in zip(calls, cache, windows(model.config), strict=True):
+        if isinstance(pool, GatedDeltaNetState):  # the rows' recurrent state, continued
+            x, state = jax.vmap(call)(x, positions, pool)
+            after = jnp.minimum(jnp.min(jnp.argmax(x[:, -1, :2], axis=-1)), 0).astype(jnp.int32)
+            written.append(state)
+            continue
         blocks = view_blocks(window, n_pages, new, block_size)
         view = _view(pool, pages, start, end, blocks, block_size, after)
         x, view = jax.vmap(call)(x, positions, view)

@@ -17,6 +17,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eqllm.config import ModelConfig
+from eqllm.generation.recurrent import is_state
 from eqllm.sharding import MeshConfig, MeshError, check_divisible, make_mesh, param_shardings
 
 
@@ -66,15 +67,14 @@ def place_weights(model, layers: tuple, mesh: Mesh):
     def sliced(stack):  # one layer's shardings: the stack's, less the `layers` axis
         return jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(*s.spec[1:])), stack)
 
-    per_layer = [
-        sliced(where)
-        for stack, where in (
-            (model.dense_blocks, shardings.dense_blocks),
-            (model.blocks, shardings.blocks),
-        )
-        if stack is not None
-        for _ in range(jax.tree.leaves(stack)[0].shape[0])
-    ]
+    dense = 0 if model.dense_blocks is None else jax.tree.leaves(model.dense_blocks)[0].shape[0]
+    kinds = ["dense"] * dense + list(model.config.layer_kinds()[dense:])  # as layers() orders
+    stacks = {
+        "dense": shardings.dense_blocks,
+        "full": shardings.blocks,
+        "linear": shardings.linear_blocks,
+    }
+    per_layer = [sliced(stacks[kind]) for kind in kinds]
     layers = tuple(
         jax.tree.map(jax.device_put, layer, where)
         for layer, where in zip(layers, per_layer, strict=True)
@@ -89,6 +89,10 @@ def state_shardings(state, mesh: Mesh):
     `tensor` by kv head (latents, without a head axis, over `data` only)."""
     by_row = NamedSharding(mesh, PartitionSpec("data"))
     by_head = NamedSharding(mesh, PartitionSpec("data", "tensor"))
-    cache = jax.tree.map(lambda a: by_head if a.ndim == 3 else by_row, state.cache)
+    pools = [c for c in state.cache if not is_state(c)]  # recurrent states: by slot alone
+    pools = jax.tree.map(lambda a: by_head if a.ndim == 3 else by_row, pools)
+    cache = tuple(
+        jax.tree.map(lambda a: by_row, c) if is_state(c) else pools.pop(0) for c in state.cache
+    )
     rest = jax.tree.map(lambda a: by_row, eqx.tree_at(lambda s: s.cache, state, ()))
     return eqx.tree_at(lambda s: s.cache, rest, cache)

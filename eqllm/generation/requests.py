@@ -72,15 +72,21 @@ class Request:
     order; `hashes`: those of its full blocks registered for reuse). `cursor` counts the
     positions of `sequence()` already in the cache: the prompt, then every output token but the
     last (sampled, not fed yet). A preempted request gives its blocks back and, readmitted,
-    computes its prompt and output again from the cache or from scratch.
+    computes its prompt and output again from the cache or from scratch. `constraint` (None:
+    none) masks the tokens it may sample (`eqllm.generation.constrain.Constraint`).
     """
 
     def __init__(
-        self, prompt: Sequence[int] | np.ndarray, params: Params, sink: Callable[[object], None]
+        self,
+        prompt: Sequence[int] | np.ndarray,
+        params: Params,
+        sink: Callable[[object], None],
+        constraint=None,
     ):
         self.prompt = np.asarray(prompt, np.int32)
         self.params = params
         self.sink = sink
+        self.constraint = constraint
         self.cancelled = False
         self.slot: int | None = None
         self.key = None  # its PRNG key, set by the engine

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from eqllm.generation.constrain import all_allowed
 from eqllm.generation.placement import state_shardings
 from eqllm.generation.requests import PromptScores, Request
 from eqllm.generation.sampling import Sampling, sampling
@@ -72,6 +73,7 @@ class Runner:
         seen = np.zeros((rows, self.vocab), bool)
         keys = [jax.random.key(0)] * rows
         settings = RowSettings(rows)
+        allowed = all_allowed(rows, self.vocab)
         for i, (request, n) in enumerate(chunks):
             p, start = request.params, request.cursor
             sequence = request.sequence()
@@ -84,13 +86,15 @@ class Runner:
             if first[i]:
                 seen[i, sequence[:start]] = True
             step[i] = request.produced
+            if last[i] and request.constraint is not None:
+                request.constraint.fill(allowed[i])
             keys[i] = request.key
             settings.set(
                 i, sampling(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty)
             )
         top = any(r.params.logprobs for r, _ in chunks)
         args = (slots, table, tokens, positions, first, last, jnp.stack(keys), step, seen)
-        args = (*args, settings.stacked(), np.asarray(top))
+        args = (*args, settings.stacked(), np.asarray(top), allowed)
         self.state, out = self.steps["prefill"](self.state, *args, block_size=self.block_size)
         if self.draft is not None:  # the draft's pools hold every position the target's do
             self.draft.state, _ = self.draft.steps["prefill"](
@@ -125,12 +129,15 @@ class Runner:
         slots = len(active)
         table = np.zeros((slots, pages), np.int32)
         remaining = np.zeros(slots, np.int32)
+        allowed = all_allowed(slots, self.vocab)
         top = False
         for row in np.flatnonzero(active):
             request = requests[row]
             table[row, : min(len(request.blocks), pages)] = request.blocks[:pages]
             remaining[row] = request.params.max_tokens - request.produced
             top |= request.params.logprobs
+            if request.constraint is not None:
+                request.constraint.fill(allowed[row])
         self.state, out = self.steps["decode"](
             self.state,
             table,
@@ -139,6 +146,7 @@ class Runner:
             stops,
             settings,
             np.asarray(top),
+            allowed,
             slots=slots,
             steps=steps,
             block_size=self.block_size,

@@ -100,9 +100,11 @@ class Scheduler:
     def emit(self, request: Request, token: int, logprob: float, top) -> None:
         """Send the request its next token; finish it if that was its last."""
         request.output.append(token)
+        if request.constraint is not None:
+            request.constraint.accept(token)
         request.sink(Token(token, logprob, top if request.params.logprobs else ()))
         p = request.params
-        if token in p.stop_tokens:
+        if token in p.stop_tokens or (request.constraint and request.constraint.finished):
             self.finish(request, "stop")
         elif request.produced >= p.max_tokens or len(request.prompt) + request.produced > (
             self.max_len

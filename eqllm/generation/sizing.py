@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import Mesh
 
+from eqllm.generation.paged import bytes_per_token, state_bytes
 from eqllm.generation.requests import ServeError
 
 MIN_CHUNK = 16  # the narrowest prefill chunk (and prompt bucket)
@@ -126,6 +127,15 @@ class Buckets:
         )
 
 
+def request_bytes(model, length: int, block_size: int = 16) -> int:
+    """Cache bytes one request of `length` positions holds in an engine: its blocks of every
+    attention layer's pool (whole blocks of `block_size`) and, in a hybrid, its slot's
+    recurrent state, which does not grow with the length. `model` may be a shape-only skeleton
+    (`eqx.filter_eval_shape(CausalLM, config, key=...)`): only its config is read."""
+    blocks = -(-length // block_size)
+    return blocks * block_size * bytes_per_token(model) + state_bytes(model)
+
+
 def free_memory(device=None) -> tuple[int, bool]:
     """(bytes free on `device`, whether it is an accelerator): the allocator's limit less what
     it holds on a GPU or TPU; the kernel's MemAvailable on a CPU."""
@@ -159,16 +169,19 @@ def pool_blocks(
     max_batch: int,
     max_len: int,
     mesh: Mesh | None,
+    slot_bytes: int = 0,
 ) -> int:
     """Blocks in the pool: `blocks`, or as many as the budget `memory` holds (None:
-    `default_kv_memory()`; never more than every slot at full length needs), split evenly over
-    the data replicas; refused when one request at `max_len` would not fit."""
+    `default_kv_memory()`; never more than every slot at full length needs) after every slot's
+    fixed-size state (`slot_bytes` each: a hybrid's recurrent state), split evenly over the
+    data replicas; refused when one request at `max_len` would not fit."""
     max_pages = -(-max_len // block_size)
     data = 1 if mesh is None else mesh.shape["data"]
     if blocks is None:
         budget = default_kv_memory() if memory is None else memory
         if mesh is not None:  # each device holds its share of the pool
             budget *= mesh.size
+        budget = max(budget - max_batch * slot_bytes, 0)
         blocks = min(budget // block_bytes, max_batch * max_pages)
         if blocks < max_pages:
             raise ServeError(

@@ -11,13 +11,14 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from eqllm.generation.recurrent import refuse_speculation
 from eqllm.generation.requests import Request, ServeError
 from eqllm.generation.runner import Runner, top_alternatives
 from eqllm.generation.scheduler import Scheduler
 from eqllm.generation.sizing import Buckets, round_up
 from eqllm.generation.speculate import jitted, propose, verify
 from eqllm.generation.steps import NO_TOKEN, TRACES
-from eqllm.model import CausalLM, refuse_cached
+from eqllm.model import CausalLM
 
 NGRAM = (3, 2, 1)  # the suffix lengths prompt lookup tries, longest first
 MAX_SPECULATE = 16
@@ -200,6 +201,7 @@ def check_speculation(
         raise ServeError(
             f"speculate={k!r} must be an integer from 1 to {MAX_SPECULATE} (None: off)"
         )
+    refuse_speculation(model, "target")
     if mesh is not None:
         raise ServeError("speculative decoding runs on one device; leave out the mesh or speculate")
     if decode_steps != 1:
@@ -211,7 +213,7 @@ def check_speculation(
         return
     if not isinstance(draft, CausalLM):
         raise ServeError(f"draft must be an eqllm CausalLM, got {type(draft).__name__}")
-    refuse_cached(draft.config)  # a hybrid draft's recurrent state has no place in the cache
+    refuse_speculation(draft, "draft")
     vocab, draft_vocab = model.config.vocab_size, draft.config.vocab_size
     if draft_vocab != vocab:
         raise ServeError(

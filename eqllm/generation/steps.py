@@ -3,8 +3,9 @@
 Each step runs the model's forward over the paged pools (`eqllm.generation.paged`). Per-slot
 arrays (the pending token, its position, the repetition-penalty set, the key and the sampling
 step) have a leading `slots` axis. State that a layer kind keeps per sequence at a fixed size (a
-recurrent layer's state and its convolution window) would live beside them, one array per layer
-with a leading `slots` axis: see docs/serve.md ("Where per-sequence state goes").
+hybrid's linear-attention layers: the recurrent state and the convolution's last inputs) sits
+in the cache in place of that layer's pool, with a leading `slots` axis too
+(`eqllm.generation.recurrent`).
 
 The state is donated to every step, so it is updated in place. Shapes are fixed by the call's
 static sizes (rows, chunk width, view length, decode steps), never by a request.
@@ -18,6 +19,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, Key
 
+from eqllm.generation import recurrent
+from eqllm.generation.constrain import masked_logits
 from eqllm.generation.paged import Pool, forward
 from eqllm.generation.placement import place_weights, state_shardings
 from eqllm.generation.sampling import Sampling, sample_tokens
@@ -37,7 +40,7 @@ class SlotState(eqx.Module):
     of its prompt and output (repetition penalty).
     """
 
-    cache: tuple[Pool, ...]
+    cache: tuple  # per layer: a Pool, or a recurrent state per slot (GatedDeltaNetState)
     token: Int[Array, " slots"]
     position: Int[Array, " slots"]
     present: Bool[Array, "slots vocab"]
@@ -59,7 +62,10 @@ def empty_state(model: CausalLM, slots: int, blocks: int, block_size: int) -> Sl
     """Every slot empty; pools of `blocks` blocks of `block_size` positions per layer."""
     rows = blocks * block_size
     return SlotState(
-        cache=tuple(Pool.empty(t, rows) for t in model.init_cache(1)),
+        cache=tuple(
+            recurrent.for_slots(t, slots) if recurrent.is_state(t) else Pool.empty(t, rows)
+            for t in model.init_cache(1)
+        ),
         token=jnp.zeros((slots,), jnp.int32),
         position=jnp.zeros((slots,), jnp.int32),
         present=jnp.zeros((slots, model.config.vocab_size), bool),
@@ -100,6 +106,7 @@ def prefill_chunk(
     seen: Bool[Array, "rows vocab"],
     settings: Sampling,
     top: Bool[Array, ""],
+    allowed: Int[Array, "rows words"],
     *,
     block_size: int,
 ) -> tuple[SlotState, Sampled]:
@@ -109,17 +116,21 @@ def prefill_chunk(
     A `first` chunk starts its slot afresh: its repetition set becomes `seen` (the tokens before
     the chunk that are cached already, a reused prefix) plus the chunk. The sample at the end of
     a `last` chunk is the sequence's step-th (`step`, 0 for a new prompt), so that a sequence
-    computed again after it was preempted draws what it would have drawn.
+    computed again after it was preempted draws what it would have drawn. `allowed` is each
+    row's bitmask of the tokens it may sample (`eqllm.generation.constrain`).
     """
     vocab = state.present.shape[1]
     n = jnp.sum(positions >= 0, axis=1)
     start = jnp.max(positions, axis=1) + 1 - n
-    logits, cache = forward(fixed, state.cache, pages, tokens, positions, start, block_size)
+    cache = recurrent.gather(state.cache, slots, first)  # a first chunk starts from zeros
+    logits, cache = forward(fixed, cache, pages, tokens, positions, start, block_size)
+    cache = recurrent.scatter(state.cache, cache, slots)
     rows = jnp.arange(slots.shape[0])[:, None]
     kept = state.present.at[slots].get(mode="fill", fill_value=False)
     present = jnp.where(first[:, None], seen, kept | seen)
     present = present.at[rows, jnp.where(positions >= 0, tokens, vocab)].set(True, mode="drop")
-    token = sample_tokens(logits, jax.vmap(jax.random.fold_in)(keys, step), present, settings)
+    folded = jax.vmap(jax.random.fold_in)(keys, step)
+    token = sample_tokens(masked_logits(logits, allowed), folded, present, settings)
     out = _sample_rows(logits, token, top)
     present = present.at[rows[:, 0], jnp.where(last, token, vocab)].set(True, mode="drop")
 
@@ -146,6 +157,7 @@ def decode_steps(
     stop: Int[Array, "slots n_stop"],
     settings: Sampling,
     top: Bool[Array, ""],
+    allowed: Int[Array, "slots words"],
     *,
     slots: int,
     steps: int,
@@ -157,7 +169,8 @@ def decode_steps(
     sampled `remaining` tokens or one of its `stop` ids (-1: none), and the loop ends early when
     every slot stopped. Each step runs `forward` over the pools, which the loop carries (the
     pages must cover position + steps). Outputs of a slot that did not sample at a step are
-    NO_TOKEN. Other slots are untouched.
+    NO_TOKEN. Other slots are untouched. `allowed` (each slot's bitmask of the tokens it may
+    sample) holds at every step: a constrained slot runs one step per call.
     """
     vocab = state.present.shape[1]
     keys = state.keys[:slots]
@@ -172,7 +185,7 @@ def decode_steps(
         fed = jnp.where(live, position, -1)[:, None]  # a stopped slot writes nothing
         logits, cache = forward(fixed, cache, pages, token[:, None], fed, position, block_size)
         folded = jax.vmap(jax.random.fold_in)(keys, step)
-        new = sample_tokens(logits, folded, present, settings)
+        new = sample_tokens(masked_logits(logits, allowed), folded, present, settings)
         sampled = _sample_rows(logits, new, top)
         sampled = eqx.tree_at(lambda s: s.token, sampled, jnp.where(live, new, NO_TOKEN))
         out = jax.tree.map(lambda o, s: o.at[:, i].set(s), out, sampled)
@@ -201,7 +214,7 @@ def decode_steps(
     carry = (
         0,
         live,
-        state.cache,
+        recurrent.first_slots(state.cache, slots),
         state.token[:slots],
         state.position[:slots],
         state.step[:slots],
@@ -211,7 +224,7 @@ def decode_steps(
     )
     _, _, cache, token, position, step, present, _, out = jax.lax.while_loop(running, one, carry)
     state = SlotState(
-        cache=cache,
+        cache=recurrent.put_first(state.cache, cache, slots),
         token=state.token.at[:slots].set(token),
         position=state.position.at[:slots].set(position),
         present=state.present.at[:slots].set(present),

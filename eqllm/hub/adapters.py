@@ -116,7 +116,7 @@ def save_adapter(
                 for b in b_s:
                     b_out[o : o + b.shape[0], r : r + b.shape[1]] = b
                     o, r = o + b.shape[0], r + b.shape[1]
-            order = fused_order(row, [b.shape[0] for b in b_s], cfg.attention.n_heads)
+            order = fused_order(row, [b.shape[0] for b in b_s], cfg.at(row.heads))
             if order is not None:  # B's rows interleaved per head, as the fused weight's
                 b_out = b_out[order]
             tensors[f"{module}.lora_A.weight"] = np.ascontiguousarray(a_out)
@@ -255,7 +255,7 @@ def load_adapter(model: CausalLM, directory: str | os.PathLike) -> CausalLM:
         alpha = _pattern(config.get("alpha_pattern"), module, config.get("lora_alpha", 8))
         scale = alpha / (rank**0.5 if config.get("use_rslora") else rank)
         a_all, b_all = np.stack(a_layers), np.stack(b_layers)
-        order = fused_order(row, [b.weight.shape[-2] for b in bases], cfg.attention.n_heads)
+        order = fused_order(row, [b.weight.shape[-2] for b in bases], cfg.at(row.heads))
         if order is not None:  # B's rows interleaved per head -> the parts one after the other
             b_all = np.take(b_all, np.argsort(order), axis=-2)
         if not row.layered:

@@ -52,6 +52,7 @@ from eqllm.hub.tables import (
     TIED_HEAD,
     fused_order,
     indices,
+    part_names,
     rows_for,
     stack_layers,
     tensor_name,
@@ -147,13 +148,21 @@ def _part(tensor: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
     return tensor[(slice(None),) * axis + (slice(start, stop),)]
 
 
+def _slice(whole, row: Row, start: int, size: int):
+    """The writer of one part of a row stored as several tensors (`Row.parts`)."""
+    return lambda: np.ascontiguousarray(_part(whole(), row.axis, start, start + size))
+
+
 def _layout(config: ModelConfig, leaves, reader: TensorReader) -> list[Row]:
     """The rows of the family's first key table whose tensors the checkpoint holds (the main
     table when none fits: its missing tensor is then reported)."""
     family = families.get(config.family)
     for table in (family.table, *family.layouts):
         rows = rows_for(config.family, set(leaves), table)
-        names = [tensor_name(r, indices(r, 1, 1)[0], stack_layers(r, config)) for r in rows]
+        names = [
+            part_names(r, tensor_name(r, indices(r, 1, 1)[0], stack_layers(r, config)))[0]
+            for r in rows
+        ]
         if all(n in reader or n.removeprefix(family.prefix) in reader for n in names):
             return rows
     return rows_for(config.family, set(leaves))
@@ -198,9 +207,7 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
         buffers = [aligned_empty(t.shape, t.dtype) for t in targets]
         lead = int(row.layered) + int(row.per_expert)  # leading axes indexed by the tensor name
         expected = _hf_shape(row, [t.shape[lead:] for t in targets])
-        order = fused_order(
-            row, [t.shape[lead + row.axis] for t in targets], config.at("attention.n_heads")
-        )
+        order = fused_order(row, [t.shape[lead + row.axis] for t in targets], config.at(row.heads))
         layers = stack_layers(row, config)
         for index in indices(row, len(layers), config.at("moe.n_experts")):
             slots = [b[index] for b in buffers]
@@ -210,6 +217,14 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
                 if tensor.shape != expected:
                     raise CheckpointError(
                         f"MXFP4 tensor {name!r} dequantizes to shape {list(tensor.shape)}, but "
+                        f"config.json describes {list(expected)}"
+                    )
+            elif row.parts:  # stored as several tensors: read each, concatenated
+                names = [find(n) for n in part_names(row, name)]
+                tensor = np.concatenate([reader.read(n) for n in names], axis=row.axis)
+                if tensor.shape != expected:
+                    raise CheckpointError(
+                        f"tensors {names} concatenate to shape {list(tensor.shape)}, but "
                         f"config.json describes {list(expected)}"
                     )
             else:
@@ -325,7 +340,7 @@ def save_pretrained(
         def tensor() -> np.ndarray:
             parts = [host[p][index] for p in row.eqllm]
             out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=row.axis)
-            order = fused_order(row, [p.shape[row.axis] for p in parts], config.attention.n_heads)
+            order = fused_order(row, [p.shape[row.axis] for p in parts], config.at(row.heads))
             if order is not None:  # the parts one after the other -> interleaved per head
                 out = np.take(out, order, axis=row.axis)
             if row.conv1d and out.ndim == 2:
@@ -344,7 +359,18 @@ def save_pretrained(
         lead = int(row.layered) + int(row.per_expert)
         shapes = [leaves[p].shape[lead:] for p in row.eqllm]
         name = tensor_name(row, index, stack_layers(row, config))
-        planned.append(PlannedTensor(name, _hf_shape(row, shapes), target, make(row, index)))
+        if not row.parts:
+            planned.append(PlannedTensor(name, _hf_shape(row, shapes), target, make(row, index)))
+            return
+        whole, start = make(row, index), 0
+        for part, (_, path) in zip(part_names(row, name), row.parts, strict=True):
+            size = leaves[path].shape[lead + row.axis]
+            shape = list(_hf_shape(row, shapes))
+            shape[row.axis] = size
+            planned.append(
+                PlannedTensor(part, tuple(shape), target, _slice(whole, row, start, size))
+            )
+            start += size
 
     spans = {row: stack_layers(row, config) for row in rows}
     every = {row: indices(row, len(spans[row]), config.at("moe.n_experts")) for row in rows}

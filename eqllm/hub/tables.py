@@ -63,7 +63,14 @@ def tensor_name(row: Row, index: tuple[int, ...], layers: tuple[int, ...] | None
     named = dict(zip(("i", "j") if row.layered else ("j",), index, strict=False))
     if row.layered and layers is not None:
         named["i"] = layers[named["i"]]
+    if row.parts:  # one name per part: see `part_names`
+        named["part"] = "{part}"
     return row.hf.format(**named)
+
+
+def part_names(row: Row, name: str) -> list[str]:
+    """The tensor names of a row stored as several tensors (`Row.parts`), else [name]."""
+    return [name.replace("{part}", part) for part, _ in row.parts] or [name]
 
 
 def fused_order(row: Row, sizes: list[int], n_heads: int) -> np.ndarray | None:

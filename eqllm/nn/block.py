@@ -9,7 +9,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from eqllm.errors import EqllmError
 from eqllm.nn.attention import Attention
-from eqllm.nn.gated_deltanet import GatedDeltaNet
+from eqllm.nn.gated_deltanet import GatedDeltaNet, GatedDeltaNetState
 from eqllm.nn.kv_cache import KVCache
 from eqllm.nn.mamba2 import Mamba2
 from eqllm.nn.mla import LatentCache, MultiHeadLatentAttention
@@ -105,21 +105,26 @@ class Block(eqx.Module):
         self,
         x: Float[Array, "seq d_model"],
         positions: Int[Array, " seq"],
-        cache: KVCache | LatentCache,
+        cache: KVCache | LatentCache | GatedDeltaNetState,
         local: Bool[Array, ""] | bool | None = None,
         rotate: Bool[Array, ""] | bool | None = None,
-    ) -> tuple[Float[Array, "seq d_model"], KVCache | LatentCache]:
-        """The block on a chunk of new positions, attending to `cache` (see Attention.cached).
+    ) -> tuple[Float[Array, "seq d_model"], KVCache | LatentCache | GatedDeltaNetState]:
+        """The block on a chunk of new positions, attending to `cache` (see Attention.cached);
+        a Gated DeltaNet layer continues its recurrent state instead (its `cache`), skipping
+        the chunk's left padding (negative positions).
 
         Experts are computed densely here: generation runs this under `jax.vmap`, which the
         grouped ("ragged") product does not support, and a decode step has one token anyway.
         """
-        if isinstance(self.attn, GatedDeltaNet | Mamba2):
+        if isinstance(self.attn, Mamba2):
             raise EqllmError(
-                "generation of hybrid linear-attention and state-space models is not supported "
-                "yet; their Gated DeltaNet / Mamba-2 layers carry no recurrent state in the KV "
-                "cache"
+                "generation of Mamba-2 layers is not supported yet: their SSM and convolution "
+                "state is not in the cache; use the full forward, model(tokens), instead"
             )
+        if isinstance(self.attn, GatedDeltaNet):
+            h = _apply(self.attn_norm, x)
+            attended, cache = self.attn(h, cache, valid=positions >= 0)
+            return self._residual(x, attended, "dense")[0], cache
         attended, cache = self.attn.cached(
             _apply(self.attn_norm, x), positions, cache, local, rotate
         )

@@ -216,6 +216,19 @@ def causal_conv(
     return jax.nn.silu(y).astype(x.dtype), kept.astype(past.dtype)
 
 
+def _behind_padding(x, past, valid):
+    """`x` left-padded (`valid` False first) and `past` rearranged into (x', past') whose
+    concatenation is zeros for the padding, `past`, then the real tokens: the convolution then
+    sees each real token after the true past (all padding keeps `past`)."""
+    width, seq = past.shape[0], x.shape[0]
+    pad = seq - jnp.sum(valid)
+    rows = jnp.concatenate([past.astype(x.dtype), x])  # (width + seq, channels)
+    i = jnp.arange(width + seq)
+    source = jnp.where(i < pad + width, i - pad, i)
+    moved = jnp.where((i >= pad)[:, None], rows[jnp.clip(source, 0, width + seq - 1)], 0)
+    return moved[width:], moved[:width].astype(past.dtype)
+
+
 class GatedDeltaNet(eqx.Module):
     """A Gated DeltaNet token mixer over one sequence or a batch of them (leading axes).
 
@@ -327,13 +340,16 @@ class GatedDeltaNet(eqx.Module):
         segment_ids: Int[Array, "*batch seq"] | None = None,
         *,
         form: Literal["chunked", "recurrent"] | None = None,
+        valid: Bool[Array, "*batch seq"] | None = None,
     ) -> tuple[Float[Array, "*batch seq d_model"], GatedDeltaNetState]:
         """The layer's output for `x` and the state after its last token.
 
         `state` (None: `init_state`) continues an earlier call. `segment_ids` (None: one
         document) reset the state where the id changes from one token to the next; the given
         state continues the first document. `form` picks the delta rule's form (None:
-        `recurrent` for one token, `chunked` otherwise); both give the same values.
+        `recurrent` for one token, `chunked` otherwise); both give the same values. `valid`
+        (None: every token) is False on left padding (a cached chunk's negative positions): a
+        padding token neither reads nor changes the state, and its output means nothing.
         """
         batch, seq = x.shape[:-2], x.shape[-2]
         if state is None:
@@ -354,8 +370,12 @@ class GatedDeltaNet(eqx.Module):
             a + self.dt_bias.astype(jnp.float32)
         )
         key_dim = self.n_key_heads * self.key_head_dim
+        valid = jnp.ones((*batch, seq), bool) if valid is None else valid
+        # padding neither decays the state (g = 0) nor writes to it (beta = 0)
+        g, beta = (jnp.where(valid[..., None], y, 0.0) for y in (g, beta))
 
-        def one(mixed, beta, g, conv, s, reset):  # one sequence
+        def one(mixed, beta, g, conv, s, reset, valid):  # one sequence
+            mixed, conv = _behind_padding(mixed, conv, valid)
             mixed, conv = causal_conv(mixed, self.conv_weight, conv, reset)
             q, k, v = jnp.split(mixed, [key_dim, 2 * key_dim], axis=-1)
             # (seq, heads * dim) -> (seq, heads, dim)
@@ -363,13 +383,14 @@ class GatedDeltaNet(eqx.Module):
             k = k.reshape(seq, self.n_key_heads, self.key_head_dim)
             v = v.reshape(seq, self.n_value_heads, self.value_head_dim)
             q, k = l2norm(q) * self.key_head_dim**-0.5, l2norm(k)
+            k = jnp.where(valid[:, None, None], k, 0.0)  # padding leaves no key behind
             if form == "chunked":
                 out, s = chunked(q, k, v, g, beta, s, chunk_size=self.chunk_size, reset=reset)
             else:
                 out, s = recurrent(q, k, v, g, beta, s, reset=reset)
             return out, conv, s
 
-        args = (mixed, beta, g, state.conv, state.recurrent, reset)
+        args = (mixed, beta, g, state.conv, state.recurrent, reset, valid)
         if batch:  # every leading axis folded into one, mapped over
             flat = [y.reshape(-1, *y.shape[len(batch) :]) for y in args]
             out, conv, s = jax.vmap(one)(*flat)

@@ -27,8 +27,10 @@ from eqllm.data import Tokenizer
 from eqllm.data.instruct import ChatFormat
 from eqllm.errors import EqllmError
 from eqllm.generation import Engine, Finished, Params, QueueFull
+from eqllm.generation.constrain import Grammars, refuse_speculation
 from eqllm.serve.protocol import ApiError, ChatRequest, CompletionRequest
 from eqllm.serve.text import Choice, usage
+from eqllm.serve.tools import Reader, Shape, stream_calls, template_messages
 
 log = logging.getLogger("eqllm.serve")
 
@@ -50,6 +52,15 @@ class Service:
         self.chat_format, self.api_key = chat_format, api_key
         self.closing = False
         self.created = int(time.time())
+        self._grammars: Grammars | None = None
+
+    def grammars(self) -> Grammars:
+        """The grammar library over this tokenizer (made on first use)."""
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer, so no structured output")
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.engine.config.vocab_size)
+        return self._grammars
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
@@ -99,7 +110,9 @@ class Service:
             prompt_logprobs=prompt_logprobs,
         )
 
-    async def events(self, prompt: list[int], params: Params) -> AsyncIterator[object]:
+    async def events(
+        self, prompt: list[int], params: Params, constraint=None
+    ) -> AsyncIterator[object]:
         """The engine's events for one request, ending with Finished; cancels it when the
         consumer stops early (a disconnect cancels the consuming task)."""
         if self.closing:
@@ -112,7 +125,7 @@ class Service:
                 loop.call_soon_threadsafe(queue.put_nowait, event)
 
         try:
-            request = self.engine.submit(prompt, params, sink)
+            request = self.engine.submit(prompt, params, sink, constraint=constraint)
         except QueueFull as e:
             raise ApiError(429, str(e), kind="rate_limit_error") from None
         except EqllmError as e:
@@ -143,7 +156,7 @@ async def _collect(http: HttpRequest, service: Service, runs) -> None:
     """Run every (prompt, params, choice) to its end; a client that leaves cancels them."""
 
     async def one(prompt, params, choice):
-        async for event in service.events(prompt, params):
+        async for event in service.events(prompt, params, choice.constraint):
             choice.on(event)
             if choice.stopped:
                 return  # leaving the stream cancels the request
@@ -251,11 +264,10 @@ def create_app(service: Service) -> FastAPI:
         service.check_model(body.model)
         if service.chat_format is None:
             raise ApiError(400, "this model has no tokenizer, so no chat template; use completions")
-        messages = [
-            {**m.model_dump(exclude={"content"}), "content": m.text()} for m in body.messages
-        ]
+        shape = Shape.of(body, service.grammars)
         fmt = service.chat_format
-        prompt = fmt.encode_text(fmt.render(messages, add_generation_prompt=True))
+        text = fmt.render(template_messages(body), add_generation_prompt=True, tools=shape.tools)
+        prompt = fmt.encode_text(text)
         limit = body.max_completion_tokens or body.max_tokens
         params = service.params(body, prompt, limit)
         top_n = (body.top_logprobs or 0) if body.logprobs else None
@@ -264,15 +276,28 @@ def create_app(service: Service) -> FastAPI:
         )
         runs = [(prompt, params, choice)]
         _check_all(service, runs)
+        if shape.grammar is not None:
+            try:
+                refuse_speculation(shape.grammar, service.engine.speculator)
+                stops = params.stop_tokens or service.default_stops()  # where the grammar ends
+                choice.constraint = service.grammars().constraint(shape.grammar, stops)
+                choice.hidden |= set(stops)
+            except EqllmError as e:
+                raise ApiError(400, str(e)) from None
         head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time())}
         head["model"] = service.model_name
         if body.stream:
-            return _stream_chat(http, service, runs, head, body)
+            return _stream_chat(http, service, runs, head, body, Reader(shape))
         await _collect(http, service, runs)
-        message = {"role": "assistant", "content": choice.text}
+        reader = Reader(shape)
+        reader.feed(choice.text)
+        content, calls = reader.finish()
+        message = {"role": "assistant", "content": content} | (
+            {"tool_calls": calls} if calls else {}
+        )
         logprobs = {"content": choice.chat_logprobs} if top_n is not None else None
         out = {"index": 0, "message": message, "logprobs": logprobs}
-        out["finish_reason"] = choice.finish_reason
+        out["finish_reason"] = "tool_calls" if calls else choice.finish_reason
         return {**head, "object": "chat.completion", "choices": [out], "usage": usage([choice])}
 
     return app
@@ -320,7 +345,7 @@ def _piece(choice: Choice, text: str, reason: str | None) -> dict:
     return {"index": choice.index, "text": text, "logprobs": None, "finish_reason": reason}
 
 
-def _stream_chat(http, service, runs, head, body) -> StreamingResponse:
+def _stream_chat(http, service, runs, head, body, reader: Reader) -> StreamingResponse:
     head = {**head, "object": "chat.completion.chunk"}
     prompt, params, choice = runs[0]
 
@@ -329,14 +354,19 @@ def _stream_chat(http, service, runs, head, body) -> StreamingResponse:
 
     async def chunks():
         yield chunk({"role": "assistant", "content": ""})
-        async for event in service.events(prompt, params):
-            text = choice.on(event)
+        async for event in service.events(prompt, params, choice.constraint):
+            text = reader.feed(choice.on(event))
             done = isinstance(event, Finished) or choice.stopped
             if text:
                 yield chunk({"content": text})
             if done:
-                yield chunk({}, choice.finish_reason or "stop")
                 break
+        rest, calls = reader.rest(), reader.finish()[1]
+        if rest:
+            yield chunk({"content": rest})
+        if calls:
+            yield chunk({"tool_calls": stream_calls(calls)})
+        yield chunk({}, "tool_calls" if calls else choice.finish_reason or "stop")
         if (body.stream_options or {}).get("include_usage"):
             yield _sse({**head, "choices": [], "usage": usage([choice])})
         yield _sse("[DONE]")

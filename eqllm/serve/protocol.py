@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from eqllm.errors import EqllmError
 
@@ -112,16 +112,81 @@ class Part(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id ... pass to the template
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[Part]
+    content: str | list[Part] | None = None  # None: an assistant turn of tool calls only
+    tool_calls: list[ToolCall] | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(p.text for p in self.content)
+
+
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`text`, `json_object` (any JSON object) or `json_schema` (JSON valid against it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("give json_schema exactly when type is 'json_schema'")
+        return self
+
+
+class Function(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments (None: no arguments)
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: Function
+
+
+class ChosenFunction(BaseModel):
+    name: str
+
+
+class ChosenTool(BaseModel):
+    """`tool_choice` naming one function."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: ChosenFunction
 
 
 class ChatRequest(_Common):
@@ -131,3 +196,7 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=5)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ChosenTool | None = None
+    parallel_tool_calls: bool | None = None  # one call per answer either way

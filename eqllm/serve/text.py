@@ -54,6 +54,7 @@ class Choice:
         self.text_offset: list[int] = []
         self.chat_logprobs: list[dict] = []
         self.prefix = self.decode(self.prompt) if echo else ""
+        self.constraint = None  # the grammar state of a constrained answer (None: free text)
 
     def _token_text(self, token: int) -> str:
         return self.decode([token])

@@ -157,8 +157,9 @@ def make_linear_attention(config: ModelConfig, key: PRNGKeyArray, dtype) -> Gate
         lin.key_head_dim,
         lin.value_head_dim,
         conv_kernel=lin.conv_kernel,
-        norm_eps=config.norms.eps,
+        norm_eps=config.norms.eps if lin.norm_eps is None else lin.norm_eps,
         chunk_size=lin.chunk_size,
+        allow_neg_eigval=lin.allow_neg_eigval,
         key=key,
         dtype=dtype,
     )
@@ -231,6 +232,8 @@ def make_block(
         return make_norm(config, dtype) if wanted else None
 
     pre, post = norms.pre, norms.post
+    if linear and config.linear.pre_norm:  # OLMo hybrid: pre-norm DeltaNet, post-norm attention
+        pre, post = True, False
     has_mlp = mlp is not None
     return Block(
         norm(pre),

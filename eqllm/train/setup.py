@@ -78,11 +78,6 @@ def _build_model(recipe: Recipe, tokenizer_vocab: int) -> tuple[CausalLM, dict |
             f"{model.config.vocab_size}; use a smaller data.bpe_vocab_size or a larger "
             "model.overrides.vocab_size"
         )
-    if model.config.linear is not None and recipe.eval.sample_prompts and recipe.eval.sample_tokens:
-        raise RecipeError(
-            f"eval.sample_prompts={list(recipe.eval.sample_prompts)} needs generation, which "
-            "hybrid linear-attention models do not support yet; set eval.sample_prompts = []"
-        )
     model, experts = with_experts_impl(recipe, model)
     return with_adapters(recipe, model), experts
 

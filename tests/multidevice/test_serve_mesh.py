@@ -117,3 +117,26 @@ def test_meshes_that_do_not_fit_fail_clearly(model):
         serving_mesh("tensor=16")
     with pytest.raises(MeshError, match="tensor and data only"):
         serving_mesh("fsdp=2")
+
+
+def test_a_hybrid_serves_on_a_mesh_as_on_one_device():
+    """qwen3_5's Gated DeltaNet layers split by head over `tensor`, and each slot's recurrent
+    state (beside the attention pools) over `data` by slot: the same tokens, log-probabilities
+    and prompt scores as one device."""
+    from tests.families import TINY_CONFIGS
+
+    model = eqllm.CausalLM(TINY_CONFIGS["qwen3_5"], key=jax.random.key(0))
+
+    def engine(mesh=None):
+        return Engine(model, max_batch=SLOTS, max_len=LENGTH, prefill_chunk=CHUNK, mesh=mesh)
+
+    split = engine(serving_mesh("data=2,tensor=2"))
+    got, want = _serve(split), _serve(engine())
+    state = next(c for c in split.runner.state.cache if hasattr(c, "recurrent"))
+    assert state.recurrent.addressable_shards[0].data.shape[0] == SLOTS // 2
+    for (tokens, logprobs, scores), (want_tokens, want_logprobs, want_scores) in zip(
+        got, want, strict=True
+    ):
+        assert tokens == want_tokens and len(tokens) == 8
+        np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-5)
+        np.testing.assert_allclose(scores, want_scores, atol=1e-5)

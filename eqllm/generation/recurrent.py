@@ -1,0 +1,86 @@
+"""Recurrent state in the engine: a hybrid's linear-attention layers (Gated DeltaNet) keep, per
+sequence, a state of a fixed size (each value head's d_k x d_v matrix S and the convolution's
+last inputs) where an attention layer keeps keys and values per position.
+
+The state lives in the engine's one device state (`SlotState.cache`), in the place of the
+layer's paged pool: a `GatedDeltaNetState` with a leading `slots` axis, one per linear layer,
+beside the attention layers' pools. A prefill call gathers its rows' states by slot (a row's
+first chunk starts from zeros: the state a finished request left in the slot is cleared before
+the new request reads it), runs the chunk, and writes them back; a decode call runs the first
+`slots` slots' states in place. Padding (negative positions, and slots a call does not run)
+leaves a state as it is, so a prompt may go in over several chunks.
+
+The state at the end of a cached prefix is not kept with the prefix's blocks, so an engine
+over a hybrid does not reuse cached prefixes (`prefix_cache` is off for it), and speculative
+decoding, which would need to roll the state back past rejected guesses, refuses it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int
+
+from eqllm.errors import EqllmError
+from eqllm.model import CausalLM
+from eqllm.nn import GatedDeltaNetState
+
+
+def is_state(entry) -> bool:
+    """Whether a layer's entry of the engine's cache is a recurrent state (not a pool)."""
+    return isinstance(entry, GatedDeltaNetState)
+
+
+def for_slots(template: GatedDeltaNetState, slots: int) -> GatedDeltaNetState:
+    """Zero states of `slots` sequences shaped like one sequence's `template`."""
+    return jax.tree.map(lambda a: jnp.zeros((slots, *a.shape), a.dtype), template)
+
+
+def gather(cache: tuple, slots: Int[Array, " rows"], first: Bool[Array, " rows"]) -> tuple:
+    """`cache` with each state replaced by its rows' states (by slot; zeros for a row whose
+    chunk is its sequence's first, or whose slot is out of range: padding)."""
+
+    def rows(state):
+        def take(a):
+            got = a.at[slots].get(mode="fill", fill_value=0)
+            return jnp.where(first.reshape(-1, *(1,) * (a.ndim - 1)), 0, got).astype(a.dtype)
+
+        return jax.tree.map(take, state)
+
+    return tuple(rows(c) if is_state(c) else c for c in cache)
+
+
+def scatter(cache: tuple, written: tuple, slots: Int[Array, " rows"]) -> tuple:
+    """`written` (a call's output over gathered rows) with each state put back into the slots
+    of `cache` (rows whose slot is out of range are dropped)."""
+
+    def put(whole, rows):
+        return jax.tree.map(lambda a, r: a.at[slots].set(r, mode="drop"), whole, rows)
+
+    return tuple(put(c, w) if is_state(c) else w for c, w in zip(cache, written, strict=True))
+
+
+def first_slots(cache: tuple, n: int) -> tuple:
+    """`cache` with each state cut to its first `n` slots (a decode call's rows)."""
+    return tuple(jax.tree.map(lambda a: a[:n], c) if is_state(c) else c for c in cache)
+
+
+def put_first(cache: tuple, written: tuple, n: int) -> tuple:
+    """The inverse of `first_slots`: `written`'s states put back into the first `n` slots."""
+
+    def put(whole, rows):
+        return jax.tree.map(lambda a, r: a.at[:n].set(r), whole, rows)
+
+    return tuple(put(c, w) if is_state(c) else w for c, w in zip(cache, written, strict=True))
+
+
+def refuse_speculation(model: CausalLM, role: str) -> None:
+    """Raise for a hybrid target or draft of speculative decoding: rejected guesses would have
+    to be undone in its recurrent state, which the engine does not keep per guess."""
+    cfg = model.config
+    if cfg.linear is not None:
+        raise EqllmError(
+            f"speculative decoding with a hybrid {role} (family={cfg.family!r}, "
+            f"linear.kind={cfg.linear.kind!r}) is not supported: its recurrent state cannot be "
+            "rolled back past rejected guesses; serve it without --speculate/--draft"
+        )
