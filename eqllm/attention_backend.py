@@ -50,6 +50,8 @@ def cudnn_blockers(config: ModelConfig, platform: str, max_head_dim: int) -> lis
         reasons.append(f"attention.softcap={cap} (the fused kernel cannot soft-cap)")
     if config.attention.sinks:
         reasons.append("attention.sinks=True (the fused kernel has no sink logits)")
+    if (chunk := config.attention.chunk_size) is not None:
+        reasons.append(f"attention.chunk_size={chunk} (the fused kernel has no chunked mask)")
     if config.head_dim % 8 or config.head_dim > max_head_dim:
         reasons.append(
             f"head_dim={config.head_dim} (the fused kernel needs a multiple of 8, "

@@ -216,10 +216,11 @@ class CausalLM(eqx.Module):
     def init_cache(self, length: int) -> Cache:
         """An empty KV cache for one sequence of up to `length` positions, one per layer.
 
-        Each layer's cache has `min(length, max_seq_len)` slots, `sliding_window` at most in a
-        layer that attends through a window: a ring that holds just the window. Only the kv heads
-        are cached (grouped-query attention shares them), in the compute dtype. A hybrid's
-        linear-attention layer holds zeros of its fixed-size state (`GatedDeltaNet.init_state`).
+        Each layer's cache has `min(length, max_seq_len)` slots, `sliding_window` (or
+        `chunk_size`) at most in a layer that attends through a window (or a chunk): a ring
+        that holds just the window. Only the kv heads are cached (grouped-query attention shares
+        them), in the compute dtype. A hybrid's linear-attention layer holds zeros of its
+        fixed-size state (`GatedDeltaNet.init_state`).
         """
         cfg = self.config
         refuse_cached(cfg)
@@ -229,21 +230,16 @@ class CausalLM(eqx.Module):
         if a.kind == "mla":  # the latent and the rotary key only
             latent = LatentCache.empty(full, a.kv_lora_rank, a.qk_rope_head_dim, dtype)
             return (latent,) * cfg.n_layers
-        window, kv_heads = cfg.attention.sliding_window, cfg.attention.n_kv_heads
+        # A chunk needs at most its own chunk_size - 1 earlier keys: a ring of chunk_size too.
+        window, kv_heads = a.sliding_window or a.chunk_size, a.n_kv_heads
         local = KVCache.empty(min(full, window or full), kv_heads, cfg.head_dim, dtype)
         world = KVCache.empty(full, kv_heads, cfg.head_dim, dtype)
         caches = tuple(local if w else world for w in cfg.local_layers())
-        lin = cfg.linear
-        if lin is None:
+        if cfg.linear is None:
             return caches
-        conv_dim = 2 * lin.n_key_heads * lin.key_head_dim + lin.n_value_heads * lin.value_head_dim
-        state = GatedDeltaNetState(
-            jnp.zeros((lin.conv_kernel - 1, conv_dim), dtype),
-            jnp.zeros((lin.n_value_heads, lin.key_head_dim, lin.value_head_dim), jnp.float32),
-        )
-        return tuple(
-            state if k == "linear" else c for k, c in zip(cfg.layer_kinds(), caches, strict=True)
-        )
+        state = self.linear_blocks.attn.init_state(dtype=dtype)
+        kinds = cfg.layer_kinds()
+        return tuple(state if k == "linear" else c for k, c in zip(kinds, caches, strict=True))
 
     def layers(self) -> tuple[Block, ...]:
         """The stacked blocks sliced apart, one Block per layer, in the compute dtype.

@@ -305,6 +305,28 @@ FAMILIES = [
         variant=True,
         lora=_ROUTED_LORA,
     ),
+    # Llama 4 Scout's block: chunked (chunks of 8, many inside the test sequences), global NoPE,
+    # chunked, global NoPE layers; L2-normalised q/k on the chunked ones, temperature tuning on
+    # the global ones from position 15 on, adjacent rotary pairs; 4 experts of 16, one per
+    # token, scaling the expert's input, and the shared expert.
+    Tiny(
+        "llama4",
+        _zoo(
+            "llama4-nano",
+            n_layers=4,
+            attention={
+                "n_kv_heads": 2,
+                "head_dim": 8,
+                "chunk_size": 8,
+                "global_every": 2,
+                "temperature_floor": 16,
+            },
+            positions={"nope_every": 2},
+            moe={"n_experts": 4, "d_ff": 16, "shared_d_ff": 16},
+        ),
+        lora=_ROUTED_LORA,
+        published={"llama4-scout": (107_769_861_120, "17")},
+    ),
     # Direct queries, softmax greedy top-k, not renormalised.
     Tiny(
         "deepseek_v2",

@@ -112,8 +112,9 @@ def greedy(models):
     "family", params(where=lambda t: t.config.attention.kind != "mla" and t.generates)
 )
 def test_each_layer_caches_its_window_or_the_whole_context(family):
-    """A windowed layer's cache is a ring of just its window; a global layer's holds LENGTH; a
-    hybrid's linear-attention layer holds its recurrent state, the same at any length."""
+    """A windowed layer's cache is a ring of just its window (a chunked layer's, of one chunk);
+    a global layer's holds LENGTH; a hybrid's linear-attention layer holds its recurrent state,
+    the same at any length."""
     config = TINY_CONFIGS[family]
     shapes = eqx.filter_eval_shape(eqllm.CausalLM, config, key=jax.random.key(0))
     cache = eqx.filter_eval_shape(lambda m: m.init_cache(LENGTH), shapes)
@@ -125,7 +126,7 @@ def test_each_layer_caches_its_window_or_the_whole_context(family):
             heads = (lin.n_value_heads, lin.key_head_dim, lin.value_head_dim)
             assert layer_cache.recurrent.shape == heads
             continue
-        slots = attention.sliding_window if local else LENGTH
+        slots = (attention.sliding_window or attention.chunk_size) if local else LENGTH
         assert layer_cache.k.shape == (slots, attention.n_kv_heads, config.head_dim)
 
 

@@ -54,7 +54,13 @@ def _as_transformers_reads_it(hf: dict) -> dict:
     installed transformers' Phi3Config checks a longrope's settings before it renames "su", and
     refuses that file. Same factors, same model; eqllm reads the file as published. Kimi K2's
     model_type "kimi_k2" is one transformers does not know: its release names
-    DeepseekV3ForCausalLM and says to read it as "deepseek_v3"."""
+    DeepseekV3ForCausalLM and says to read it as "deepseek_v3". Llama 4 Scout's text_config has
+    attn_temperature_tuning 4, which transformers 4.51 read as true and the installed strict
+    Llama4TextConfig refuses (it takes a bool): the same switch, on."""
+    text = hf.get("text_config") or {}
+    if not isinstance(text.get("attn_temperature_tuning", False), bool):
+        text = {**text, "attn_temperature_tuning": bool(text["attn_temperature_tuning"])}
+        return {**hf, "text_config": text}
     scaling = hf.get("rope_scaling") or {}
     if scaling.get("type") == "su":
         return {**hf, "rope_scaling": {**scaling, "type": "longrope"}}

@@ -80,7 +80,12 @@ def masked_loss(logits, targets, mask):
 
 
 @pytest.mark.parametrize(
-    "family", ["llama", *(pytest.param(f, marks=pytest.mark.slow) for f in ("gpt2", "mixtral"))]
+    "family",
+    [
+        "llama",
+        "llama4",  # chunks counted from each document's start
+        *(pytest.param(f, marks=pytest.mark.slow) for f in ("gpt2", "mixtral")),
+    ],
 )
 @pytest.mark.parametrize("method", ["first-fit", pytest.param("best-fit", marks=pytest.mark.slow)])
 def test_packed_loss_equals_padded_loss(family, method):

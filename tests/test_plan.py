@@ -16,7 +16,9 @@ from eqllm.bench.hlo import Program
 from eqllm.cli import main
 from eqllm.plan import devices as plan_devices
 from eqllm.plan.plan import plan_recipe, recipe_for, with_settings
+from eqllm.plan.report import describe
 from eqllm.plan.search import search
+from eqllm.plan.step import planned_config
 from eqllm.recipe import load_recipe
 from eqllm.sharding import MeshConfig
 from eqllm.sharding.tpu import CHIPS, TopologyError, parse_slice
@@ -103,6 +105,32 @@ def test_tpu_hlo_collectives_are_counted_once_each_with_their_loop_trips():
     assert found["all-reduce"].group == (0, 1, 2, 3)  # [2,4]<=[8]: the first of two groups
 
 
+# shard_map's collectives all carry channel_id=1 (here the expert dispatch's forward exchange
+# and its transpose in the backward pass); a continuation clone keeps its op's metadata too.
+SHARD_MAP_HLO = """
+%fwd_fusion (p: bf16[4,8,16]) -> bf16[4,8,16] {
+  %p = bf16[4,8,16]{2,1,0} parameter(0)
+  ROOT %a2a.9 = bf16[4,8,16]{2,1,0} all-to-all(%p), channel_id=1, replica_groups={{0,1,2,3}}, \
+dimensions={0}, metadata={op_name="jit(step)/jvp()/shard_map/all_to_all" stack_frame_id=7}
+}
+
+ENTRY %main (x: bf16[4,8,16]) -> bf16[4,8,16] {
+  %x = bf16[4,8,16]{2,1,0} parameter(0)
+  %a2a.1 = bf16[4,8,16]{2,1,0} all-to-all(%x), channel_id=1, replica_groups={{0,1,2,3}}, \
+dimensions={0}, metadata={op_name="jit(step)/jvp()/shard_map/all_to_all" stack_frame_id=7}
+  %c = bf16[4,8,16]{2,1,0} fusion(%a2a.1), kind=kCustom, calls=%fwd_fusion
+  ROOT %a2a.2 = bf16[4,8,16]{2,1,0} all-to-all(%c), channel_id=1, replica_groups={{0,1,2,3}}, \
+dimensions={0}, metadata={op_name="jit(step)/transpose(jvp())/shard_map/all_to_all" \
+stack_frame_id=7}
+}
+""".replace("\\\n", "")
+
+
+def test_shard_map_collectives_sharing_a_channel_are_counted_each():
+    _, per_step = count_collectives(SHARD_MAP_HLO)
+    assert per_step["all-to-all"] == 2  # forward and backward; the clone is the forward's
+
+
 def test_trip_count_reads_the_counters_start_and_step():
     hlo = TPU_HLO.replace("%step = s32[] constant(1)", "%step = s32[] constant(2)")
     hlo = hlo.replace("%zero = s32[] constant(0)\n  %z", "%zero = s32[] constant(2)\n  %z")
@@ -137,22 +165,44 @@ def compiled(recipe, topology, mesh):
     return plan_recipe(recipe, tpu, plan_devices.slice_devices(tpu))
 
 
+DENSE_EXPERTS = 'model.overrides.moe.impl="dense"'
+
+
 @pytest.fixture(scope="module")
 def plans():
     """The module's compiles, each once: a dense nano on the smallest v5e slice (one chip) and
-    on the smallest v5p slice (four) with FSDP x tensor, and a mixture of experts there."""
+    on the smallest v5p slice (four) with FSDP x tensor, and a mixture of experts there, with
+    moe.impl "auto" (dispatch, as chosen for the TPU) and with dense experts asked for."""
     return {
         "v5e-1": compiled(nano(), "v5e-1", "data=1"),
         "fsdp,tensor": compiled(nano(), "v5p-8", "fsdp=2,tensor=2"),
         "experts": compiled(nano("mixtral-nano"), "v5p-8", "fsdp=4"),
+        "dense experts": compiled(nano("mixtral-nano", DENSE_EXPERTS), "v5p-8", "fsdp=4"),
     }
+
+
+def test_the_plan_chooses_moe_impl_for_the_tpu_and_its_mesh_not_for_this_host():
+    """On this CPU host "auto" alone would choose dense experts on one device; the plan asks
+    for what `eqllm run` on the slice would choose, and keeps an explicit choice."""
+    recipe = nano("mixtral-nano")  # 4 experts
+    assert recipe.model_config().moe.impl == "auto"
+    for fsdp, impl in [(4, "dispatch"), (2, "dispatch"), (1, "ragged"), (3, "ragged")]:
+        config, experts = planned_config(recipe, {"fsdp": fsdp})
+        assert config.moe.impl == experts["impl"] == impl, fsdp
+        assert experts["requested"] == "auto" and "auto on tpu" in experts["why"]
+    assert "over 4 devices" in planned_config(recipe, {"fsdp": 4})[1]["why"]
+    config, experts = planned_config(nano("mixtral-nano", DENSE_EXPERTS), {"fsdp": 4})
+    assert config.moe.impl == "dense" and experts["why"] == "set by moe.impl"
+    assert planned_config(nano(), {"fsdp": 4}) == (nano().model_config(), None)
 
 
 @needs_libtpu
 def test_nano_compiles_on_the_smallest_v5e_and_v5p_slices(plans):
-    for plan in plans.values():
+    for name, plan in plans.items():
         assert plan.fits and plan.headroom > 0.9
         assert plan.step.compile_s > 0 and plan.roofline.mfu > 0
+        if name == "experts":
+            continue  # the dropless dispatch multiplies its grouped matmul's rows (below)
         # the compiled FLOPs (loops at their trip counts) are those of the model's step
         assert 0.8 < plan.step.flops * plan.tpu.chips / plan.step.model_flops < 1.5
     assert plans["v5e-1"].tpu.chip.name == "v5e" and plans["fsdp,tensor"].tpu.chips == 4
@@ -178,19 +228,53 @@ def test_fsdp_gathers_and_reduce_scatters_tensor_all_reduces_in_tpu_hlo(plans):
     assert per_step["all-gather"] >= plans["fsdp,tensor"].recipe.model_config().n_layers
 
 
-@needs_libtpu
-def test_expert_parallelism_moves_tokens_not_expert_weights_in_tpu_hlo(plans):
-    """eqllm's expert parallelism (experts split over fsdp, computed densely) all-gathers each
-    layer's tokens over the fsdp group and reduce-scatters the combined outputs, and never
-    gathers the expert weights. It dispatches no tokens with all-to-alls (that is not
-    implemented): the layer's one all-to-all moves an array of the router's size (experts x
-    d_model), not tokens."""
-    plan = plans["experts"]
+def expert_gathers(plan) -> set:
+    """The shapes of the plan's all-gathers that gather one layer's expert weights whole."""
     config = plan.recipe.model_config()
     e, f, d = config.moe.n_experts, config.expert_d_ff, config.d_model
     gathers = [c for c in plan.step.collectives if c.kind == "all-gather"]
     gathered = {dims for c in gathers for _, dims in c.shapes}
-    assert not gathered & {(e, f, d), (e, d, f), (1, e, f, d), (1, e, d, f)}
+    return gathered & {(e, f, d), (e, d, f), (1, e, f, d), (1, e, d, f)}
+
+
+@needs_libtpu
+def test_the_plan_dispatches_tokens_with_all_to_alls_in_tpu_hlo(plans):
+    """moe.impl "auto" planned for 4 TPU chips with fsdp=4 (the 4 experts split over them) is
+    the token dispatch: per layer, two all-to-alls of token copies forward and their two
+    transposes backward, each of (fsdp, slot, d_model) with a dropless slot of all of a chip's
+    copies (tokens per chip x k); the expert weights are never gathered whole. The plan says
+    so in its text and --json, as a run's report does."""
+    plan = plans["experts"]
+    config = plan.recipe.model_config()
+    assert plan.step.experts["impl"] == plan.to_dict()["experts"]["impl"] == "dispatch"
+    assert "experts: moe.impl dispatch (auto on tpu: the mesh splits the experts over 4" in (
+        describe(plan)
+    )
+    assert not expert_gathers(plan)
+    rows = plan.recipe.train.batch_size * plan.recipe.data.seq_len // 4  # tokens per chip
+    block = (4, rows * config.moe.experts_per_token, config.d_model)
+    exchanges = [c for c in plan.step.collectives if c.kind == "all-to-all" and c.calls]
+    tokens = [c for c in exchanges if c.shapes == (("bf16", block),)]
+    assert len(tokens) == 4 and all(c.runs == config.n_layers for c in tokens)
+    per_layer, _ = tally(plan.step.collectives, lambda c: c.result_bytes)
+    assert per_layer["all-to-all"] >= 4 * 4 * block[1] * block[2] * 2  # bf16 copies
+
+
+@needs_libtpu
+def test_expert_parallelism_moves_tokens_not_expert_weights_in_tpu_hlo(plans):
+    """moe.impl "dense", asked for, is kept: eqllm's dense expert parallelism (experts split
+    over fsdp, computed densely) all-gathers each layer's tokens over the fsdp group and
+    reduce-scatters the combined outputs, and never gathers the expert weights. It dispatches
+    no tokens with all-to-alls: the layer's one all-to-all moves an array of the router's size
+    (experts x d_model), not tokens."""
+    plan = plans["dense experts"]
+    assert plan.step.experts == {"impl": "dense", "why": "set by moe.impl", "requested": "dense"}
+    assert "experts: moe.impl dense (set by moe.impl)" in describe(plan)
+    config = plan.recipe.model_config()
+    e, d = config.moe.n_experts, config.d_model
+    assert not expert_gathers(plan)
+    gathers = [c for c in plan.step.collectives if c.kind == "all-gather"]
+    gathered = {dims for c in gathers for _, dims in c.shapes}
     tokens = plan.recipe.train.batch_size * plan.recipe.data.seq_len
     assert any(dims[-1] == d and tokens in dims for dims in gathered)
     per_layer, _ = tally(plan.step.collectives, lambda c: 1)
@@ -289,14 +373,23 @@ def test_tpu_probe_is_quiet_and_tests_see_the_cpu():
 # At real size, on the recipes' own slices ------------------------------------------------------
 
 
+# DeepSeek-V3's dropless dispatch on its 512 chips is refused (202.61G of temporaries: the
+# all-to-all blocks hold fsdp x each chip's copies); with a capacity factor of 1.0 it fits with
+# 60% of HBM free (docs/moe.md, "At scale, compiled for TPU").
+CAPACITY = ['model.overrides.moe.impl="dispatch"', "model.overrides.moe.capacity_factor=1.0"]
+
+
 @pytest.mark.slow
 @needs_libtpu
-@pytest.mark.parametrize("name", ["llama3-8b", "mixtral-8x7b", "deepseek-v3"])
-def test_large_recipes_compile_and_fit_on_their_slices(name):
+@pytest.mark.parametrize(
+    "name, sets", [("llama3-8b", []), ("mixtral-8x7b", []), ("deepseek-v3", CAPACITY)]
+)
+def test_large_recipes_compile_and_fit_on_their_slices(name, sets):
     """A dense model, a mixture of experts and DeepSeek-V3 (latent attention, 256 experts) at
     their published sizes, compiled by the TPU compiler on the slice their [plan] names (minutes
-    each; DeepSeek-V3 on 512 chips the longest: docs/experiments/at_scale.md)."""
-    recipe = load_recipe(name)
+    each; DeepSeek-V3 on 512 chips the longest: docs/experiments/at_scale.md); the mixtures of
+    experts with the token dispatch, as "auto" chooses for the TPU."""
+    recipe = load_or_set(load_recipe(name), sets)
     tpu = parse_slice(recipe.plan.topology, recipe.plan.slices)
     plan = plan_recipe(recipe, tpu, plan_devices.slice_devices(tpu))
     assert plan.fits and plan.headroom >= 0.1, plan.to_dict()

@@ -31,6 +31,7 @@ RESEARCH = [
     "qwen3_5_moe-nano",
     "qwen3_next-nano",
     "olmo_hybrid-nano",
+    "llama4-nano",
     "mamba2-nano",
 ]
 PUBLISHED = [
@@ -91,6 +92,7 @@ PUBLISHED = [
     "qwen3.5-35b-a3b",
     "qwen3.5-397b-a17b",
     "qwen3-next-80b-a3b",
+    "llama4-scout",
     "mamba2-130m",
     "mamba2-370m",
     "mamba2-780m",
@@ -123,6 +125,7 @@ NANOS = [
     "qwen3_5_moe-nano",
     "qwen3_next-nano",
     "olmo_hybrid-nano",
+    "llama4-nano",
     "mamba2-nano",
 ]
 

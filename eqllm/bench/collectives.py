@@ -109,10 +109,10 @@ def collectives(program: Program) -> list[Collective]:
             for kind in KINDS:
                 if not _OP[kind].search(line):
                     continue
-                channel = re.search(r"\bchannel_id=(\d+)", line)
-                if channel and channel.group(1) in channels:
+                channel = _channel(line)
+                if channel and channel in channels:
                     continue  # the same op again: a continuation of an async collective
-                channels |= {channel.group(1)} if channel else set()
+                channels |= {channel} if channel else set()
                 shapes = tuple(_result_shapes(line, kind))
                 if kind == "all-reduce" and operands(root, "dynamic-slice")[:1] == [op]:
                     # TPU's all-reduce-scatter fusion: each device keeps its slice of the
@@ -151,6 +151,18 @@ def _rings(program: Program) -> Callable[[str], str]:
 _OP = {kind: re.compile(rf"(?<![\w%.\-]){kind}(-start)?\(") for kind in KINDS}
 _ASYNC_DONE = 'custom_call_target="AsyncCollectiveDone"'
 _DUS = " dynamic-update-slice("
+
+
+def _channel(line: str) -> tuple[str, ...] | None:
+    """What names one collective across the clones the TPU compiler makes of it: its
+    channel_id with its source metadata (op_name, stack frame), which a clone keeps. The
+    channel alone is not enough: `shard_map`'s collectives (the expert dispatch's all-to-alls,
+    forward and backward) all carry channel_id=1. None for an op without a channel."""
+    channel = re.search(r"\bchannel_id=(\d+)", line)
+    if channel is None:
+        return None
+    source = re.search(r'metadata=\{op_name="([^"]*)"(?: stack_frame_id=(\d+))?', line)
+    return (channel.group(1), *(source.groups("") if source else ("", "")))
 
 
 def _replica_group(line: str) -> tuple[int, ...]:

@@ -183,6 +183,12 @@ class ModelConfig:
                 pos.fraction,
                 f"must rotate an even, non-zero number of dims (head_dim={attn.head_dim})",
             )
+        require(
+            not (attn.rope_interleave and attn.kind == "gqa") or pos.fraction == 1,
+            "ModelConfig.positions.fraction",
+            pos.fraction,
+            "must be 1 with attention.rope_interleave (every dim of the head is paired)",
+        )
         scaling = pos.scaling
         if scaling is not None and scaling.kind == "longrope":
             require(
@@ -245,8 +251,9 @@ class ModelConfig:
         return self.linear.kinds(self.n_layers)
 
     def local_layers(self) -> tuple[bool, ...]:
-        """Per layer: does it attend through the sliding window (True) or to everything?"""
-        if self.attention.sliding_window is None:
+        """Per layer: does it attend through the sliding window or its chunk (`attention.
+        chunk_size`) (True), or to everything?"""
+        if self.attention.sliding_window is None and self.attention.chunk_size is None:
             return (False,) * self.n_layers
         every = self.attention.global_every
         return tuple(every is None or (i + 1) % every != 0 for i in range(self.n_layers))
@@ -369,7 +376,7 @@ class ModelConfig:
         keys (all but latent attention). T is `seq_len` (default: max_seq_len), capped by the
         sliding window where it applies."""
         full = seq_len or self.max_seq_len
-        window = self.attention.sliding_window
+        window = self.attention.sliding_window or self.attention.chunk_size
         t = sum(min(full, window) if w else full for w in self.local_layers()) / self.n_layers
         values = self.attention.v_head_dim if self.attention.kind == "mla" else self.head_dim
         layers = self.layer_kinds().count("full")  # a hybrid's linear layers: no T-long scores

@@ -54,7 +54,9 @@ class MoEConfig:
     `routed_scale` multiplies the routed weights; the first `dense_layers` layers have a dense
     MLP of mlp.d_ff instead of experts. `balance_loss`: what aux_loss_coef weighs, "switch"
     (transformers' load-balancing loss over all of a batch's tokens) or "sequence" (DeepSeek-V3's
-    sequence-wise balance loss, under each layer's own routing).
+    sequence-wise balance loss, under each layer's own routing). `score_input`: each routed
+    weight scales its expert's input rather than its output (Llama 4's experts read the token
+    times its sigmoid router score).
     """
 
     PATH: ClassVar[str] = "ModelConfig.moe"
@@ -81,6 +83,7 @@ class MoEConfig:
     routed_scale: PositiveFloat = 1.0
     dense_layers: Annotated[int, Field(ge=0)] = 0
     balance_loss: BalanceLoss = "switch"
+    score_input: bool = False
 
     def __post_init__(self) -> None:
         require(

@@ -28,7 +28,7 @@ MLPKind = Literal["gelu", "swiglu", "geglu"]
 GeluForm = Literal["tanh", "exact"]
 PositionKind = Literal["learned", "rope", "none"]
 RopeScalingKind = Literal["linear", "llama3", "yarn", "longrope", "dynamic"]
-QKNorm = Literal["head", "whole"]
+QKNorm = Literal["head", "whole", "l2"]
 AttentionKernel = Literal["auto", "xla", "cudnn"]
 AttentionKind = Literal["gqa", "mla"]
 # The latent attention sizes: set exactly when attention.kind is "mla" (q_lora_rank optional).
@@ -45,14 +45,22 @@ class AttentionConfig:
     `n_kv_heads` (== n_heads: multi-head; 1: multi-query; otherwise grouped-query; None at
     construction means n_heads), `head_dim` (None means d_model // n_heads, filled in by
     ModelConfig). `qk_norm`: an RMSNorm on queries and keys, over each head ("head": Qwen3,
-    Gemma 3) or over the whole projections ("whole": OLMo 2); None: none. `softcap`:
+    Gemma 3) or over the whole projections ("whole": OLMo 2), or "l2": a weightless RMSNorm
+    over each head in the rotary layers only (Llama 4's use_qk_norm); None: none. `softcap`:
     cap * tanh(scores / cap) (Gemma 2). `sliding_window` (None: full causal attention) with
     `global_every` (every global_every-th layer attends to the whole context; None: every layer
-    uses the window). `query_pre_attn_scalar`: scores scaled by its inverse square root instead
-    of head_dim's. `sinks`: a learned logit per query head joins the softmax denominator
-    (gpt-oss's attention sinks: probability mass with no value). `kernel`: "xla" computes
-    attention in the model, "cudnn" uses cuDNN's fused
-    kernel, "auto" the fused kernel where it can run (see `eqllm.attention_backend`).
+    uses the window). `chunk_size` (None: none): the local layers attend within fixed chunks
+    of positions instead of a window, query p to keys q <= p with q // chunk_size == p //
+    chunk_size (Llama 4's chunked attention; exclusive with `sliding_window`).
+    `temperature_floor` / `temperature_scale` (both or neither): the queries of the NoPE layers
+    (`positions.nope_every`) are scaled by 1 + temperature_scale * log1p(floor((p + 1) /
+    temperature_floor)) at position p (Llama 4's attention-temperature tuning, floor_scale and
+    attn_scale). `rope_interleave` with "gqa": rotary pairs are adjacent dims (Llama 4's complex
+    rotation) rather than rotate-half. `query_pre_attn_scalar`: scores scaled by its inverse
+    square root instead of head_dim's. `sinks`: a learned logit per query head joins the
+    softmax denominator (gpt-oss's attention sinks: probability mass with no value).
+    `kernel`: "xla" computes attention in the model, "cudnn" uses cuDNN's fused kernel, "auto"
+    the fused kernel where it can run (see `eqllm.attention_backend`).
 
     `output_gate`: the heads' output is multiplied by sigmoid of a second query-sized
     projection of the input before the output projection (Qwen3-Next and Qwen3.5's gated
@@ -89,12 +97,15 @@ class AttentionConfig:
     v_head_dim: Positive | None = None
     rope_interleave: bool = False
     output_gate: bool = False
+    chunk_size: Positive | None = None
+    temperature_floor: Positive | None = None
+    temperature_scale: PositiveFloat | None = None
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         mla = self.kind == "mla"
-        for name in (*MLA_FIELDS, "q_lora_rank", "rope_interleave"):
+        for name in (*MLA_FIELDS, "q_lora_rank"):
             value = getattr(self, name)
             if not mla:
                 require(value in (None, False), f"{self.PATH}.{name}", value, "needs kind='mla'")
@@ -114,6 +125,8 @@ class AttentionConfig:
                 "query_pre_attn_scalar": None,
                 "sinks": False,
                 "output_gate": False,
+                "chunk_size": None,
+                "temperature_floor": None,
             }
             for name, wanted in plain.items():
                 value = getattr(self, name)
@@ -127,10 +140,24 @@ class AttentionConfig:
             f"must divide n_heads={self.n_heads}",
         )
         require(
-            self.global_every is None or self.sliding_window is not None,
+            self.global_every is None
+            or self.sliding_window is not None
+            or self.chunk_size is not None,
             f"{self.PATH}.global_every",
             self.global_every,
-            "needs a sliding_window for the other layers",
+            "needs a sliding_window or a chunk_size for the other layers",
+        )
+        require(
+            self.chunk_size is None or self.sliding_window is None,
+            f"{self.PATH}.chunk_size",
+            self.chunk_size,
+            f"cannot combine with sliding_window={self.sliding_window}; set one of them",
+        )
+        require(
+            (self.temperature_floor is None) == (self.temperature_scale is None),
+            f"{self.PATH}.temperature_scale",
+            self.temperature_scale,
+            f"must be set exactly when temperature_floor is ({self.temperature_floor})",
         )
 
 

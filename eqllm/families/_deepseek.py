@@ -112,12 +112,13 @@ KEYS = LLAMA_KEYS | {
 
 # The settings both fix: latent attention, SwiGLU experts with ungated shared experts.
 FIXED = {
-    **{k: v for k, v in LLAMA_BLOCK.items() if k != "moe"},
+    **{k: v for k, v in LLAMA_BLOCK.items() if k not in ("moe", "attention.rope_interleave")},
     **{k: v for k, v in PLAIN_EXPERTS.items() if k in ("moe.bias", "moe.activation")},
     "attention.kind": "mla",
     "attention.global_every": None,
     "moe.shared_gated": False,
     "moe.bias": False,
+    "moe.score_input": False,
 }
 
 

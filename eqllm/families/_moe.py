@@ -76,6 +76,13 @@ def has_experts(cfg: ModelConfig) -> dict[str, Any]:
     return {"moe": None} if cfg.moe is None else {}
 
 
+def has_shared_expert(cfg: ModelConfig) -> dict[str, Any]:
+    """A `check` of the Qwen mixtures (Qwen2-MoE, Qwen3.5-MoE, Qwen3-Next): experts, and the
+    gated shared expert transformers always builds for them."""
+    shared = {"moe.shared_d_ff": None} if cfg.at("moe.shared_d_ff") is None else {}
+    return {**has_experts(cfg), **shared}
+
+
 def sparse_everywhere(hf: dict[str, Any], family: str) -> None:
     """Refuse a config.json that gives some layers a dense MLP: eqllm's stacked blocks have one
     MLP kind for all layers. transformers (Qwen3-MoE, Qwen3-Next) puts experts in layer i when

@@ -161,6 +161,9 @@ PLAIN = {
     "positions.nope_every": None,
     "attention.kind": "gqa",
     "attention.output_gate": False,
+    "attention.chunk_size": None,
+    "attention.rope_interleave": False,
+    "attention.temperature_floor": None,
     "linear": None,
     **DENSE,
 }
@@ -175,6 +178,7 @@ PLAIN_EXPERTS = {
     "moe.n_groups": None,
     "moe.routed_scale": 1.0,
     "moe.dense_layers": 0,
+    "moe.score_input": False,
 }
 
 # The Llama block the Llama-layout families start from: RMSNorm before each sublayer, SwiGLU,

@@ -147,6 +147,8 @@ def _check(cfg: ModelConfig) -> dict[str, Any]:
         return has_experts(cfg)
     if not cfg.moe.shared_d_ff:
         return {"moe.shared_d_ff": None}
+    if cfg.attention.qk_norm == "l2":  # use_qk_norm is a weighted RMSNorm here
+        return {"attention.qk_norm": "l2"}
     return {}
 
 
@@ -166,6 +168,7 @@ FAMILY = Family(
         "moe.scoring": "sigmoid",
         "moe.score_bias": True,
         "moe.group_score": "top2_sum",
+        "moe.score_input": False,
     },
     table=TABLE,
     layouts=(FUSED,),

@@ -144,6 +144,7 @@ FAMILY = Family(
         "moe.norm_topk_prob": True,
         "moe.bias": True,
         "moe.activation": "clamped_swiglu",
+        "moe.score_input": False,
     },
     table=TABLE,
     prefix=LLAMA_PREFIX,

@@ -10,7 +10,7 @@ from eqllm.families._moe import (
     MOE_ATTENTION_TABLE,
     MOE_KEYS,
     expert_rows,
-    has_experts,
+    has_shared_expert,
     moe_from_hf,
     moe_to_hf,
     shared_expert_rows,
@@ -107,9 +107,5 @@ FAMILY = Family(
     },
     to_hf=to_hf,
     from_hf=from_hf,
-    # transformers' Qwen2-MoE always has the shared expert.
-    check=lambda cfg: {
-        **has_experts(cfg),
-        **({"moe.shared_d_ff": None} if cfg.at("moe.shared_d_ff") is None else {}),
-    },
+    check=has_shared_expert,
 )

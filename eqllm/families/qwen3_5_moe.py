@@ -16,7 +16,7 @@ from eqllm.families._moe import (
     MOE_KEYS,
     expert_rows,
     fused_expert_rows,
-    has_experts,
+    has_shared_expert,
     moe_from_hf,
     moe_to_hf,
     shared_expert_rows,
@@ -103,11 +103,7 @@ FAMILY = Family(
     | {"num_experts", "moe_intermediate_size", "shared_expert_intermediate_size"},
     to_hf=to_hf,
     from_hf=from_hf,
-    # transformers' Qwen3.5-MoE always has the shared expert.
-    check=lambda cfg: {
-        **has_experts(cfg),
-        **({"moe.shared_d_ff": None} if cfg.at("moe.shared_d_ff") is None else {}),
-    },
+    check=has_shared_expert,
     wrapper="qwen3_5_moe",
     ignored=IGNORED,
 )

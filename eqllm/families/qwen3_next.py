@@ -15,7 +15,7 @@ from typing import Any
 from eqllm.config import ModelConfig
 from eqllm.families._moe import (
     MOE_KEYS,
-    has_experts,
+    has_shared_expert,
     moe_from_hf,
     moe_to_hf,
     sparse_everywhere,
@@ -103,10 +103,6 @@ FAMILY = Family(
     },
     to_hf=to_hf,
     from_hf=from_hf,
-    # transformers' Qwen3-Next always has the shared expert.
-    check=lambda cfg: {
-        **has_experts(cfg),
-        **({"moe.shared_d_ff": None} if cfg.at("moe.shared_d_ff") is None else {}),
-    },
+    check=has_shared_expert,
     ignored=r"^mtp\.",  # the published multi-token-prediction layer
 )

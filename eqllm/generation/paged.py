@@ -93,7 +93,7 @@ def state_bytes(model: CausalLM) -> int:
 
 def windows(config: ModelConfig) -> tuple[int | None, ...]:
     """Each layer's sliding window (None: it attends to everything)."""
-    window = config.attention.sliding_window
+    window = config.attention.sliding_window or config.attention.chunk_size  # a chunk: a ring
     return tuple(window if local else None for local in config.local_layers())
 
 

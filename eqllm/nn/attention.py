@@ -13,12 +13,18 @@ cache or a padded batch is expressed without another code path. Models that alte
 the window then applies only where it is True. A per-layer `rotate` flag, traced the same way,
 skips the rotary embedding in the layers where it is False (NoPE layers, SmolLM3).
 
+Llama 4 (Meta, 2025) adds chunked attention in place of a window (query p attends to the keys of
+its own chunk of `chunk_size` positions, p // chunk_size), a weightless RMSNorm over each query
+and key head in the rotary layers only, attention-temperature tuning of the queries in the NoPE
+layers (Nakanishi, 2025, "Scalable-Softmax Is Superior for Attention": the queries scaled by
+1 + scale * log1p(floor((p + 1) / floor_scale))) and rotary pairs of adjacent dims, computed here
+as the "rotate half" rotation of de-interleaved dims (queries and keys are permuted alike, so
+their products, and the norms, are unchanged).
+
 Segment ids (`segment_ids`, one int per token) mark packed documents: a query attends only to
 keys of its own segment, so each document inside a packed row computes what it computes alone.
 They compose with the window and the local flag (the masks are intersected).
 """
-
-import itertools
 
 import equinox as eqx
 import jax
@@ -26,108 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from eqllm.nn.attention_core import dot_product_attention, in_order_attention
 from eqllm.nn.fused_attention import fused_attention
 from eqllm.nn.kv_cache import KVCache
 from eqllm.nn.linear import Linear
 from eqllm.nn.mask import attention_mask
 from eqllm.nn.norm import RMSNorm
 from eqllm.nn.rope import RotaryEmbedding
-
-
-def dot_product_attention(
-    q: Float[Array, "*batch seq heads head_dim"],
-    k: Float[Array, "*batch kv_seq kv_heads head_dim"],
-    v: Float[Array, "*batch kv_seq kv_heads head_dim"],
-    mask: Bool[Array, "*#batch seq kv_seq"],
-    *,
-    scale: float | None = None,
-    softcap: float | None = None,
-    sinks: Float[Array, " heads"] | None = None,
-) -> Float[Array, "*batch seq heads head_dim"]:
-    """softmax(cap(q k^T * scale) + mask) v, query heads grouped over the shared kv heads.
-
-    `scale` defaults to 1 / sqrt(head_dim); `softcap` (None: off) bounds the scores to
-    (-softcap, softcap) by softcap * tanh(s / softcap), before the mask. `sinks` (None: none)
-    are attention sinks, one learned logit per query head (gpt-oss): each joins its head's
-    softmax denominator as one more key that takes probability mass and carries no value, so
-    a row's weights sum to less than 1.
-    `mask` broadcasts over the leading axes (one (seq, kv_seq) mask serves a whole batch).
-    Scores and softmax are in fp32 whatever the input dtype. A query row with no allowed key
-    returns zeros (it only occurs for padding).
-    """
-    *batch, seq, heads, head_dim = q.shape
-    kv_heads = k.shape[-2]
-    # (..., seq, kv_heads, groups, head_dim): query heads that share one kv head sit together.
-    q = q.reshape(*batch, seq, kv_heads, heads // kv_heads, head_dim)
-    scores = jnp.einsum("...tkgd,...skd->...kgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (head_dim**-0.5 if scale is None else scale)
-    if softcap is not None:
-        scores = jnp.tanh(scores / softcap) * softcap
-    mask = mask[..., None, None, :, :]  # broadcast over (kv_heads, groups)
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    if sinks is None:
-        probs = jax.nn.softmax(scores, axis=-1)
-    else:
-        # (kv_heads, groups, 1, 1): query head h = kv * groups + g, as q was reshaped above.
-        sink = sinks.astype(jnp.float32).reshape(kv_heads, heads // kv_heads, 1, 1)
-        top = jax.lax.stop_gradient(jnp.maximum(scores.max(-1, keepdims=True), sink))
-        e = jnp.exp(scores - top)  # masked scores underflow to 0
-        probs = e / (e.sum(-1, keepdims=True) + jnp.exp(sink - top))
-    probs = jnp.where(mask.any(axis=-1, keepdims=True), probs, 0.0)  # fully masked rows -> 0
-    out = jnp.einsum("...kgts,...skd->...tkgd", probs.astype(v.dtype), v)
-    return out.reshape(*batch, seq, heads, head_dim)
-
-
-def in_order_attention(
-    q: Float[Array, "*batch seq heads head_dim"],
-    k: Float[Array, "*batch seq kv_heads head_dim"],
-    v: Float[Array, "*batch seq kv_heads head_dim"],
-    sliding_window: int | None = None,
-    chunks: int = 4,
-    *,
-    local: Bool[Array, ""] | bool | None = None,
-    scale: float | None = None,
-    softcap: float | None = None,
-    segment_ids: Int[Array, "*#batch seq"] | None = None,
-    sinks: Float[Array, " heads"] | None = None,
-) -> Float[Array, "*batch seq heads head_dim"]:
-    """Causal attention of positions 0..seq-1, skipping key blocks the mask would zero anyway.
-
-    The queries are split into up to `chunks` blocks of at least 64 rows; each attends only to
-    the keys up to its last row (and from its window's start), so the scores computed fall from
-    seq^2 to about (chunks + 1) / (2 * chunks) of it (62.5% at 4). Same values as
-    `dot_product_attention` with the causal mask. With a traced `local` flag the window may be
-    lifted, so only the causal skipping applies; a Python bool decides it while tracing.
-    `segment_ids` (None: one segment) further keep each query to keys of its own segment;
-    `sinks` as in `dot_product_attention`.
-    """
-    if isinstance(local, bool | np.bool_):  # known when tracing: apply or drop the window now
-        sliding_window, local = (sliding_window if local else None), None
-    seq = q.shape[-3]
-    n = max(1, min(chunks, seq // 64))
-    bounds = [seq * i // n for i in range(n + 1)]
-    positions = jnp.arange(seq)
-    outs = []
-    for start, end in itertools.pairwise(bounds):
-        windowed = sliding_window is not None and local is None
-        first = max(0, start - sliding_window + 1) if windowed else 0
-        mask = attention_mask(positions[start:end], positions[first:end], sliding_window, local)
-        if segment_ids is not None:
-            same = segment_ids[..., start:end, None] == segment_ids[..., None, first:end]
-            mask = mask & same
-        keys, values = k[..., first:end, :, :], v[..., first:end, :, :]
-        outs.append(
-            dot_product_attention(
-                q[..., start:end, :, :],
-                keys,
-                values,
-                mask,
-                scale=scale,
-                softcap=softcap,
-                sinks=sinks,
-            )
-        )
-    return outs[0] if n == 1 else jnp.concatenate(outs, axis=-3)
 
 
 class Attention(eqx.Module):
@@ -159,6 +70,13 @@ class Attention(eqx.Module):
             on a GPU with bf16/fp16 inputs ("xla": the same call, XLA's implementation). Cached
             inference (`cached`) always computes here. Not with `softcap` or `sinks`
             (`jax.nn.dot_product_attention` has no sink logits).
+        chunk_size: attend only within chunks of this many positions (Llama 4; None: no
+            chunks); a `local=False` call lifts it, as it lifts the window. Not with `kernel`.
+        qk_l2: a weightless RMSNorm over each query and key head after the rotation, in the
+            layers that rotate only (Llama 4's use_qk_norm), with `norm_eps`.
+        interleaved: rotary pairs are adjacent dims (0, 1), (2, 3), ... (Llama 4).
+        temperature: (floor_scale, attn_scale): in the layers that do not rotate, the queries
+            at position p times 1 + attn_scale * log1p(floor((p + 1) / floor_scale)) (None: off).
     """
 
     q_proj: Linear
@@ -178,6 +96,10 @@ class Attention(eqx.Module):
     softcap: float | None = eqx.field(static=True)
     qk_norm_per_head: bool = eqx.field(static=True)
     kernel: str | None = eqx.field(static=True)
+    chunk_size: int | None = eqx.field(static=True, default=None)
+    qk_l2_eps: float | None = eqx.field(static=True, default=None)
+    interleaved: bool = eqx.field(static=True, default=False)
+    temperature: tuple[int, float] | None = eqx.field(static=True, default=None)
 
     def __init__(
         self,
@@ -199,6 +121,10 @@ class Attention(eqx.Module):
         sinks: bool = False,
         output_gate: bool = False,
         kernel: str | None = None,
+        chunk_size: int | None = None,
+        qk_l2: bool = False,
+        interleaved: bool = False,
+        temperature: tuple[int, float] | None = None,
         key: PRNGKeyArray,
         dtype=jnp.float32,
     ):
@@ -211,6 +137,10 @@ class Attention(eqx.Module):
             raise ValueError(f"kernel={kernel!r} cannot soft-cap the scores (softcap={softcap})")
         if kernel is not None and sinks:
             raise ValueError(f"kernel={kernel!r} has no attention sinks (sinks=True)")
+        if kernel is not None and chunk_size is not None:
+            raise ValueError(f"kernel={kernel!r} has no chunked mask (chunk_size={chunk_size})")
+        if chunk_size is not None and sliding_window is not None:
+            raise ValueError(f"chunk_size={chunk_size} and sliding_window={sliding_window}")
         if head_dim is None:
             if d_model % n_heads:
                 raise ValueError(f"n_heads={n_heads} must divide d_model={d_model}")
@@ -255,6 +185,10 @@ class Attention(eqx.Module):
         self.softcap = softcap
         self.qk_norm_per_head = qk_norm_per_head
         self.kernel = kernel
+        self.chunk_size = chunk_size
+        self.qk_l2_eps = norm_eps if qk_l2 else None
+        self.interleaved = interleaved
+        self.temperature = None if temperature is None else tuple(temperature)
 
     def project(
         self,
@@ -280,9 +214,22 @@ class Attention(eqx.Module):
         if self.q_norm is not None and self.k_norm is not None and not whole:
             q = self.q_norm(q)
             k = self.k_norm(k)
+        if self.interleaved:  # pairs (0, 1), (2, 3), ... -> halves (0, 2, ...), (1, 3, ...)
+            q = jnp.concatenate([q[..., 0::2], q[..., 1::2]], axis=-1)
+            k = jnp.concatenate([k[..., 0::2], k[..., 1::2]], axis=-1)
         if self.rope is not None:
             q = self.rope(q, positions, local, rotate)
             k = self.rope(k, positions, local, rotate)
+        rotates = self.rope is not None if rotate is None else rotate
+        if self.qk_l2_eps is not None:
+            q = _where(rotates, _unit_rms(q, self.qk_l2_eps), q)
+            k = _where(rotates, _unit_rms(k, self.qk_l2_eps), k)
+        if self.temperature is not None:
+            floor_scale, attn_scale = self.temperature
+            p = positions.astype(jnp.float32)
+            tuned = 1.0 + attn_scale * jnp.log1p(jnp.floor((p + 1.0) / floor_scale))
+            tuned = (q.astype(jnp.float32) * tuned[..., None, None]).astype(q.dtype)
+            q = _where(jnp.logical_not(rotates), tuned, q)
         return q, k, v
 
     def output(
@@ -337,12 +284,25 @@ class Attention(eqx.Module):
         if positions is None:  # one row of positions serves the batch: rotations computed once
             q, k, v = self.project(x, jnp.arange(x.shape[-2]), local, rotate)
             attended = in_order_attention(
-                q, k, v, self.sliding_window, local=local, segment_ids=segment_ids, **extra
+                q,
+                k,
+                v,
+                self.sliding_window,
+                local=local,
+                segment_ids=segment_ids,
+                chunk_size=self.chunk_size,
+                **extra,
             )
             return self.output(attended, x)
         q, k, v = self.project(x, positions, local, rotate)
         mask = attention_mask(
-            positions, positions, self.sliding_window, local, segment_ids, segment_ids
+            positions,
+            positions,
+            self.sliding_window,
+            local,
+            segment_ids,
+            segment_ids,
+            chunk_size=self.chunk_size,
         )
         return self.output(dot_product_attention(q, k, v, mask, **extra), x)
 
@@ -366,9 +326,25 @@ class Attention(eqx.Module):
         keys = jnp.concatenate([cache.k, k.astype(cache.k.dtype)])
         values = jnp.concatenate([cache.v, v.astype(cache.v.dtype)])
         key_positions = jnp.concatenate([cache.positions, positions])
-        mask = attention_mask(positions, key_positions, self.sliding_window, local)
+        mask = attention_mask(
+            positions, key_positions, self.sliding_window, local, chunk_size=self.chunk_size
+        )
         keys, values = keys.astype(q.dtype), values.astype(q.dtype)
         attended = dot_product_attention(
             q, keys, values, mask, scale=self.scale, softcap=self.softcap, sinks=self.sinks
         )
         return self.output(attended, x), cache.write(k, v, positions)
+
+
+def _unit_rms(x, eps: float):
+    """x / rms(x) over the last axis, in fp32, cast back (a weightless RMSNorm)."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def _where(flag, yes, no):
+    """`yes` where the layer's flag holds: decided while tracing for a Python bool, else
+    selected by the traced flag."""
+    if isinstance(flag, bool | np.bool_):
+        return yes if flag else no
+    return jnp.where(flag, yes, no)

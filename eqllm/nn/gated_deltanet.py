@@ -324,7 +324,7 @@ class GatedDeltaNet(eqx.Module):
         Per sequence it holds (kernel - 1) * (2 * key_dim + value_dim) conv inputs in `dtype`
         and value_heads * d_k * d_v fp32 numbers, whatever the sequence's length.
         """
-        width, conv_dim = self.conv_weight.shape[1] - 1, self.conv_weight.shape[0]
+        conv_dim, width = self.conv_weight.shape[-2], self.conv_weight.shape[-1] - 1  # stacked too
         return GatedDeltaNetState(
             jnp.zeros((*batch, width, conv_dim), dtype),
             jnp.zeros(

@@ -239,7 +239,11 @@ class ExpertLinear(eqx.Module):
         self, x: Float[Array, "rows d_in"], group_sizes: Int[Array, " n"]
     ) -> Float[Array, "rows d_out"]:
         """Rows sorted by expert, `group_sizes[e]` of them for expert e (`jax.lax.ragged_dot`)."""
-        y = jax.lax.ragged_dot(x, jnp.swapaxes(self.weight, 1, 2), group_sizes)
+        # 16-bit operands multiply exactly at any precision, and TPU's grouped-matmul kernel
+        # refuses them at "highest" (Mosaic: "Bad lhs type"), which a global
+        # jax_default_matmul_precision may ask for: ask for the default there.
+        precision = jax.lax.Precision.DEFAULT if x.dtype.itemsize < 4 else None
+        y = jax.lax.ragged_dot(x, jnp.swapaxes(self.weight, 1, 2), group_sizes, precision=precision)
         if self.bias is None:
             return y
         # Row r belongs to the expert whose group covers it: each bias repeated over its group.

@@ -29,7 +29,7 @@ from typing import Literal, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqllm.nn.dispatch import dispatched, placement
 from eqllm.nn.linear import ExpertLinear, Linear
@@ -99,6 +99,9 @@ class MoE(eqx.Module):
         topk_groups: groups each token may choose from.
         group_score: how a group is scored, "max" or "top2_sum".
         routed_scale: multiplies the routed weights.
+        score_input: each routed weight scales its expert's input, w_e * x, not the expert's
+            output (Llama 4; equal only for a linear expert). "dispatch" takes it with one
+            expert per token.
     """
 
     router: Linear  # (n_experts, d_model)
@@ -120,6 +123,7 @@ class MoE(eqx.Module):
     topk_groups: int | None = eqx.field(static=True)
     group_score: GroupScore = eqx.field(static=True)
     routed_scale: float = eqx.field(static=True)
+    score_input: bool = eqx.field(static=True, default=False)
 
     def __init__(
         self,
@@ -143,6 +147,7 @@ class MoE(eqx.Module):
         topk_groups: int | None = None,
         group_score: GroupScore = "max",
         routed_scale: float = 1.0,
+        score_input: bool = False,
         key: PRNGKeyArray,
         dtype=jnp.float32,
     ):
@@ -190,6 +195,7 @@ class MoE(eqx.Module):
         self.activation, self.swiglu_alpha, self.swiglu_limit = activation, *clamped
         self.scoring, self.n_groups, self.topk_groups = scoring, n_groups, topk_groups
         self.group_score, self.routed_scale = group_score, routed_scale
+        self.score_input = score_input
 
     def _act(self, gate, up):
         if self.activation == "swiglu":
@@ -262,6 +268,9 @@ class MoE(eqx.Module):
         )
         combine = place(combine, ("tokens", "expert"))
         every = jnp.broadcast_to(x, (self.n_experts, *x.shape))  # (E, T, d_model)
+        if self.score_input:  # each expert reads its weight times x; its output counts whole
+            every = every * combine.T[..., None]
+            combine = (combine != 0).astype(combine.dtype)
         every = place(every, ("expert", "tokens", "d_model"))
         h = place(self._act(self.gate(every), self.up(every)), ("expert", "tokens", "d_ff"))
         y = place(self.down(h), ("expert", "tokens", "d_model"))  # (E, T, d_model)
@@ -273,6 +282,9 @@ class MoE(eqx.Module):
         order = jnp.argsort(flat, stable=True)  # token copies sorted by expert
         sizes = jnp.bincount(flat, length=self.n_experts)
         copies = x[order // k]  # (T k, d_model)
+        if self.score_input:  # each copy scaled by its weight on the way in, not out
+            copies = copies * weights.reshape(-1)[order][:, None]
+            weights = jnp.ones_like(weights)
         h = self._act(self.gate.grouped(copies, sizes), self.up.grouped(copies, sizes))
         y = self.down.grouped(h, sizes)  # (T k, d_model)
         y = jnp.zeros_like(y).at[order].set(y)  # back to token-major order: (T k, d_model)
@@ -293,7 +305,12 @@ class MoE(eqx.Module):
         dropped = jnp.zeros((), jnp.int32)
         if impl == "dispatch":
             layers, cf = (self.gate, self.up, self.down), self.capacity_factor
-            out, dropped = dispatched(layers, self._act, flat, weights, experts, cf)
+            inputs = flat
+            if self.score_input:  # one copy per token: scale it before it is sent
+                if self.top_k != 1:
+                    raise ValueError(f"MoE score_input with 'dispatch' needs top_k=1: {self.top_k}")
+                inputs, weights = flat * weights, jnp.ones_like(weights)
+            out, dropped = dispatched(layers, self._act, inputs, weights, experts, cf)
         else:
             out = (self._dense if impl == "dense" else self._ragged)(flat, weights, experts)
         if self.shared is not None and self.shared_gate is None:
@@ -308,93 +325,23 @@ class MoE(eqx.Module):
         return self.routed(x)[0]
 
 
-def expert_load(
-    router_logits: Float[Array, "layers *rows experts"],
-    top_k: int,
-    mask: Bool[Array, "*rows"] | None = None,
-) -> tuple[Float[Array, "layers experts"], Float[Array, "layers experts"]]:
-    """Per layer: the fraction of (masked-in) token assignments each expert receives (each row
-    sums to 1) and the mean router probability of each expert."""
-    n_layers, n_experts = router_logits.shape[0], router_logits.shape[-1]
-    logits = router_logits.reshape(n_layers, -1, n_experts).astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
-    _, experts = jax.lax.top_k(probs, top_k)
-    counts = jax.nn.one_hot(experts, n_experts, dtype=jnp.float32).sum(-2)  # (L, T, E)
-    m = jnp.ones(logits.shape[1]) if mask is None else mask.reshape(-1).astype(jnp.float32)
-    rows = jnp.maximum(m.sum(), 1.0)
-    assigned = jnp.einsum("lte,t->le", counts, m) / (rows * top_k)
-    return assigned, jnp.einsum("lte,t->le", probs, m) / rows
+from eqllm.nn.moe_losses import (  # noqa: E402  (re-exported: they take a MoE)
+    balance_loss,
+    balanced_bias,
+    chosen_load,
+    expert_load,
+    load_balancing_loss,
+    sequence_balance_loss,
+)
 
-
-def chosen_load(
-    moe: MoE, router_logits: Float[Array, "layers *rows experts"]
-) -> Float[Array, "layers experts"]:
-    """Per layer of a stacked `moe` (arrays with a leading layers axis): the fraction of token
-    assignments each expert receives under the layer's own routing (DeepSeek's correction bias
-    and groups included); each row sums to 1."""
-    n_experts = router_logits.shape[-1]
-
-    def one(layer: MoE, logits):
-        experts = layer.choices(logits.reshape(-1, n_experts))
-        counts = jax.nn.one_hot(experts, n_experts, dtype=jnp.float32).sum((0, 1))
-        return counts / counts.sum()
-
-    return eqx.filter_vmap(one)(moe, router_logits)
-
-
-def balanced_bias(
-    bias: Float[Array, "layers experts"], load: Float[Array, "layers experts"], speed: float
-) -> Float[Array, "layers experts"]:
-    """Auxiliary-loss-free balancing (DeepSeek-V3 report, section 2.1.2): each expert's
-    correction bias moves by `speed` toward equal load, up where the expert got less than the
-    mean load, down where it got more: bias + speed * sign(mean(load) - load)."""
-    step = speed * jnp.sign(load.mean(-1, keepdims=True) - load)
-    return (bias + step).astype(bias.dtype)
-
-
-def load_balancing_loss(
-    router_logits: Float[Array, "layers *rows experts"],
-    top_k: int,
-    mask: Bool[Array, "*rows"] | None = None,
-) -> Float[Array, ""]:
-    """transformers' `load_balancing_loss_func` over the router logits of all layers together:
-    E * sum_e f_e * P_e, f_e the assignments to expert e per (masked-in) token (summing to k),
-    P_e its mean router probability, both over every layer's tokens. Without the coefficient."""
-    assigned, probs = expert_load(router_logits, top_k, mask)
-    n_experts = router_logits.shape[-1]
-    # Every layer has the same tokens, so the means over all layers are means of the per-layer ones.
-    return n_experts * top_k * jnp.sum(assigned.mean(0) * probs.mean(0))
-
-
-def sequence_balance_loss(
-    moe: MoE, router_logits: Float[Array, "layers batch seq experts"]
-) -> Float[Array, ""]:
-    """DeepSeek-V3's sequence-wise balance loss (report, eqs. 17-20), without its coefficient:
-    per sequence and layer, sum_i f_i P_i, f_i = E / (k T) times the tokens that chose expert i
-    under the layer's own routing (correction bias and groups included), P_i the mean over
-    the sequence of expert i's score normalised over the experts; averaged over sequences and
-    layers. Equal load and equal scores give 1."""
-    n_experts = router_logits.shape[-1]
-
-    def one(layer: MoE, logits):  # (batch, seq, experts)
-        batch, seq = logits.shape[:2]
-        experts = layer.choices(logits.reshape(-1, n_experts)).reshape(batch, seq, -1)
-        hits = jax.nn.one_hot(experts, n_experts, dtype=jnp.float32).sum((1, 2))  # (batch, E)
-        f = hits * n_experts / (experts.shape[-1] * seq)
-        logits = logits.astype(jnp.float32)
-        scores = jax.nn.sigmoid(logits) if layer.scoring == "sigmoid" else jax.nn.softmax(logits)
-        p = (scores / scores.sum(-1, keepdims=True)).mean(1)  # (batch, E)
-        return jnp.sum(f * p, -1).mean()
-
-    return eqx.filter_vmap(one)(moe, router_logits).mean()
-
-
-def balance_loss(
-    moe: MoE, router_logits: Float[Array, "layers batch seq experts"], kind: str, top_k: int
-) -> Float[Array, ""]:
-    """The load-balancing loss a mixture of experts trains with (`ModelConfig.moe.balance_loss`),
-    without its coefficient: "switch" (`load_balancing_loss`) or "sequence"
-    (`sequence_balance_loss`) over the stacked expert layers `moe`."""
-    if kind == "sequence":
-        return sequence_balance_loss(moe, router_logits)
-    return load_balancing_loss(router_logits, top_k)
+__all__ = [
+    "MoE",
+    "Routing",
+    "balance_loss",
+    "balanced_bias",
+    "chosen_load",
+    "clamped_swiglu",
+    "expert_load",
+    "load_balancing_loss",
+    "sequence_balance_loss",
+]

@@ -80,6 +80,8 @@ class Plan:
             "remat": t.remat,
             "precision": t.precision,
             "n_layers": model_config(self.recipe).n_layers,
+            # a mixture of experts': how the step computes them, and why (moe.impl)
+            "experts": s.experts,
             "compile_s": round(s.compile_s, 2),
             "fits": self.fits,
             "hbm_bytes": self.hbm,

@@ -10,11 +10,11 @@ from eqllm.sharding import human_bytes
 GiB = 2**30
 
 
-def _gib(n: float | None) -> str:
+def _gib(n: int | float | None) -> str:
     return "?" if n is None else f"{n / GiB:,.2f}"
 
 
-def _size(n: float | None) -> str:
+def _size(n: int | float | None) -> str:
     return "?" if n is None else human_bytes(n)
 
 
@@ -37,6 +37,8 @@ def describe(plan: Plan) -> str:
         + f", {t.precision} compute, float32 parameters and AdamW state, remat {t.remat}",
         f"  compiled in {s.compile_s:.1f} s",
     ]
+    if s.experts is not None:
+        lines.insert(2, f"  experts: moe.impl {s.experts['impl']} ({s.experts['why']})")
     estimate = f"eqllm.sharding.memory estimates {_size(plan.estimated_bytes)}"
     if s.memory is None:
         needed = f"; it needs {_size(s.needed)}" if s.needed else ""

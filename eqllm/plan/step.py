@@ -28,6 +28,7 @@ from eqllm.data import Tokenizer
 from eqllm.model import CausalLM, param_count
 from eqllm.recipe import Recipe, RecipeError
 from eqllm.sharding import batch_sharding, check_divisible, make_mesh
+from eqllm.sharding.dispatch import experts_impl
 from eqllm.train.mfu import step_flops
 from eqllm.train.objectives import Instructions, LanguageModel
 from eqllm.train.optim import schedule
@@ -76,6 +77,9 @@ class CompiledStep:
     hlo: str = ""  # the optimised program, as text
     model_flops: float = 0.0  # the model's FLOPs per step, all chips (eqllm.train.mfu)
     hardware_flops: float = 0.0  # the same with remat's recomputation
+    # a mixture of experts' {"impl", "why", "requested"}: how the compiled step computes its
+    # experts (`planned_config`), as a run's summary.json records it; None without experts
+    experts: dict | None = None
 
 
 def model_config(recipe: Recipe) -> ModelConfig:
@@ -87,10 +91,29 @@ def model_config(recipe: Recipe) -> ModelConfig:
     return recipe.model_config(vocab_size=vocab)
 
 
+# The backend a plan compiles for: its moe.impl "auto" chooses for this, not for the host.
+TARGET_BACKEND = "tpu"
+
+
+def planned_config(recipe: Recipe, mesh) -> tuple[ModelConfig, dict | None]:
+    """`model_config(recipe)` with its experts computed as `eqllm run` on the slice would
+    compute them: moe.impl "auto" chosen for the TPU and `mesh` (the size of the axis that
+    splits the experts, `eqllm.sharding.dispatch.experts_impl`), not for the host planning it,
+    where it would choose dense experts on one device; an explicit moe.impl is kept. With
+    {"impl", "why", "requested"} for the plan's report (None without experts)."""
+    config = model_config(recipe)
+    choice = experts_impl(config, TARGET_BACKEND, mesh)
+    if choice is None:
+        return config, None
+    impl, why = choice
+    experts = {"impl": impl, "why": why, "requested": config.moe.impl}
+    return config.replace(**{"moe.impl": impl}), experts
+
+
 def lower_train_step(recipe: Recipe, mesh) -> tuple[jax.stages.Lowered, AbstractState, CausalLM]:
     """The recipe's training step on `mesh`, lowered from shapes (see the module docstring);
     with its abstract arguments and the model's shapes."""
-    config = model_config(recipe)
+    config, _ = planned_config(recipe, mesh)
     shapes = eqx.filter_eval_shape(
         lambda: with_adapters(recipe, CausalLM(config, key=jax.random.key(recipe.train.seed)))
     )
@@ -174,6 +197,7 @@ def compile_recipe(recipe: Recipe, devices: list) -> CompiledStep:
         devices=list(mesh.devices.flat),
         model_flops=flops.model * tokens,
         hardware_flops=flops.hardware * tokens,
+        experts=planned_config(recipe, mesh)[1],
     )
     t0 = time.perf_counter()
     try:

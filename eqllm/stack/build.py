@@ -116,7 +116,7 @@ def make_attention(config: ModelConfig, key: PRNGKeyArray, dtype):
         head_dim=a.head_dim,
         qkv_bias=a.qkv_bias,
         out_bias=a.out_bias,
-        qk_norm=a.qk_norm is not None,
+        qk_norm=a.qk_norm in ("head", "whole"),
         qk_norm_per_head=a.qk_norm != "whole",
         norm_plus_one=norms.plus_one,
         rope=make_rope(config),
@@ -127,6 +127,12 @@ def make_attention(config: ModelConfig, key: PRNGKeyArray, dtype):
         sinks=a.sinks,
         output_gate=a.output_gate,
         kernel=attention_kernel(config),
+        chunk_size=a.chunk_size,
+        qk_l2=a.qk_norm == "l2",
+        interleaved=a.rope_interleave,
+        temperature=(
+            None if a.temperature_floor is None else (a.temperature_floor, a.temperature_scale)
+        ),
         key=key,
         dtype=dtype,
     )
@@ -205,6 +211,7 @@ def make_block(
             topk_groups=moe.topk_groups,
             group_score=moe.group_score,
             routed_scale=moe.routed_scale,
+            score_input=moe.score_input,
             key=k_mlp,
             dtype=dtype,
         )

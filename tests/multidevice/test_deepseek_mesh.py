@@ -1,7 +1,8 @@
 """A tiny DeepSeek-V3 (latent attention, a dense first layer, sigmoid routing with a moving
 correction bias over groups of experts), a tiny GLM-4.5 (the same routing and dense prefix on
 grouped-query attention with partial rotary, q/k/v biases and QK-norm) and a tiny gpt-oss
-(attention sinks, windowed and full layers, biased clamped experts) trained on 8 devices, split
+(attention sinks, windowed and full layers, biased clamped experts) and a tiny Llama 4 (chunked
+and global NoPE layers, experts that read the score-scaled token) trained on 8 devices, split
 over data, fsdp (experts) and tensor (heads), equal training on one device."""
 
 import jax
@@ -33,6 +34,16 @@ CONFIGS = {
         attention={"n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "sliding_window": 8},
         moe={"n_experts": 4, "d_ff": 32},
     ),
+    # Chunks of 8 in the first layer, a global NoPE layer tuned from position 3, top-1 sigmoid
+    # experts that read the score-scaled token, and the shared expert.
+    "llama4": eqllm.zoo.config(
+        "llama4-nano",
+        **SMALL,
+        attention={"n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "chunk_size": 8},
+        **{"attention.global_every": 2, "positions.nope_every": 2},
+        **{"attention.temperature_floor": 4},
+        moe={"n_experts": 4, "d_ff": 32, "shared_d_ff": 32},
+    ),
 }
 
 
@@ -41,7 +52,10 @@ CONFIGS = {
 # XLA_FLAGS=--xla_force_host_platform_device_count=8 pytest -m slow tests/multidevice`.
 @pytest.mark.parametrize(
     "family",
-    [pytest.param(f, marks=pytest.mark.slow) if f == "glm4_moe" else f for f in sorted(CONFIGS)],
+    [
+        pytest.param(f, marks=pytest.mark.slow) if f in ("glm4_moe", "llama4") else f
+        for f in sorted(CONFIGS)
+    ],
 )
 def test_mesh_training_equals_single_device(family):
     cfg = CONFIGS[family]
