@@ -223,6 +223,7 @@ class CausalLM(eqx.Module):
         fixed-size state (`GatedDeltaNet.init_state`).
         """
         cfg = self.config
+        refuse_cached(cfg)
         dtype = dtype_of(cfg.compute_dtype)
         full = min(length, cfg.max_seq_len)
         a = cfg.attention
@@ -246,6 +247,7 @@ class CausalLM(eqx.Module):
         Pass them to `prefill` / `decode` called in a compiled loop: sliced inside the loop, every
         layer's weights were copied at every step (halving decode speed on CPU, gpt2-small).
         """
+        refuse_cached(self.config)
         dtype = dtype_of(self.config.compute_dtype)
 
         def sliced(stack):
@@ -350,6 +352,17 @@ class CausalLM(eqx.Module):
     ) -> tuple[Float[Array, " vocab"], Cache]:
         """Feed one token at `position` after those in `cache`: `prefill` of a chunk of one."""
         return self.prefill(token[None], position[None], cache, layers=layers)
+
+
+def refuse_cached(config: ModelConfig) -> None:
+    """Raise for a model cached inference cannot run yet: Mamba-2 layers, whose SSM and
+    convolution state the cache does not carry (a Gated DeltaNet's it does)."""
+    if config.linear is not None and config.linear.kind == "mamba2":
+        raise EqllmError(
+            f"generation of Mamba-2 models is not supported yet (family={config.family!r}, "
+            "linear.kind='mamba2'): the cache carries no SSM state; use the full forward, "
+            "model(tokens), instead"
+        )
 
 
 def check_tokens(tokens, config: ModelConfig) -> None:

@@ -385,6 +385,52 @@ FAMILIES = [
         variant=True,
         atol=1e-4,
     ),
+    # Mamba-2 layers alone (no attention, no MLP): 8 heads of 8 in 2 groups of B and C, a state
+    # of 8, chunks of 16 (the test sequence padded to whole chunks, as transformers pads it).
+    # peft adapts in_proj of Mamba models and refuses out_proj (its fused kernels' limit).
+    Tiny(
+        "mamba2",
+        _zoo(
+            "mamba2-nano",
+            attention={"n_heads": 1},
+            mlp={"d_ff": 1},
+            linear={
+                "n_key_heads": 2,
+                "n_value_heads": 8,
+                "key_head_dim": 8,
+                "value_head_dim": 8,
+                "chunk_size": 16,
+            },
+        ),
+        lora=("in_proj",),
+        atol=1e-4,
+        generates=False,
+    ),
+    # Mamba-Codestral's layout: an untied head, one group; dt clamped to limits that the
+    # perturbed twin's time steps cross at both ends (transformers' time_step_limit on its
+    # chunked path).
+    Tiny(
+        "mamba2_untied",
+        _zoo(
+            "mamba2-nano",
+            attention={"n_heads": 1},
+            mlp={"d_ff": 1},
+            tie_embeddings=False,
+            linear={
+                "n_key_heads": 1,
+                "n_value_heads": 4,
+                "key_head_dim": 8,
+                "value_head_dim": 16,
+                "chunk_size": 32,
+                "dt_min": 0.01,
+                "dt_max": 0.1,
+            },
+        ),
+        variant=True,
+        lora=("in_proj",),
+        atol=1e-4,
+        generates=False,
+    ),
 ]
 # tests/conftest.py records here the parametrised tests none of whose cases runs by default;
 # tests/test_suite.py fails naming them.

@@ -30,6 +30,7 @@ from safetensors import safe_open
 
 import eqllm
 from eqllm import families, lora
+from eqllm.errors import EqllmError
 from tests.conftest import cached_logits
 from tests.families import BY_NAME, FAMILIES, params
 from tests.hf_parity import TOKENS, hf_logits, logits
@@ -145,7 +146,12 @@ def test_scanned_equals_unrolled(twin):
 def test_cached_decoding_equals_the_full_forward(twin, prefill, length):
     """Prefill, then one token at a time (past every window): each step's logits equal the full
     forward's. The long case runs past Llama 3's and YaRN's original contexts; a hybrid's
-    linear-attention layers carry their recurrent state from the prefill to the last token."""
+    linear-attention layers carry their recurrent state from the prefill to the last token.
+    A model whose cache cannot carry its state (`generates` False) is refused by name."""
+    if not twin.tiny.generates:
+        with pytest.raises(EqllmError, match=twin.tiny.family):
+            cached_logits(twin.model, TOKENS[:length], prefill)
+        return
     full = logits(twin.model, TOKENS)  # causal: its first rows are those of any prefix
     cached = cached_logits(twin.model, TOKENS[:length], prefill)
     want = full[prefill - 1 : length - 1]

@@ -31,6 +31,7 @@ _HALVES = {
         "test_fsdp.py",
         "test_mesh.py",
         "test_own_model_mesh.py",
+        "test_mamba2_mesh.py",
     ),
 }
 

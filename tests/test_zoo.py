@@ -32,6 +32,7 @@ RESEARCH = [
     "qwen3_next-nano",
     "olmo_hybrid-nano",
     "llama4-nano",
+    "mamba2-nano",
 ]
 PUBLISHED = [
     "gpt2-small",
@@ -92,6 +93,12 @@ PUBLISHED = [
     "qwen3.5-397b-a17b",
     "qwen3-next-80b-a3b",
     "llama4-scout",
+    "mamba2-130m",
+    "mamba2-370m",
+    "mamba2-780m",
+    "mamba2-1.3b",
+    "mamba2-2.7b",
+    "mamba-codestral-7b",
 ]
 
 
@@ -119,6 +126,7 @@ NANOS = [
     "qwen3_next-nano",
     "olmo_hybrid-nano",
     "llama4-nano",
+    "mamba2-nano",
 ]
 
 

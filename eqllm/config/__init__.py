@@ -92,8 +92,8 @@ class ModelConfig:
     `attention` (heads, kv heads, head size, biases, QK-norm, soft-cap, windows, scale, kernel),
     `positions` (RoPE with its base, fraction and scaling, or learned), `mlp` (kind, d_ff,
     bias), `moe` (None: a dense MLP in every block), `norms` (kind, eps, plus-one, bias,
-    placement), `linear` (None: attention in every layer; else Gated DeltaNet layers between
-    every `full_every`-th attention layer, a hybrid stack).
+    placement), `linear` (None: attention in every layer; else Gated DeltaNet or Mamba-2 layers
+    between every `full_every`-th attention layer, a hybrid stack, or Mamba-2 layers alone).
 
     Whole-model switches: `family` (a name of the families registry), `tie_embeddings`,
     `embed_scale` (multiply token embeddings by sqrt(d_model), as Gemma does), `final_softcap`
@@ -244,7 +244,8 @@ class ModelConfig:
         return int(self.attention.head_dim * self.positions.fraction)
 
     def layer_kinds(self) -> tuple[str, ...]:
-        """Per layer: "full" (softmax attention) or "linear" (Gated DeltaNet, `linear`)."""
+        """Per layer: "full" (softmax attention) or "linear" (Gated DeltaNet or Mamba-2,
+        `linear`)."""
         if self.linear is None:
             return ("full",) * self.n_layers
         return self.linear.kinds(self.n_layers)
@@ -362,7 +363,11 @@ class ModelConfig:
                 lin.n_value_heads * lin.value_head_dim,
             )
             linear = d * (2 * keys + 3 * values + 2 * lin.n_value_heads)
+            if lin.kind == "mamba2":  # z, x, B, C, dt and out
+                linear = d * (2 * keys + 3 * values + lin.n_value_heads)
             matmul_params += (self.n_layers - full) * linear
+            if not lin.mlp:  # linear layers without an MLP
+                matmul_params -= (self.n_layers - full) * mlp
         return 6.0 * matmul_params + self.attention_flops_per_token(seq_len)
 
     def attention_flops_per_token(self, seq_len: int | None = None) -> float:

@@ -1,5 +1,6 @@
 """The linear-attention group of ModelConfig (`ModelConfig.linear`): hybrid stacks that mix
-Gated DeltaNet layers (`eqllm.nn.GatedDeltaNet`) with softmax attention layers."""
+Gated DeltaNet (`eqllm.nn.GatedDeltaNet`) or Mamba-2 (`eqllm.nn.Mamba2`) layers with softmax
+attention layers, and stacks of Mamba-2 layers alone."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from eqllm.config.validation import (
     validated,
 )
 
-LinearKind = Literal["gated_deltanet"]
+LinearKind = Literal["gated_deltanet", "mamba2"]
 
 _group = validated(STRICT, config_error)
 
@@ -23,34 +24,46 @@ _group = validated(STRICT, config_error)
 @typing.no_type_check
 @_group
 class LinearAttentionConfig:
-    """Gated DeltaNet layers in place of attention in all but every `full_every`-th layer.
+    """Linear-attention layers (`kind`) in place of attention in all but every
+    `full_every`-th layer, or in every layer (`full_every` unset, Mamba-2 only).
 
     The layers repeat in groups of `full_every`: `full_every - 1` linear-attention layers, then
     one softmax attention layer (Qwen3.5 and Qwen3-Next: `full_attention_interval` = 4). Their
     sizes: `n_key_heads` query/key heads of `key_head_dim`, `n_value_heads` value heads of
     `value_head_dim` (a multiple of the key heads), a causal convolution `conv_kernel` wide over
-    q, k and v; `chunk_size` tokens per chunk of the chunked delta rule (how it runs, not what
-    it computes). The gated output norm uses `norm_eps` (None: `norms.eps`; OLMo hybrid fixes
+    q, k and v; `chunk_size` tokens per chunk of the chunked form (how it runs, not what it
+    computes). The gated output norm uses `norm_eps` (None: `norms.eps`; OLMo hybrid fixes
     1e-5 whatever its rms_norm_eps). `allow_neg_eigval`: the write strength is 2 * sigmoid(b),
     in (0, 2), so the state's transition may have negative eigenvalues (OLMo hybrid).
     `pre_norm`: these layers normalise their inputs (pre-norm, no output norms) whatever
     `norms.pre` and `norms.post` say for the attention layers (OLMo hybrid: post-norm
     attention layers, pre-norm Gated DeltaNet layers); False: every layer as `norms` says.
+
+    Mamba-2 (`kind = "mamba2"`) reads the same sizes the way state-space duality pairs them:
+    B and C are keys and queries shared by groups of heads (`n_key_heads` = n_groups,
+    `key_head_dim` = state_size), x the values (`n_value_heads` = num_heads, `value_head_dim`
+    = head_dim); dt is clamped to [`dt_min`, `dt_max`] (transformers' time_step_limit; None: no
+    upper limit). `mlp` False leaves the MLP out of the linear layers (Mamba-2's blocks are
+    norm -> mixer -> residual); a stack without attention layers then uses neither the
+    `attention` nor the `mlp` group.
     """
 
     PATH: ClassVar[str] = "ModelConfig.linear"
 
-    full_every: Positive
     n_key_heads: Positive
     n_value_heads: Positive
     key_head_dim: Positive
     value_head_dim: Positive
+    full_every: Positive | None = None
     conv_kernel: Positive = 4
     chunk_size: Positive = 64
     kind: LinearKind = "gated_deltanet"
     norm_eps: PositiveFloat | None = None
     allow_neg_eigval: bool = False
     pre_norm: bool = False
+    mlp: bool = True
+    dt_min: float = 0.0
+    dt_max: PositiveFloat | None = None
 
     def __post_init__(self) -> None:
         require(
@@ -60,23 +73,52 @@ class LinearAttentionConfig:
             f"must divide n_value_heads={self.n_value_heads}",
         )
         require(
-            self.full_every >= 2,
+            self.full_every is not None or self.kind == "mamba2",
+            f"{self.PATH}.full_every",
+            None,
+            f"must be set for kind={self.kind!r} (a stack of linear layers alone is Mamba-2's)",
+        )
+        require(
+            self.full_every is None or self.full_every >= 2,
             f"{self.PATH}.full_every",
             self.full_every,
-            "must be at least 2 (one linear-attention layer before each full one)",
+            "must be at least 2 (one linear-attention layer before each full one), or unset "
+            "for a stack without attention (kind mamba2)",
+        )
+        for name, plain in (("dt_min", 0.0), ("dt_max", None)):
+            value = getattr(self, name)
+            require(
+                self.kind == "mamba2" or value == plain,
+                f"{self.PATH}.{name}",
+                value,
+                f"is Mamba-2's time-step limit; leave it at {plain} for kind={self.kind!r}",
+            )
+        require(self.dt_min >= 0, f"{self.PATH}.dt_min", self.dt_min, "must be >= 0")
+        require(
+            self.dt_max is None or self.dt_max > self.dt_min,
+            f"{self.PATH}.dt_max",
+            self.dt_max,
+            f"must be greater than dt_min={self.dt_min}",
         )
 
     def kinds(self, n_layers: int) -> tuple[str, ...]:
-        """Per layer: "linear" or "full" (every full_every-th layer, counting from 1)."""
+        """Per layer: "linear" or "full" (every full_every-th layer, counting from 1; none
+        when full_every is unset)."""
+        every = self.full_every
         return tuple(
-            "full" if (i + 1) % self.full_every == 0 else "linear" for i in range(n_layers)
+            "full" if every and (i + 1) % every == 0 else "linear" for i in range(n_layers)
         )
+
+    @property
+    def pure(self) -> bool:
+        """Whether every layer is a linear layer (no attention layers: full_every unset)."""
+        return self.full_every is None
 
 
 def check_hybrid(cfg) -> None:
     """Raise unless a ModelConfig with `linear` is a stack the groups scan can run: whole groups
     of layers, and none of the per-layer switches of the other stacks."""
-    every = cfg.linear.full_every
+    every = cfg.linear.full_every or 1
     require(
         cfg.n_layers % every == 0,
         "ModelConfig.n_layers",

@@ -50,6 +50,8 @@ def stack_layers(row: Row, config) -> tuple[int, ...]:
     prefix = config.at("moe.dense_layers") or 0
     if row.eqllm[0].startswith("dense_blocks."):
         return tuple(range(prefix))
+    if config.linear is not None and config.linear.pure:  # one stack, every layer linear
+        return tuple(range(prefix, config.n_layers))
     kinds = config.layer_kinds()
     kind = "linear" if row.eqllm[0].startswith("linear_blocks.") else "full"
     return tuple(i for i in range(prefix, config.n_layers) if kinds[i] == kind)

@@ -14,6 +14,7 @@ from eqllm.nn.linear import (
     param_info,
     quantize,
 )
+from eqllm.nn.mamba2 import Mamba2, Mamba2State
 from eqllm.nn.mla import LatentCache, MultiHeadLatentAttention
 from eqllm.nn.mlp import MLP, GatedMLP
 from eqllm.nn.moe import (
@@ -43,6 +44,8 @@ __all__ = [
     "LatentCache",
     "LayerNorm",
     "Linear",
+    "Mamba2",
+    "Mamba2State",
     "MoE",
     "Routing",
     "MultiHeadLatentAttention",

@@ -7,9 +7,11 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Bool, Float, Int
 
+from eqllm.errors import EqllmError
 from eqllm.nn.attention import Attention
 from eqllm.nn.gated_deltanet import GatedDeltaNet, GatedDeltaNetState
 from eqllm.nn.kv_cache import KVCache
+from eqllm.nn.mamba2 import Mamba2
 from eqllm.nn.mla import LatentCache, MultiHeadLatentAttention
 from eqllm.nn.mlp import MLP, GatedMLP
 from eqllm.nn.moe import MoE, Routing
@@ -32,11 +34,12 @@ class Block(eqx.Module):
 
     Attributes:
         attn_norm: the norm applied before attention (None: none).
-        attn: the token mixer: self-attention (grouped-query or latent), or a Gated DeltaNet
-            (a linear-attention layer of a hybrid stack; it takes no positions, and segment ids
-            reset its state).
+        attn: the token mixer: self-attention (grouped-query or latent), or a Gated DeltaNet or
+            Mamba-2 (a linear-attention or state-space layer; it takes no positions, and
+            segment ids reset its state).
         mlp_norm: the norm applied before the feed-forward layer (None: none).
-        mlp: the feed-forward layer (a mixture of experts in a sparse model).
+        mlp: the feed-forward layer (a mixture of experts in a sparse model; None: none, the
+            block is norm -> mixer -> residual, as Mamba-2's).
         attn_post_norm: the norm applied to attention's output before it is added to the
             residual stream (None: none).
         mlp_post_norm: the same for the feed-forward layer's output (None: none).
@@ -47,9 +50,9 @@ class Block(eqx.Module):
     """
 
     attn_norm: Norm | None
-    attn: Attention | MultiHeadLatentAttention | GatedDeltaNet
+    attn: Attention | MultiHeadLatentAttention | GatedDeltaNet | Mamba2
     mlp_norm: Norm | None
-    mlp: MLP | GatedMLP | MoE
+    mlp: MLP | GatedMLP | MoE | None
     attn_post_norm: Norm | None = None
     mlp_post_norm: Norm | None = None
     branch_scale: float = eqx.field(static=True, default=1.0)
@@ -58,6 +61,8 @@ class Block(eqx.Module):
     def _residual(self, x, attended, moe_impl=None):
         """The block's output from its input `x` and attention's output `attended`."""
         after_attn = x + _scaled(_apply(self.attn_post_norm, attended), self.branch_scale)
+        if self.mlp is None:
+            return after_attn, None
         h = _apply(self.mlp_norm, x if self.parallel else after_attn)
         if isinstance(self.mlp, MoE):
             out, routing = self.mlp.routed(h, moe_impl)
@@ -89,7 +94,7 @@ class Block(eqx.Module):
         """The block's output and its `Routing` (router logits, dropped copies; None unless
         `mlp` is a mixture of experts)."""
         h = _apply(self.attn_norm, x)
-        if isinstance(self.attn, GatedDeltaNet):  # recurrent: order is position, as given
+        if isinstance(self.attn, GatedDeltaNet | Mamba2):  # recurrent: order is position
             attended = self.attn(h, None, segment_ids)[0]
         else:
             attended = self.attn(h, positions, local, segment_ids, rotate)
@@ -111,6 +116,11 @@ class Block(eqx.Module):
         Experts are computed densely here: generation runs this under `jax.vmap`, which the
         grouped ("ragged") product does not support, and a decode step has one token anyway.
         """
+        if isinstance(self.attn, Mamba2):
+            raise EqllmError(
+                "generation of Mamba-2 layers is not supported yet: their SSM and convolution "
+                "state is not in the cache; use the full forward, model(tokens), instead"
+            )
         if isinstance(self.attn, GatedDeltaNet):
             h = _apply(self.attn_norm, x)
             attended, cache = self.attn(h, cache, valid=positions >= 0)

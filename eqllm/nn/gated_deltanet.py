@@ -193,11 +193,13 @@ def causal_conv(
     weight: Float[Array, "channels kernel"],
     past: Float[Array, "conv_width channels"],
     reset: Bool[Array, " seq"],
+    bias: Float[Array, " channels"] | None = None,
 ) -> tuple[Float[Array, "seq channels"], Float[Array, "conv_width channels"]]:
     """SiLU of the depthwise causal convolution of `x` after its `past` inputs (kernel - 1 rows).
 
-    weight[:, -1] multiplies the current token, as torch's `Conv1d` with left padding. Inputs
-    from before a reset are left out. Returns the outputs and the last kernel - 1 inputs (those
+    weight[:, -1] multiplies the current token, as torch's `Conv1d` with left padding; `bias`
+    (None: none) is added before the SiLU (Mamba-2's conv). Inputs from before a reset are left
+    out. Returns the outputs and the last kernel - 1 inputs (those
     of the last document only) for the next call.
     """
     seq, width = x.shape[0], weight.shape[-1] - 1
@@ -205,6 +207,8 @@ def causal_conv(
     doc = jnp.concatenate([jnp.zeros(width, jnp.int32), jnp.cumsum(reset, dtype=jnp.int32)])
     w = weight.astype(jnp.float32)
     y = jnp.zeros(x.shape, jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
     for j in range(width + 1):  # a few taps: the kernel's width, not the sequence
         tap = jnp.where((doc[j : j + seq] == doc[width:])[:, None], rows[j : j + seq], 0)
         y = y + tap.astype(jnp.float32) * w[:, j]

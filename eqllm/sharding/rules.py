@@ -92,11 +92,16 @@ def check_divisible(config: ModelConfig, mesh: AxisSizes) -> None:
             "equal, contiguous run of layers; choose a pipeline size that divides "
             f"{config.n_layers}"
         )
-    for name, size in (
+    sizes = [
         ("attention.n_heads", config.attention.n_heads),
         ("attention.n_kv_heads", config.attention.n_kv_heads),
         ("mlp.d_ff", config.mlp.d_ff),
-    ):
+    ]
+    if (lin := config.linear) is not None:  # a stack without attention (or MLP) splits neither
+        kept = {"mlp.d_ff"} if lin.mlp else set()
+        sizes = [s for s in sizes if not lin.pure or s[0] in kept]
+        sizes.append(("linear.n_value_heads", lin.n_value_heads))
+    for name, size in sizes:
         if size % tensor:
             raise MeshError(
                 f"tensor={tensor} does not divide {name}={size}: tensor parallelism splits whole "

@@ -1,6 +1,7 @@
 """Building the stacked blocks from a ModelConfig: each layer's Block (attention or latent
-attention, or a hybrid's Gated DeltaNet; MLP or experts; norms), and the model's initial parts
-with every layer kind stacked on a leading `layers` axis (`initial_parts`)."""
+attention, or a hybrid's Gated DeltaNet or Mamba-2; MLP or experts, or none; norms), and the
+model's initial parts with every layer kind stacked on a leading `layers` axis
+(`initial_parts`)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from eqllm.nn import (
     GatedMLP,
     LayerNorm,
     Linear,
+    Mamba2,
     MoE,
     MultiHeadLatentAttention,
     RMSNorm,
@@ -136,9 +138,24 @@ def make_attention(config: ModelConfig, key: PRNGKeyArray, dtype):
     )
 
 
-def make_linear_attention(config: ModelConfig, key: PRNGKeyArray, dtype) -> GatedDeltaNet:
+def make_linear_attention(config: ModelConfig, key: PRNGKeyArray, dtype) -> GatedDeltaNet | Mamba2:
     """The token mixer of a hybrid stack's linear-attention layers (`config.linear`)."""
     lin = config.linear
+    if lin.kind == "mamba2":  # keys and queries are B and C, shared by groups of heads
+        return Mamba2(
+            config.d_model,
+            lin.n_value_heads,
+            lin.value_head_dim,
+            lin.key_head_dim,
+            n_groups=lin.n_key_heads,
+            conv_kernel=lin.conv_kernel,
+            norm_eps=config.norms.eps,
+            chunk_size=lin.chunk_size,
+            dt_min=lin.dt_min,
+            dt_max=lin.dt_max,
+            key=key,
+            dtype=dtype,
+        )
     return GatedDeltaNet(
         config.d_model,
         lin.n_key_heads,
@@ -159,7 +176,8 @@ def make_block(
 ) -> Block:
     """One Transformer block as `config` describes it (`dense`: with the dense MLP even in a
     mixture of experts, one of its first `moe.dense_layers` layers; `linear`: a Gated DeltaNet
-    in place of attention, a linear-attention layer of a hybrid stack)."""
+    or Mamba-2 in place of attention, a linear-attention layer of a hybrid stack, without an
+    MLP where `linear.mlp` is False)."""
     dtype = dtype_of(config.param_dtype)
     k_attn, k_mlp = jax.random.split(key)
     norms = config.norms
@@ -168,7 +186,9 @@ def make_block(
         attn = make_linear_attention(config, k_attn, dtype)
     else:
         attn = make_attention(config, k_attn, dtype)
-    if (moe := config.moe) is not None and not dense:
+    if linear and not config.linear.mlp:
+        mlp = None
+    elif (moe := config.moe) is not None and not dense:
         mlp = MoE(
             config.d_model,
             config.expert_d_ff,
@@ -221,8 +241,16 @@ def make_block(
     pre, post = norms.pre, norms.post
     if linear and config.linear.pre_norm:  # OLMo hybrid: pre-norm DeltaNet, post-norm attention
         pre, post = True, False
+    has_mlp = mlp is not None
     return Block(
-        norm(pre), attn, norm(pre), mlp, norm(post), norm(post), s.branch, config.parallel_residual
+        norm(pre),
+        attn,
+        norm(pre and has_mlp),
+        mlp,
+        norm(post),
+        norm(post and has_mlp),
+        s.branch,
+        config.parallel_residual,
     )
 
 
@@ -238,6 +266,7 @@ def initial_parts(config: ModelConfig, key: PRNGKeyArray) -> dict:
     block_keys = jax.random.split(k_blocks, config.n_layers)
     dense = 0 if config.moe is None else config.moe.dense_layers
     kinds = config.layer_kinds()[dense:]
+    pure = "full" not in kinds
     parts = {
         "embed": Embedding(
             config.vocab_size, config.d_model, axes=("vocab", "d_model"), key=k_embed, dtype=dtype
@@ -253,14 +282,15 @@ def initial_parts(config: ModelConfig, key: PRNGKeyArray) -> dict:
             if config.positions.kind == "learned"
             else None
         ),
-        "blocks": eqx.filter_vmap(lambda k: make_block(config, k))(
-            block_keys[dense:][np.array(kinds) == "full"]
+        # A stack of linear layers alone (no attention) holds them in `blocks`, one stack.
+        "blocks": eqx.filter_vmap(lambda k: make_block(config, k, linear=pure))(
+            block_keys[dense:][np.array(kinds) == ("linear" if pure else "full")]
         ),
         "linear_blocks": (
             eqx.filter_vmap(lambda k: make_block(config, k, linear=True))(
                 block_keys[dense:][np.array(kinds) == "linear"]
             )
-            if "linear" in kinds
+            if "linear" in kinds and not pure
             else None
         ),
         "dense_blocks": (

@@ -1,0 +1,158 @@
+"""Mamba-2 (Dao & Gu, 2024): a stack of Mamba-2 layers alone, no attention and no MLP.
+
+Every layer is RMSNorm -> Mamba-2 mixer (`eqllm.nn.Mamba2`) -> residual; a final RMSNorm and a
+head, tied (state-spaces' releases) or not (Mamba-Codestral). In eqllm it is the `linear` group
+of kind "mamba2" with `full_every` unset (no attention layers) and `mlp` False: its layers are
+one stack, `blocks`. The `attention` and `mlp` groups, which a ModelConfig always has, are left
+at placeholder sizes (one head, d_ff 1) that build nothing.
+
+transformers computes the residual in fp32 (`residual_in_fp32`); eqllm keeps it in the compute
+dtype, the same in fp32. transformers' recurrent path (one cached token) does not clamp dt to
+`time_step_limit` where its chunked path does; eqllm clamps in both, and the published limits,
+(0, inf), leave softplus's output as it is either way.
+"""
+
+import math
+from typing import Any
+
+from eqllm.config import ConfigError, ModelConfig
+from eqllm.families.base import LLAMA_BLOCK, Family, need, refuse, rows
+
+PREFIX = "backbone."
+
+
+def _table(embedding: str) -> tuple:
+    layer = "backbone.layers.{i}."
+    mixer = layer + "mixer."
+    return (
+        *rows(
+            (f"backbone.{embedding}.weight", "embed.weight"),
+            (f"{layer}norm.weight", "blocks.attn_norm.weight"),
+            (f"{mixer}conv1d.bias", "blocks.attn.conv_bias"),
+            (f"{mixer}dt_bias", "blocks.attn.dt_bias"),
+            (f"{mixer}A_log", "blocks.attn.A_log"),
+            (f"{mixer}D", "blocks.attn.D"),
+            (f"{mixer}norm.weight", "blocks.attn.norm.weight"),
+            (f"{mixer}out_proj.weight", "blocks.attn.out_proj.weight"),
+        ),
+        # in_proj stacks z, x, B, C and dt, in that order.
+        *rows(
+            (
+                f"{mixer}in_proj.weight",
+                tuple(f"blocks.attn.{p}_proj.weight" for p in ("z", "x", "B", "C", "dt")),
+            )
+        ),
+        *rows((f"{mixer}conv1d.weight", "blocks.attn.conv_weight"), depthwise=True),
+        *rows(
+            ("backbone.norm_f.weight", "final_norm.weight"), ("lm_head.weight", "lm_head.weight")
+        ),
+    )
+
+
+TABLE = _table("embeddings")
+# state-spaces' mamba_ssm checkpoints name the embedding `embedding` (transformers renames it).
+SSM_TABLE = _table("embedding")
+
+
+def _limit(value: Any) -> float:
+    """One end of time_step_limit as config.json holds it: a number, "Infinity", or
+    transformers 5's {"__float__": "Infinity"}."""
+    if isinstance(value, dict) and "__float__" in value:
+        value = value["__float__"]
+    return float(value)
+
+
+def to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    lin = cfg.linear
+    return {
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layers,
+        "num_heads": lin.n_value_heads,
+        "head_dim": lin.value_head_dim,
+        "expand": lin.n_value_heads * lin.value_head_dim // cfg.d_model,
+        "state_size": lin.key_head_dim,
+        "n_groups": lin.n_key_heads,
+        "conv_kernel": lin.conv_kernel,
+        "chunk_size": lin.chunk_size,
+        "time_step_limit": [lin.dt_min, math.inf if lin.dt_max is None else lin.dt_max],
+        "layer_norm_epsilon": cfg.norms.eps,
+        "hidden_act": "silu",
+        "use_bias": False,
+        "use_conv_bias": True,
+        "residual_in_fp32": True,
+        "max_position_embeddings": cfg.max_seq_len,
+    }
+
+
+def check(cfg: ModelConfig) -> dict[str, Any]:
+    """transformers' Mamba2Config holds the inner size as an integer `expand` of hidden_size."""
+    lin = cfg.linear
+    inner = lin.n_value_heads * lin.value_head_dim
+    return {} if inner % cfg.d_model == 0 else {"linear.n_value_heads": lin.n_value_heads}
+
+
+def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    refuse(hf, "hidden_act", ("silu",))
+    refuse(hf, "use_bias", (False,))
+    refuse(hf, "use_conv_bias", (True,))
+    refuse(hf, "rms_norm", (True,))
+    d, heads, head_dim = need(hf, "hidden_size"), hf.get("num_heads", 128), hf.get("head_dim", 64)
+    expand = hf.get("expand", 2)
+    if d * expand != heads * head_dim:
+        raise ConfigError(
+            f"config.json hidden_size * expand = {d * expand} must equal num_heads * head_dim "
+            f"= {heads * head_dim} (transformers' Mamba2Config requires it)"
+        )
+    low, high = (_limit(v) for v in hf.get("time_step_limit", (0.0, math.inf)))
+    return {
+        "vocab_size": need(hf, "vocab_size"),
+        "d_model": d,
+        "n_layers": need(hf, "num_hidden_layers"),
+        "max_seq_len": hf.get("max_position_embeddings", 2048),
+        "norms.eps": hf.get("layer_norm_epsilon", 1e-5),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "linear": {
+            "n_key_heads": hf.get("n_groups", 8),
+            "n_value_heads": heads,
+            "key_head_dim": hf.get("state_size", 128),
+            "value_head_dim": head_dim,
+            "conv_kernel": hf.get("conv_kernel", 4),
+            "chunk_size": hf.get("chunk_size", 256),
+            "dt_min": low,
+            "dt_max": None if math.isinf(high) else high,
+        },
+    }
+
+
+FAMILY = Family(
+    name="mamba2",
+    released="2024-05",
+    architecture="Mamba2ForCausalLM",
+    model_type="mamba2",
+    fixed={
+        **{k: v for k, v in LLAMA_BLOCK.items() if k != "linear"},
+        "linear.kind": "mamba2",
+        "linear.full_every": None,
+        "linear.mlp": False,
+        # No attention and no MLP layers: the groups a ModelConfig must have, at placeholders.
+        "attention.n_heads": 1,
+        "mlp.d_ff": 1,
+        "attention.qkv_bias": False,
+        "attention.out_bias": False,
+        "mlp.bias": False,
+    },
+    table=TABLE,
+    layouts=(SSM_TABLE,),
+    prefix=PREFIX,
+    hf_keys=frozenset(
+        """
+        hidden_size num_hidden_layers num_heads head_dim expand state_size n_groups conv_kernel
+        chunk_size time_step_limit layer_norm_epsilon hidden_act use_bias use_conv_bias
+        residual_in_fp32 rescale_prenorm_residual time_step_rank time_step_min time_step_max
+        time_step_floor max_position_embeddings rms_norm
+        """.split()
+    ),
+    to_hf=to_hf,
+    from_hf=from_hf,
+    check=check,
+)

@@ -1,0 +1,358 @@
+"""Mamba-2 (Dao & Gu, 2024, "Transformers are SSMs"): a selective state-space layer in its
+state-space-dual (SSD) form.
+
+Each head h keeps a state S of shape (head_dim, d_state). For every token, S decays by
+exp(dt * A_h), the token's input x (one head_dim vector per head) is written along its key B,
+and the query C reads it, plus a skip D:
+
+    S = exp(dt * A) * S + dt * x B^T;   y = S C + D * x
+
+as transformers' `Mamba2Mixer` computes it: one input projection to z, x, B, C and dt; a short
+causal depthwise convolution (with bias) and SiLU over x, B and C; dt = softplus(dt + dt_bias)
+clamped to `time_step_limit`; a scalar decay per head A = -exp(A_log); B and C shared by groups
+of consecutive heads (`n_groups`, as key heads are in grouped-query attention); the output gated
+by z through an RMSNorm taken per group (norm(y * silu(z)) * w, transformers'
+`MambaRMSNormGated`), then the output projection.
+
+The scan has two forms with the same values: `ssd_chunked` (training and prefill: within a
+chunk, a masked attention-like product built from segment sums of the log decays; across chunks,
+a `lax.scan` carrying S) and `ssd_recurrent` (decoding, token by token). Neither needs a
+decomposition, only cumulative sums and matrix products. The state a call returns (the
+convolution's last inputs and S) continues the sequence in the next call, in either form;
+segment ids reset both at document boundaries, so packed documents never see each other.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from eqllm.errors import EqllmError
+from eqllm.nn.gated_deltanet import causal_conv
+from eqllm.nn.linear import Linear
+from eqllm.nn.norm import RMSNorm
+
+StateDType = Literal["float32", "bfloat16", "float16"]
+
+
+class Mamba2State(eqx.Module):
+    """What a Mamba-2 layer carries from one call to the next (stack it for layers).
+
+    Attributes:
+        conv: the convolution's last kernel - 1 inputs (x, B and C channels, before the conv).
+        ssm: the state S of every head, in the layer's `state_dtype`.
+    """
+
+    conv: Float[Array, "*batch conv_width conv_dim"]
+    ssm: Float[Array, "*batch heads head_dim d_state"]
+
+
+def _prepare(x, dt, B, C, state, reset):
+    """fp32 inputs with B and C repeated from groups to heads, a zero state and no resets by
+    default."""
+    seq, heads, head_dim = x.shape
+    groups, d_state = B.shape[-2:]
+    if heads % groups:
+        raise EqllmError(f"n_groups={groups} must divide the heads={heads}")
+    B, C = (jnp.repeat(v.astype(jnp.float32), heads // groups, axis=1) for v in (B, C))
+    x, dt = x.astype(jnp.float32), dt.astype(jnp.float32)
+    state = jnp.zeros((heads, head_dim, d_state), jnp.float32) if state is None else state
+    reset = jnp.zeros(seq, bool) if reset is None else reset
+    return x, dt, B, C, state.astype(jnp.float32), reset
+
+
+def ssd_recurrent(
+    x: Float[Array, "seq heads head_dim"],
+    dt: Float[Array, "seq heads"],
+    A: Float[Array, " heads"],
+    B: Float[Array, "seq groups d_state"],
+    C: Float[Array, "seq groups d_state"],
+    state: Float[Array, "heads head_dim d_state"] | None = None,
+    *,
+    reset: Bool[Array, " seq"] | None = None,
+) -> tuple[Float[Array, "seq heads head_dim"], Float[Array, "heads head_dim d_state"]]:
+    """The SSD scan token by token (decoding one or a few tokens), without the D skip.
+
+    `dt` is the time step after its bias, softplus and limits (> 0); `A` the decay rate (< 0);
+    each group of B and C serves heads // groups consecutive heads. `state` (None: zeros) is S
+    before the first token; `reset` (None: none) zeroes S before the tokens where it is True
+    (a new document). Returns the outputs and S after the last token (fp32 arithmetic; the
+    outputs in x's dtype, S in fp32).
+    """
+    out_dtype = x.dtype
+    x, dt, B, C, state, reset = _prepare(x, dt, B, C, state, reset)
+    A = A.astype(jnp.float32)
+
+    def step(s, token):
+        x_t, dt_t, b_t, c_t, r_t = token
+        s = jnp.where(r_t, 0.0, s) * jnp.exp(dt_t * A)[:, None, None]
+        s = s + (x_t * dt_t[:, None])[:, :, None] * b_t[:, None, :]
+        return s, jnp.einsum("hpn,hn->hp", s, c_t)
+
+    state, out = jax.lax.scan(step, state, (x, dt, B, C, reset))
+    return out.astype(out_dtype), state
+
+
+def ssd_chunked(
+    x: Float[Array, "seq heads head_dim"],
+    dt: Float[Array, "seq heads"],
+    A: Float[Array, " heads"],
+    B: Float[Array, "seq groups d_state"],
+    C: Float[Array, "seq groups d_state"],
+    state: Float[Array, "heads head_dim d_state"] | None = None,
+    *,
+    chunk_size: int = 256,
+    reset: Bool[Array, " seq"] | None = None,
+) -> tuple[Float[Array, "seq heads head_dim"], Float[Array, "heads head_dim d_state"]]:
+    """The SSD scan chunk by chunk (training and prefill); the same values as `ssd_recurrent`.
+
+    Within a chunk of `chunk_size` tokens the output is a masked product: token i reads token
+    j <= i with weight (C_i . B_j) exp(a_{j+1} + ... + a_i) (a = dt * A, summed as a segment sum
+    of the masked log decays, transformers' `segment_sum`, so no large cumulative sums are
+    subtracted), plus the state carried in, decayed to i. Each chunk's contribution to the state
+    is a product too; a `lax.scan` over chunks carries S. A sequence whose length is not a
+    multiple of the chunk is padded with tokens that change nothing (dt = 0), as transformers
+    pads to the chunk size. Arguments and results as `ssd_recurrent`.
+
+    This function is the one seam for a fused kernel: a Pallas (or Triton) SSD kernel with this
+    signature can replace its body and nothing else changes.
+    """
+    if chunk_size < 1:
+        raise EqllmError(f"chunk_size={chunk_size} must be at least 1")
+    out_dtype = x.dtype
+    seq = x.shape[0]
+    x, dt, B, C, state, reset = _prepare(x, dt, B, C, state, reset)
+    pad = -seq % chunk_size
+    n = (seq + pad) // chunk_size
+
+    def chunks(v):  # (seq, heads, ...) -> (chunks, heads, chunk, ...)
+        v = jnp.pad(v, [(0, pad)] + [(0, 0)] * (v.ndim - 1))
+        return jnp.swapaxes(v.reshape(n, chunk_size, *v.shape[1:]), 1, 2)
+
+    a = dt * A.astype(jnp.float32)  # (seq, heads): log decay of each token
+    xdt = x * dt[..., None]  # what each token writes, before its key
+    a, xdt, B, C = (chunks(v) for v in (a, xdt, B, C))
+    # Documents inside a chunk, as in eqllm.nn.gated_deltanet.chunked: token i reads token
+    # j <= i only when no reset lies in (j, i], and the state carried in only when none lies
+    # in [start, i].
+    doc = jnp.cumsum(jnp.pad(reset, (0, pad)).reshape(n, chunk_size), axis=1)  # (n, chunk)
+    causal = np.tril(np.ones((chunk_size, chunk_size), bool))
+    same = (doc[:, :, None] == doc[:, None, :]) & causal  # (n, chunk, chunk)
+    carry = (doc == 0).astype(jnp.float32)
+    # seg[i, j] = a_{j+1} + ... + a_i for j <= i (0 above the diagonal): the cumulative sum
+    # down the rows of a[k] masked to k > j.
+    strict = np.tril(np.ones((chunk_size, chunk_size), bool), -1)
+    seg = jnp.cumsum(jnp.where(strict, a[..., :, None], 0.0), axis=-2)  # (n, heads, i, j)
+    decay = jnp.where(same[:, None], jnp.exp(seg), 0.0)
+    scores = jnp.einsum("chin,chjn->chij", C, B) * decay
+    out = scores @ xdt  # (n, heads, chunk, head_dim): within the chunk
+    from_start = jnp.exp(jnp.cumsum(a, axis=-1)) * carry[:, None]  # (n, heads, chunk)
+    # Each token's write decayed to the chunk's end (only the last document's tokens reach it).
+    to_end = jnp.where(same[:, None, -1, :], jnp.exp(seg[..., -1, :]), 0.0)  # (n, heads, chunk)
+    written = jnp.einsum("chl,chlp,chln->chpn", to_end, xdt, B)
+    chunk_decay = jnp.exp(jnp.sum(a, axis=-1)) * carry[:, None, -1]  # (n, heads)
+
+    def step(s, c):
+        written_c, decay_c = c
+        return s * decay_c[:, None, None] + written_c, s
+
+    state, starts = jax.lax.scan(step, state, (written, chunk_decay))  # starts: S entering each
+    out = out + jnp.einsum("chln,chpn->chlp", C, starts) * from_start[..., None]
+    # (chunks, heads, chunk, head_dim) -> (chunks, chunk, heads, head_dim) -> (seq, ...)
+    out = jnp.swapaxes(out, 1, 2).reshape(n * chunk_size, *out.shape[1:2], out.shape[-1])
+    return out[:seq].astype(out_dtype), state
+
+
+class Mamba2(eqx.Module):
+    """A Mamba-2 token mixer over one sequence or a batch of them (leading axes).
+
+    Arguments:
+        d_model: input and output size.
+        n_heads: SSM heads (transformers' `num_heads`).
+        head_dim: size of each head's input x (the inner size is n_heads * head_dim).
+        d_state: size of each head's state per input channel (`state_size`).
+        n_groups: groups of heads sharing B and C, and groups of the gated norm.
+        conv_kernel: width of the causal convolution over x, B and C.
+        norm_eps: epsilon of the gated RMSNorm.
+        chunk_size: tokens per chunk of the chunked form.
+        dt_min, dt_max: the limits dt is clamped to (transformers' `time_step_limit`; None: no
+            upper limit).
+        state_dtype: dtype of the state S between calls (`mamba_ssm_cache_dtype`); the
+            arithmetic within a call is fp32 whatever it is.
+
+    The input projection is five `Linear` layers (z, x, B, C, dt): transformers stores them
+    stacked in that order as `in_proj`, and adapters and sharding see one matrix per role.
+    `conv_weight` and `conv_bias` are torch's `conv1d.weight` (without its middle axis) and
+    `conv1d.bias`, channels in the order x, B, C, so they import as they are.
+    """
+
+    z_proj: Linear
+    x_proj: Linear
+    B_proj: Linear
+    C_proj: Linear
+    dt_proj: Linear
+    out_proj: Linear
+    conv_weight: Float[Array, "conv_dim kernel"]
+    conv_bias: Float[Array, " conv_dim"]
+    A_log: Float[Array, " heads"]
+    dt_bias: Float[Array, " heads"]
+    D: Float[Array, " heads"]
+    norm: RMSNorm
+    n_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+    d_state: int = eqx.field(static=True)
+    n_groups: int = eqx.field(static=True)
+    chunk_size: int = eqx.field(static=True)
+    dt_min: float = eqx.field(static=True)
+    dt_max: float | None = eqx.field(static=True)
+    state_dtype: StateDType = eqx.field(static=True)
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        head_dim: int,
+        d_state: int,
+        *,
+        n_groups: int = 1,
+        conv_kernel: int = 4,
+        norm_eps: float = 1e-5,
+        chunk_size: int = 256,
+        dt_min: float = 0.0,
+        dt_max: float | None = None,
+        state_dtype: StateDType = "float32",
+        key: PRNGKeyArray,
+        dtype=jnp.float32,
+    ):
+        if n_heads % n_groups:
+            raise EqllmError(f"n_groups={n_groups} must divide n_heads={n_heads}")
+        for name, value in (("conv_kernel", conv_kernel), ("chunk_size", chunk_size)):
+            if value < 1:
+                raise EqllmError(f"{name}={value} must be at least 1")
+        if state_dtype not in ("float32", "bfloat16", "float16"):
+            raise EqllmError(f"state_dtype={state_dtype!r} must be float32, bfloat16 or float16")
+        keys = jax.random.split(key, 9)
+        inner, bc = n_heads * head_dim, n_groups * d_state
+
+        def linear(i, n_out, axes, init="normal", n_in=d_model):
+            return Linear(n_in, n_out, axes=axes, init=init, key=keys[i], dtype=dtype)
+
+        self.z_proj = linear(0, inner, ("heads", "d_model"))
+        self.x_proj = linear(1, inner, ("heads", "d_model"))
+        self.B_proj = linear(2, bc, ("kv_heads", "d_model"))
+        self.C_proj = linear(3, bc, ("kv_heads", "d_model"))
+        self.dt_proj = linear(4, n_heads, ("heads", "d_model"))
+        self.out_proj = linear(5, d_model, ("d_model", "heads"), "residual", inner)
+        # torch's Conv1d default (transformers' kaiming_uniform(a=sqrt(5))): uniform within
+        # 1/sqrt(fan_in), fan_in being the kernel width; the bias starts at zero.
+        bound = conv_kernel**-0.5
+        shape = (inner + 2 * bc, conv_kernel)
+        self.conv_weight = jax.random.uniform(keys[6], shape, dtype, -bound, bound)
+        self.conv_bias = jnp.zeros(inner + 2 * bc, dtype)
+        # As transformers initialises them: A = 1 .. n_heads (heads decay fast to slow), D = 1,
+        # and dt_bias the inverse softplus of a dt drawn log-uniformly in [0.001, 0.1].
+        self.A_log = jnp.log(jnp.arange(1, n_heads + 1, dtype=jnp.float32)).astype(dtype)
+        self.D = jnp.ones(n_heads, dtype)
+        u = jax.random.uniform(keys[7], (n_heads,), jnp.float32)
+        dt = jnp.maximum(jnp.exp(u * (np.log(0.1) - np.log(0.001)) + np.log(0.001)), 1e-4)
+        self.dt_bias = (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+        self.norm = RMSNorm(inner, eps=norm_eps, dtype=dtype)
+        self.n_heads = n_heads
+        self.head_dim = head_dim
+        self.d_state = d_state
+        self.n_groups = n_groups
+        self.chunk_size = chunk_size
+        self.dt_min = float(dt_min)
+        self.dt_max = None if dt_max is None else float(dt_max)
+        self.state_dtype = state_dtype
+
+    def init_state(self, batch: tuple[int, ...] = (), dtype=jnp.float32) -> Mamba2State:
+        """The state before a sequence's first token: zeros, for `batch` leading axes.
+
+        Per sequence it holds (kernel - 1) * (inner + 2 * n_groups * d_state) conv inputs in
+        `dtype` and n_heads * head_dim * d_state numbers in `state_dtype`, whatever the
+        sequence's length.
+        """
+        width, conv_dim = self.conv_weight.shape[1] - 1, self.conv_weight.shape[0]
+        ssm = (*batch, self.n_heads, self.head_dim, self.d_state)
+        return Mamba2State(
+            jnp.zeros((*batch, width, conv_dim), dtype), jnp.zeros(ssm, self.state_dtype)
+        )
+
+    def gated_norm(
+        self, y: Float[Array, "*rows inner"], z: Float[Array, "*rows inner"]
+    ) -> Float[Array, "*rows inner"]:
+        """norm(y * silu(z)) * w in fp32, the mean square taken over each of the n_groups
+        groups of channels (transformers' `MambaRMSNormGated` with group_size inner / n_groups)."""
+        g = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        grouped = g.reshape(*g.shape[:-1], self.n_groups, -1)  # (..., groups, inner / groups)
+        ms = jnp.mean(grouped * grouped, axis=-1, keepdims=True)
+        normed = (grouped * jax.lax.rsqrt(ms + self.norm.eps)).reshape(g.shape)
+        return normed * self.norm.weight.astype(jnp.float32)
+
+    def time_step(self, dt: Float[Array, "*rows heads"]) -> Float[Array, "*rows heads"]:
+        """softplus(dt + dt_bias) clamped to [dt_min, dt_max], in fp32."""
+        dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias.astype(jnp.float32))
+        return jnp.clip(dt, self.dt_min, self.dt_max)
+
+    @jax.named_scope("eqllm.Mamba2")
+    def __call__(
+        self,
+        x: Float[Array, "*batch seq d_model"],
+        state: Mamba2State | None = None,
+        segment_ids: Int[Array, "*batch seq"] | None = None,
+        *,
+        form: Literal["chunked", "recurrent"] | None = None,
+    ) -> tuple[Float[Array, "*batch seq d_model"], Mamba2State]:
+        """The layer's output for `x` and the state after its last token.
+
+        `state` (None: `init_state`) continues an earlier call. `segment_ids` (None: one
+        document) reset the state where the id changes from one token to the next; the given
+        state continues the first document. `form` picks the scan's form (None: `recurrent`
+        for one token, `chunked` otherwise); both give the same values.
+        """
+        batch, seq = x.shape[:-2], x.shape[-2]
+        if state is None:
+            state = self.init_state(batch, x.dtype)
+        if form is None:
+            form = "recurrent" if seq == 1 else "chunked"
+        if form not in ("chunked", "recurrent"):
+            raise EqllmError(f"form={form!r} must be 'chunked' or 'recurrent'")
+        if segment_ids is None:
+            reset = jnp.zeros((*batch, seq), bool)
+        else:
+            first = jnp.zeros((*batch, 1), bool)
+            reset = jnp.concatenate([first, segment_ids[..., 1:] != segment_ids[..., :-1]], -1)
+        mixed = jnp.concatenate([self.x_proj(x), self.B_proj(x), self.C_proj(x)], axis=-1)
+        dt = self.time_step(self.dt_proj(x))
+        A = -jnp.exp(self.A_log.astype(jnp.float32))
+        inner, bc = self.n_heads * self.head_dim, self.n_groups * self.d_state
+
+        def one(mixed, dt, conv, s, reset):  # one sequence
+            mixed, conv = causal_conv(mixed, self.conv_weight, conv, reset, self.conv_bias)
+            xs, B, C = jnp.split(mixed, [inner, inner + bc], axis=-1)
+            # (seq, heads * head_dim) -> (seq, heads, head_dim); (seq, groups, d_state)
+            xs = xs.reshape(seq, self.n_heads, self.head_dim)
+            B = B.reshape(seq, self.n_groups, self.d_state)
+            C = C.reshape(seq, self.n_groups, self.d_state)
+            if form == "chunked":
+                y, s_out = ssd_chunked(xs, dt, A, B, C, s, chunk_size=self.chunk_size, reset=reset)
+            else:
+                y, s_out = ssd_recurrent(xs, dt, A, B, C, s, reset=reset)
+            y = y.astype(jnp.float32) + self.D.astype(jnp.float32)[:, None] * xs
+            return y, conv, s_out.astype(s.dtype)
+
+        args = (mixed, dt, state.conv, state.ssm, reset)
+        if batch:  # every leading axis folded into one, mapped over
+            flat = [v.reshape(-1, *v.shape[len(batch) :]) for v in args]
+            y, conv, s = jax.vmap(one)(*flat)
+            y, conv, s = (v.reshape(*batch, *v.shape[1:]) for v in (y, conv, s))
+        else:
+            y, conv, s = one(*args)
+        gated = self.gated_norm(y.reshape(*batch, seq, inner), self.z_proj(x)).astype(x.dtype)
+        return self.out_proj(gated), Mamba2State(conv, s)
