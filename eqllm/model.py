@@ -207,20 +207,14 @@ class CausalLM(eqx.Module):
         cap = self.config.final_softcap
         return logits if cap is None else jnp.tanh(logits / cap) * cap
 
-    # KV-cached inference -----------------------------------------------------------------------
-    # One sequence at a time (vmap for a batch). The cache is one KVCache per layer and the layers
-    # run as an unrolled loop: under `lax.scan`, XLA on CPU copied each layer's weights out of the
-    # stacked arrays at every decode step, 3-4x slower than reading them in place (gpt2-small).
-    # Compile time of cached inference therefore grows with depth; training is unaffected.
+    # Cached inference: one sequence at a time (vmap for a batch), the layers unrolled: under
+    # `lax.scan`, XLA on CPU copied each layer's weights out of the stack at every decode step,
+    # 3-4x slower (gpt2-small). Its compile time grows with depth; training's does not.
 
     def init_cache(self, length: int) -> Cache:
-        """An empty KV cache for one sequence of up to `length` positions, one per layer.
-
-        Each layer's cache has `min(length, max_seq_len)` slots, `sliding_window` (or
-        `chunk_size`) at most in a layer that attends through a window (or a chunk): a ring
-        that holds just the window. Only the kv heads are cached (grouped-query attention shares
-        them), in the compute dtype. A hybrid's linear-attention layer holds zeros of its
-        fixed-size state (`GatedDeltaNet.init_state`).
+        """An empty cache for one sequence of up to `length` positions, one entry per layer:
+        `min(length, max_seq_len)` slots of kv heads in the compute dtype (a ring of just the
+        window in a windowed or chunked layer), or a linear-attention layer's fixed-size state.
         """
         cfg = self.config
         refuse_cached(cfg)
@@ -247,7 +241,6 @@ class CausalLM(eqx.Module):
         Pass them to `prefill` / `decode` called in a compiled loop: sliced inside the loop, every
         layer's weights were copied at every step (halving decode speed on CPU, gpt2-small).
         """
-        refuse_cached(self.config)
         dtype = dtype_of(self.config.compute_dtype)
 
         def sliced(stack):
@@ -355,8 +348,7 @@ class CausalLM(eqx.Module):
 
 
 def refuse_cached(config: ModelConfig) -> None:
-    """Raise for a model cached inference cannot run yet: Mamba-2 layers, whose SSM and
-    convolution state the cache does not carry (a Gated DeltaNet's it does)."""
+    """Raise for Mamba-2 layers: the cache carries no SSM state yet (a Gated DeltaNet's it does)."""
     if config.linear is not None and config.linear.kind == "mamba2":
         raise EqllmError(
             f"generation of Mamba-2 models is not supported yet (family={config.family!r}, "
