@@ -180,8 +180,8 @@ class Mamba2(eqx.Module):
         conv_kernel: width of the causal convolution over x, B and C.
         norm_eps: epsilon of the gated RMSNorm.
         chunk_size: tokens per chunk of the chunked form.
-        dt_min, dt_max: the limits dt is clamped to (transformers' `time_step_limit`; None: no
-            upper limit).
+        dt_min: the lower limit dt is clamped to (transformers' `time_step_limit[0]`).
+        dt_max: the upper limit (`time_step_limit[1]`; None: none).
         state_dtype: dtype of the state S between calls (`mamba_ssm_cache_dtype`); the
             arithmetic within a call is fp32 whatever it is.
 
