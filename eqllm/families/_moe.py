@@ -76,6 +76,19 @@ def has_experts(cfg: ModelConfig) -> dict[str, Any]:
     return {"moe": None} if cfg.moe is None else {}
 
 
+def qwen_experts_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The experts' keys of the Qwen mixtures' config.json (Qwen2-MoE, Qwen3-Next), experts in
+    every layer."""
+    return {
+        "num_experts": cfg.moe.n_experts,
+        "moe_intermediate_size": cfg.expert_d_ff,
+        "shared_expert_intermediate_size": cfg.moe.shared_d_ff,
+        "norm_topk_prob": cfg.moe.norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
 def has_shared_expert(cfg: ModelConfig) -> dict[str, Any]:
     """A `check` of the Qwen mixtures (Qwen2-MoE, Qwen3.5-MoE, Qwen3-Next): experts, and the
     gated shared expert transformers always builds for them."""

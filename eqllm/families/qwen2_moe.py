@@ -13,6 +13,7 @@ from eqllm.families._moe import (
     has_shared_expert,
     moe_from_hf,
     moe_to_hf,
+    qwen_experts_to_hf,
     shared_expert_rows,
 )
 from eqllm.families.base import (
@@ -43,12 +44,7 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "qkv_bias": cfg.attention.qkv_bias,
         "use_sliding_window": False,
         "sliding_window": None,
-        "num_experts": cfg.moe.n_experts,
-        "moe_intermediate_size": cfg.expert_d_ff,
-        "shared_expert_intermediate_size": cfg.moe.shared_d_ff,
-        "norm_topk_prob": cfg.moe.norm_topk_prob,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
+        **qwen_experts_to_hf(cfg),
     }
 
 

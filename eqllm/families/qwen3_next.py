@@ -18,6 +18,7 @@ from eqllm.families._moe import (
     has_shared_expert,
     moe_from_hf,
     moe_to_hf,
+    qwen_experts_to_hf,
     sparse_everywhere,
 )
 from eqllm.families.base import LLAMA_PREFIX, PLAIN_EXPERTS, Family, need, rows
@@ -57,12 +58,7 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
         **hybrid_to_hf(cfg),
         **moe_to_hf(cfg),
         "intermediate_size": cfg.mlp.d_ff,
-        "num_experts": cfg.moe.n_experts,
-        "moe_intermediate_size": cfg.expert_d_ff,
-        "shared_expert_intermediate_size": cfg.moe.shared_d_ff,
-        "norm_topk_prob": cfg.moe.norm_topk_prob,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
+        **qwen_experts_to_hf(cfg),
     }
 
 
