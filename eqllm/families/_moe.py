@@ -76,6 +76,19 @@ def has_experts(cfg: ModelConfig) -> dict[str, Any]:
     return {"moe": None} if cfg.moe is None else {}
 
 
+# The experts' keys of the Qwen mixtures' config.json (`qwen_experts_to_hf`).
+QWEN_EXPERT_KEYS = frozenset(
+    {
+        "num_experts",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "norm_topk_prob",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+    }
+)
+
+
 def qwen_experts_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The experts' keys of the Qwen mixtures' config.json (Qwen2-MoE, Qwen3-Next), experts in
     every layer."""

@@ -15,6 +15,7 @@ from typing import Any
 from eqllm.config import ModelConfig
 from eqllm.families._moe import (
     MOE_KEYS,
+    QWEN_EXPERT_KEYS,
     has_shared_expert,
     moe_from_hf,
     moe_to_hf,
@@ -87,16 +88,7 @@ FAMILY = Family(
     table=TABLE,
     layouts=(FUSED,),
     prefix=LLAMA_PREFIX,
-    hf_keys=HYBRID_KEYS
-    | MOE_KEYS
-    | {
-        "num_experts",
-        "moe_intermediate_size",
-        "shared_expert_intermediate_size",
-        "norm_topk_prob",
-        "decoder_sparse_step",
-        "mlp_only_layers",
-    },
+    hf_keys=HYBRID_KEYS | MOE_KEYS | QWEN_EXPERT_KEYS,
     to_hf=to_hf,
     from_hf=from_hf,
     check=has_shared_expert,
