@@ -33,7 +33,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqllm.errors import EqllmError
-from eqllm.nn.gated_deltanet import causal_conv
+from eqllm.nn.conv import causal_conv
 from eqllm.nn.linear import Linear
 from eqllm.nn.norm import RMSNorm
 
