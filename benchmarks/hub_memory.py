@@ -64,7 +64,7 @@ def write_checkpoint(folder: Path, family: str, layers: int) -> int:
     for row in rows:
         for i in range(cfg.n_layers) if row.layered else [None]:
             per_layer = [shapes[p].shape[1:] if row.layered else shapes[p].shape for p in row.eqllm]
-            shape = eqllm.hub.pretrained._hf_shape(row, per_layer)
+            shape = eqllm.hub.tables.hf_shape(row, per_layer)
             tensors.append(
                 PlannedTensor(row.hf.format(i=i), shape, np.dtype("float32"), lambda: None)
             )

@@ -19,7 +19,8 @@ from eqllm.hub.config import from_hf_config, to_hf_config
 from eqllm.hub.files import CheckpointError
 from eqllm.hub.folders import load_tokenizer, resolve, zoo_match
 from eqllm.hub.model_folder import load_any, load_model, save_model, with_param_dtype
-from eqllm.hub.pretrained import from_pretrained, save_gguf, save_pretrained
+from eqllm.hub.pretrained import from_pretrained
+from eqllm.hub.saving import save_gguf, save_pretrained
 
 __all__ = [
     "CheckpointError",

@@ -1,56 +1,47 @@
-"""Hugging Face checkpoints: load them into a CausalLM and save a CausalLM as one.
+"""Hugging Face checkpoints loaded into a CausalLM (saving one: `eqllm.hub.saving`).
 
 Loading builds the model's shape skeleton without allocating (`eqx.filter_eval_shape`), then
 fills one leaf at a time from the safetensors files, stacking layer tensors into the leading
 `layers` axis; each filled buffer is handed to JAX (on CPU without a copy), so the peak host
-memory is one copy of the weights plus one leaf. Saving writes one tensor at a time. The key
-table and config translation come from the model's family file (`eqllm/families/`).
+memory is one copy of the weights plus one leaf. The key table and config translation come
+from the model's family file (`eqllm/families/`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 import tempfile
-from pathlib import Path
 
 import jax
 import numpy as np
 
 from eqllm import families
 from eqllm.config import DType, ModelConfig
-from eqllm.data.tokenizer import Tokenizer
 from eqllm.families import Row
 from eqllm.hub.adapters import ADAPTER_FILES, load_adapter
-from eqllm.hub.config import from_hf_config, to_hf_config
+from eqllm.hub.config import from_hf_config
 from eqllm.hub.files import (
     CheckpointError,
-    PlannedTensor,
     TensorReader,
     aligned_empty,
-    parse_size,
-    shard,
-    write_file,
 )
-from eqllm.hub.fold import fold_multipliers
 from eqllm.hub.folders import (
-    INDEX,
-    host_leaves,
     read_hf_config,
     resolve,
-    save_tokenizer,
     skeleton,
     weight_files,
     zoo_match,
 )
-from eqllm.hub.gguf import check_exportable, folder_to_gguf, gguf_to_folder, is_gguf
+from eqllm.hub.gguf import gguf_to_folder, is_gguf
 from eqllm.hub.mxfp4 import dequantize
 from eqllm.hub.tables import (
     BUFFERS,
     TIED_HEAD,
+    axis_slice,
     fused_order,
+    hf_shape,
     indices,
     part_names,
     rows_for,
@@ -133,26 +124,6 @@ def _checkpoint_dtype(reader: TensorReader, family: str) -> DType:
     return _DTYPE_NAMES.get(reader.tensors[embed].dtype, "float32")  # type: ignore[return-value]
 
 
-def _hf_shape(row: Row, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
-    """The shape of one HF tensor of a row, given the eqllm shapes (per tensor) it holds."""
-    shape = list(shapes[0])
-    shape[row.axis] = sum(s[row.axis] for s in shapes)
-    if row.transposed:
-        shape[-2:] = shape[-1:-3:-1]
-    if row.depthwise:
-        shape.insert(1, 1)
-    return tuple(shape[::-1] if row.conv1d else shape)
-
-
-def _part(tensor: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
-    return tensor[(slice(None),) * axis + (slice(start, stop),)]
-
-
-def _slice(whole, row: Row, start: int, size: int):
-    """The writer of one part of a row stored as several tensors (`Row.parts`)."""
-    return lambda: np.ascontiguousarray(_part(whole(), row.axis, start, start + size))
-
-
 def _layout(config: ModelConfig, leaves, reader: TensorReader) -> list[Row]:
     """The rows of the family's first key table whose tensors the checkpoint holds (the main
     table when none fits: its missing tensor is then reported)."""
@@ -206,7 +177,7 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
         targets = [leaves[p] for p in row.eqllm]
         buffers = [aligned_empty(t.shape, t.dtype) for t in targets]
         lead = int(row.layered) + int(row.per_expert)  # leading axes indexed by the tensor name
-        expected = _hf_shape(row, [t.shape[lead:] for t in targets])
+        expected = hf_shape(row, [t.shape[lead:] for t in targets])
         order = fused_order(row, [t.shape[lead + row.axis] for t in targets], config.at(row.heads))
         layers = stack_layers(row, config)
         for index in indices(row, len(layers), config.at("moe.n_experts")):
@@ -251,7 +222,7 @@ def _load_hf_weights(config: ModelConfig, reader: TensorReader) -> CausalLM:
             start = 0
             for slot in slots:  # split a fused tensor along its fused axis
                 size = slot.shape[row.axis]
-                slot[...] = _part(tensor, row.axis, start, start + size)
+                slot[...] = axis_slice(tensor, row.axis, start, start + size)
                 start += size
         for path, buffer in zip(row.eqllm, buffers, strict=True):
             arrays[path] = jax.device_put(buffer)  # adopts the aligned buffer on CPU
@@ -305,121 +276,3 @@ def _check_tied_head(reader: TensorReader, embed: jax.Array, used: set[str]) -> 
             "token embedding, but config.json ties them (tie_word_embeddings); set "
             "tie_word_embeddings to false in config.json to load the separate head"
         )
-
-
-def save_pretrained(
-    model: CausalLM,
-    directory: str | os.PathLike,
-    *,
-    tokenizer: Tokenizer | None = None,
-    max_shard_size: int | str = "5GB",
-    dtype: DType | None = None,
-) -> Path:
-    """Write `model` as a Hugging Face checkpoint that transformers' from_pretrained loads.
-
-    Writes config.json and model.safetensors, or shards model-0000k-of-0000n.safetensors with
-    model.safetensors.index.json when the weights exceed `max_shard_size` (bytes or '5GB').
-    Older weight files of the folder are removed. `tokenizer` (an eqllm Tokenizer) is saved
-    beside them. `dtype` casts the weights (default: the model's parameter dtype). A muP or
-    CompleteP model's multipliers are folded into the weights (`eqllm.hub.fold`).
-    Returns the folder.
-    """
-    model = fold_multipliers(model)  # muP / CompleteP: the same logits from SP weights
-    config = model.config
-    dtype = dtype or config.param_dtype
-    hf_config = to_hf_config(config)  # raises for configs transformers cannot express
-    hf_config["torch_dtype"] = dtype
-    folder = Path(directory)
-    folder.mkdir(parents=True, exist_ok=True)
-    target = np.dtype(dtype_of(dtype))
-    leaves, _ = skeleton(config)
-    rows = rows_for(config.family, set(leaves))
-    host = host_leaves(model)
-
-    def make(row: Row, index: tuple[int, ...]):
-        def tensor() -> np.ndarray:
-            parts = [host[p][index] for p in row.eqllm]
-            out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=row.axis)
-            order = fused_order(row, [p.shape[row.axis] for p in parts], config.at(row.heads))
-            if order is not None:  # the parts one after the other -> interleaved per head
-                out = np.take(out, order, axis=row.axis)
-            if row.conv1d and out.ndim == 2:
-                out = out.T
-            if row.transposed:
-                out = np.swapaxes(out, -1, -2)
-            if row.depthwise:
-                out = out[:, None]  # (channels, kernel) -> torch's (channels, 1, kernel)
-            return np.ascontiguousarray(out, dtype=target)
-
-        return tensor
-
-    planned = []
-
-    def plan(row: Row, index: tuple[int, ...]) -> None:
-        lead = int(row.layered) + int(row.per_expert)
-        shapes = [leaves[p].shape[lead:] for p in row.eqllm]
-        name = tensor_name(row, index, stack_layers(row, config))
-        if not row.parts:
-            planned.append(PlannedTensor(name, _hf_shape(row, shapes), target, make(row, index)))
-            return
-        whole, start = make(row, index), 0
-        for part, (_, path) in zip(part_names(row, name), row.parts, strict=True):
-            size = leaves[path].shape[lead + row.axis]
-            shape = list(_hf_shape(row, shapes))
-            shape[row.axis] = size
-            planned.append(
-                PlannedTensor(part, tuple(shape), target, _slice(whole, row, start, size))
-            )
-            start += size
-
-    spans = {row: stack_layers(row, config) for row in rows}
-    every = {row: indices(row, len(spans[row]), config.at("moe.n_experts")) for row in rows}
-    for i in range(config.n_layers):  # layer-major order, as transformers writes
-        for row in rows:
-            for index in every[row] if row.layered else []:
-                if spans[row][index[0]] == i:
-                    plan(row, index)
-    for row in rows:
-        if not row.layered:
-            for index in every[row]:
-                plan(row, index)
-    _write_weights(folder, planned, parse_size(max_shard_size))
-    (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    if tokenizer is not None:
-        save_tokenizer(tokenizer, folder)
-    return folder
-
-
-def _write_weights(folder: Path, planned: list[PlannedTensor], max_shard_size: int) -> None:
-    groups = shard(planned, max_shard_size)
-    names = (
-        ["model.safetensors"]
-        if len(groups) == 1
-        else [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
-    )
-    for stale in [*folder.glob("model*.safetensors"), folder / INDEX]:
-        if stale.name not in names and stale.exists():
-            stale.unlink()
-    for name, group in zip(names, groups, strict=True):
-        write_file(folder / name, group, {"format": "pt"})
-    if len(groups) > 1:
-        index = {
-            "metadata": {"total_size": sum(t.nbytes for t in planned)},
-            "weight_map": {t.name: n for n, g in zip(names, groups, strict=True) for t in g},
-        }
-        (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-
-
-def save_gguf(
-    model: CausalLM,
-    path: str | os.PathLike,
-    *,
-    tokenizer: Tokenizer | None = None,
-    type: str = "f16",
-) -> Path:
-    """Write `model` (and `tokenizer`, with its chat template) as a GGUF file whose 2-D weights
-    are `type` ('f32', 'f16', 'bf16' or 'q8_0'); llama.cpp and ollama run it."""
-    check_exportable(model.config, type)  # before writing anything
-    with tempfile.TemporaryDirectory() as tmp:
-        save_pretrained(model, tmp, dtype="float32")
-        return folder_to_gguf(Path(tmp), Path(path), model.config, tokenizer, type)

@@ -97,3 +97,19 @@ def fused_order(row: Row, sizes: list[int], n_heads: int) -> np.ndarray | None:
             for start, size in zip(starts, sizes, strict=True)
         ]
     )
+
+
+def hf_shape(row: Row, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The shape of one HF tensor of a row, given the eqllm shapes (per tensor) it holds."""
+    shape = list(shapes[0])
+    shape[row.axis] = sum(s[row.axis] for s in shapes)
+    if row.transposed:
+        shape[-2:] = shape[-1:-3:-1]
+    if row.depthwise:
+        shape.insert(1, 1)
+    return tuple(shape[::-1] if row.conv1d else shape)
+
+
+def axis_slice(tensor: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
+    """`tensor[start:stop]` along `axis` (one part of a row stored as several tensors)."""
+    return tensor[(slice(None),) * axis + (slice(start, stop),)]
