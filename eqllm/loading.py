@@ -35,9 +35,10 @@ from eqllm.hub import (
 from eqllm.hub.folders import resolve, save_tokenizer
 from eqllm.hub.model_folder import is_model_folder
 from eqllm.lora import adapters
-from eqllm.model import CausalLM, param_count
+from eqllm.model import CausalLM
 from eqllm.recipe import Recipe
 from eqllm.runs import RunFolder
+from eqllm.trees import param_count
 
 
 def run_folder_of(spec: str | os.PathLike) -> tuple[Path, int | None] | None:

@@ -38,6 +38,7 @@ from eqllm.nn import (
 from eqllm.parametrization import scales
 from eqllm.stack import REMAT_POLICIES as REMAT_POLICIES  # re-exported: the remat names
 from eqllm.stack import dtype_of, initial_parts, layer_flag, layer_flags, run_stacks
+from eqllm.trees import cast_floating
 
 # Cached inference, per layer: K and V (or latents) per position, or a fixed recurrent state.
 Cache = tuple[KVCache | LatentCache | GatedDeltaNetState, ...]
@@ -381,20 +382,3 @@ def check_tokens(tokens, config: ModelConfig) -> None:
                 f"token id out of range: ids in [{low}, {high}], but ids must lie in "
                 f"[0, vocab_size={config.vocab_size}); check the tokenizer matches the model"
             )
-
-
-def cast_floating(tree, dtype):
-    """Cast every floating-point array in `tree` to `dtype` (a no-op when already there)."""
-
-    def cast(x):
-        if eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
-            return x.astype(dtype)
-        return x
-
-    return jax.tree.map(cast, tree)
-
-
-def param_count(model_or_shapes) -> int:
-    """Number of scalars in the arrays (or ShapeDtypeStructs) of a pytree."""
-    leaves = jax.tree.leaves(model_or_shapes)
-    return sum(math.prod(x.shape) for x in leaves if hasattr(x, "shape") and hasattr(x, "dtype"))

@@ -22,8 +22,8 @@ from eqllm import families
 from eqllm.config import ConfigError, ModelConfig, merge
 from eqllm.errors import did_you_mean
 from eqllm.model import CausalLM
-from eqllm.model import param_count as _count
 from eqllm.resources import data_dir
+from eqllm.trees import param_count as _count
 
 _META_KEYS = ("source",)
 

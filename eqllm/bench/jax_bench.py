@@ -14,10 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from eqllm.config import ModelConfig
-from eqllm.model import CausalLM, param_count
+from eqllm.model import CausalLM
 from eqllm.recipe import OptimSpec
 from eqllm.train.optim import make_optimizer, schedule
 from eqllm.train.step import TrainStep, init_opt_state
+from eqllm.trees import param_count
 
 
 def random_tokens(vocab_size: int, batch: int, seq: int, seed: int = 0) -> np.ndarray:

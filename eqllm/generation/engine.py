@@ -51,7 +51,7 @@ from eqllm.generation.placement import check_mesh
 from eqllm.generation.requests import Params, Request, ServeError, check_request
 from eqllm.generation.runner import Runner, top_alternatives
 from eqllm.generation.scheduler import Scheduler
-from eqllm.generation.sizing import MIN_CHUNK, Buckets, pool_blocks, round_up
+from eqllm.generation.sizing import MIN_CHUNK, Buckets, check_settings, pool_blocks, round_up
 from eqllm.generation.speculator import Speculator, check_speculation
 from eqllm.generation.steps import NO_TOKEN
 from eqllm.hostmem import release_free_memory
@@ -109,19 +109,7 @@ class Engine:
         cfg = model.config
         prefix_cache = prefix_cache and cfg.linear is None  # see eqllm.generation.recurrent
         max_len = cfg.max_seq_len if max_len is None else max_len
-        if not 1 <= max_batch <= 4096:
-            raise ServeError(f"max_batch={max_batch} must be between 1 and 4096")
-        if not 2 <= max_len <= cfg.max_seq_len:
-            raise ServeError(
-                f"max_len={max_len} must be between 2 and the model's context "
-                f"max_seq_len={cfg.max_seq_len}"
-            )
-        if prefill_chunk < MIN_CHUNK or prefill_chunk & (prefill_chunk - 1):
-            raise ServeError(f"prefill_chunk={prefill_chunk} must be a power of two >= 16")
-        if block_size < 1 or block_size & (block_size - 1):
-            raise ServeError(f"block_size={block_size} must be a power of two")
-        if decode_steps < 1:
-            raise ServeError(f"decode_steps={decode_steps} must be at least 1")
+        check_settings(cfg, max_batch, max_len, prefill_chunk, block_size, decode_steps)
         if mesh is not None:
             check_mesh(cfg, mesh, max_batch)
         check_speculation(model, speculate, draft, max_len, decode_steps, mesh)

@@ -127,6 +127,25 @@ class Buckets:
         )
 
 
+def check_settings(
+    config, max_batch: int, max_len: int, prefill_chunk: int, block_size: int, decode_steps: int
+) -> None:
+    """Raise a ServeError naming the first engine setting out of its range."""
+    if not 1 <= max_batch <= 4096:
+        raise ServeError(f"max_batch={max_batch} must be between 1 and 4096")
+    if not 2 <= max_len <= config.max_seq_len:
+        raise ServeError(
+            f"max_len={max_len} must be between 2 and the model's context "
+            f"max_seq_len={config.max_seq_len}"
+        )
+    if prefill_chunk < MIN_CHUNK or prefill_chunk & (prefill_chunk - 1):
+        raise ServeError(f"prefill_chunk={prefill_chunk} must be a power of two >= 16")
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ServeError(f"block_size={block_size} must be a power of two")
+    if decode_steps < 1:
+        raise ServeError(f"decode_steps={decode_steps} must be at least 1")
+
+
 def request_bytes(model, length: int, block_size: int = 16) -> int:
     """Cache bytes one request of `length` positions holds in an engine: its blocks of every
     attention layer's pool (whole blocks of `block_size`) and, in a hybrid, its slot's

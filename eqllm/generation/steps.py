@@ -24,7 +24,8 @@ from eqllm.generation.constrain import masked_logits
 from eqllm.generation.paged import Pool, forward
 from eqllm.generation.placement import place_weights, state_shardings
 from eqllm.generation.sampling import Sampling, sample_tokens
-from eqllm.model import CausalLM, cast_floating, dtype_of
+from eqllm.model import CausalLM, dtype_of
+from eqllm.trees import cast_floating
 
 TOP_LOGPROBS = 5  # OpenAI's completions API allows at most 5 alternatives per token
 NO_TOKEN = -1  # a row that did not sample at a decode step

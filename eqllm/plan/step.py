@@ -25,7 +25,7 @@ from eqllm.bench.hlo import Program
 from eqllm.bench.mesh import AbstractState, abstract_state
 from eqllm.config import ConfigError, ModelConfig
 from eqllm.data import Tokenizer
-from eqllm.model import CausalLM, param_count
+from eqllm.model import CausalLM
 from eqllm.recipe import Recipe, RecipeError
 from eqllm.sharding import batch_sharding, check_divisible, make_mesh
 from eqllm.sharding.dispatch import experts_impl
@@ -34,6 +34,7 @@ from eqllm.train.objectives import Instructions, LanguageModel
 from eqllm.train.optim import schedule
 from eqllm.train.setup import check_batch_split, pipeline_of, with_adapters
 from eqllm.train.step import TrainStep
+from eqllm.trees import param_count
 
 
 @dataclasses.dataclass(frozen=True)

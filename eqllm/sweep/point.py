@@ -17,13 +17,14 @@ import equinox as eqx
 import jax
 
 from eqllm.config import ModelConfig
-from eqllm.model import CausalLM, param_count
+from eqllm.model import CausalLM
 from eqllm.nn import Embedding
 from eqllm.recipe import Recipe
 from eqllm.runs import RunFolder
 from eqllm.sweep.spec import Point, Sweep, SweepError
 from eqllm.train.loop import NonFiniteLoss, run
 from eqllm.train.metrics import read_rows
+from eqllm.trees import param_count
 
 
 def write_json(path: Path, value) -> None:

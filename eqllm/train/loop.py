@@ -27,7 +27,6 @@ import jax
 
 from eqllm import lora
 from eqllm.eval.evaluate import evaluate_heldout
-from eqllm.model import param_count
 from eqllm.progress import progress_bar
 from eqllm.recipe import Recipe
 from eqllm.resources import setup_compile_cache
@@ -46,6 +45,7 @@ from eqllm.train.setup import (
 )
 from eqllm.train.skips import NonFiniteLoss, RunState, skip_or_stop, spike
 from eqllm.train.stability import ema_model
+from eqllm.trees import param_count
 
 __all__ = [
     "NonFiniteLoss",

@@ -31,9 +31,10 @@ from jaxtyping import Array, Bool, Float, Int
 from eqllm.config import ModelConfig
 from eqllm.data import DataError
 from eqllm.eval.loss import masked_mean
-from eqllm.model import CausalLM, cast_floating
+from eqllm.model import CausalLM
 from eqllm.sharding import RULES, MeshError
 from eqllm.stack import REMAT_POLICIES, dtype_of, layer_flags
+from eqllm.trees import cast_floating
 
 
 @dataclasses.dataclass(frozen=True)

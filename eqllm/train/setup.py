@@ -23,7 +23,7 @@ from eqllm.config import ConfigError, ModelConfig
 from eqllm.data.instruct import ChatFormat
 from eqllm.eval.evaluate import heldout_of, recipe_samples
 from eqllm.hub import from_pretrained
-from eqllm.model import CausalLM, param_count
+from eqllm.model import CausalLM
 from eqllm.recipe import Recipe, RecipeError
 from eqllm.runs import Adapters, HeldOut, RunFolder
 from eqllm.sharding import (
@@ -46,6 +46,7 @@ from eqllm.train.optim import make_optimizer, schedule
 from eqllm.train.pipeline import Pipeline
 from eqllm.train.processes import process_zero_first, writes_run_files
 from eqllm.train.step import TrainStep, init_opt_state
+from eqllm.trees import param_count
 
 
 def prepare_data(recipe: Recipe, *, progress: bool = True):
