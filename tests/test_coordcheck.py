@@ -16,6 +16,47 @@ from eqllm.errors import EqllmError
 from eqllm.model import CausalLM
 
 
+def test_a_linear_layers_heads_grow_with_the_width():
+    # As attention's head_dim: a Gated DeltaNet's key and value heads, a Mamba-2's head_dim; a
+    # Mamba-2's state size (its key_head_dim) is not a width and stays.
+    sizes = dict(depth=None, base_width=64, base_depth=None, vocab_size=97, seq_len=16)
+    for variant, grows in (("qwen3_5-nano", (True, True)), ("mamba2-nano", (False, True))):
+        base = sized_config(variant, "mup", width=64, **sizes).linear
+        wide = sized_config(variant, "mup", width=256, **sizes).linear
+        for dim, grow in zip(("key_head_dim", "value_head_dim"), grows, strict=True):
+            assert getattr(wide, dim) == getattr(base, dim) * (4 if grow else 1), (variant, dim)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["olmo_hybrid-nano", "mamba2-nano"])
+def test_the_walk_computes_a_hybrids_logits(variant):
+    cfg = sized_config(
+        variant,
+        "mup",
+        width=64,
+        depth=None,
+        base_width=32,
+        base_depth=None,
+        vocab_size=97,
+        seq_len=16,
+    )
+    model = CausalLM(cfg, key=jax.random.key(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 16)))
+    means, logits = activations(model, tokens)
+    np.testing.assert_allclose(logits, model(tokens), atol=1e-5, rtol=1e-5)
+    assert ("mlp.0" in means) == (cfg.linear.mlp)  # Mamba-2's blocks have no MLP
+
+
+# A hybrid (Gated DeltaNet layers with gated attention; OLMo hybrid's head is untied, so the
+# check zeroes it as for llama) is flat under muP and grows under SP, as a Llama is.
+@pytest.mark.slow
+def test_a_hybrid_is_flat_under_mup_and_grows_under_sp():
+    mup = coord_check("olmo_hybrid-nano", "mup", widths=(64, 128, 256))
+    sp = coord_check("olmo_hybrid-nano", "sp", widths=(64, 128, 256))
+    assert max(abs(s) for v in mup.slopes.values() for s in v) < 0.2, mup.slopes
+    assert max(s for v in sp.slopes.values() for s in v) >= 0.5, sp.slopes
+
+
 @pytest.mark.slow
 def test_the_walk_computes_the_models_logits():
     cfg = sized_config(

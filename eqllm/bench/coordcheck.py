@@ -22,6 +22,7 @@ from eqllm import zoo
 from eqllm.config import ModelConfig
 from eqllm.errors import EqllmError
 from eqllm.model import CausalLM
+from eqllm.nn import GatedDeltaNet, Mamba2
 from eqllm.recipe import OptimSpec
 from eqllm.train.optim import make_optimizer, schedule
 from eqllm.train.step import TrainStep, init_opt_state
@@ -61,7 +62,8 @@ def sized_config(
     vocab_size: int,
     seq_len: int,
 ) -> ModelConfig:
-    """The variant at `width` (d_ff in proportion, n_heads fixed so head_dim grows) and depth."""
+    """The variant at `width` (d_ff in proportion, n_heads fixed so head_dim grows, and a linear
+    layer's head sizes with it) and depth."""
     cfg = zoo.config(variant)
     d_ff = max(1, round(cfg.mlp.d_ff * width / cfg.d_model))
     changes = {
@@ -73,6 +75,15 @@ def sized_config(
         "parametrization": parametrization,
         "scan_layers": True,
     }
+    if cfg.linear is not None:  # linear-attention heads grow with the width, as attention's
+        # (Mamba-2's key_head_dim is its state size, which its sizes keep fixed: not a width)
+        dims = (
+            ("value_head_dim",)
+            if cfg.linear.kind == "mamba2"
+            else ("key_head_dim", "value_head_dim")
+        )
+        for dim in dims:
+            changes[f"linear.{dim}"] = max(1, round(getattr(cfg.linear, dim) * width / cfg.d_model))
     if depth is not None:
         changes["n_layers"] = depth
     if parametrization != "sp":
@@ -96,16 +107,22 @@ def activations(model: CausalLM, tokens) -> tuple[dict[str, jax.Array], jax.Arra
     for i, block in enumerate(model.layers()):
         tag = str(i) if i < n - 1 else "last"
         h = x if block.attn_norm is None else block.attn_norm(x)
-        a = block.attn(h, None, None)
+        if isinstance(block.attn, GatedDeltaNet | Mamba2):  # recurrent: (output, state)
+            a = block.attn(h, None, None)[0]
+        else:
+            a = block.attn(h, None, None)
         a = a if block.attn_post_norm is None else block.attn_post_norm(a)
         mlp_in = x if block.parallel else x + a * block.branch_scale
         x = x + a * block.branch_scale
+        if i == 0 or tag == "last":
+            means[f"attn.{tag if i else 0}"] = jnp.mean(jnp.abs(a))
+        if block.mlp is None:  # norm -> mixer -> residual (Mamba-2's blocks): no MLP output
+            continue
         h = mlp_in if block.mlp_norm is None else block.mlp_norm(mlp_in)
         f = block.mlp(h)
         f = f if block.mlp_post_norm is None else block.mlp_post_norm(f)
         x = x + f * block.branch_scale
         if i == 0 or tag == "last":
-            means[f"attn.{tag if i else 0}"] = jnp.mean(jnp.abs(a))
             means[f"mlp.{tag if i else 0}"] = jnp.mean(jnp.abs(f))
     means["residual"] = jnp.mean(jnp.abs(x))
     logits = model.logits(model.final_norm(x))
