@@ -133,6 +133,8 @@ class Engine:
         )
         self.kv_bytes = self.kv_blocks * block_size * bytes_per_token(model)
         self.state_bytes = max_batch * state_bytes(model)  # every slot's recurrent state
+        if bytes_per_token(model) == 0:  # no attention layer: no pool to read, one view length
+            view_lengths = [max_len]
         # Slots split over `data` replicas always run whole, so that each replica keeps its share.
         self.buckets = Buckets.make(
             max_batch=max_batch,

@@ -334,13 +334,17 @@ class Mamba2(eqx.Module):
             reset = jnp.concatenate([first, segment_ids[..., 1:] != segment_ids[..., :-1]], -1)
         mixed = jnp.concatenate([self.x_proj(x), self.B_proj(x), self.C_proj(x)], axis=-1)
         dt = self.time_step(self.dt_proj(x))
-        valid = jnp.ones((*batch, seq), bool) if valid is None else valid
-        dt = jnp.where(valid[..., None], dt, 0.0)  # padding neither decays S nor writes to it
+        padded = valid is not None  # else the forward of whole sequences, left as it was
+        if padded:  # padding neither decays S nor writes to it
+            dt = jnp.where(valid[..., None], dt, 0.0)
+        else:
+            valid = jnp.ones((*batch, seq), bool)
         A = -jnp.exp(self.A_log.astype(jnp.float32))
         inner, bc = self.n_heads * self.head_dim, self.n_groups * self.d_state
 
         def one(mixed, dt, conv, s, reset, valid):  # one sequence
-            mixed, conv = behind_padding(mixed, conv, valid)
+            if padded:
+                mixed, conv = behind_padding(mixed, conv, valid)
             mixed, conv = causal_conv(mixed, self.conv_weight, conv, reset, self.conv_bias)
             xs, B, C = jnp.split(mixed, [inner, inner + bc], axis=-1)
             # (seq, heads * head_dim) -> (seq, heads, head_dim); (seq, groups, d_state)
