@@ -163,7 +163,7 @@ class Engine:
             f"KV cache: {self.kv_blocks:,} blocks of {self.block_size} positions = "
             f"{positions:,} positions ({positions / self.max_len:.1f} x max_len={self.max_len:,}), "
             f"{self.kv_bytes / 2**30:.2f} GiB reserved; {self.max_batch} slots"
-            + (f"; recurrent state {self.state_bytes / 2**30:.2f} GiB" if self.state_bytes else "")
+            + (f"; recurrent state {self.state_bytes / 2**20:,.1f} MiB" if self.state_bytes else "")
             + ("" if self.pool.prefix_cache else "; prefix cache off")
             + ("" if self.speculator is None else f"; {self.speculator.describe()}")
         )
