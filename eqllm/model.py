@@ -32,6 +32,7 @@ from eqllm.nn import (
     LatentCache,
     LayerNorm,
     Linear,
+    Mamba2State,
     RMSNorm,
     Routing,
 )
@@ -41,7 +42,7 @@ from eqllm.stack import dtype_of, initial_parts, layer_flag, layer_flags, run_st
 from eqllm.trees import cast_floating
 
 # Cached inference, per layer: K and V (or latents) per position, or a fixed recurrent state.
-Cache = tuple[KVCache | LatentCache | GatedDeltaNetState, ...]
+Cache = tuple[KVCache | LatentCache | GatedDeltaNetState | Mamba2State, ...]
 
 # ModelConfig fields that change how the model runs, not what it computes.
 EXECUTION_FIELDS = (
@@ -215,10 +216,11 @@ class CausalLM(eqx.Module):
     def init_cache(self, length: int) -> Cache:
         """An empty cache for one sequence of up to `length` positions, one entry per layer:
         `min(length, max_seq_len)` slots of kv heads in the compute dtype (a ring of just the
-        window in a windowed or chunked layer), or a linear-attention layer's fixed-size state.
+        window in a windowed or chunked layer), or a linear-attention or Mamba-2 layer's
+        fixed-size state (its convolution's last inputs in the compute dtype; its recurrent
+        state in fp32, or a Mamba-2 layer's `state_dtype`).
         """
         cfg = self.config
-        refuse_cached(cfg)
         dtype = dtype_of(cfg.compute_dtype)
         full = min(length, cfg.max_seq_len)
         a = cfg.attention
@@ -232,7 +234,8 @@ class CausalLM(eqx.Module):
         caches = tuple(local if w else world for w in cfg.local_layers())
         if cfg.linear is None:
             return caches
-        state = self.linear_blocks.attn.init_state(dtype=dtype)
+        mixers = self.blocks if cfg.linear.pure else self.linear_blocks  # pure: no attention
+        state = mixers.attn.init_state(dtype=dtype)  # conv inputs in dtype, S in its own
         kinds = cfg.layer_kinds()
         return tuple(state if k == "linear" else c for k, c in zip(kinds, caches, strict=True))
 
@@ -282,10 +285,12 @@ class CausalLM(eqx.Module):
 
         dense = layers[:prefix]
         dense = jax.tree.map(lambda *a: jnp.stack(a), *dense) if dense else None
+        lin = self.config.linear
+        main, other = ("linear", None) if lin is not None and lin.pure else ("full", "linear")
         return eqx.tree_at(
             lambda m: (m.dense_blocks, m.blocks, m.linear_blocks),
             self,
-            (dense, stack("full"), stack("linear")),
+            (dense, stack(main), other and stack(other)),
             is_leaf=lambda x: x is None,
         )
 
@@ -346,16 +351,6 @@ class CausalLM(eqx.Module):
     ) -> tuple[Float[Array, " vocab"], Cache]:
         """Feed one token at `position` after those in `cache`: `prefill` of a chunk of one."""
         return self.prefill(token[None], position[None], cache, layers=layers)
-
-
-def refuse_cached(config: ModelConfig) -> None:
-    """Raise for Mamba-2 layers: the cache carries no SSM state yet (a Gated DeltaNet's it does)."""
-    if config.linear is not None and config.linear.kind == "mamba2":
-        raise EqllmError(
-            f"generation of Mamba-2 models is not supported yet (family={config.family!r}, "
-            "linear.kind='mamba2'): the cache carries no SSM state; use the full forward, "
-            "model(tokens), instead"
-        )
 
 
 def check_tokens(tokens, config: ModelConfig) -> None:

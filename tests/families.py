@@ -404,7 +404,6 @@ FAMILIES = [
         ),
         lora=("in_proj",),
         atol=1e-4,
-        generates=False,
     ),
     # Mamba-Codestral's layout: an untied head, one group; dt clamped to limits that the
     # perturbed twin's time steps cross at both ends (transformers' time_step_limit on its
@@ -429,7 +428,6 @@ FAMILIES = [
         variant=True,
         lora=("in_proj",),
         atol=1e-4,
-        generates=False,
     ),
 ]
 # tests/conftest.py records here the parametrised tests none of whose cases runs by default;

@@ -113,8 +113,8 @@ def greedy(models):
 )
 def test_each_layer_caches_its_window_or_the_whole_context(family):
     """A windowed layer's cache is a ring of just its window (a chunked layer's, of one chunk);
-    a global layer's holds LENGTH; a hybrid's linear-attention layer holds its recurrent state,
-    the same at any length."""
+    a global layer's holds LENGTH; a hybrid's linear-attention layer and a Mamba-2 layer hold
+    their recurrent state, the same at any length."""
     config = TINY_CONFIGS[family]
     shapes = eqx.filter_eval_shape(eqllm.CausalLM, config, key=jax.random.key(0))
     cache = eqx.filter_eval_shape(lambda m: m.init_cache(LENGTH), shapes)
@@ -122,6 +122,10 @@ def test_each_layer_caches_its_window_or_the_whole_context(family):
     attention, lin = config.attention, config.linear
     kinds = config.layer_kinds()
     for layer_cache, local, kind in zip(cache, config.local_layers(), kinds, strict=True):
+        if kind == "linear" and lin.kind == "mamba2":  # heads x head_dim x d_state
+            heads = (lin.n_value_heads, lin.value_head_dim, lin.key_head_dim)
+            assert layer_cache.ssm.shape == heads and layer_cache.ssm.dtype == jnp.float32
+            continue
         if kind == "linear":
             heads = (lin.n_value_heads, lin.key_head_dim, lin.value_head_dim)
             assert layer_cache.recurrent.shape == heads

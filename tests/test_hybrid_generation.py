@@ -10,18 +10,16 @@ and greedy `eqllm.generate` against transformers' `generate`.
 
 from __future__ import annotations
 
-import queue
-
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import eqllm
 from eqllm.generation.paged import bytes_per_token, state_bytes
 from eqllm.generation.sizing import request_bytes
-from eqllm.serve import Engine, Finished, Params, Token
+from eqllm.serve import Engine
+from tests.engine_runs import counted, full_forward_logprobs, random_prompts, run_requests
 from tests.families import TINY_CONFIGS
 
 LENGTH, SLOTS = 64, 2  # every engine here but one has these sizes: they share compiled shapes
@@ -34,56 +32,6 @@ def model(twins):
     return twins("qwen3_5").model
 
 
-def _run(engine, requests):
-    """Submit (prompt, max_tokens, seed) each, step until done; (tokens, logprobs) per request."""
-    runs = []
-    for prompt, max_tokens, seed in requests:
-        events = queue.Queue()
-        params = Params(max_tokens=max_tokens, seed=seed, temperature=1.0)
-        engine.submit(prompt, params, events.put)
-        runs.append(events)
-    engine.run(2000)
-    out = []
-    for events in runs:
-        tokens, logprobs, reason = [], [], None
-        while not events.empty():
-            event = events.get()
-            if isinstance(event, Token):
-                tokens.append(event.id)
-                logprobs.append(event.logprob)
-            elif isinstance(event, Finished):
-                reason = event.reason
-        assert reason == "length"
-        out.append((tokens, logprobs))
-    return out
-
-
-def _full_forward_logprobs(model, prompts, outputs):
-    """Each output token's log-probability by the full forward over prompt + output (all of
-    them in one batch, right-padded: causal, so the padding changes no earlier row)."""
-    rows = np.zeros((len(prompts), LENGTH), np.int32)
-    for row, prompt, tokens in zip(rows, prompts, outputs, strict=True):
-        row[: len(prompt) + len(tokens)] = [*prompt, *tokens]
-    logprobs = np.asarray(jax.nn.log_softmax(model(jnp.asarray(rows)), axis=-1))
-    return [
-        [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
-        for lp, prompt, tokens in zip(logprobs, prompts, outputs, strict=True)
-    ]
-
-
-def _counted(prefill, calls: list, tag):
-    def call(*args):
-        calls.append(tag)
-        return prefill(*args)
-
-    return call
-
-
-def _prompts(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 97, n).tolist() for n in lengths]
-
-
 def test_slots_joining_and_leaving_equal_generate_and_the_full_forward(model):
     """Five sampled requests over two slots: prompts of one to three chunks prefilled while
     the other slot decodes, requests leaving after 3 to 14 tokens and others taking their
@@ -91,13 +39,15 @@ def test_slots_joining_and_leaving_equal_generate_and_the_full_forward(model):
     output is a prefix of a longer one), whose engine takes every prompt in one prefill call,
     and its log-probabilities the full forward's."""
     engine = Engine(model, max_batch=SLOTS, max_len=LENGTH, prefill_chunk=16)
-    prompts = _prompts([5, 37, 12, 20, 3])
+    prompts = random_prompts([5, 37, 12, 20, 3])
     new = [9, 4, 14, 6, 11]
-    got = _run(engine, [(p, n, i) for i, (p, n) in enumerate(zip(prompts, new, strict=True))])
+    got = run_requests(
+        engine, [(p, n, i) for i, (p, n) in enumerate(zip(prompts, new, strict=True))]
+    )
     keys = jax.vmap(jax.random.key)(np.arange(len(prompts)))
     want = eqllm.generate_batch(model, prompts, max_new_tokens=max(new), key=keys)
     assert [tokens for tokens, _ in got] == [w[:n].tolist() for w, n in zip(want, new, strict=True)]
-    full = _full_forward_logprobs(model, prompts, [tokens for tokens, _ in got])
+    full = full_forward_logprobs(model, prompts, [tokens for tokens, _ in got], LENGTH)
     for (_, logprobs), wanted in zip(got, full, strict=True):
         np.testing.assert_allclose(logprobs, wanted, atol=1e-4, rtol=0)
 
@@ -106,29 +56,29 @@ def test_slots_joining_and_leaving_equal_generate_and_the_full_forward(model):
 def test_a_prompt_in_several_chunks_equals_one_prefill(model):
     """50 prompt tokens as four chunks of 16 (the state carried from chunk to chunk, the last
     one left-padded) and as one chunk of 64: the same tokens and log-probabilities."""
-    [prompt] = _prompts([50], seed=1)
+    [prompt] = random_prompts([50], seed=1)
     calls, out = [], []
     for chunk in (16, 64):
         engine = Engine(model, max_batch=SLOTS, max_len=LENGTH, prefill_chunk=chunk)
-        engine.runner.prefill = _counted(engine.runner.prefill, calls, chunk)
-        out.append(_run(engine, [(prompt, 8, 7)])[0])
+        engine.runner.prefill = counted(engine.runner.prefill, calls, chunk)
+        out.append(run_requests(engine, [(prompt, 8, 7)])[0])
     assert calls.count(16) == 4 and calls.count(64) == 1
     assert out[0][0] == out[1][0]
     np.testing.assert_allclose(out[0][1], out[1][1], atol=1e-5, rtol=0)
-    [full] = _full_forward_logprobs(model, [prompt], [out[0][0]])
+    [full] = full_forward_logprobs(model, [prompt], [out[0][0]], LENGTH)
     np.testing.assert_allclose(out[0][1], full, atol=1e-4, rtol=0)
 
 
 def test_a_reused_slot_starts_from_a_cleared_state(model):
     """One slot serves a request, then another: the second's output is a fresh engine's."""
-    first, second = _prompts([30, 9], seed=2)
+    first, second = random_prompts([30, 9], seed=2)
     engine = Engine(model, max_batch=SLOTS, max_len=LENGTH, prefill_chunk=16)
-    _run(engine, [(first, 12, 3)])
+    run_requests(engine, [(first, 12, 3)])
     states = [c for c in engine.runner.state.cache if hasattr(c, "recurrent")]
     assert len(states) == 2 and all(np.any(np.asarray(s.recurrent[0]) != 0) for s in states)
-    reused = _run(engine, [(second, 10, 4)])
+    reused = run_requests(engine, [(second, 10, 4)])
     fresh = Engine(model, max_batch=SLOTS, max_len=LENGTH, prefill_chunk=16)
-    assert reused == _run(fresh, [(second, 10, 4)])
+    assert reused == run_requests(fresh, [(second, 10, 4)])
 
 
 def test_the_cache_holds_the_state_per_slot_and_no_prefix_reuse(model):

@@ -128,6 +128,25 @@ def test_prefill_then_decode_equals_one_pass(layer):
 
 
 @pytest.mark.parametrize("form", ["chunked", "recurrent"])
+def test_left_padding_neither_reads_nor_changes_the_state(layer, form):
+    """A cached chunk's left padding (`valid` False): the real tokens' outputs and the state
+    after them are those without the padding, continuing a state already carried (the
+    convolution's past included); a chunk of padding only leaves the state as it is."""
+    x = jnp.asarray(X[0])  # (seq, d_model)
+    _, state = run(layer, x[:5])  # a state to continue, non-zero
+    call = eqx.filter_jit(lambda m, x, s, valid: m(x, s, form=form, valid=valid))
+    alone, want = call(layer, x[5:9], state, None)
+    padded = jnp.concatenate([jnp.ones((3, D_MODEL)), x[5:9]])
+    out, got = call(layer, padded, state, jnp.arange(7) >= 3)
+    np.testing.assert_allclose(out[3:], alone, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    _, same = call(layer, padded[:2], state, jnp.zeros(2, bool))
+    for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("form", ["chunked", "recurrent"])
 def test_packed_documents_equal_each_alone(layer, form):
     x = jax.random.normal(jax.random.key(3), (12, D_MODEL))
     segment_ids = jnp.repeat(jnp.arange(3), 4)  # three documents of 4 tokens

@@ -2,9 +2,10 @@
 alone (the `mamba2` family) and a hybrid of Mamba-2 and attention layers.
 
 The family contract (tests/test_families.py, entry `mamba2`) checks logits against transformers
-both ways, peft's LoRA, scanned == unrolled and the cache's refusal. Here: the one stack of a
-model without attention, packed documents equal each alone, the FLOPs count against the
-weights, the validation of the group, the refusals, muP roles, and a Mamba-2 hybrid.
+both ways, peft's LoRA, scanned == unrolled, cached decoding and greedy generation
+(tests/test_mamba2_generation.py: the engine). Here: the one stack of a model without
+attention, packed documents equal each alone, the FLOPs count against the weights, the
+validation of the group, the refusals, muP roles, and a Mamba-2 hybrid.
 """
 
 import equinox as eqx
@@ -15,7 +16,6 @@ import pytest
 
 import eqllm
 from eqllm.config import ConfigError
-from eqllm.errors import EqllmError
 from eqllm.nn import Linear, Mamba2, param_info
 from eqllm.sharding.rules import logical_axes
 from tests.families import TINY_CONFIGS
@@ -88,15 +88,6 @@ def test_the_group_is_validated(change, message):
     hybrid = TINY_CONFIGS["qwen3_5"]
     with pytest.raises(ConfigError, match="dt_max=0.1 is Mamba-2's time-step limit"):
         hybrid.replace(linear={"dt_max": 0.1})
-
-
-def test_generation_refuses_by_name(model):
-    with pytest.raises(EqllmError, match="linear.kind='mamba2'"):
-        eqllm.generate(model, [1, 2, 3], max_new_tokens=2, key=jax.random.key(0))
-    from eqllm.generation.engine import Engine
-
-    with pytest.raises(EqllmError, match="generation of Mamba-2 models is not supported yet"):
-        Engine(model, max_batch=2, max_len=32)
 
 
 @pytest.mark.slow

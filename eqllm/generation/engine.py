@@ -132,6 +132,9 @@ class Engine:
             slot_bytes=state_bytes(model),
         )
         self.kv_bytes = self.kv_blocks * block_size * bytes_per_token(model)
+        self.state_bytes = max_batch * state_bytes(model)  # every slot's recurrent state
+        if bytes_per_token(model) == 0:  # no attention layer: no pool to read, one view length
+            view_lengths = [max_len]
         # Slots split over `data` replicas always run whole, so that each replica keeps its share.
         self.buckets = Buckets.make(
             max_batch=max_batch,
@@ -160,6 +163,7 @@ class Engine:
             f"KV cache: {self.kv_blocks:,} blocks of {self.block_size} positions = "
             f"{positions:,} positions ({positions / self.max_len:.1f} x max_len={self.max_len:,}), "
             f"{self.kv_bytes / 2**30:.2f} GiB reserved; {self.max_batch} slots"
+            + (f"; recurrent state {self.state_bytes / 2**20:,.1f} MiB" if self.state_bytes else "")
             + ("" if self.pool.prefix_cache else "; prefix cache off")
             + ("" if self.speculator is None else f"; {self.speculator.describe()}")
         )

@@ -16,8 +16,10 @@ block up to the step's last position (m = the step's pages); a sliding-window la
 blocks its window can reach from the step's positions, so decoding reads the window, not the
 sequence.
 
-A hybrid's linear-attention layer has no pool: its entry of the cache is the recurrent state of
-the call's rows (`eqllm.generation.recurrent`), which the layer continues and `forward` returns.
+A recurrent layer (a hybrid's linear-attention layer, a Mamba-2 layer) has no pool: its entry
+of the cache is the recurrent state of the call's rows (`eqllm.generation.recurrent`), which the
+layer continues and `forward` returns. A stack of Mamba-2 layers alone has no pool at all: its
+pages and page tables are bookkeeping that holds no bytes.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from eqllm.config import ModelConfig
+from eqllm.generation.recurrent import State, is_state
 from eqllm.model import CausalLM
-from eqllm.nn import GatedDeltaNetState, KVCache, LatentCache
+from eqllm.nn import KVCache, LatentCache
 
 
 class Pool(eqx.Module):
@@ -75,18 +78,18 @@ def bytes_per_token(model: CausalLM) -> int:
     return sum(
         math.prod(getattr(c, name).shape[1:]) * getattr(c, name).dtype.itemsize
         for c in model.init_cache(1)
-        if not isinstance(c, GatedDeltaNetState)  # a fixed size per sequence, not per token
+        if not is_state(c)  # a fixed size per sequence, not per token
         for name in data_fields(type(c))
     )
 
 
 def state_bytes(model: CausalLM) -> int:
-    """Bytes of recurrent state one sequence holds in all of the model's linear-attention
-    layers, whatever its length (0 without any)."""
+    """Bytes of recurrent state one sequence holds in all of the model's recurrent layers
+    (Gated DeltaNet, Mamba-2), whatever its length (0 without any)."""
     return sum(
         math.prod(a.shape) * a.dtype.itemsize
         for c in model.init_cache(1)
-        if isinstance(c, GatedDeltaNetState)
+        if is_state(c)
         for a in jax.tree.leaves(c)
     )
 
@@ -153,13 +156,13 @@ def _write(
 
 def forward(
     fixed,
-    cache: tuple[Pool | GatedDeltaNetState, ...],
+    cache: tuple[Pool | State, ...],
     pages: Int[Array, "rows pages"],
     tokens: Int[Array, "rows new"],
     positions: Int[Array, "rows new"],
     start: Int[Array, " rows"],
     block_size: int,
-) -> tuple[Float[Array, "rows vocab"], tuple[Pool | GatedDeltaNetState, ...]]:
+) -> tuple[Float[Array, "rows vocab"], tuple[Pool | State, ...]]:
     """`forward_hidden`, and the logits after each row's last position."""
     x, written = forward_hidden(fixed, cache, pages, tokens, positions, start, block_size)
     return jax.vmap(fixed[0].next_logits)(x), written
@@ -167,13 +170,13 @@ def forward(
 
 def forward_hidden(
     fixed,
-    cache: tuple[Pool | GatedDeltaNetState, ...],
+    cache: tuple[Pool | State, ...],
     pages: Int[Array, "rows pages"],
     tokens: Int[Array, "rows new"],
     positions: Int[Array, "rows new"],
     start: Int[Array, " rows"],
     block_size: int,
-) -> tuple[Float[Array, "rows new d_model"], tuple[Pool | GatedDeltaNetState, ...]]:
+) -> tuple[Float[Array, "rows new d_model"], tuple[Pool | State, ...]]:
     """The model's own cached forward on each row's new positions (negative: padding), one
     layer at a time: a layer's views are gathered from its pool right before it runs, and the
     positions it computed written back right after; the last layer's output at every position
@@ -195,7 +198,7 @@ def forward_hidden(
     written = []
     calls = model.cached_calls(layers)
     for call, pool, window in zip(calls, cache, windows(model.config), strict=True):
-        if isinstance(pool, GatedDeltaNetState):  # the rows' recurrent state, continued
+        if is_state(pool):  # the rows' recurrent state, continued
             x, state = jax.vmap(call)(x, positions, pool)
             after = jnp.minimum(jnp.min(jnp.argmax(x[:, -1, :2], axis=-1)), 0).astype(jnp.int32)
             written.append(state)

@@ -69,10 +69,11 @@ def place_weights(model, layers: tuple, mesh: Mesh):
 
     dense = 0 if model.dense_blocks is None else jax.tree.leaves(model.dense_blocks)[0].shape[0]
     kinds = ["dense"] * dense + list(model.config.layer_kinds()[dense:])  # as layers() orders
+    pure = model.linear_blocks is None  # every layer of one kind: all in `blocks`
     stacks = {
         "dense": shardings.dense_blocks,
         "full": shardings.blocks,
-        "linear": shardings.linear_blocks,
+        "linear": shardings.blocks if pure else shardings.linear_blocks,
     }
     per_layer = [sliced(stacks[kind]) for kind in kinds]
     layers = tuple(

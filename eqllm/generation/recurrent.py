@@ -1,18 +1,22 @@
-"""Recurrent state in the engine: a hybrid's linear-attention layers (Gated DeltaNet) keep, per
-sequence, a state of a fixed size (each value head's d_k x d_v matrix S and the convolution's
-last inputs) where an attention layer keeps keys and values per position.
+"""Recurrent state in the engine: a linear-attention layer (Gated DeltaNet) or a state-space
+layer (Mamba-2) keeps, per sequence, a state of a fixed size (a Gated DeltaNet's d_k x d_v
+matrix S per value head, a Mamba-2 head's head_dim x d_state S, and the convolution's last
+inputs) where an attention layer keeps keys and values per position.
 
 The state lives in the engine's one device state (`SlotState.cache`), in the place of the
-layer's paged pool: a `GatedDeltaNetState` with a leading `slots` axis, one per linear layer,
-beside the attention layers' pools. A prefill call gathers its rows' states by slot (a row's
-first chunk starts from zeros: the state a finished request left in the slot is cleared before
-the new request reads it), runs the chunk, and writes them back; a decode call runs the first
-`slots` slots' states in place. Padding (negative positions, and slots a call does not run)
-leaves a state as it is, so a prompt may go in over several chunks.
+layer's paged pool: the layer's state (`GatedDeltaNetState`, `Mamba2State`) with a leading
+`slots` axis, one per recurrent layer, beside the attention layers' pools (a stack of Mamba-2
+layers alone has no pool at all). Every function here acts on any such state as a pytree, so
+both layer kinds share one mechanism. A prefill call gathers its rows' states by slot (a
+row's first chunk starts from zeros: the state a finished request left in the slot is cleared
+before the new request reads it), runs the chunk, and writes them back; a decode call runs the
+first `slots` slots' states in place. Padding (negative positions, and slots a call does not
+run) leaves a state as it is, so a prompt may go in over several chunks.
 
 The state at the end of a cached prefix is not kept with the prefix's blocks, so an engine
-over a hybrid does not reuse cached prefixes (`prefix_cache` is off for it), and speculative
-decoding, which would need to roll the state back past rejected guesses, refuses it.
+over a model with recurrent layers does not reuse cached prefixes (`prefix_cache` is off for
+it), and speculative decoding, which would need to roll the state back past rejected guesses,
+refuses it.
 """
 
 from __future__ import annotations
@@ -23,15 +27,17 @@ from jaxtyping import Array, Bool, Int
 
 from eqllm.errors import EqllmError
 from eqllm.model import CausalLM
-from eqllm.nn import GatedDeltaNetState
+from eqllm.nn import GatedDeltaNetState, Mamba2State
+
+State = GatedDeltaNetState | Mamba2State  # what a recurrent layer carries from call to call
 
 
 def is_state(entry) -> bool:
     """Whether a layer's entry of the engine's cache is a recurrent state (not a pool)."""
-    return isinstance(entry, GatedDeltaNetState)
+    return isinstance(entry, State)
 
 
-def for_slots(template: GatedDeltaNetState, slots: int) -> GatedDeltaNetState:
+def for_slots(template: State, slots: int) -> State:
     """Zero states of `slots` sequences shaped like one sequence's `template`."""
     return jax.tree.map(lambda a: jnp.zeros((slots, *a.shape), a.dtype), template)
 
@@ -75,12 +81,14 @@ def put_first(cache: tuple, written: tuple, n: int) -> tuple:
 
 
 def refuse_speculation(model: CausalLM, role: str) -> None:
-    """Raise for a hybrid target or draft of speculative decoding: rejected guesses would have
-    to be undone in its recurrent state, which the engine does not keep per guess."""
+    """Raise for a target or draft with recurrent layers (a hybrid, or Mamba-2 alone) in
+    speculative decoding: rejected guesses would have to be undone in its recurrent state,
+    which the engine does not keep per guess."""
     cfg = model.config
     if cfg.linear is not None:
+        kind = "state-space" if cfg.linear.pure else "hybrid"
         raise EqllmError(
-            f"speculative decoding with a hybrid {role} (family={cfg.family!r}, "
+            f"speculative decoding with a {kind} {role} (family={cfg.family!r}, "
             f"linear.kind={cfg.linear.kind!r}) is not supported: its recurrent state cannot be "
             "rolled back past rejected guesses; serve it without --speculate/--draft"
         )

@@ -193,10 +193,23 @@ def pool_blocks(
     """Blocks in the pool: `blocks`, or as many as the budget `memory` holds (None:
     `default_kv_memory()`; never more than every slot at full length needs) after every slot's
     fixed-size state (`slot_bytes` each: a hybrid's recurrent state), split evenly over the
-    data replicas; refused when one request at `max_len` would not fit."""
+    data replicas; refused when one request at `max_len` would not fit. A model without
+    attention layers (`block_bytes` 0: Mamba-2 alone) gets every slot's pages at full length,
+    which hold no bytes, once the budget holds every slot's state."""
     max_pages = -(-max_len // block_size)
     data = 1 if mesh is None else mesh.shape["data"]
-    if blocks is None:
+    if blocks is None and block_bytes == 0:
+        budget = default_kv_memory() if memory is None else memory
+        if mesh is not None:
+            budget *= mesh.size
+        if budget < max_batch * slot_bytes:
+            raise ServeError(
+                f"the cache budget of {budget / 2**30:.2f} GiB holds less than the recurrent "
+                f"state of max_batch={max_batch} slots ({max_batch * slot_bytes / 2**30:.2f} "
+                "GiB); lower max_batch (--max-batch) or raise the budget (--kv-cache-memory)"
+            )
+        blocks = max_batch * max_pages
+    elif blocks is None:
         budget = default_kv_memory() if memory is None else memory
         if mesh is not None:  # each device holds its share of the pool
             budget *= mesh.size

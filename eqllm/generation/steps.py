@@ -41,7 +41,7 @@ class SlotState(eqx.Module):
     of its prompt and output (repetition penalty).
     """
 
-    cache: tuple  # per layer: a Pool, or a recurrent state per slot (GatedDeltaNetState)
+    cache: tuple  # per layer: a Pool, or a recurrent state per slot (recurrent.State)
     token: Int[Array, " slots"]
     position: Int[Array, " slots"]
     present: Bool[Array, "slots vocab"]

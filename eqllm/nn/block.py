@@ -7,11 +7,10 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Bool, Float, Int
 
-from eqllm.errors import EqllmError
 from eqllm.nn.attention import Attention
 from eqllm.nn.gated_deltanet import GatedDeltaNet, GatedDeltaNetState
 from eqllm.nn.kv_cache import KVCache
-from eqllm.nn.mamba2 import Mamba2
+from eqllm.nn.mamba2 import Mamba2, Mamba2State
 from eqllm.nn.mla import LatentCache, MultiHeadLatentAttention
 from eqllm.nn.mlp import MLP, GatedMLP
 from eqllm.nn.moe import MoE, Routing
@@ -105,23 +104,20 @@ class Block(eqx.Module):
         self,
         x: Float[Array, "seq d_model"],
         positions: Int[Array, " seq"],
-        cache: KVCache | LatentCache | GatedDeltaNetState,
+        cache: KVCache | LatentCache | GatedDeltaNetState | Mamba2State,
         local: Bool[Array, ""] | bool | None = None,
         rotate: Bool[Array, ""] | bool | None = None,
-    ) -> tuple[Float[Array, "seq d_model"], KVCache | LatentCache | GatedDeltaNetState]:
+    ) -> tuple[
+        Float[Array, "seq d_model"], KVCache | LatentCache | GatedDeltaNetState | Mamba2State
+    ]:
         """The block on a chunk of new positions, attending to `cache` (see Attention.cached);
-        a Gated DeltaNet layer continues its recurrent state instead (its `cache`), skipping
-        the chunk's left padding (negative positions).
+        a Gated DeltaNet or Mamba-2 layer continues its recurrent state instead (its `cache`),
+        skipping the chunk's left padding (negative positions).
 
         Experts are computed densely here: generation runs this under `jax.vmap`, which the
         grouped ("ragged") product does not support, and a decode step has one token anyway.
         """
-        if isinstance(self.attn, Mamba2):
-            raise EqllmError(
-                "generation of Mamba-2 layers is not supported yet: their SSM and convolution "
-                "state is not in the cache; use the full forward, model(tokens), instead"
-            )
-        if isinstance(self.attn, GatedDeltaNet):
+        if isinstance(self.attn, GatedDeltaNet | Mamba2):
             h = _apply(self.attn_norm, x)
             attended, cache = self.attn(h, cache, valid=positions >= 0)
             return self._residual(x, attended, "dense")[0], cache

@@ -33,7 +33,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqllm.errors import EqllmError
-from eqllm.nn.conv import causal_conv
+from eqllm.nn.conv import behind_padding, causal_conv
 from eqllm.nn.linear import Linear
 from eqllm.nn.norm import RMSNorm
 
@@ -278,7 +278,7 @@ class Mamba2(eqx.Module):
         `dtype` and n_heads * head_dim * d_state numbers in `state_dtype`, whatever the
         sequence's length.
         """
-        width, conv_dim = self.conv_weight.shape[1] - 1, self.conv_weight.shape[0]
+        conv_dim, width = self.conv_weight.shape[-2], self.conv_weight.shape[-1] - 1  # stacked too
         ssm = (*batch, self.n_heads, self.head_dim, self.d_state)
         return Mamba2State(
             jnp.zeros((*batch, width, conv_dim), dtype), jnp.zeros(ssm, self.state_dtype)
@@ -308,13 +308,17 @@ class Mamba2(eqx.Module):
         segment_ids: Int[Array, "*batch seq"] | None = None,
         *,
         form: Literal["chunked", "recurrent"] | None = None,
+        valid: Bool[Array, "*batch seq"] | None = None,
     ) -> tuple[Float[Array, "*batch seq d_model"], Mamba2State]:
         """The layer's output for `x` and the state after its last token.
 
         `state` (None: `init_state`) continues an earlier call. `segment_ids` (None: one
         document) reset the state where the id changes from one token to the next; the given
         state continues the first document. `form` picks the scan's form (None: `recurrent`
-        for one token, `chunked` otherwise); both give the same values.
+        for one token, `chunked` otherwise); both give the same values. `valid` (None: every
+        token) is False on left padding (a cached chunk's negative positions): a padding token
+        neither reads nor changes the state (nor the convolution's), and its output means
+        nothing.
         """
         batch, seq = x.shape[:-2], x.shape[-2]
         if state is None:
@@ -330,10 +334,17 @@ class Mamba2(eqx.Module):
             reset = jnp.concatenate([first, segment_ids[..., 1:] != segment_ids[..., :-1]], -1)
         mixed = jnp.concatenate([self.x_proj(x), self.B_proj(x), self.C_proj(x)], axis=-1)
         dt = self.time_step(self.dt_proj(x))
+        padded = valid is not None  # else the forward of whole sequences, left as it was
+        if padded:  # padding neither decays S nor writes to it
+            dt = jnp.where(valid[..., None], dt, 0.0)
+        else:
+            valid = jnp.ones((*batch, seq), bool)
         A = -jnp.exp(self.A_log.astype(jnp.float32))
         inner, bc = self.n_heads * self.head_dim, self.n_groups * self.d_state
 
-        def one(mixed, dt, conv, s, reset):  # one sequence
+        def one(mixed, dt, conv, s, reset, valid):  # one sequence
+            if padded:
+                mixed, conv = behind_padding(mixed, conv, valid)
             mixed, conv = causal_conv(mixed, self.conv_weight, conv, reset, self.conv_bias)
             xs, B, C = jnp.split(mixed, [inner, inner + bc], axis=-1)
             # (seq, heads * head_dim) -> (seq, heads, head_dim); (seq, groups, d_state)
@@ -347,7 +358,7 @@ class Mamba2(eqx.Module):
             y = y.astype(jnp.float32) + self.D.astype(jnp.float32)[:, None] * xs
             return y, conv, s_out.astype(s.dtype)
 
-        args = (mixed, dt, state.conv, state.ssm, reset)
+        args = (mixed, dt, state.conv, state.ssm, reset, valid)
         if batch:  # every leading axis folded into one, mapped over
             flat = [v.reshape(-1, *v.shape[len(batch) :]) for v in args]
             y, conv, s = jax.vmap(one)(*flat)
