@@ -37,7 +37,7 @@ from eqllm.nn import (
 )
 from eqllm.parametrization import scales
 from eqllm.stack import REMAT_POLICIES as REMAT_POLICIES  # re-exported: the remat names
-from eqllm.stack import dtype_of, initial_parts, layer_flag, layer_flags, run_stacks
+from eqllm.stack import dtype_of, initial_parts, layer_flag, layer_flags, multipliers_of, run_stacks
 from eqllm.trees import cast_floating
 
 # Cached inference, per layer: K and V (or latents) per position, or a fixed recurrent state.
@@ -192,6 +192,8 @@ class CausalLM(eqx.Module):
         if cfg.embed_scale:
             # Gemma rounds sqrt(d_model) to the compute dtype before multiplying.
             x = x * jnp.asarray(math.sqrt(cfg.d_model), x.dtype)
+        if (m := multipliers_of(cfg).embedding) != 1.0:  # Falcon-H1's embedding_multiplier
+            x = x * m
         if self.pos_embed is not None:
             x = x + self.pos_embed(jnp.maximum(positions, 0))
         return x
@@ -203,6 +205,8 @@ class CausalLM(eqx.Module):
         else:
             logits = self.lm_head(hidden, preferred_element_type=jnp.float32)
         readout = scales(self.config).readout  # muP's output_mult / width ratio; SP: 1
+        if (m := multipliers_of(self.config).logits) != 1.0:  # Falcon-H1's lm_head_multiplier
+            logits = logits * m
         if readout != 1.0:
             logits = logits * readout
         cap = self.config.final_softcap
@@ -349,7 +353,14 @@ class CausalLM(eqx.Module):
 
 
 def refuse_cached(config: ModelConfig) -> None:
-    """Raise for Mamba-2 layers: the cache carries no SSM state yet (a Gated DeltaNet's it does)."""
+    """Raise for Mamba-2 layers: the cache carries no SSM state yet (a Gated DeltaNet's it does);
+    and for a mixer beside attention in every layer, whose cache needs both at once."""
+    if config.linear is not None and config.linear.parallel:
+        raise EqllmError(
+            f"generation of {config.family} models is not supported yet (linear.parallel: "
+            "every layer needs both a KV cache and a recurrent state); use the full forward, "
+            "model(tokens), instead"
+        )
     if config.linear is not None and config.linear.kind == "mamba2":
         raise EqllmError(
             f"generation of Mamba-2 models is not supported yet (family={config.family!r}, "
