@@ -6,7 +6,7 @@ from __future__ import annotations
 import typing
 from typing import Any, ClassVar
 
-from eqllm.config.validation import STRICT, config_error, validated
+from eqllm.config.validation import STRICT, config_error, require, validated
 
 _group = validated(STRICT, config_error)
 
@@ -36,7 +36,7 @@ class MultipliersConfig:
     key: float = 1.0
     ssm_in: float = 1.0
     ssm_out: float = 1.0
-    ssm: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    ssm: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 1.0)
     mlp_gate: float = 1.0
     mlp_down: float = 1.0
 
@@ -49,3 +49,11 @@ class MultipliersConfig:
             return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
         return {k: plain(v) for k, v in values.items()}
+
+    def __post_init__(self) -> None:
+        require(
+            len(self.ssm) == 5,
+            f"{self.PATH}.ssm",
+            list(self.ssm),
+            "must be five numbers, the factors of z, x, B, C and dt",
+        )
