@@ -163,3 +163,22 @@ def test_published_config_reads_as_its_zoo_size_and_back():
     for key, bad in (("mamba_use_mlp", False), ("attn_layer_indices", [0]), ("mlp_bias", True)):
         with pytest.raises(ConfigError, match=key):
             eqllm.hub.from_hf_config({**FALCON_H1_05B, key: bad})
+
+
+@pytest.mark.slow
+def test_completep_export_folds_the_branch_into_both_mixers(tmp_path):
+    """CompleteP's branch multiplier scales attention's and the parallel mixer's sum: export
+    folds it into o_proj and the mixer's out_proj alike, and transformers computes eqllm's
+    logits (with Falcon-H1's own multipliers left in config.json)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = CONFIG.replace(
+        n_layers=4, parametrization="completep", base_d_model=16, base_n_layers=2, output_mult=2.0
+    )
+    model = eqllm.CausalLM(cfg, key=jax.random.key(3))
+    eqllm.hub.save_pretrained(model, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    tokens = np.random.default_rng(0).integers(0, 97, 40)
+    with torch.no_grad():
+        theirs = hf(torch.tensor(tokens[None])).logits[0].numpy()
+    np.testing.assert_allclose(theirs, logits(model, tokens), atol=1e-5, rtol=0)
