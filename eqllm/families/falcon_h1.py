@@ -29,7 +29,7 @@ from eqllm.families.base import (
     refuse,
     rows,
 )
-from eqllm.families.mamba2 import _limit
+from eqllm.families.mamba2 import step_limit
 
 LAYER = "model.layers.{i}."
 MIXER = LAYER + "mamba."
@@ -132,7 +132,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
             f"config.json mamba_n_heads * mamba_d_head = {heads * head_dim} must equal the "
             f"mamba inner size {inner} (mamba_d_ssm; transformers' FalconH1Config requires it)"
         )
-    low, high = (_limit(v) for v in hf.get("time_step_limit") or (0.0, math.inf))
+    low, high = (step_limit(v) for v in hf.get("time_step_limit") or (0.0, math.inf))
     multipliers = {name: float(hf.get(key, 1.0)) for key, name in MULTIPLIERS.items()}
     gate, down = hf.get("mlp_multipliers") or (1.0, 1.0)
     multipliers |= {"mlp_gate": float(gate), "mlp_down": float(down)}
