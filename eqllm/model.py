@@ -38,7 +38,7 @@ from eqllm.nn import (
 )
 from eqllm.parametrization import scales
 from eqllm.stack import REMAT_POLICIES as REMAT_POLICIES  # re-exported: the remat names
-from eqllm.stack import dtype_of, initial_parts, layer_flag, layer_flags, run_stacks
+from eqllm.stack import dtype_of, initial_parts, layer_flag, layer_flags, multipliers_of, run_stacks
 from eqllm.trees import cast_floating
 
 # Cached inference, per layer: K and V (or latents) per position, or a fixed recurrent state.
@@ -193,6 +193,8 @@ class CausalLM(eqx.Module):
         if cfg.embed_scale:
             # Gemma rounds sqrt(d_model) to the compute dtype before multiplying.
             x = x * jnp.asarray(math.sqrt(cfg.d_model), x.dtype)
+        if (m := multipliers_of(cfg).embedding) != 1.0:  # Falcon-H1's embedding_multiplier
+            x = x * m
         if self.pos_embed is not None:
             x = x + self.pos_embed(jnp.maximum(positions, 0))
         return x
@@ -204,6 +206,8 @@ class CausalLM(eqx.Module):
         else:
             logits = self.lm_head(hidden, preferred_element_type=jnp.float32)
         readout = scales(self.config).readout  # muP's output_mult / width ratio; SP: 1
+        if (m := multipliers_of(self.config).logits) != 1.0:  # Falcon-H1's lm_head_multiplier
+            logits = logits * m
         if readout != 1.0:
             logits = logits * readout
         cap = self.config.final_softcap
@@ -221,6 +225,7 @@ class CausalLM(eqx.Module):
         state in fp32, or a Mamba-2 layer's `state_dtype`).
         """
         cfg = self.config
+        refuse_cached(cfg)
         dtype = dtype_of(cfg.compute_dtype)
         full = min(length, cfg.max_seq_len)
         a = cfg.attention
@@ -351,6 +356,17 @@ class CausalLM(eqx.Module):
     ) -> tuple[Float[Array, " vocab"], Cache]:
         """Feed one token at `position` after those in `cache`: `prefill` of a chunk of one."""
         return self.prefill(token[None], position[None], cache, layers=layers)
+
+
+def refuse_cached(config: ModelConfig) -> None:
+    """Raise for a mixer beside attention in every layer (Falcon-H1's), whose cache would need
+    a KV cache and a recurrent state at once."""
+    if config.linear is not None and config.linear.parallel:
+        raise EqllmError(
+            f"generation of {config.family} models is not supported yet (linear.parallel: "
+            "every layer needs both a KV cache and a recurrent state); use the full forward, "
+            "model(tokens), instead"
+        )
 
 
 def check_tokens(tokens, config: ModelConfig) -> None:

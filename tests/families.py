@@ -23,6 +23,7 @@ import pytest
 
 import eqllm
 from eqllm.config import ModelConfig
+from tests import tiny
 from tests.tiny import GLM_355B, GQA_16, GROUPED, MLA, MLA_Q, TINY, YARN_16, Tiny
 
 
@@ -428,6 +429,36 @@ FAMILIES = [
         variant=True,
         lora=("in_proj",),
         atol=1e-4,
+    ),
+    # Falcon-H1: attention (2 kv heads of 8) and Mamba-2 (tests/tiny.py) in parallel in every
+    # layer, its releases' norm-free gate, every muP multiplier away from 1.
+    Tiny(
+        "falcon_h1",
+        _zoo(
+            "falcon_h1-nano",
+            attention={"n_heads": 4, "n_kv_heads": 2, "head_dim": 8},
+            linear=tiny.FALCON_MIXER,
+            multipliers=tiny.FALCON_MULTIPLIERS,
+        ),
+        lora=tiny.FALCON_LORA,
+        atol=1e-4,
+        generates=False,
+    ),
+    # The mixer's gated RMSNorm before the gate (mamba_rms_norm and mamba_norm_before_gate),
+    # dt clamped to limits the perturbed twin's time steps cross at both ends, a tied head.
+    Tiny(
+        "falcon_h1_normed",
+        _zoo(
+            "falcon_h1-nano",
+            attention={"n_heads": 4, "n_kv_heads": 2, "head_dim": 8},
+            linear={**tiny.FALCON_MIXER, "gate_norm": "before_gate", "dt_min": 0.01, "dt_max": 0.1},
+            multipliers=tiny.FALCON_MULTIPLIERS,
+            tie_embeddings=True,
+        ),
+        variant=True,
+        lora=tiny.FALCON_LORA[:-1],  # tied: no lm_head of its own
+        atol=1e-4,
+        generates=False,
     ),
 ]
 # tests/conftest.py records here the parametrised tests none of whose cases runs by default;

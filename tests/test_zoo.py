@@ -33,6 +33,7 @@ RESEARCH = [
     "olmo_hybrid-nano",
     "llama4-nano",
     "mamba2-nano",
+    "falcon_h1-nano",
 ]
 PUBLISHED = [
     "gpt2-small",
@@ -99,6 +100,9 @@ PUBLISHED = [
     "mamba2-1.3b",
     "mamba2-2.7b",
     "mamba-codestral-7b",
+    "falcon-h1-0.5b",
+    "falcon-h1-1.5b",
+    "falcon-h1-7b",
 ]
 
 
@@ -127,6 +131,7 @@ NANOS = [
     "olmo_hybrid-nano",
     "llama4-nano",
     "mamba2-nano",
+    "falcon_h1-nano",
 ]
 
 

@@ -58,6 +58,33 @@ YARN_16 = {
     "beta_slow": 1.0,
 }
 
+# Falcon-H1's tiny Mamba-2 mixer (8 heads of 8, 2 groups of B and C, a state of 8, chunks of 16),
+# every muP multiplier away from 1, and the modules peft adapts (all but out_proj: peft refuses
+# out_proj and conv1d in Falcon-H1, as in its other Mamba models).
+FALCON_MIXER = {
+    "n_key_heads": 2,
+    "n_value_heads": 8,
+    "key_head_dim": 8,
+    "value_head_dim": 8,
+    "chunk_size": 16,
+}
+FALCON_MULTIPLIERS = {
+    "embedding": 2.0,
+    "logits": 0.5,
+    "attention_in": 1.2,
+    "attention_out": 0.7,
+    "key": 0.8,
+    "ssm_in": 1.1,
+    "ssm_out": 0.6,
+    "ssm": (0.9, 1.1, 0.8, 1.2, 1.3),
+    "mlp_gate": 1.5,
+    "mlp_down": 0.5,
+}
+FALCON_LORA = (
+    *("q_proj", "k_proj", "v_proj", "o_proj", "in_proj"),
+    *("gate_proj", "up_proj", "down_proj", "lm_head"),
+)
+
 Count = int | str  # exact, or in billions as a model card rounds it ("46.7")
 
 

@@ -29,6 +29,7 @@ from eqllm.config.groups import (
     LinearAttentionConfig,
     MLPConfig,
     MoEConfig,
+    MultipliersConfig,
     NormsConfig,
     PositionsConfig,
     RopeScalingConfig,
@@ -93,7 +94,8 @@ class ModelConfig:
     `positions` (RoPE with its base, fraction and scaling, or learned), `mlp` (kind, d_ff,
     bias), `moe` (None: a dense MLP in every block), `norms` (kind, eps, plus-one, bias,
     placement), `linear` (None: attention in every layer; else Gated DeltaNet or Mamba-2 layers
-    between every `full_every`-th attention layer, a hybrid stack, or Mamba-2 layers alone).
+    between every `full_every`-th attention layer, a hybrid stack, Mamba-2 layers alone, or a
+    mixer beside attention in every layer), `multipliers` (constant activation factors).
 
     Whole-model switches: `family` (a name of the families registry), `tie_embeddings`,
     `embed_scale` (multiply token embeddings by sqrt(d_model), as Gemma does), `final_softcap`
@@ -125,6 +127,7 @@ class ModelConfig:
     norms: NormsConfig = dataclasses.field(default_factory=NormsConfig)
     moe: MoEConfig | None = None
     linear: LinearAttentionConfig | None = None
+    multipliers: MultipliersConfig | None = None
     family: Annotated[Family, Field(min_length=1)] = "llama"
     tie_embeddings: bool = False
     embed_scale: bool = False
@@ -328,12 +331,11 @@ class ModelConfig:
 
         With experts, the matmul parameters are the active ones: the router, the
         `experts_per_token` experts a token reaches and the shared expert. Matmul parameters
-        exclude the embedding table unless it is tied into the LM head (then
-        it is counted once, as the head); a hybrid's linear-attention layers count their
-        projections (the delta rule's own products, linear in T, are left out). Attention uses
-        the PaLM convention (appendix B) without
-        halving for the causal mask; T is `seq_len` (default: max_seq_len), capped by the
-        sliding window in the layers that have it.
+        exclude the embedding table unless it is tied into the LM head (then it is counted
+        once, as the head); a hybrid's linear-attention layers count their projections (the
+        delta rule's own products, linear in T, are left out). Attention uses the PaLM
+        convention (appendix B) without halving for the causal mask; T is `seq_len` (default:
+        max_seq_len), capped by the sliding window in the layers that have it.
         """
         a = self.attention
         d, h, kv, q = self.d_model, a.n_heads, a.n_kv_heads, a.head_dim
@@ -365,7 +367,7 @@ class ModelConfig:
             linear = d * (2 * keys + 3 * values + 2 * lin.n_value_heads)
             if lin.kind == "mamba2":  # z, x, B, C, dt and out
                 linear = d * (2 * keys + 3 * values + lin.n_value_heads)
-            matmul_params += (self.n_layers - full) * linear
+            matmul_params += (self.n_layers if lin.parallel else self.n_layers - full) * linear
             if not lin.mlp:  # linear layers without an MLP
                 matmul_params -= (self.n_layers - full) * mlp
         return 6.0 * matmul_params + self.attention_flops_per_token(seq_len)

@@ -361,6 +361,7 @@ class NormsConfig:
 
 from eqllm.config.experts import MoEConfig  # noqa: E402  (it uses the helpers above)
 from eqllm.config.linear import LinearAttentionConfig  # noqa: E402
+from eqllm.config.multipliers import MultipliersConfig  # noqa: E402
 
 # The groups ModelConfig holds, by field name.
 GROUPS: dict[str, type] = {
@@ -370,6 +371,7 @@ GROUPS: dict[str, type] = {
     "moe": MoEConfig,
     "norms": NormsConfig,
     "linear": LinearAttentionConfig,
+    "multipliers": MultipliersConfig,
 }
 # Groups nested inside a group, by (group, field).
 SUBGROUPS: dict[tuple[str, str], type] = {("positions", "scaling"): RopeScalingConfig}

@@ -17,6 +17,9 @@ from eqllm.config.validation import (
 )
 
 LinearKind = Literal["gated_deltanet", "mamba2"]
+# Where a Mamba-2 mixer's gated RMSNorm sits: norm(y * silu(z)) (Mamba-2's), norm(y) * silu(z),
+# or no norm at all, y * silu(z) (Falcon-H1's mamba_rms_norm false).
+GateNorm = Literal["after_gate", "before_gate", "none"]
 
 _group = validated(STRICT, config_error)
 
@@ -45,7 +48,12 @@ class LinearAttentionConfig:
     = head_dim); dt is clamped to [`dt_min`, `dt_max`] (transformers' time_step_limit; None: no
     upper limit). `mlp` False leaves the MLP out of the linear layers (Mamba-2's blocks are
     norm -> mixer -> residual); a stack without attention layers then uses neither the
-    `attention` nor the `mlp` group.
+    `attention` nor the `mlp` group. `gate_norm`: where Mamba-2's gated RMSNorm sits (see
+    `GateNorm`).
+
+    `parallel`: every layer is an attention layer with this mixer beside it, both reading the
+    block's normed input, their outputs summed before the residual add, then the MLP
+    (Falcon-H1); `full_every` stays unset and the layers are one stack, `blocks`.
     """
 
     PATH: ClassVar[str] = "ModelConfig.linear"
@@ -64,6 +72,8 @@ class LinearAttentionConfig:
     mlp: bool = True
     dt_min: float = 0.0
     dt_max: PositiveFloat | None = None
+    gate_norm: GateNorm = "after_gate"
+    parallel: bool = False
 
     def __post_init__(self) -> None:
         require(
@@ -73,7 +83,19 @@ class LinearAttentionConfig:
             f"must divide n_value_heads={self.n_value_heads}",
         )
         require(
-            self.full_every is not None or self.kind == "mamba2",
+            self.full_every is None or not self.parallel,
+            f"{self.PATH}.full_every",
+            self.full_every,
+            "must be unset with parallel (every layer has attention and the mixer)",
+        )
+        require(
+            self.gate_norm == "after_gate" or self.kind == "mamba2",
+            f"{self.PATH}.gate_norm",
+            self.gate_norm,
+            f"is Mamba-2's; leave it at 'after_gate' for kind={self.kind!r}",
+        )
+        require(
+            self.full_every is not None or self.kind == "mamba2" or self.parallel,
             f"{self.PATH}.full_every",
             None,
             f"must be set for kind={self.kind!r} (a stack of linear layers alone is Mamba-2's)",
@@ -103,7 +125,9 @@ class LinearAttentionConfig:
 
     def kinds(self, n_layers: int) -> tuple[str, ...]:
         """Per layer: "linear" or "full" (every full_every-th layer, counting from 1; none
-        when full_every is unset)."""
+        when full_every is unset; every layer when `parallel`, the mixer inside the block)."""
+        if self.parallel:
+            return ("full",) * n_layers
         every = self.full_every
         return tuple(
             "full" if every and (i + 1) % every == 0 else "linear" for i in range(n_layers)
@@ -112,7 +136,7 @@ class LinearAttentionConfig:
     @property
     def pure(self) -> bool:
         """Whether every layer is a linear layer (no attention layers: full_every unset)."""
-        return self.full_every is None
+        return self.full_every is None and not self.parallel
 
 
 def check_hybrid(cfg) -> None:

@@ -165,6 +165,7 @@ PLAIN = {
     "attention.rope_interleave": False,
     "attention.temperature_floor": None,
     "linear": None,
+    "multipliers": None,
     **DENSE,
 }
 

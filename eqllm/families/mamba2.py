@@ -54,7 +54,7 @@ TABLE = _table("embeddings")
 SSM_TABLE = _table("embedding")
 
 
-def _limit(value: Any) -> float:
+def step_limit(value: Any) -> float:
     """One end of time_step_limit as config.json holds it: a number, "Infinity", or
     transformers 5's {"__float__": "Infinity"}."""
     if isinstance(value, dict) and "__float__" in value:
@@ -103,7 +103,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
             f"config.json hidden_size * expand = {d * expand} must equal num_heads * head_dim "
             f"= {heads * head_dim} (transformers' Mamba2Config requires it)"
         )
-    low, high = (_limit(v) for v in hf.get("time_step_limit", (0.0, math.inf)))
+    low, high = (step_limit(v) for v in hf.get("time_step_limit", (0.0, math.inf)))
     return {
         "vocab_size": need(hf, "vocab_size"),
         "d_model": d,

@@ -50,6 +50,9 @@ def fold_multipliers(model: CausalLM) -> CausalLM:
             )
         blocks = eqx.tree_at(lambda b: b.attn.o_proj, blocks, _times(blocks.attn.o_proj, s.branch))
         blocks = eqx.tree_at(lambda b: b.mlp.down, blocks, _times(blocks.mlp.down, s.branch))
+        if blocks.ssm is not None:  # a parallel mixer's output joins attention's branch
+            ssm_out = _times(blocks.ssm.out_proj, s.branch)
+            blocks = eqx.tree_at(lambda b: b.ssm.out_proj, blocks, ssm_out)
     if s.attention != 1.0:
         if cfg.attention.qk_norm is not None:
             raise EqllmError(

@@ -1,7 +1,8 @@
 """The residual Transformer block: pre-norm (GPT-2 / Llama layout; Xiong et al., 2020), with
 optional norms on each sublayer's output before the residual add (Gemma 2 has both, OLMo 2 only
 those), sequential or parallel (attention and MLP both read the block's input: GPT-J, GPT-NeoX;
-Black et al., 2022)."""
+Black et al., 2022); with a second token mixer beside attention (`ssm`: Falcon-H1's Mamba-2 in
+every layer, both reading the normed input, their outputs summed)."""
 
 import equinox as eqx
 import jax
@@ -46,6 +47,11 @@ class Block(eqx.Module):
             base_n_layers / n_layers; 1.0 adds it as it is).
         parallel: the MLP reads the block's input, not the attention's output (GPT-NeoX's
             use_parallel_residual).
+        ssm: a second token mixer on the same normed input as `attn` (a Mamba-2 or Gated
+            DeltaNet; its state resets with the segment ids), its output added to attention's
+            before the residual add (Falcon-H1; None: none).
+        multipliers: constants on the mixers: `attn`'s input and output, and `ssm`'s output
+            (Falcon-H1's attention_in, attention_out and ssm_out multipliers; 1.0: none).
     """
 
     attn_norm: Norm | None
@@ -56,6 +62,15 @@ class Block(eqx.Module):
     mlp_post_norm: Norm | None = None
     branch_scale: float = eqx.field(static=True, default=1.0)
     parallel: bool = eqx.field(static=True, default=False)
+    ssm: GatedDeltaNet | Mamba2 | None = None
+    multipliers: tuple[float, float, float] = eqx.field(static=True, default=(1.0, 1.0, 1.0))
+
+    def _mixed(self, h, attended, segment_ids=None):
+        """Attention's output `attended` scaled, plus the parallel mixer's on `h` (if any)."""
+        attended = _scaled(attended, self.multipliers[1])
+        if self.ssm is None:
+            return attended
+        return attended + _scaled(self.ssm(h, None, segment_ids)[0], self.multipliers[2])
 
     def _residual(self, x, attended, moe_impl=None):
         """The block's output from its input `x` and attention's output `attended`."""
@@ -93,11 +108,12 @@ class Block(eqx.Module):
         """The block's output and its `Routing` (router logits, dropped copies; None unless
         `mlp` is a mixture of experts)."""
         h = _apply(self.attn_norm, x)
+        h_in = _scaled(h, self.multipliers[0])
         if isinstance(self.attn, GatedDeltaNet | Mamba2):  # recurrent: order is position
-            attended = self.attn(h, None, segment_ids)[0]
+            attended = self.attn(h_in, None, segment_ids)[0]
         else:
-            attended = self.attn(h, positions, local, segment_ids, rotate)
-        return self._residual(x, attended)
+            attended = self.attn(h_in, positions, local, segment_ids, rotate)
+        return self._residual(x, self._mixed(h, attended, segment_ids))
 
     @jax.named_scope("eqllm.Block.cached")
     def cached(
@@ -117,11 +133,11 @@ class Block(eqx.Module):
         Experts are computed densely here: generation runs this under `jax.vmap`, which the
         grouped ("ragged") product does not support, and a decode step has one token anyway.
         """
+        # eqllm.model.refuse_cached keeps a parallel block (its cache would need both) away.
+        assert self.ssm is None, "a block with a parallel mixer has no cached form yet"
+        h = _scaled(_apply(self.attn_norm, x), self.multipliers[0])
         if isinstance(self.attn, GatedDeltaNet | Mamba2):
-            h = _apply(self.attn_norm, x)
             attended, cache = self.attn(h, cache, valid=positions >= 0)
-            return self._residual(x, attended, "dense")[0], cache
-        attended, cache = self.attn.cached(
-            _apply(self.attn_norm, x), positions, cache, local, rotate
-        )
-        return self._residual(x, attended, "dense")[0], cache
+            return self._residual(x, self._mixed(h, attended), "dense")[0], cache
+        attended, cache = self.attn.cached(h, positions, cache, local, rotate)
+        return self._residual(x, self._mixed(h, attended), "dense")[0], cache

@@ -12,7 +12,9 @@ causal depthwise convolution (with bias) and SiLU over x, B and C; dt = softplus
 clamped to `time_step_limit`; a scalar decay per head A = -exp(A_log); B and C shared by groups
 of consecutive heads (`n_groups`, as key heads are in grouped-query attention); the output gated
 by z through an RMSNorm taken per group (norm(y * silu(z)) * w, transformers'
-`MambaRMSNormGated`), then the output projection.
+`MambaRMSNormGated`), then the output projection. Falcon-H1's variants are switches: the norm
+before the gate (norm(y) * w * silu(z)) or none (y * silu(z)), and constant multipliers on the
+input and on each of the five projections' outputs (its muP multipliers).
 
 The scan has two forms with the same values: `ssd_chunked` (training and prefill: within a
 chunk, a masked attention-like product built from segment sums of the log decays; across chunks,
@@ -38,6 +40,7 @@ from eqllm.nn.linear import Linear
 from eqllm.nn.norm import RMSNorm
 
 StateDType = Literal["float32", "bfloat16", "float16"]
+GateNorm = Literal["after_gate", "before_gate", "none"]
 
 
 class Mamba2State(eqx.Module):
@@ -184,6 +187,13 @@ class Mamba2(eqx.Module):
         dt_max: the upper limit (`time_step_limit[1]`; None: none).
         state_dtype: dtype of the state S between calls (`mamba_ssm_cache_dtype`); the
             arithmetic within a call is fp32 whatever it is.
+        gate_norm: "after_gate": norm(y * silu(z)) * w (Mamba-2); "before_gate": norm(y) * w *
+            silu(z); "none": y * silu(z), no norm and no weight (Falcon-H1's mamba_rms_norm
+            false).
+        in_multiplier: multiplies the input before the projections (Falcon-H1's
+            ssm_in_multiplier).
+        multipliers: multiply the outputs of the z, x, B, C and dt projections (Falcon-H1's
+            ssm_multipliers, its `mup_vector`).
 
     The input projection is five `Linear` layers (z, x, B, C, dt): transformers stores them
     stacked in that order as `in_proj`, and adapters and sharding see one matrix per role.
@@ -202,7 +212,7 @@ class Mamba2(eqx.Module):
     A_log: Float[Array, " heads"]
     dt_bias: Float[Array, " heads"]
     D: Float[Array, " heads"]
-    norm: RMSNorm
+    norm: RMSNorm | None
     n_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
     d_state: int = eqx.field(static=True)
@@ -211,6 +221,9 @@ class Mamba2(eqx.Module):
     dt_min: float = eqx.field(static=True)
     dt_max: float | None = eqx.field(static=True)
     state_dtype: StateDType = eqx.field(static=True)
+    gate_norm: GateNorm = eqx.field(static=True)
+    in_multiplier: float = eqx.field(static=True)
+    multipliers: tuple[float, float, float, float, float] = eqx.field(static=True)
 
     def __init__(
         self,
@@ -226,6 +239,9 @@ class Mamba2(eqx.Module):
         dt_min: float = 0.0,
         dt_max: float | None = None,
         state_dtype: StateDType = "float32",
+        gate_norm: GateNorm = "after_gate",
+        in_multiplier: float = 1.0,
+        multipliers: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0),
         key: PRNGKeyArray,
         dtype=jnp.float32,
     ):
@@ -236,6 +252,10 @@ class Mamba2(eqx.Module):
                 raise EqllmError(f"{name}={value} must be at least 1")
         if state_dtype not in ("float32", "bfloat16", "float16"):
             raise EqllmError(f"state_dtype={state_dtype!r} must be float32, bfloat16 or float16")
+        if gate_norm not in ("after_gate", "before_gate", "none"):
+            raise EqllmError(f"gate_norm={gate_norm!r} must be after_gate, before_gate or none")
+        if len(multipliers) != 5:
+            raise EqllmError(f"multipliers={multipliers!r} must be five numbers (z, x, B, C, dt)")
         keys = jax.random.split(key, 9)
         inner, bc = n_heads * head_dim, n_groups * d_state
 
@@ -261,7 +281,7 @@ class Mamba2(eqx.Module):
         u = jax.random.uniform(keys[7], (n_heads,), jnp.float32)
         dt = jnp.maximum(jnp.exp(u * (np.log(0.1) - np.log(0.001)) + np.log(0.001)), 1e-4)
         self.dt_bias = (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
-        self.norm = RMSNorm(inner, eps=norm_eps, dtype=dtype)
+        self.norm = None if gate_norm == "none" else RMSNorm(inner, eps=norm_eps, dtype=dtype)
         self.n_heads = n_heads
         self.head_dim = head_dim
         self.d_state = d_state
@@ -270,6 +290,9 @@ class Mamba2(eqx.Module):
         self.dt_min = float(dt_min)
         self.dt_max = None if dt_max is None else float(dt_max)
         self.state_dtype = state_dtype
+        self.gate_norm = gate_norm
+        self.in_multiplier = float(in_multiplier)
+        self.multipliers = tuple(float(m) for m in multipliers)
 
     def init_state(self, batch: tuple[int, ...] = (), dtype=jnp.float32) -> Mamba2State:
         """The state before a sequence's first token: zeros, for `batch` leading axes.
@@ -288,12 +311,26 @@ class Mamba2(eqx.Module):
         self, y: Float[Array, "*rows inner"], z: Float[Array, "*rows inner"]
     ) -> Float[Array, "*rows inner"]:
         """norm(y * silu(z)) * w in fp32, the mean square taken over each of the n_groups
-        groups of channels (transformers' `MambaRMSNormGated` with group_size inner / n_groups)."""
-        g = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        groups of channels (transformers' `MambaRMSNormGated` with group_size inner / n_groups);
+        norm(y) * w * silu(z) or y * silu(z) as `gate_norm` says."""
+        gate = jax.nn.silu(z.astype(jnp.float32))
+        g = y.astype(jnp.float32)
+        if self.norm is None:
+            return g * gate
+        g = g if self.gate_norm == "before_gate" else g * gate
         grouped = g.reshape(*g.shape[:-1], self.n_groups, -1)  # (..., groups, inner / groups)
         ms = jnp.mean(grouped * grouped, axis=-1, keepdims=True)
         normed = (grouped * jax.lax.rsqrt(ms + self.norm.eps)).reshape(g.shape)
-        return normed * self.norm.weight.astype(jnp.float32)
+        normed = normed * self.norm.weight.astype(jnp.float32)
+        return normed * gate if self.gate_norm == "before_gate" else normed
+
+    def projections(self, x: Float[Array, "*rows d_model"]) -> tuple[Array, ...]:
+        """z, x, B, C and dt from the input, each times its multiplier (after the input's)."""
+        x = x if self.in_multiplier == 1.0 else x * self.in_multiplier
+        projs = (self.z_proj, self.x_proj, self.B_proj, self.C_proj, self.dt_proj)
+        return tuple(
+            p(x) if m == 1.0 else p(x) * m for p, m in zip(projs, self.multipliers, strict=True)
+        )
 
     def time_step(self, dt: Float[Array, "*rows heads"]) -> Float[Array, "*rows heads"]:
         """softplus(dt + dt_bias) clamped to [dt_min, dt_max], in fp32."""
@@ -332,8 +369,9 @@ class Mamba2(eqx.Module):
         else:
             first = jnp.zeros((*batch, 1), bool)
             reset = jnp.concatenate([first, segment_ids[..., 1:] != segment_ids[..., :-1]], -1)
-        mixed = jnp.concatenate([self.x_proj(x), self.B_proj(x), self.C_proj(x)], axis=-1)
-        dt = self.time_step(self.dt_proj(x))
+        z, xs, B, C, dt = self.projections(x)
+        mixed = jnp.concatenate([xs, B, C], axis=-1)
+        dt = self.time_step(dt)
         padded = valid is not None  # else the forward of whole sequences, left as it was
         if padded:  # padding neither decays S nor writes to it
             dt = jnp.where(valid[..., None], dt, 0.0)
@@ -365,5 +403,5 @@ class Mamba2(eqx.Module):
             y, conv, s = (v.reshape(*batch, *v.shape[1:]) for v in (y, conv, s))
         else:
             y, conv, s = one(*args)
-        gated = self.gated_norm(y.reshape(*batch, seq, inner), self.z_proj(x)).astype(x.dtype)
+        gated = self.gated_norm(y.reshape(*batch, seq, inner), z).astype(x.dtype)
         return self.out_proj(gated), Mamba2State(conv, s)

@@ -131,12 +131,15 @@ class GatedMLP(eqx.Module):
         d_ff: hidden size.
         activation: 'silu' or 'gelu' (tanh approximation, as Gemma's `gelu_pytorch_tanh`).
         use_bias: biases on the three projections.
+        multipliers: constants on the gate projection's output (before the activation) and on
+            the down projection's (Falcon-H1's mlp_multipliers; 1.0: none).
     """
 
     gate: Linear
     up: Linear
     down: Linear
     activation: Literal["silu", "gelu"] = eqx.field(static=True)
+    multipliers: tuple[float, float] = eqx.field(static=True, default=(1.0, 1.0))
 
     def __init__(
         self,
@@ -145,6 +148,7 @@ class GatedMLP(eqx.Module):
         *,
         activation: Literal["silu", "gelu"] = "silu",
         use_bias: bool = False,
+        multipliers: tuple[float, float] = (1.0, 1.0),
         key: PRNGKeyArray,
         dtype=jnp.float32,
     ):
@@ -167,8 +171,11 @@ class GatedMLP(eqx.Module):
             dtype=dtype,
         )
         self.activation = activation
+        self.multipliers = tuple(float(m) for m in multipliers)
 
     @jax.named_scope("eqllm.GatedMLP")
     def __call__(self, x: Float[Array, "*rows d_model"]) -> Float[Array, "*rows d_model"]:
-        hidden = gated(self.activation, self.gate(x), self.up(x))
-        return self.down(hidden)
+        gate_m, down_m = self.multipliers
+        gate = self.gate(x) if gate_m == 1.0 else self.gate(x) * gate_m
+        out = self.down(gated(self.activation, gate, self.up(x)))
+        return out if down_m == 1.0 else out * down_m

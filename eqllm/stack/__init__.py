@@ -19,6 +19,7 @@ from eqllm.stack.build import (
     make_norm,
     make_rope,
     mla_scale,
+    multipliers_of,
 )
 from eqllm.stack.run import (
     REMAT_POLICIES,
@@ -45,6 +46,7 @@ __all__ = [
     "make_norm",
     "make_rope",
     "mla_scale",
+    "multipliers_of",
     "run_blocks",
     "run_groups",
     "run_stacks",

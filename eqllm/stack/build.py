@@ -16,6 +16,7 @@ from jaxtyping import PRNGKeyArray
 from eqllm.attention_backend import attention_kernel
 from eqllm.config import ModelConfig
 from eqllm.config.experts import choose_impl
+from eqllm.config.multipliers import MultipliersConfig
 from eqllm.nn import (
     MLP,
     Attention,
@@ -35,6 +36,11 @@ from eqllm.nn import (
 from eqllm.parametrization import init_weights, scales
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def multipliers_of(config: ModelConfig) -> MultipliersConfig:
+    """The config's forward multipliers (all 1.0 where it has none)."""
+    return config.multipliers or MultipliersConfig()
 
 
 def dtype_of(name: str):
@@ -109,6 +115,8 @@ def make_attention(config: ModelConfig, key: PRNGKeyArray, dtype):
     scale = None if scalar is None else scalar**-0.5
     if s.attention != 1.0:  # muP: scores ~ 1 / head_dim when head_dim grows with width
         scale = (config.head_dim**-0.5 if scale is None else scale) * s.attention
+    if (key_m := multipliers_of(config).key) != 1.0:  # q . (m k) = m (q . k): the same scores
+        scale = (config.head_dim**-0.5 if scale is None else scale) * key_m
     return Attention(
         config.d_model,
         a.n_heads,
@@ -140,7 +148,7 @@ def make_attention(config: ModelConfig, key: PRNGKeyArray, dtype):
 
 def make_linear_attention(config: ModelConfig, key: PRNGKeyArray, dtype) -> GatedDeltaNet | Mamba2:
     """The token mixer of a hybrid stack's linear-attention layers (`config.linear`)."""
-    lin = config.linear
+    lin, m = config.linear, multipliers_of(config)
     if lin.kind == "mamba2":  # keys and queries are B and C, shared by groups of heads
         return Mamba2(
             config.d_model,
@@ -153,6 +161,9 @@ def make_linear_attention(config: ModelConfig, key: PRNGKeyArray, dtype) -> Gate
             chunk_size=lin.chunk_size,
             dt_min=lin.dt_min,
             dt_max=lin.dt_max,
+            gate_norm=lin.gate_norm,
+            in_multiplier=m.ssm_in,
+            multipliers=m.ssm,
             key=key,
             dtype=dtype,
         )
@@ -177,15 +188,21 @@ def make_block(
     """One Transformer block as `config` describes it (`dense`: with the dense MLP even in a
     mixture of experts, one of its first `moe.dense_layers` layers; `linear`: a Gated DeltaNet
     or Mamba-2 in place of attention, a linear-attention layer of a hybrid stack, without an
-    MLP where `linear.mlp` is False)."""
+    MLP where `linear.mlp` is False; with `linear.parallel`, attention with that mixer beside
+    it)."""
     dtype = dtype_of(config.param_dtype)
     k_attn, k_mlp = jax.random.split(key)
     norms = config.norms
-    s = scales(config)
+    s, m = scales(config), multipliers_of(config)
+    ssm = None
     if linear:
         attn = make_linear_attention(config, k_attn, dtype)
+        mixer = (1.0, m.ssm_out)  # the mixer's input multiplier is its own (ssm_in)
     else:
         attn = make_attention(config, k_attn, dtype)
+        mixer = (m.attention_in, m.attention_out)
+        if config.linear is not None and config.linear.parallel:  # Falcon-H1
+            ssm = make_linear_attention(config, jax.random.fold_in(key, 2), dtype)
     if linear and not config.linear.mlp:
         mlp = None
     elif (moe := config.moe) is not None and not dense:
@@ -231,6 +248,7 @@ def make_block(
             config.mlp.d_ff,
             activation=activation,
             use_bias=config.mlp.bias,
+            multipliers=(m.mlp_gate, m.mlp_down),
             key=k_mlp,
             dtype=dtype,
         )
@@ -251,6 +269,8 @@ def make_block(
         norm(post and has_mlp),
         s.branch,
         config.parallel_residual,
+        ssm,
+        (*mixer, m.ssm_out),
     )
 
 
