@@ -10,7 +10,7 @@ import pytest
 
 from eqllm.errors import EqllmError
 from eqllm.nn import Mamba2, Mamba2State
-from eqllm.nn.mamba2 import ssd_chunked, ssd_recurrent
+from eqllm.nn.ssd import ssd_chunked, ssd_recurrent
 
 D_MODEL, HEADS, HEAD_DIM, D_STATE, GROUPS = 12, 4, 6, 8, 2  # inner 24 = 2 x d_model
 

@@ -14,7 +14,7 @@ from eqllm.nn.linear import (
     param_info,
     quantize,
 )
-from eqllm.nn.mamba2 import Mamba2, Mamba2State
+from eqllm.nn.mamba2 import Mamba2
 from eqllm.nn.mla import LatentCache, MultiHeadLatentAttention
 from eqllm.nn.mlp import MLP, GatedMLP
 from eqllm.nn.moe import (
@@ -29,6 +29,7 @@ from eqllm.nn.moe import (
 )
 from eqllm.nn.norm import LayerNorm, RMSNorm
 from eqllm.nn.rope import RopeScaling, RotaryEmbedding, rope_frequencies, rope_inv_freq
+from eqllm.nn.ssd import Mamba2State
 
 __all__ = [
     "MLP",

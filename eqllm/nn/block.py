@@ -11,11 +11,12 @@ from jaxtyping import Array, Bool, Float, Int
 from eqllm.nn.attention import Attention
 from eqllm.nn.gated_deltanet import GatedDeltaNet, GatedDeltaNetState
 from eqllm.nn.kv_cache import KVCache
-from eqllm.nn.mamba2 import Mamba2, Mamba2State
+from eqllm.nn.mamba2 import Mamba2
 from eqllm.nn.mla import LatentCache, MultiHeadLatentAttention
 from eqllm.nn.mlp import MLP, GatedMLP
 from eqllm.nn.moe import MoE, Routing
 from eqllm.nn.norm import LayerNorm, RMSNorm
+from eqllm.nn.ssd import Mamba2State
 
 Norm = RMSNorm | LayerNorm
 
