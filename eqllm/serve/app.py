@@ -2,9 +2,9 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (the model's chat template), both
 streamed as server-sent events ending in `data: [DONE]` when asked; `GET /v1/models`;
-`GET /health`. Bad input gets OpenAI's error body with a 4xx status and one log line; a full
-queue gets 429, a server shutting down 503. A client that goes away cancels its requests, which
-frees their slots at the engine's next step.
+`GET /health`; vLLM's tokenizer routes (`eqllm.serve.tokenize`). Bad input gets OpenAI's error
+body with a 4xx status and one log line; a full queue gets 429, a server shutting down 503. A
+client that goes away cancels its requests, which frees their slots at the engine's next step.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from eqllm.generation import Engine, Finished, Params, QueueFull
 from eqllm.generation.constrain import Grammars, refuse_speculation
 from eqllm.serve.protocol import ApiError, ChatRequest, CompletionRequest
 from eqllm.serve.text import Choice, usage
+from eqllm.serve.tokenize import tokenizer_routes
 from eqllm.serve.tools import Reader, Shape, stream_calls, template_messages
 
 log = logging.getLogger("eqllm.serve")
@@ -75,7 +76,9 @@ class Service:
                 raise ApiError(
                     400, "this model has no tokenizer: send the prompt as token ids", param="prompt"
                 ) from None
-        return self.tokenizer.encode(text)
+        # special-token strings (a rendered chat template's) are those tokens, as in vLLM and
+        # transformers, and as /tokenize gives them
+        return self.tokenizer.encode_with_specials(text)
 
     def default_stops(self) -> tuple[int, ...]:
         t = self.tokenizer
@@ -106,6 +109,7 @@ class Service:
             min_p=body.min_p or None,
             repetition_penalty=body.repetition_penalty,
             seed=body.seed,
+            logprobs=_wants_alternatives(body),
             stop_tokens=stops,
             prompt_logprobs=prompt_logprobs,
         )
@@ -138,6 +142,13 @@ class Service:
                     return
         finally:
             request.cancel()
+
+
+def _wants_alternatives(body) -> bool:
+    """Whether generated tokens carry their most likely alternatives (`top_logprobs`)."""
+    if isinstance(body, ChatRequest):
+        return bool(body.logprobs and body.top_logprobs)
+    return bool(body.logprobs)
 
 
 def _sse(data) -> bytes:
@@ -208,6 +219,8 @@ def create_app(service: Service) -> FastAPI:
                 e = ApiError(401, "missing or wrong API key", kind="authentication_error")
                 return await api_error(http, e)
         return await call_next(http)
+
+    app.include_router(tokenizer_routes(service))  # vLLM's /tokenize, /detokenize, ...
 
     @app.get("/health")
     async def health():

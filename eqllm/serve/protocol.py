@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from eqllm.errors import EqllmError
 
+MAX_STOPS = 16
+
 
 class ApiError(EqllmError):
     """A request refused with an HTTP status and OpenAI's error body."""
@@ -75,8 +77,10 @@ class _Common(BaseModel):
     @classmethod
     def _stops(cls, value):
         stops = [value] if isinstance(value, str) else (value or [])
-        if len(stops) > 4 or any(s == "" for s in stops):
-            raise ValueError("give at most 4 non-empty stop strings")
+        # OpenAI takes 4; vLLM any number, and lm_eval's local-completions sends a task's
+        # `until` list plus the end-of-text string (humaneval: 6).
+        if len(stops) > MAX_STOPS or any(s == "" for s in stops):
+            raise ValueError(f"give at most {MAX_STOPS} non-empty stop strings")
         return stops
 
     @field_validator("logit_bias")
