@@ -1,5 +1,5 @@
 """A chat model folder as one is published, without a download: Qwen3's real tokenizer and chat
-template (tests/fixtures/qwen3-tokenizer) beside a small random-weight Qwen3 of that vocabulary.
+template (tests/data/qwen3-tokenizer) beside a small random-weight Qwen3 of that vocabulary.
 
 Scores of such a model are those of random weights; what the tests compare is that two ways of
 evaluating it (through `eqllm serve`, in process) give the same numbers.
@@ -11,7 +11,7 @@ import lzma
 import shutil
 from pathlib import Path
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "qwen3-tokenizer"
+FIXTURE = Path(__file__).resolve().parent / "data" / "qwen3-tokenizer"
 VOCAB = 151_936  # Qwen3's embedding rows (the tokenizer's 151,669 ids, padded)
 IM_END = 151_645  # <|im_end|>: the chat models' end of turn and eos_token
 ENDOFTEXT = 151_643  # <|endoftext|>
