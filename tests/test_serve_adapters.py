@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -80,18 +81,19 @@ def client(setup):
 
 
 def _alone(folder, tokenizer) -> list[tuple[list[int], list[float]]]:
-    """Greedy tokens and their log-probabilities for each prompt, by an engine over the model
-    in `folder` alone."""
+    """Greedy tokens and their log-probabilities for each prompt (after its prompt tokens'
+    log-probabilities), by an engine over the model in `folder` alone."""
     model, _ = loading.load(folder)
     engine = Engine(model, max_batch=1, max_len=128, prefill_chunk=32)
     out = []
     for prompt in PROMPTS:
         events: list = []
-        params = Params(max_tokens=NEW, temperature=0)
+        params = Params(max_tokens=NEW, temperature=0, prompt_logprobs=True)
         engine.submit(tokenizer.encode(prompt), params, events.append)
         engine.run(max_rounds=100)
         tokens = [e for e in events if isinstance(e, Token)]
-        out.append(([t.id for t in tokens], [t.logprob for t in tokens]))
+        scores = list(events[0].logprobs[1:])  # PromptScores first
+        out.append(([t.id for t in tokens], scores + [t.logprob for t in tokens]))
     return out
 
 
@@ -106,6 +108,7 @@ def test_adapters_share_a_batch_and_each_equals_its_merged_model(setup, client):
     def ask(job):
         name, p = job
         kwargs = dict(model=name, prompt=PROMPTS[p], max_tokens=NEW, temperature=0, logprobs=1)
+        kwargs["echo"] = True  # the prompt's log-probabilities too
         return client.completions.create(**kwargs, extra_body={"ignore_eos": True})
 
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
@@ -117,8 +120,9 @@ def test_adapters_share_a_batch_and_each_equals_its_merged_model(setup, client):
         tokens, logprobs = wanted[name][p]
         choice = answer.choices[0]
         assert answer.model == name
-        assert choice.text == tokenizer.decode(tokens), (name, p)
-        np.testing.assert_allclose(choice.logprobs.token_logprobs, logprobs, atol=1e-4)
+        echoed = tokenizer.decode(tokenizer.encode(PROMPTS[p]))
+        assert choice.text == echoed + tokenizer.decode(tokens), (name, p)
+        np.testing.assert_allclose(choice.logprobs.token_logprobs[1:], logprobs, atol=1e-4)
     for p in range(len(PROMPTS)):  # each adapter changes what the model says
         assert len({wanted[name][p][0].__repr__() for name in wanted}) == len(wanted)
 
@@ -140,7 +144,7 @@ def test_unknown_model_gets_404_naming_the_known_ids(setup, client):
     assert all(repr(name) in error["message"] for name in [BASE, *ADAPTERS])
 
 
-def test_engine_refuses_speculation_and_unknown_indices_with_adapters(setup):
+def test_engine_holds_stacked_adapters_and_refuses_unknown_indices(setup):
     _, service, *_ = setup
     model = service.engine.runner.weights  # sliced; the stacked layers hold the adapters
     assert any(isinstance(x, MultiLoraLinear) for x in _layers(model))
@@ -149,8 +153,6 @@ def test_engine_refuses_speculation_and_unknown_indices_with_adapters(setup):
 
 
 def _layers(tree):
-    import jax
-
     return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, MultiLoraLinear))
 
 
