@@ -22,6 +22,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from eqllm import cli, loading  # noqa: E402
+from eqllm.commands.serve import chat_format_of  # noqa: E402
 from eqllm.errors import EqllmError  # noqa: E402
 from eqllm.generation import Engine, Params, Token  # noqa: E402
 from eqllm.generation.adapters import AdapterError, MultiLoraLinear  # noqa: E402
@@ -69,7 +70,8 @@ def setup(tmp_path_factory):
     base, tokenizer = loading.load(folder)
     model = load_adapters(base, [(name, str(a)) for name, (a, _) in made.items()])
     engine = Engine(model, max_batch=8, max_len=128, prefill_chunk=32, max_queue=64)
-    service = Service(engine, tokenizer, model_name=BASE, adapters=list(ADAPTERS))
+    chat = chat_format_of(str(folder), tokenizer)
+    service = Service(engine, tokenizer, model_name=BASE, chat_format=chat, adapters=list(ADAPTERS))
     with ServerThread(create_app(service)) as server:
         yield server, service, folder, made, tokenizer
 
@@ -127,10 +129,13 @@ def test_adapters_share_a_batch_and_each_equals_its_merged_model(setup, client):
         assert len({wanted[name][p][0].__repr__() for name in wanted}) == len(wanted)
 
 
-def test_models_lists_the_base_and_every_adapter(client):
+def test_models_lists_the_base_and_every_adapter_and_chat_picks_one(client):
     listed = {m.id: m for m in client.models.list().data}
     assert list(listed) == [BASE, *ADAPTERS]
     assert all(listed[name].model_extra["parent"] == BASE for name in ADAPTERS)
+    messages = [{"role": "user", "content": "hello"}]
+    chat = client.chat.completions.create(model="beta", messages=messages, max_tokens=3)
+    assert chat.model == "beta" and chat.usage.completion_tokens >= 1
 
 
 def test_unknown_model_gets_404_naming_the_known_ids(setup, client):
