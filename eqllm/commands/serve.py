@@ -6,8 +6,9 @@ memory), the engine's compiled shapes are listed and compiled, and only then doe
 listen, on 127.0.0.1 unless `--host` says otherwise. `--mesh tensor=N` splits the weights and
 the KV cache over N devices (`data=D` also splits the slots over D replicas). SIGTERM or Ctrl-C
 stops accepting connections, lets the requests in flight finish, and exits 0. `--speculate K`
-decodes speculatively, K guesses per round from prompt lookup or from `--draft MODEL`. See
-docs/serve.md.
+decodes speculatively, K guesses per round from prompt lookup or from `--draft MODEL`.
+`--adapter name=path` (repeatable) serves LoRA adapters over the one base: a request's `model`
+field picks one. See docs/serve.md.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from eqllm.generation.placement import serving_mesh
 from eqllm.nn import quantize
 from eqllm.resources import setup_compile_cache
 from eqllm.serve import Engine
+from eqllm.serve.adapters import load_adapters, parse_specs
 from eqllm.serve.app import Service, create_app
 
 
@@ -63,12 +65,16 @@ def run(args: argparse.Namespace) -> int:
     if args.api_key is not None and not args.api_key:
         raise EqllmError("--api-key is empty; give a key or leave the option out")
     mesh = None if args.mesh is None else serving_mesh(args.mesh)
+    name = args.served_model_name or Path(args.model.rstrip("/")).name
+    specs = parse_specs(args.adapter, name)
     setup_compile_cache(args.compile_cache)
     start = time.perf_counter()
     # On a mesh the weights go from host memory straight to their shards: a model larger
     # than one accelerator never sits whole on one.
     with contextlib.nullcontext() if mesh is None else jax.default_device(_host()):
         model, tokenizer = loading.load(args.model, dtype=args.dtype, seed=args.seed)
+        if specs:
+            model = load_adapters(model, specs)
         if args.quantize is not None:
             model = quantize(model, args.quantize)
     if args.tokenizer is not None:
@@ -90,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
     )
     del model, draft  # the engine holds the weights it runs on (sliced into layers)
     log.info("loaded %s in %.1f s", args.model, time.perf_counter() - start)
+    if specs:
+        log.info("adapters: %s", ", ".join(f"{n} ({p})" for n, p in specs))
     log.info("%s", engine.describe())
     log.info("compiling:")
     for line in engine.shapes():
@@ -97,13 +105,13 @@ def run(args: argparse.Namespace) -> int:
     warm = time.perf_counter()
     engine.warm()
     log.info("compiled in %.1f s", time.perf_counter() - warm)
-    name = args.served_model_name or Path(args.model.rstrip("/")).name
     service = Service(
         engine,
         tokenizer,
         model_name=name,
         chat_format=chat_format_of(args.model, tokenizer),
         api_key=args.api_key,
+        adapters=[n for n, _ in specs],
     )
     config = uvicorn.Config(
         create_app(service),
@@ -204,6 +212,14 @@ def add_parser(commands) -> None:
         metavar="MODEL",
         help="a smaller model sharing the tokenizer that guesses for --speculate (a zoo name, "
         "folder or repo id, as MODEL); default: prompt lookup",
+    )
+    p.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="serve a LoRA adapter (a PEFT folder or an eqllm LoRA run folder) as model NAME "
+        "over the one base model; repeat for more; requests for different adapters share a batch",
     )
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights")

@@ -130,8 +130,8 @@ def _engine(
     )
 
 
-def _params(max_new_tokens, settings: dict, stop: tuple[int, ...]) -> Params:
-    return Params(max_tokens=max_new_tokens, stop_tokens=stop, **settings)
+def _params(max_new_tokens, settings: dict, stop: tuple[int, ...], adapter: int = 0) -> Params:
+    return Params(max_tokens=max_new_tokens, stop_tokens=stop, adapter=adapter, **settings)
 
 
 def generate_batch(
@@ -148,6 +148,7 @@ def generate_batch(
     stop_tokens: Sequence | np.ndarray = (),
     speculate: int | None = None,
     draft: CausalLM | None = None,
+    adapter: int | Sequence[int] = 0,
 ) -> list[np.ndarray]:
     """Continue several prompts of any lengths at once; one compiled call.
 
@@ -168,6 +169,9 @@ def generate_batch(
             draws). See `eqllm.generation.speculate`.
         draft: the model that guesses (sharing the vocabulary; None: prompt lookup, guesses
             copied from earlier in the sequence).
+        adapter: for a model holding stacked LoRA adapters
+            (`eqllm.generation.adapters.stack_adapters`), the adapter of every prompt or one
+            per prompt (0: the base model).
 
     Returns:
         One int32 array of new tokens per prompt.
@@ -198,8 +202,12 @@ def generate_batch(
         draft=draft,
     )
     outputs: list[list[int]] = [[] for _ in rows]
-    for row, key_i, out in zip(rows, keys, outputs, strict=True):
-        engine.submit(row, _params(max_new_tokens, settings, stop), _tokens_into(out), key=key_i)
+    chosen = [adapter] * len(rows) if isinstance(adapter, int) else list(adapter)
+    if len(chosen) != len(rows):
+        raise GenerationError(f"adapter: give one index or one per prompt ({len(rows)})")
+    for row, key_i, out, a in zip(rows, keys, outputs, chosen, strict=True):
+        params = _params(max_new_tokens, settings, stop, a)
+        engine.submit(row, params, _tokens_into(out), key=key_i)
     engine.run(max_rounds=4 + len(rows) + max_new_tokens)
     return [np.asarray(out, np.int32) for out in outputs]
 

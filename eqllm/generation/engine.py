@@ -44,6 +44,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from eqllm.generation import adapters
 from eqllm.generation.constrain import refuse_speculation
 from eqllm.generation.paged import bytes_per_token, state_bytes
 from eqllm.generation.pages import BlockPool
@@ -113,6 +114,7 @@ class Engine:
         if mesh is not None:
             check_mesh(cfg, mesh, max_batch)
         check_speculation(model, speculate, draft, max_len, decode_steps, mesh)
+        adapters.refuse_unsupported(model, speculate=speculate, mesh=mesh)
         self.config, self.mesh = cfg, mesh
         self.max_batch, self.max_len, self.max_queue = max_batch, max_len, max_queue
         self.prefill_chunk, self.block_size, self.decode_steps = (
@@ -197,7 +199,7 @@ class Engine:
                 self.speculator.run(self.scheduler, pages, np.zeros((slots, k), np.int32), zeros)
             release_free_memory()
         for width in self.buckets.scores:
-            jax.block_until_ready(self.runner.steps["score"](np.zeros(width, np.int32)))
+            self.runner.score(np.zeros(1, np.int32), width)
             release_free_memory()
 
     # Requests ------------------------------------------------------------------------------------
@@ -205,6 +207,7 @@ class Engine:
     def check(self, prompt: Sequence[int] | np.ndarray, params: Params) -> None:
         """Raise ServeError (GenerationError for sampling values) for a request that cannot run."""
         check_request(prompt, params, vocab=self.config.vocab_size, max_len=self.max_len)
+        adapters.check_adapter(params.adapter, self.runner.adapters)
 
     def submit(self, prompt, params: Params, sink, *, key=None, constraint=None) -> Request:
         """Queue a request (checked first); QueueFull when `max_queue` requests already wait.
@@ -309,7 +312,7 @@ class Engine:
         if not first.scored:
             first.scored = True
             width = round_up(len(first.prompt), self.buckets.scores)
-            first.sink(self.runner.score(first.prompt, width))
+            first.sink(self.runner.score(first.prompt, width, first.params.adapter))
             if first.params.max_tokens == 0:
                 self.scheduler.finish(first, "length")
                 return 0

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from eqllm.config import ModelConfig
+from eqllm.generation.adapters import row_calls
 from eqllm.generation.recurrent import State, is_state
 from eqllm.model import CausalLM
 from eqllm.nn import KVCache, LatentCache
@@ -162,9 +163,10 @@ def forward(
     positions: Int[Array, "rows new"],
     start: Int[Array, " rows"],
     block_size: int,
+    adapter: Int[Array, " rows"] | None = None,
 ) -> tuple[Float[Array, "rows vocab"], tuple[Pool | State, ...]]:
     """`forward_hidden`, and the logits after each row's last position."""
-    x, written = forward_hidden(fixed, cache, pages, tokens, positions, start, block_size)
+    x, written = forward_hidden(fixed, cache, pages, tokens, positions, start, block_size, adapter)
     return jax.vmap(fixed[0].next_logits)(x), written
 
 
@@ -176,11 +178,12 @@ def forward_hidden(
     positions: Int[Array, "rows new"],
     start: Int[Array, " rows"],
     block_size: int,
+    adapter: Int[Array, " rows"] | None = None,
 ) -> tuple[Float[Array, "rows new d_model"], tuple[Pool | State, ...]]:
     """The model's own cached forward on each row's new positions (negative: padding), one
     layer at a time: a layer's views are gathered from its pool right before it runs, and the
     positions it computed written back right after; the last layer's output at every position
-    (before the final norm).
+    (before the final norm). `adapter` is each row's LoRA adapter (`eqllm.generation.adapters`).
 
     The order is held by data: a layer's write, and the next layer's reads, depend on the
     layer's output through a zero XLA cannot see is zero (an argmax is >= 0). Left to itself
@@ -196,16 +199,16 @@ def forward_hidden(
     x = jax.vmap(model.embed_inputs)(tokens, positions)
     after = jnp.zeros((), jnp.int32)
     written = []
-    calls = model.cached_calls(layers)
+    calls = row_calls(model, layers, adapter)  # vmapped over rows
     for call, pool, window in zip(calls, cache, windows(model.config), strict=True):
         if is_state(pool):  # the rows' recurrent state, continued
-            x, state = jax.vmap(call)(x, positions, pool)
+            x, state = call(x, positions, pool)
             after = jnp.minimum(jnp.min(jnp.argmax(x[:, -1, :2], axis=-1)), 0).astype(jnp.int32)
             written.append(state)
             continue
         blocks = view_blocks(window, n_pages, new, block_size)
         view = _view(pool, pages, start, end, blocks, block_size, after)
-        x, view = jax.vmap(call)(x, positions, view)
+        x, view = call(x, positions, view)
         after = jnp.minimum(jnp.min(jnp.argmax(x[:, -1, :2], axis=-1)), 0).astype(jnp.int32)
         written.append(_write(pool, view, pages, positions + after, block_size))
     return x, tuple(written)

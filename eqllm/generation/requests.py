@@ -25,7 +25,8 @@ class Params:
     """One request's settings. `seed` None draws a fresh key; with a seed the tokens equal
     `eqllm.generate(..., key=jax.random.key(seed))`. `stop_tokens` end the output (the stop
     token is the last one emitted); `prompt_logprobs` also scores every prompt token; `logprobs`
-    sends the TOP_LOGPROBS most likely alternatives with each token (else none)."""
+    sends the TOP_LOGPROBS most likely alternatives with each token (else none); `adapter`
+    picks the engine's LoRA adapter (`eqllm.generation.adapters`; 0: the base model)."""
 
     max_tokens: int
     temperature: float | int = 1.0
@@ -37,6 +38,7 @@ class Params:
     stop_tokens: tuple[int, ...] = ()
     prompt_logprobs: bool = False
     logprobs: bool = False  # each Token carries the most likely alternatives
+    adapter: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

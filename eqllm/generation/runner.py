@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from eqllm.generation import adapters
 from eqllm.generation.constrain import all_allowed
 from eqllm.generation.placement import state_shardings
 from eqllm.generation.requests import PromptScores, Request
@@ -30,7 +31,8 @@ class Runner:
 
     `steps` are the compiled steps, bound to their weights; `weights` the weights as placed
     (model without its blocks, sliced layers); `traces` how often each step was traced for
-    this runner (a test checks that nothing recompiles).
+    this runner (a test checks that nothing recompiles); `adapters` how many LoRA adapters the
+    model holds (`eqllm.generation.adapters`; each call then passes every row's).
     """
 
     def __init__(
@@ -42,6 +44,7 @@ class Runner:
             block_size,
         )
         self.traces: dict[str, int] = {}
+        self.adapters = adapters.count(model)
         self.draft: Runner | None = None  # a draft model's runner: prefills what this one does
         steps, self.weights = compiled(model, mesh)
         self.steps = {name: self._counted(name, fn) for name, fn in steps.items()}
@@ -95,6 +98,8 @@ class Runner:
         top = any(r.params.logprobs for r, _ in chunks)
         args = (slots, table, tokens, positions, first, last, jnp.stack(keys), step, seen)
         args = (*args, settings.stacked(), np.asarray(top), allowed)
+        if self.adapters:
+            args = (*args, self._adapters([r for r, _ in chunks], rows))
         self.state, out = self.steps["prefill"](self.state, *args, block_size=self.block_size)
         if self.draft is not None:  # the draft's pools hold every position the target's do
             self.draft.state, _ = self.draft.steps["prefill"](
@@ -138,6 +143,7 @@ class Runner:
             top |= request.params.logprobs
             if request.constraint is not None:
                 request.constraint.fill(allowed[row])
+        chosen = self._adapters([requests[r] for r in np.flatnonzero(active)], slots, active)
         self.state, out = self.steps["decode"](
             self.state,
             table,
@@ -147,18 +153,29 @@ class Runner:
             settings,
             np.asarray(top),
             allowed,
+            chosen if self.adapters else None,
             slots=slots,
             steps=steps,
             block_size=self.block_size,
         )
         return jax.device_get(out)
 
-    def score(self, prompt: np.ndarray, width: int) -> PromptScores:
+    def _adapters(self, requests: list[Request], rows: int, where=None) -> np.ndarray:
+        """Each row's adapter index (0: none): `requests` fill the first rows, or those that
+        `where` marks."""
+        out = np.zeros(rows, np.int32)
+        places = range(len(requests)) if where is None else np.flatnonzero(where)
+        for row, request in zip(places, requests, strict=True):
+            out[row] = request.params.adapter
+        return out
+
+    def score(self, prompt: np.ndarray, width: int, adapter: int = 0) -> PromptScores:
         """Every prompt token's log-probability after the ones before it (and the most likely
-        alternatives there), the prompt right-padded to `width`."""
+        alternatives there), the prompt right-padded to `width`, under LoRA `adapter`."""
         tokens = np.zeros(width, np.int32)  # right-padded
         tokens[: len(prompt)] = prompt
-        out = jax.device_get(self.steps["score"](tokens))
+        index = np.asarray(adapter, np.int32) if self.adapters else None
+        out = jax.device_get(self.steps["score"](tokens, index))
         n = len(prompt) - 1
         tops = [top_alternatives(out.top_tokens[i], out.top_logprobs[i]) for i in range(n)]
         return PromptScores((None, *out.logprob[:n].tolist()), (None, *tops))

@@ -82,7 +82,7 @@ class Scheduler:
         """Take the cached blocks of the request's longest cached prefix (all but the last
         position is looked up: at least one is computed, for the next token's logits)."""
         usable = (request.target() - 1) // self.block_size * self.block_size
-        hashes = block_hashes(request.sequence()[:usable], self.block_size)
+        hashes = block_hashes(request.sequence()[:usable], self.block_size, _salt(request))
         request.blocks = self.pool.lookup(hashes, request.target())
         request.hashes = hashes[: len(request.blocks)]
         request.cursor = request.fresh = len(request.blocks) * self.block_size
@@ -161,6 +161,11 @@ class Scheduler:
         b = self.block_size
         tokens = request.sequence()[len(request.hashes) * b : full * b]
         start = request.hashes[-1] if request.hashes else b""
-        for h in block_hashes(tokens, b, start=start):
+        for h in block_hashes(tokens, b, _salt(request), start=start):
             self.pool.register(request.blocks[len(request.hashes)], h)
             request.hashes.append(h)
+
+
+def _salt(request: Request) -> str:
+    """What keeps blocks computed under different LoRA adapters apart in the prefix cache."""
+    return f"adapter {request.params.adapter}" if request.params.adapter else ""

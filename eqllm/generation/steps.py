@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, Key
 
 from eqllm.generation import recurrent
+from eqllm.generation.adapters import with_index
 from eqllm.generation.constrain import masked_logits
 from eqllm.generation.paged import Pool, forward
 from eqllm.generation.placement import place_weights, state_shardings
@@ -108,6 +109,7 @@ def prefill_chunk(
     settings: Sampling,
     top: Bool[Array, ""],
     allowed: Int[Array, "rows words"],
+    adapter: Int[Array, " rows"] | None = None,
     *,
     block_size: int,
 ) -> tuple[SlotState, Sampled]:
@@ -118,13 +120,14 @@ def prefill_chunk(
     the chunk that are cached already, a reused prefix) plus the chunk. The sample at the end of
     a `last` chunk is the sequence's step-th (`step`, 0 for a new prompt), so that a sequence
     computed again after it was preempted draws what it would have drawn. `allowed` is each
-    row's bitmask of the tokens it may sample (`eqllm.generation.constrain`).
+    row's bitmask of the tokens it may sample (`eqllm.generation.constrain`); `adapter` its
+    LoRA adapter (`eqllm.generation.adapters`; None: a model without adapters).
     """
     vocab = state.present.shape[1]
     n = jnp.sum(positions >= 0, axis=1)
     start = jnp.max(positions, axis=1) + 1 - n
     cache = recurrent.gather(state.cache, slots, first)  # a first chunk starts from zeros
-    logits, cache = forward(fixed, cache, pages, tokens, positions, start, block_size)
+    logits, cache = forward(fixed, cache, pages, tokens, positions, start, block_size, adapter)
     cache = recurrent.scatter(state.cache, cache, slots)
     rows = jnp.arange(slots.shape[0])[:, None]
     kept = state.present.at[slots].get(mode="fill", fill_value=False)
@@ -159,6 +162,7 @@ def decode_steps(
     settings: Sampling,
     top: Bool[Array, ""],
     allowed: Int[Array, "slots words"],
+    adapter: Int[Array, " slots"] | None = None,
     *,
     slots: int,
     steps: int,
@@ -171,7 +175,8 @@ def decode_steps(
     every slot stopped. Each step runs `forward` over the pools, which the loop carries (the
     pages must cover position + steps). Outputs of a slot that did not sample at a step are
     NO_TOKEN. Other slots are untouched. `allowed` (each slot's bitmask of the tokens it may
-    sample) holds at every step: a constrained slot runs one step per call.
+    sample) holds at every step: a constrained slot runs one step per call. `adapter` is each
+    slot's LoRA adapter.
     """
     vocab = state.present.shape[1]
     keys = state.keys[:slots]
@@ -184,7 +189,9 @@ def decode_steps(
     def one(carry):
         i, live, cache, token, position, step, present, remaining, out = carry
         fed = jnp.where(live, position, -1)[:, None]  # a stopped slot writes nothing
-        logits, cache = forward(fixed, cache, pages, token[:, None], fed, position, block_size)
+        logits, cache = forward(
+            fixed, cache, pages, token[:, None], fed, position, block_size, adapter
+        )
         folded = jax.vmap(jax.random.fold_in)(keys, step)
         new = sample_tokens(masked_logits(logits, allowed), folded, present, settings)
         sampled = _sample_rows(logits, new, top)
@@ -235,7 +242,9 @@ def decode_steps(
     return state, out
 
 
-def prompt_logprobs(fixed, tokens: Int[Array, " width"]) -> Sampled:
+def prompt_logprobs(
+    fixed, tokens: Int[Array, " width"], adapter: Int[Array, ""] | None = None
+) -> Sampled:
     """Per position i of a right-padded prompt: the log-probability of token i + 1 after the
     first i + 1 tokens, and the most likely alternatives there (the full forward, in fp32).
 
@@ -245,6 +254,8 @@ def prompt_logprobs(fixed, tokens: Int[Array, " width"]) -> Sampled:
     positions of a 49,152-word vocabulary are 1.6 GB, and their log-softmax as much again.
     """
     model, layers = fixed
+    if adapter is not None:  # the prompt's LoRA adapter (eqllm.generation.adapters)
+        layers = with_index(layers, adapter)
     model = model.with_layers(layers)  # the stacks, for this call only
     hidden = model.hidden(tokens)
     targets = jnp.concatenate([tokens[1:], tokens[:1]])  # the last row is not used

@@ -38,7 +38,8 @@ log = logging.getLogger("eqllm.serve")
 
 class Service:
     """What the routes share: the engine, the tokenizer (None: prompts and text are token
-    ids), the served model name, the chat format, the API key."""
+    ids), the served model name, the chat format, the API key, the names of the engine's LoRA
+    adapters (a request's `model` picks one; `eqllm.serve.adapters`)."""
 
     def __init__(
         self,
@@ -48,9 +49,11 @@ class Service:
         model_name: str,
         chat_format: ChatFormat | None = None,
         api_key: str | None = None,
+        adapters: Sequence[str] = (),
     ):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.chat_format, self.api_key = chat_format, api_key
+        self.adapters = list(adapters)
         self.closing = False
         self.created = int(time.time())
         self._grammars: Grammars | None = None
@@ -86,16 +89,22 @@ class Service:
             return (t.eot_id,)
         return ()
 
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
+    def check_model(self, name: str) -> int:
+        """The adapter index the model id `name` picks (0: the base model)."""
+        ids = [self.model_name, *self.adapters]
+        if name not in ids:
             raise ApiError(
                 404,
-                f"model {name!r} does not exist; this server serves {self.model_name!r}",
+                f"model {name!r} does not exist; this server serves "
+                + ", ".join(repr(i) for i in ids),
                 param="model",
                 code="model_not_found",
             )
+        return ids.index(name)
 
-    def params(self, body, prompt: list[int], max_tokens: int | None, prompt_logprobs=False):
+    def params(
+        self, body, prompt: list[int], max_tokens: int | None, prompt_logprobs=False, adapter=0
+    ):
         stops = tuple(body.stop_token_ids or ())
         if not body.ignore_eos:
             stops += self.default_stops()
@@ -112,6 +121,7 @@ class Service:
             logprobs=_wants_alternatives(body),
             stop_tokens=stops,
             prompt_logprobs=prompt_logprobs,
+            adapter=adapter,
         )
 
     async def events(
@@ -228,23 +238,21 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        entry = {
-            "id": service.model_name,
-            "object": "model",
-            "created": service.created,
-            "owned_by": "eqllm",
-            "max_model_len": service.engine.max_len,
-        }
-        return {"object": "list", "data": [entry]}
+        base = service.model_name
+        entry = {"object": "model", "created": service.created, "owned_by": "eqllm"}
+        entry["max_model_len"] = service.engine.max_len
+        data = [{"id": base, **entry}]
+        data += [{"id": name, **entry, "parent": base} for name in service.adapters]
+        return {"object": "list", "data": data}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HttpRequest):
-        service.check_model(body.model)
+        adapter = service.check_model(body.model)
         prompts = _prompts(service, body.prompt)
         wants_scores = body.echo and body.logprobs is not None
         runs = []
         for i, prompt in enumerate(prompts):
-            params = service.params(body, prompt, body.max_tokens, wants_scores)
+            params = service.params(body, prompt, body.max_tokens, wants_scores, adapter)
             choice = Choice(
                 i,
                 prompt,
@@ -257,7 +265,7 @@ def create_app(service: Service) -> FastAPI:
             runs.append((prompt, params, choice))
         _check_all(service, runs)
         head = {"id": f"cmpl-{secrets.token_hex(12)}", "created": int(time.time())}
-        head |= {"object": "text_completion", "model": service.model_name}
+        head |= {"object": "text_completion", "model": body.model}
         if body.stream:
             return _stream_completions(http, service, runs, head, body)
         await _collect(http, service, runs)
@@ -274,7 +282,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, http: HttpRequest):
-        service.check_model(body.model)
+        adapter = service.check_model(body.model)
         if service.chat_format is None:
             raise ApiError(400, "this model has no tokenizer, so no chat template; use completions")
         shape = Shape.of(body, service.grammars)
@@ -282,7 +290,7 @@ def create_app(service: Service) -> FastAPI:
         text = fmt.render(template_messages(body), add_generation_prompt=True, tools=shape.tools)
         prompt = fmt.encode_text(text)
         limit = body.max_completion_tokens or body.max_tokens
-        params = service.params(body, prompt, limit)
+        params = service.params(body, prompt, limit, adapter=adapter)
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         choice = Choice(
             0, prompt, service.decode, stops=body.stop, hidden=params.stop_tokens, logprobs=top_n
@@ -298,7 +306,7 @@ def create_app(service: Service) -> FastAPI:
             except EqllmError as e:
                 raise ApiError(400, str(e)) from None
         head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time())}
-        head["model"] = service.model_name
+        head["model"] = body.model
         if body.stream:
             return _stream_chat(http, service, runs, head, body, Reader(shape))
         await _collect(http, service, runs)
