@@ -63,6 +63,14 @@ def timing(rows: list[dict], wall: float, ran: int, jobs: int) -> str:
     return f"the points' own wall times add up to {points:.1f} minutes ({jobs} at a time)"
 
 
+def hand_written(page: Path) -> str:
+    """The hand-written sections of a generated page (its first "## " heading and all after it:
+    follow-up runs with their own commands), which regenerating the page keeps."""
+    text = page.read_text() if page.is_file() else ""
+    at = text.find("\n## ")
+    return "" if at < 0 else text[at:]
+
+
 def mutransfer(jobs: int) -> None:
     out, rows, wall, ran = run("mutransfer", jobs)
     grid: dict[tuple[str, int], dict[int, dict]] = defaultdict(dict)
@@ -121,7 +129,8 @@ def mutransfer(jobs: int) -> None:
         lines.append(f"| {param} | {width} | " + " | ".join(values) + " |")
     shutil.copy(out / "lr_transfer.png", DOCS / "mutransfer_lr_transfer.png")
     lines += ["", "![loss against log2 learning rate per width](mutransfer_lr_transfer.png)", ""]
-    (DOCS / "mutransfer.md").write_text("\n".join(lines))
+    page = DOCS / "mutransfer.md"
+    page.write_text("\n".join(lines) + hand_written(page))
     print(f"wrote {DOCS / 'mutransfer.md'}")
 
 

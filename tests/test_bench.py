@@ -175,7 +175,7 @@ def test_bench_mesh_cli(tmp_path, capsys):
     out = tmp_path / "mesh"
     argv = ["bench", "llama-nano", "--batch", "2", "--seq", "16", "--set", TINY_SET]
     assert cli.main([*argv, "--mesh", "data=1", "--out", str(out), "--quiet"]) == 0
-    assert "| llama-nano | one device |" in capsys.readouterr().out
+    assert "| llama-nano | adamw | one device |" in capsys.readouterr().out
     (row,) = json.loads((out / "bench.json").read_text())["mesh"]
     assert row["argument_bytes"] > 4 * eqllm.zoo.param_count(
         eqllm.zoo.config("llama-nano", **parse_overrides([TINY_SET]))
@@ -184,6 +184,36 @@ def test_bench_mesh_cli(tmp_path, capsys):
     assert "--mesh data=1" in (out / "bench.md").read_text()
     assert cli.main([*argv, "--mesh", f"data={jax.device_count() + 1}"]) == 2
     assert "devices" in capsys.readouterr().err
+
+
+def test_bench_mesh_muon_counts_newton_schulz(tmp_path):
+    """`--optimizer muon`: the compiled step runs, beyond AdamW's, the Newton-Schulz products of
+    every hidden matrix on its own (5 iterations of 4 m^2 n + 2 m^3 FLOPs for an (m, n) matrix,
+    m <= n), and keeps one momentum per hidden matrix where AdamW keeps two moments."""
+    argv = ["bench", "llama-nano", "--batch", "2", "--seq", "16", "--set", TINY_SET, "--quiet"]
+    rows = {}
+    for name in ("adamw", "muon"):
+        out = tmp_path / name
+        assert cli.main([*argv, "--mesh", "data=1", "--optimizer", name, "--out", str(out)]) == 0
+        (rows[name],) = json.loads((out / "bench.json").read_text())["mesh"]
+    cfg = eqllm.zoo.config("llama-nano", **parse_overrides([TINY_SET]))
+    d, kv, ff = cfg.d_model, cfg.attention.n_kv_heads * cfg.attention.head_dim, cfg.mlp.d_ff
+    shapes = [(d, d), (d, d), (kv, d), (kv, d), (ff, d), (ff, d), (d, ff)]  # q o k v gate up down
+
+    def ns(m, n):
+        m, n = min(m, n), max(m, n)
+        return 5 * (4 * m * m * n + 2 * m**3)
+
+    expected = cfg.n_layers * sum(ns(*s) for s in shapes)
+    # XLA's count also holds the elementwise ops (2.3% more here); one matrix of the stacked
+    # layers' rows would count n_layers^2 times the products
+    extra = rows["muon"]["flops"] - rows["adamw"]["flops"]
+    assert expected <= extra < 1.05 * expected
+    hidden = cfg.n_layers * sum(m * n for m, n in shapes)
+    saved = rows["adamw"]["argument_bytes"] - rows["muon"]["argument_bytes"]
+    assert abs(saved - 4 * hidden) < 100  # the step counts and Muon's 5 x 3 coefficients aside
+    assert rows["muon"]["optimizer"] == "muon"
+    assert cli.main(["bench", "llama-nano", "--optimizer", "muon"]) == 2  # times AdamW only
 
 
 @pytest.mark.slow

@@ -250,15 +250,17 @@ def run_mesh_bench(
     dtype: str = "float32",
     remat: str = "none",
     overrides: dict[str, Any] | None = None,
+    optim: OptimSpec | None = None,
     log: Callable[[str], None] = print,
 ) -> list[MeshResult]:
-    """Compile each variant's training step on each mesh; memory and collectives per device
-    (`eqllm.bench.mesh`). Nothing is run or allocated."""
+    """Compile each variant's training step (with `optim`'s optimizer, default AdamW) on each
+    mesh; memory and collectives per device (`eqllm.bench.mesh`). Nothing is run or
+    allocated."""
     results = []
     for name in variants:
         cfg = bench_config(zoo.config(name, **(overrides or {})), seq, dtype, remat)
         for text in meshes:
-            r = mesh_bench(name, cfg, text, batch=batch, seq=seq)
+            r = mesh_bench(name, cfg, text, batch=batch, seq=seq, optim=optim)
             log(f"{name} on {r.mesh}: compiled in {r.compile_s:.1f}s")
             results.append(r)
     return results

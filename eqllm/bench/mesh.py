@@ -60,6 +60,10 @@ class MeshResult:
     per_layer_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     per_step_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     gathered_shapes: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    optimizer: str = "adamw"
+    # FLOPs one device runs in a step (XLA's cost analysis, scaled by the loops' trip counts): a
+    # computation every device repeats on whole arrays shows up here, not in the bytes
+    flops: float = 0.0
 
     @property
     def total_bytes(self) -> int:
@@ -105,19 +109,29 @@ def abstract_state(shapes, mesh, optim: OptimSpec, total_steps: int) -> Abstract
 
 
 def mesh_bench(
-    variant: str, config: ModelConfig, mesh_text: str, *, batch: int, seq: int
+    variant: str,
+    config: ModelConfig,
+    mesh_text: str,
+    *,
+    batch: int,
+    seq: int,
+    optim: OptimSpec | None = None,
 ) -> MeshResult:
-    """Compile `config`'s training step on the mesh `mesh_text` ("fsdp=8") and measure it."""
+    """Compile `config`'s training step on the mesh `mesh_text` ("fsdp=8") and measure it,
+    with the optimizer of `optim` (default AdamW)."""
     mesh = make_mesh(MeshConfig.parse(mesh_text))
     shapes = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0))
-    state = abstract_state(shapes, mesh, OptimSpec(), 1000)
+    state = abstract_state(shapes, mesh, optim or OptimSpec(), 1000)
     step = TrainStep(state.optimizer, lambda _: 1e-3, param_shardings=state.shardings)
     tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=batch_sharding(mesh))
     t0 = time.perf_counter()
     compiled = step.lower(state.model, state.opt_state, tokens).compile()
     compile_s = time.perf_counter() - t0
     memory = compiled.memory_analysis()
-    found = collectives(Program(compiled.as_text()))
+    program = Program(compiled.as_text())
+    found = collectives(program)
+    cost = compiled.cost_analysis()
+    flops = float(cost.get("flops", 0.0)) * program.loop_factor("flops") if cost else 0.0
     per_layer, per_step = tally(found, lambda c: 1)
     per_layer_bytes, per_step_bytes = tally(found, lambda c: c.result_bytes)
     return MeshResult(
@@ -136,6 +150,8 @@ def mesh_bench(
         per_layer_bytes=per_layer_bytes,
         per_step_bytes=per_step_bytes,
         gathered_shapes=gathered(found),
+        optimizer=(optim or OptimSpec()).name,
+        flops=flops,
     )
 
 
@@ -144,18 +160,20 @@ def _counts(counts: dict[str, int]) -> str:
 
 
 def mesh_markdown(results: list[MeshResult]) -> str:
-    """A markdown table: MiB per device and collectives per layer / per step."""
+    """A markdown table: MiB per device, collectives per layer / per step, and the MiB the
+    step's collectives return and the GFLOPs it runs, per device."""
     mib = lambda n: f"{n / 2**20:,.1f}"  # noqa: E731
     lines = [
-        "| variant | mesh | arguments MiB | outputs MiB | temporaries MiB | total MiB "
-        "| collectives per layer | collectives per step |",
-        "|---|---|---|---|---|---|---|---|",
+        "| variant | optimizer | mesh | arguments MiB | outputs MiB | temporaries MiB | total MiB "
+        "| collectives per layer | collectives per step | collective MiB per step | GFLOP |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
-            f"| {r.variant} | {r.mesh} | {mib(r.argument_bytes)} | {mib(r.output_bytes)} | "
-            f"{mib(r.temp_bytes)} | {mib(r.total_bytes)} | {_counts(r.per_layer)} | "
-            f"{_counts(r.per_step)} |"
+            f"| {r.variant} | {r.optimizer} | {r.mesh} | {mib(r.argument_bytes)} | "
+            f"{mib(r.output_bytes)} | {mib(r.temp_bytes)} | {mib(r.total_bytes)} | "
+            f"{_counts(r.per_layer)} | {_counts(r.per_step)} | "
+            f"{mib(sum(r.per_step_bytes.values()))} | {r.flops / 1e9:,.2f} |"
         )
     return "\n".join(lines)
 
@@ -164,6 +182,7 @@ MESH_NOTE = (
     "Memory per device from XLA's buffer assignment of the compiled step (total = arguments + "
     "outputs + temporaries - outputs written into donated arguments). Collectives counted in "
     "the optimised HLO: per layer = ops inside the layer loop's bodies (forward and backward), "
-    "per step = every op times the trip count of the loops around it. The step is compiled, "
-    "not run."
+    "per step = every op times the trip count of the loops around it; collective MiB = the "
+    "bytes of their results on one device. GFLOP = what one device computes in a step (XLA's "
+    "cost analysis, loops counted by their trip counts). The step is compiled, not run."
 )

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,6 +26,9 @@ from eqllm.bench import (
     run_mesh_bench,
     write_report,
 )
+from eqllm.errors import EqllmError
+from eqllm.recipe import OptimSpec
+from eqllm.recipe.optim import OptimizerName
 
 
 def command_line(args, variants: Sequence[str]) -> str:
@@ -36,6 +40,8 @@ def command_line(args, variants: Sequence[str]) -> str:
     if args.remat != "none":
         parts.append(f"--remat {args.remat}")
     parts += [f"--mesh {m}" for m in args.mesh or []]
+    if args.mesh and args.optimizer != "adamw":
+        parts.append(f"--optimizer {args.optimizer}")
     if args.vs_torch:
         parts.append("--vs-torch" + (" --no-compile" if args.no_compile else ""))
     parts += [f"--set {s}" for s in args.set or []]
@@ -53,6 +59,11 @@ def bench_command(args: argparse.Namespace) -> int:
         # JAX would otherwise reserve most of a GPU's memory before torch allocates any; this
         # only takes effect if no JAX backend has started yet, as is the case from the CLI.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if args.optimizer != "adamw" and not args.mesh:
+        raise EqllmError(
+            f"--optimizer {args.optimizer}: only the --mesh report compiles another optimizer; "
+            "add --mesh (e.g. --mesh fsdp=8) or drop --optimizer"
+        )
     t0 = time.perf_counter()
     if args.mesh:
         return mesh_command(args, variants, t0)
@@ -96,6 +107,7 @@ def mesh_command(args: argparse.Namespace, variants: Sequence[str], t0: float) -
         dtype=args.dtype,
         remat=args.remat,
         overrides=parse_overrides(args.set or []),
+        optim=OptimSpec(name=args.optimizer),
         log=(lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr)),
     )
     table = mesh_markdown(results)
@@ -145,6 +157,12 @@ def add_parser(commands) -> None:
         "per-device memory and collectives instead of timing it",
     )
     p.add_argument("--set", action="append", metavar="KEY=VALUE[,...]", help="config overrides")
+    p.add_argument(
+        "--optimizer",
+        choices=typing.get_args(OptimizerName),
+        default="adamw",
+        help="with --mesh: the optimizer of the compiled step (OptimSpec's other defaults)",
+    )
     p.add_argument(
         "--document-length",
         type=int,

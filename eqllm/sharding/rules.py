@@ -14,6 +14,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eqllm.config import ModelConfig
@@ -190,20 +191,29 @@ def shardings_like_params(tree, params, shardings):
 
     Every subtree shaped like `params` (AdamW's moments, say) gets the parameters' `shardings`
     where its arrays have their parameters' shapes; any other array (step counts, Adafactor's
-    factored row and column statistics) is replicated.
+    factored row and column statistics) is replicated. A subtree of one parameter group
+    (`optax.multi_transform`: Muon's matrices, muP's roles) is shaped like `params` with an
+    empty `optax.MaskedNode` at the other groups' parameters, and is placed the same way.
     """
     params_def = jax.tree.structure(params)
     mesh = next(s.mesh for s in jax.tree.leaves(shardings))
     replicated = NamedSharding(mesh, PartitionSpec())
 
+    def hole(node) -> bool:
+        return isinstance(node, optax.MaskedNode)
+
     def like_params(node) -> bool:
-        return node is not None and jax.tree.structure(node) == params_def
+        return node is not None and jax.tree.structure(node, is_leaf=hole) == params_def
 
     def placed(node):
         if not like_params(node):
             return replicated
         return jax.tree.map(
-            lambda x, p, s: s if x.shape == p.shape else replicated, node, params, shardings
+            lambda x, p, s: x if hole(x) else s if x.shape == p.shape else replicated,
+            node,
+            params,
+            shardings,
+            is_leaf=hole,
         )
 
     return jax.tree.map(placed, tree, is_leaf=like_params)

@@ -26,8 +26,8 @@ def batches():
     return [jax.random.randint(jax.random.key(10 + i), (8, 33), 0, 96) for i in range(STEPS)]
 
 
-def train(mesh=None, spec=SPEC):
-    model = eqllm.CausalLM(CFG, key=jax.random.key(0))
+def train(mesh=None, spec=SPEC, cfg=CFG):
+    model = eqllm.CausalLM(cfg, key=jax.random.key(0))
     shardings = None
     if mesh is not None:
         shardings = param_shardings(model, mesh)
@@ -118,7 +118,7 @@ def test_each_optimizer_trains_on_a_mesh_as_on_one_device(name, monkeypatch):
         "tests.multidevice.test_train_mesh.SPEC",
         OptimSpec(name=name, lr=1e-2, warmup_steps=0, **extra),
     )
-    _, _, ref_losses, _ = train()
+    model, _, ref_losses, _ = train()
     _, _, losses, step = train(make_mesh(MeshConfig.parse("data=2,fsdp=4")))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert step.n_traces == 1
@@ -140,3 +140,31 @@ def test_ema_and_spike_window_train_on_a_mesh_as_on_one_device():
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
         assert a.sharding.is_equivalent_to(sharding, a.ndim)
     assert int(opt_state.filled) == STEPS and step.n_traces == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "parametrization"), [("muon", "sp"), ("muon", "mup"), ("adamw", "mup")]
+)
+def test_parameter_groups_on_fsdp_and_tensor_equal_one_device(name, parametrization):
+    """Muon (its matrices beside an AdamW group) and muP (one AdamW per role) keep one state per
+    group (`optax.multi_transform`), with empty `optax.MaskedNode`s at the other groups'
+    parameters. On fsdp=4,tensor=2 they train as on one device (XLA splits each matrix's
+    Newton-Schulz products over the devices that hold its pieces), and their moments stay split
+    like their parameters (they were whole on every device)."""
+    cfg = CFG if parametrization == "sp" else CFG.replace(parametrization="mup", base_d_model=32)
+    eps = {"eps": 1e-3} if name == "adamw" else {}  # as SPEC: Adam's first steps are ~sign(g)
+    spec = OptimSpec(name=name, lr=1e-2, warmup_steps=0, **eps)
+    ref_model, _, ref_losses, _ = train(None, spec, cfg)
+    mesh = make_mesh(MeshConfig.parse("fsdp=4,tensor=2"))
+    model, opt_state, losses, step = train(mesh, spec, cfg)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(ref_model), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+    assert step.n_traces == 1
+    # whether each shape of parameter is whole on every device (the stacked norm scales are)
+    whole = {x.shape: x.sharding.is_fully_replicated for x in jax.tree.leaves(model) if x.ndim > 1}
+    # a momentum per matrix (Muon), or two moments per matrix (AdamW), in the groups' states
+    moments = [x for x in jax.tree.leaves(opt_state) if x.shape in whole]
+    assert len(moments) >= len([x for x in jax.tree.leaves(model) if x.ndim > 1])
+    assert [x.sharding.is_fully_replicated for x in moments] == [whole[x.shape] for x in moments]
+    assert not all(whole.values())
