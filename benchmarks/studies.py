@@ -32,6 +32,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import jax
+import optimizer_page
 import optimizer_study as study
 
 from eqllm.bench import source_commit
@@ -192,28 +193,36 @@ def optimizers(args: argparse.Namespace) -> None:
     spec = out / "optimizers.toml"
     header = f"The optimizer study (benchmarks/optimizer_study.py), written by\n  {_command(args)}"
     base = study.base_points(names, widths[0])
-    if not spec.is_file():
-        spec.write_text(study.sweep_toml(fixed, base, header + "\nstage one only"))
     start, ran = time.perf_counter(), 0
-    if not args.no_run:
-        ran += _run_stage(spec, out, args.jobs)
-    rows = _study_rows(out)
-    best = study.best_exponents(rows, widths[0])
-    if set(best) == set(names):
-        points = base + study.transfer_points(names, widths[1:], best)
-        spec.write_text(study.sweep_toml(fixed, points, header + "\nboth stages"))
-        if out.resolve() == (ROOT / "runs" / "optimizers").resolve():
-            shutil.copy(spec, ROOT / "recipes" / "sweeps" / "optimizers.toml")
-        if not args.no_run:
-            ran += _run_stage(spec, out, args.jobs)
+    for _ in range(2):  # stage one until its points are done, then both stages
         rows = _study_rows(out)
+        done = {json.dumps(r["settings"], sort_keys=True) for r in rows}
+        best = study.best_exponents(rows, widths[0])
+        if all(json.dumps(p, sort_keys=True) in done for p in base):
+            extension = study.extension_points(names, widths[0], best)
+            points = base + extension + study.transfer_points(names, widths[1:], best)
+            spec.write_text(study.sweep_toml(fixed, points, header + "\nboth stages"))
+            if out.resolve() == (ROOT / "runs" / "optimizers").resolve():
+                shutil.copy(spec, ROOT / "recipes" / "sweeps" / "optimizers.toml")
+            if not args.no_run:
+                ran += _run_stage(spec, out, args.jobs)
+                rows = _study_rows(out)
+            break
+        spec.write_text(study.sweep_toml(fixed, base, header + "\nstage one only"))
+        if args.no_run:
+            break
+        ran += _run_stage(spec, out, args.jobs)
     planned = len(study.transfer_points(names, widths[1:], dict.fromkeys(names, 0)))
     total = len(base) + planned
+    if set(best) == set(names) and len(rows) >= len(base):
+        total += len(study.extension_points(names, widths[0], best))
     (out / "study.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     lines = [f"- machine: {machine()}"]
     if rows:
         lines.append(f"- {timing(rows, time.perf_counter() - start, ran, args.jobs)}")
-    page = study.page(rows, widths, names, total=total, command=_command(args), machine=lines)
+    page = optimizer_page.page(
+        rows, widths, names, total=total, command=_command(args), machine=lines
+    )
     Path(args.page).write_text(page)
     print(f"wrote {args.page} ({len(rows)} of {total} points)")
 

@@ -1,11 +1,12 @@
-"""The optimizer study's page writer (benchmarks/optimizer_study.py) on a fabricated study.jsonl:
-its speedups, octave moves and step costs against values computed by hand."""
+"""The optimizer study (benchmarks/optimizer_study.py) and its page writer (optimizer_page.py)
+on a fabricated study.jsonl: speedups, octave moves and step costs against hand-computed values."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,11 +14,19 @@ import pytest
 from eqllm.sweep import load_sweep
 
 REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location(
-    "optimizer_study", REPO / "benchmarks" / "optimizer_study.py"
-)
-study = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(study)
+
+
+def _load(name: str):
+    """A script of benchmarks/ as a module (it imports its neighbours by their bare names)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+study = _load("optimizer_study")
+writer = _load("optimizer_page")
 
 
 def row(opt, param, width, exponent, loss, curve=None, step_s=0.010):
@@ -83,7 +92,7 @@ def test_page_reports_speedups_octaves_and_costs_computed_by_hand(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert study.best_exponents(rows, 64) == {"adamw": -8, "muon": -8, "lion": -10}
-    page = study.page(
+    page = writer.page(
         rows,
         [64, 128],
         ["adamw", "muon", "lion"],
@@ -101,7 +110,7 @@ def test_page_reports_speedups_octaves_and_costs_computed_by_hand(tmp_path):
     assert "- muon: 1.50x at 64, 1.20x at 128" in page
     # Octaves: the base width's points serve SP too; an edge best is starred.
     assert "| adamw | mup | 2^-8 | 2^-8 | +0 |" in page
-    assert "| adamw | sp | 2^-8 | 2^-10* | -2 |" in page
+    assert "| adamw | sp | 2^-8 | 2^-10* | -2* |" in page
     assert "| muon | mup | 2^-8 | 2^-7 | +1 |" in page
     assert "| lion | mup | 2^-10 |  | - |" in page  # no wider point yet
     # Step cost: median step time and the ratio to AdamW's at the same width.
@@ -134,3 +143,15 @@ def test_transfer_points_sweep_around_each_best_and_load_as_a_sweep(tmp_path):
     assert [p.settings for p in sweep.points[5:]] == points
     recipe = sweep.point_recipe(sweep.points[-1])
     assert recipe.optim.name == "lion" and recipe.model.overrides["d_model"] == 128
+
+
+def test_a_best_at_the_base_grids_edge_gets_one_octave_more_without_moving_stage_two():
+    """Muon's base grid ends at 2^-6; a best there adds 2^-5, which stage two does not follow
+    (its file, written once, must not change under the points it holds)."""
+    rows = [row("muon", "mup", 64, -7, 4.1), row("muon", "mup", 64, -6, 4.0)]
+    best = study.best_exponents(rows, 64)
+    assert best == {"muon": -6}
+    assert study.extension_points(["muon"], 64, best) == [study.point("muon", "mup", 64, -5)]
+    rows.append(row("muon", "mup", 64, -5, 3.9))  # better, but outside the base grid
+    assert study.best_exponents(rows, 64) == {"muon": -6}
+    assert study.extension_points(["adamw"], 64, {"adamw": -8}) == []
