@@ -1,7 +1,9 @@
-"""The two studies of docs/scaling-laws.md: run (or resume) their sweeps, then write their pages.
+"""The studies of docs/scaling-laws.md: run (or resume) their sweeps, then write their pages.
 
     PYTHONPATH=. python benchmarks/studies.py mutransfer [--jobs 2]
     PYTHONPATH=. python benchmarks/studies.py scaling [--jobs 2]
+    PYTHONPATH=. python benchmarks/studies.py optimizers [--jobs 2] [--widths 64,128,256]
+        [--optimizers adamw,muon,lion] [--set KEY=VALUE ...] [--out DIR] [--page FILE] [--no-run]
 
 `mutransfer` runs recipes/sweeps/mutransfer.toml into runs/mutransfer (SP and muP, widths 64-512,
 learning rates 2^-14 to 2^-4) and writes docs/experiments/mutransfer.md: each width's best
@@ -10,7 +12,11 @@ widths, and the whole grid of losses. `scaling` runs recipes/sweeps/scaling.toml
 runs/scaling (IsoFLOP sizes at three budgets, written by benchmarks/scaling_sweep.py with the
 muP learning rate the first study found best at the base width) and writes
 docs/experiments/scaling_laws.md: both fits of `eqllm fit` on every budget, and on all but the
-largest with the prediction of the largest. Finished points are not run again, so a rerun after
+largest with the prediction of the largest. `optimizers` runs the optimizer study of
+benchmarks/optimizer_study.py (a learning-rate sweep per optimizer at the base width, then a few
+octaves around each one's best under muP and SP at the wider widths; recipes/sweeps/optimizers.toml
+holds both stages) into runs/optimizers and writes docs/experiments/optimizers.md; `--no-run` only
+writes the page from the points that finished. Finished points are not run again, so a rerun after
 an interruption resumes, and a rerun of a finished study only rewrites its page.
 """
 
@@ -26,10 +32,14 @@ from collections import defaultdict
 from pathlib import Path
 
 import jax
+import optimizer_page
+import optimizer_study as study
 
 from eqllm.bench import source_commit
+from eqllm.recipe.load import parse_value
 from eqllm.scaling import describe, fit_points, plot_fit, read_results
 from eqllm.sweep import load_sweep, run_sweep
+from eqllm.train.metrics import read_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "experiments"
@@ -179,12 +189,114 @@ def scaling(jobs: int) -> None:
     print(f"wrote {DOCS / 'scaling_laws.md'}")
 
 
+def optimizers(args: argparse.Namespace) -> None:
+    """Stage one (the base width's learning rates), stage two (the wider widths around each
+    optimizer's best), then the page; `--no-run` writes the page from what finished."""
+    widths = [int(w) for w in args.widths.split(",")]
+    names = args.optimizers.split(",")
+    extra = dict(item.split("=", 1) for item in args.set)
+    fixed = {**study.FIXED, "model.overrides.base_d_model": widths[0]}
+    fixed.update({k: parse_value(v) for k, v in extra.items()})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / "optimizers.toml"
+    header = f"The optimizer study (benchmarks/optimizer_study.py), written by\n  {_command(args)}"
+    base = study.base_points(names, widths[0])
+    start, ran = time.perf_counter(), 0
+    for _ in range(2):  # stage one until its points are done, then both stages
+        rows = _study_rows(out)
+        done = {json.dumps(r["settings"], sort_keys=True) for r in rows}
+        best = study.best_exponents(rows, widths[0])
+        if all(json.dumps(p, sort_keys=True) in done for p in base):
+            extension = study.extension_points(names, widths[0], best)
+            points = base + extension + study.transfer_points(names, widths[1:], best)
+            spec.write_text(study.sweep_toml(fixed, points, header + "\nboth stages"))
+            if out.resolve() == (ROOT / "runs" / "optimizers").resolve():
+                shutil.copy(spec, ROOT / "recipes" / "sweeps" / "optimizers.toml")
+            if not args.no_run:
+                ran += _run_stage(spec, out, args.jobs)
+                rows = _study_rows(out)
+            break
+        spec.write_text(study.sweep_toml(fixed, base, header + "\nstage one only"))
+        if args.no_run:
+            break
+        ran += _run_stage(spec, out, args.jobs)
+    planned = len(study.transfer_points(names, widths[1:], dict.fromkeys(names, 0)))
+    total = len(base) + planned
+    if set(best) == set(names) and len(rows) >= len(base):
+        total += len(study.extension_points(names, widths[0], best))
+    (out / "study.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = [f"- machine: {machine()}"]
+    if rows:
+        lines.append(f"- {timing(rows, time.perf_counter() - start, ran, args.jobs)}")
+    page = optimizer_page.page(
+        rows, widths, names, total=total, command=_command(args), machine=lines
+    )
+    Path(args.page).write_text(page)
+    print(f"wrote {args.page} ({len(rows)} of {total} points)")
+
+
+def _run_stage(spec: Path, out: Path, jobs: int) -> int:
+    """Run (or resume) a sweep file into `out`; how many points this call ran."""
+    sweep = load_sweep(spec)
+    before = sum((out / p.name / "result.json").is_file() for p in sweep.points)
+    stopped = run_sweep(sweep, out, jobs=jobs)
+    if stopped:
+        raise SystemExit(f"the optimizer sweep stopped: {stopped}; run the same command again")
+    return sum((out / p.name / "result.json").is_file() for p in sweep.points) - before
+
+
+def _study_rows(out: Path) -> list[dict]:
+    """study.jsonl's rows: every finished point with its curve and step time."""
+    rows = []
+    for folder in sorted(p for p in out.iterdir() if (p / "result.json").is_file()):
+        row = json.loads((folder / "result.json").read_text())
+        summary = folder / "summary.json"
+        rows.append(
+            study.study_row(
+                row,
+                read_rows(folder / "metrics.jsonl"),
+                json.loads(summary.read_text()) if summary.is_file() else {},
+            )
+        )
+    return rows
+
+
+def _command(args: argparse.Namespace) -> str:
+    parts = ["PYTHONPATH=. python benchmarks/studies.py optimizers", f"--jobs {args.jobs}"]
+    if args.widths != WIDTHS:
+        parts.append(f"--widths {args.widths}")
+    if args.optimizers != OPTIMIZERS:
+        parts.append(f"--optimizers {args.optimizers}")
+    parts += [f"--set {item}" for item in args.set]
+    if args.out != DEFAULT_OUT:
+        parts.append(f"--out {args.out}")
+    if args.page != str(DOCS / "optimizers.md"):
+        parts.append(f"--page {args.page}")
+    return " ".join(parts)
+
+
+WIDTHS, OPTIMIZERS, DEFAULT_OUT = "64,128,256", "adamw,muon,lion", "runs/optimizers"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("study", choices=("mutransfer", "scaling"))
+    parser.add_argument("study", choices=("mutransfer", "scaling", "optimizers"))
     parser.add_argument("--jobs", type=int, default=2, help="points at once (default 2)")
+    group = parser.add_argument_group("optimizers")
+    group.add_argument("--widths", default=WIDTHS, help="d_model values, the first the base")
+    group.add_argument("--optimizers", default=OPTIMIZERS, help="of adamw,muon,lion,soap")
+    group.add_argument(
+        "--set", action="append", default=[], help="a fixed override KEY=VALUE (repeatable)"
+    )
+    group.add_argument("--out", default=DEFAULT_OUT, help="the sweep folder")
+    group.add_argument("--page", default=str(DOCS / "optimizers.md"), help="the page written")
+    group.add_argument("--no-run", action="store_true", help="write the page from what finished")
     args = parser.parse_args()
-    {"mutransfer": mutransfer, "scaling": scaling}[args.study](args.jobs)
+    if args.study == "optimizers":
+        optimizers(args)
+    else:
+        {"mutransfer": mutransfer, "scaling": scaling}[args.study](args.jobs)
 
 
 if __name__ == "__main__":
