@@ -2,8 +2,10 @@
 
 Starts `eqllm serve`'s app in this process on 127.0.0.1 (a free port), then for each
 concurrency C sends `--requests` streamed completions from C client threads (the official
-`openai` client), greedy, with `ignore_eos` so each produces `--new` tokens. Reports output
-tokens/s over the wall time and time to first token (p50, p99). Bounded: every loop is finite.
+`openai` client), greedy, with `ignore_eos` so each produces `--new` tokens. The client threads
+run in a second process, as real clients would: in the server's process their interpreter lock
+would take turns with the engine's. Reports output tokens/s over the wall time and time to
+first token (p50, p99). Bounded: every loop is finite.
 
 With `--vs-transformers`, the same prompts go through transformers' batched `generate` on the
 same weights (a zoo name is first written as a Hugging Face folder, random weights, fp32), as a
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import multiprocessing
 import socket
 import sys
 import tempfile
@@ -69,6 +72,13 @@ def _one(client, prompt: list[int], new: int) -> tuple[float, int, float]:
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
     return first or 0.0, tokens, time.perf_counter() - start
+
+
+def _clients(port: int, prompts: list[list[int]], new: int, c: int) -> list[tuple]:
+    """`prompts` sent from `c` threads of this (client) process; each one's `_one`."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+    with concurrent.futures.ThreadPoolExecutor(c) as pool:
+        return list(pool.map(lambda p: _one(client, p, new), prompts))
 
 
 def transformers_reference(folder: Path, prompts, new: int, concurrency) -> None:
@@ -174,7 +184,9 @@ def main() -> None:
         if server.started:
             break
         time.sleep(0.1)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+    # One client process for every row (spawned: no copy of this process's threads or JAX).
+    clients = concurrent.futures.ProcessPoolExecutor(1, multiprocessing.get_context("spawn"))
+    clients.submit(int, 0).result(timeout=600)  # started and imported before the first row
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     shared = rng.integers(1, vocab, args.shared_prefix).tolist()
@@ -191,14 +203,14 @@ def main() -> None:
             prompts = fresh()
         before = engine.stats()
         start = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(c) as pool:
-            results = list(pool.map(lambda p: _one(client, p, args.new), prompts))
+        results = clients.submit(_clients, port, prompts, args.new, c).result(timeout=3600)
         wall = time.perf_counter() - start
         tokens = sum(r[1] for r in results)
         after = engine.stats()
         found = after["prefix_hit_tokens"] - before["prefix_hit_tokens"]
         hits = found / (after["prompt_tokens"] - before["prompt_tokens"]) if shared else None
         _row(c, len(results), tokens / wall, np.array([r[0] for r in results]), hits)
+    clients.shutdown()
     server.should_exit = True
     serving.join(timeout=60)  # the app's shutdown stops the engine before the interpreter exits
     if args.vs_transformers:

@@ -90,10 +90,54 @@ def test_int8_and_bf16_logits_are_close_to_fp32(family):
         assert float(jnp.max(jnp.abs(got - want))) < RELATIVE_TOLERANCE * scale
 
 
+def _dequantized(q):
+    """`q` with every `Int8Linear` replaced by a `Linear` holding its dequantized weight."""
+
+    def plain(x):
+        if not isinstance(x, Int8Linear):
+            return x
+        layer = Linear.__new__(Linear)  # any leading `layers` axes: not through __init__
+        for name, value in (("weight", x.weight * x.scale[..., None]), ("bias", x.bias)):
+            object.__setattr__(layer, name, value)
+        object.__setattr__(layer, "axes", x.axes)
+        object.__setattr__(layer, "init", x.init)
+        return layer
+
+    return jax.tree.map(plain, q, is_leaf=lambda x: isinstance(x, Int8Linear))
+
+
 def test_quantized_model_generates_and_refuses_unknown_kinds():
     model = quantize(_model("llama"), "int8")
-    out = eqllm.generate(model, [1, 2, 3], max_new_tokens=4, key=jax.random.key(0))
-    assert out.shape == (4,)
+    out = eqllm.generate(model, [1, 2, 3], max_new_tokens=8, key=jax.random.key(0), temperature=0)
+    assert out.shape == (8,)
+    # the engine's steps (layers unrolled, rows under vmap) compute the dequantized model
+    want = eqllm.generate(
+        _dequantized(model), [1, 2, 3], max_new_tokens=8, key=jax.random.key(0), temperature=0
+    )
+    np.testing.assert_array_equal(out, want)
     assert eqllm.quantize is quantize
     with pytest.raises(eqllm.EqllmError, match="int4"):
         quantize(model, "int4")
+
+
+def test_int8_weights_are_widened_one_layer_at_a_time():
+    """Unrolled int8 layers under vmap, as the engine runs them: XLA widens each weight to
+    fp32 only once its input exists, so the compiled program's temporaries hold about one
+    widened weight, not every layer's (before: all of them, 406 MiB for smollm-135m's decode)."""
+    d, ff, n = 256, 1024, 6
+    keys = jax.random.split(jax.random.key(0), n)
+    layers = [Int8Linear(Linear(d, ff, axes=("d_ff", "d_model"), key=k)) for k in keys]
+
+    def forward(layers, x):
+        for layer in layers:
+            x = x + layer(x)[..., :d]
+        return x
+
+    x = jax.random.normal(jax.random.key(1), (3, 2, d))
+    batched = jax.jit(jax.vmap(forward, in_axes=(None, 0)))
+    np.testing.assert_allclose(batched(layers, x), forward(layers, x), rtol=1e-5, atol=1e-5)
+    temps = batched.lower(layers, x).compile().memory_analysis().temp_size_in_bytes
+    one_widened = ff * d * 4
+    assert temps < 2.5 * one_widened, (temps, one_widened)
+    grad = jax.grad(lambda x: forward(layers, x).sum())(x)  # the ordering zero has no gradient
+    assert np.all(np.isfinite(np.asarray(grad)))
