@@ -116,20 +116,13 @@ class LinearAttentionConfig:
 
 
 def check_hybrid(cfg) -> None:
-    """Raise unless a ModelConfig with `linear` is a stack the groups scan can run: whole groups
-    of layers, and none of the per-layer switches of the other stacks."""
-    every = cfg.linear.full_every or 1
-    require(
-        cfg.n_layers % every == 0,
-        "ModelConfig.n_layers",
-        cfg.n_layers,
-        f"must be a multiple of linear.full_every={every} (the stack scans whole groups)",
-    )
+    """Raise unless a ModelConfig with `linear` is a stack of the two kinds the hybrid has:
+    attention and linear layers, none with the dense MLP of a mixture of experts (a fourth
+    stack), no latent attention."""
     for path, plain in (
-        ("attention.global_every", None),
-        ("positions.nope_every", None),
         ("attention.kind", "gqa"),
         ("moe.dense_layers", None if cfg.moe is None else 0),
+        ("moe.sparse_every", None if cfg.moe is None else 1),
     ):
         value = cfg.at(path)
         require(value == plain, f"ModelConfig.{path}", value, f"must be {plain} in a hybrid stack")
