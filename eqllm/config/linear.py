@@ -25,7 +25,9 @@ _group = validated(STRICT, config_error)
 @_group
 class LinearAttentionConfig:
     """Linear-attention layers (`kind`) in place of attention in all but every
-    `full_every`-th layer, or in every layer (`full_every` unset, Mamba-2 only).
+    `full_every`-th layer, or in every layer (`full_every` unset, Mamba-2 only), or as
+    `pattern` says: "linear" and "full" layers in any order, repeated from the first layer and
+    cut at n_layers (Nemotron-H's and Granite-4.0-H's attention layers sit mid-group).
 
     The layers repeat in groups of `full_every`: `full_every - 1` linear-attention layers, then
     one softmax attention layer (Qwen3.5 and Qwen3-Next: `full_attention_interval` = 4). Their
@@ -55,6 +57,7 @@ class LinearAttentionConfig:
     key_head_dim: Positive
     value_head_dim: Positive
     full_every: Positive | None = None
+    pattern: tuple[Literal["linear", "full"], ...] | None = None
     conv_kernel: Positive = 4
     chunk_size: Positive = 64
     kind: LinearKind = "gated_deltanet"
@@ -73,7 +76,13 @@ class LinearAttentionConfig:
             f"must divide n_value_heads={self.n_value_heads}",
         )
         require(
-            self.full_every is not None or self.kind == "mamba2",
+            self.pattern is None or (self.full_every is None and len(self.pattern) > 0),
+            f"{self.PATH}.pattern",
+            self.pattern,
+            "must be a non-empty list of 'linear' and 'full', with full_every unset",
+        )
+        require(
+            self.full_every is not None or self.pattern is not None or self.kind == "mamba2",
             f"{self.PATH}.full_every",
             None,
             f"must be set for kind={self.kind!r} (a stack of linear layers alone is Mamba-2's)",
@@ -102,8 +111,10 @@ class LinearAttentionConfig:
         )
 
     def kinds(self, n_layers: int) -> tuple[str, ...]:
-        """Per layer: "linear" or "full" (every full_every-th layer, counting from 1; none
-        when full_every is unset)."""
+        """Per layer: "linear" or "full" (`pattern` repeated, or every full_every-th layer,
+        counting from 1; none when both are unset)."""
+        if self.pattern is not None:
+            return tuple(self.pattern[i % len(self.pattern)] for i in range(n_layers))
         every = self.full_every
         return tuple(
             "full" if every and (i + 1) % every == 0 else "linear" for i in range(n_layers)
@@ -111,8 +122,8 @@ class LinearAttentionConfig:
 
     @property
     def pure(self) -> bool:
-        """Whether every layer is a linear layer (no attention layers: full_every unset)."""
-        return self.full_every is None
+        """Whether every layer is a linear layer (no attention layers)."""
+        return self.full_every is None and "full" not in (self.pattern or ())
 
 
 def check_hybrid(cfg) -> None:
