@@ -93,7 +93,14 @@ def pair(request):
         return model, _by_hand(model, TOKENS)
 
 
-@pytest.mark.parametrize("setting", [{}, {"scan_layers": False}, {"remat": "full"}])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {},
+        pytest.param({"scan_layers": False}, marks=pytest.mark.slow),
+        pytest.param({"remat": "full"}, marks=pytest.mark.slow),
+    ],
+)
 def test_stacked_run_equals_the_layers_one_by_one(pair, setting):
     model, (want, want_routers) = pair
     model = model.with_config(**setting)
@@ -107,6 +114,7 @@ def test_stacked_run_equals_the_layers_one_by_one(pair, setting):
         np.testing.assert_allclose(routing.logits, want_routers, atol=2e-5, rtol=0)
 
 
+@pytest.mark.slow  # the family contract decodes Maverick and the hybrids by default
 def test_cached_decoding_equals_the_full_forward_on_an_irregular_pattern(pair):
     model, (want, _) = pair
     tokens = TOKENS[0]
