@@ -2,9 +2,9 @@
 
 The architecture is GPT-2's (Radford et al., 2019) generalised by `ModelConfig` switches to
 Llama (Touvron et al., 2023), Mistral, Qwen2/3, Gemma 1/2/3, Phi-3, OLMo 2, SmolLM3 and the
-mixtures of experts Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE, gpt-oss and DeepSeek-V2/V3 (a sparse MoE
-in place of each MLP; DeepSeek's first layers dense, a second stack `dense_blocks`, and its
-attention latent).
+mixtures of experts Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE, gpt-oss, Llama 4 and DeepSeek-V2/V3 (a
+sparse MoE in place of each MLP; DeepSeek's first layers and Maverick's alternate ones dense, a
+second stack `dense_blocks`, and DeepSeek's attention latent).
 The layers are one Block whose arrays carry a leading `layers` axis, so compile time does not
 grow with depth; what differs between layers (windowed or global attention, and with it the RoPE
 base; rotary or NoPE) is a per-layer flag scanned alongside the weights.
@@ -23,6 +23,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqllm.config import ModelConfig, dotted
+from eqllm.config.kinds import STACKS, layer_stacks
 from eqllm.errors import EqllmError
 from eqllm.nn import (
     Block,
@@ -73,8 +74,9 @@ class CausalLM(eqx.Module):
     final_norm: RMSNorm | LayerNorm
     lm_head: Linear | None  # None when tied to `embed`
     config: ModelConfig = eqx.field(static=True)
-    # The first moe.dense_layers layers of a mixture of experts with a dense MLP (DeepSeek's
-    # first_k_dense_replace), stacked alike; None otherwise. `blocks` holds the rest.
+    # A mixture of experts' layers with a dense MLP (kind "dense": DeepSeek's first
+    # moe.dense_layers, Maverick's between each moe.sparse_every-th), stacked alike in layer
+    # order; None otherwise. `blocks` holds the rest (`ModelConfig.layer_kinds`).
     dense_blocks: Block | None = None
     # A hybrid's linear-attention (Gated DeltaNet) layers, stacked alike, in layer order; None
     # otherwise. `blocks` then holds its full-attention layers (`ModelConfig.layer_kinds`).
@@ -173,15 +175,8 @@ class CausalLM(eqx.Module):
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
         model = cast_floating(self, dtype_of(cfg.compute_dtype))  # the one compute-dtype cast
         x = model.embed_inputs(tokens, positions)
-        x, routing = run_stacks(
-            model.dense_blocks,
-            model.blocks,
-            x,
-            None if in_order else positions,
-            cfg,
-            segment_ids,
-            model.linear_blocks,
-        )
+        stacks = {f: getattr(model, f) for f in STACKS.values()}
+        x, routing = run_stacks(stacks, x, None if in_order else positions, cfg, segment_ids)
         return model.final_norm(x), routing
 
     def embed_inputs(
@@ -262,42 +257,30 @@ class CausalLM(eqx.Module):
                 eqx.combine(jax.tree.map(lambda a, i=i: a[i], params), static) for i in range(n)
             ]
 
-        layers = sliced(self.dense_blocks) + sliced(self.blocks)
-        if self.linear_blocks is None:
-            return tuple(layers)
-        by_kind = {"full": iter(layers), "linear": iter(sliced(self.linear_blocks))}
-        return tuple(next(by_kind[k]) for k in self.config.layer_kinds())  # in layer order
+        by_stack = {f: iter(sliced(getattr(self, f))) for f in STACKS.values()}
+        order = layer_stacks(self.config)
+        return tuple(next(by_stack[f]) for f in order)  # in layer order
 
     def without_stacks(self) -> CausalLM:
         """The model with its stacked blocks removed (None): what stays beside `layers()` when
         only the sliced layers are kept."""
-        return eqx.tree_at(
-            lambda m: (m.dense_blocks, m.blocks, m.linear_blocks),
-            self,
-            (None, None, None),
-            is_leaf=lambda x: x is None,
-        )
+        fields = tuple(STACKS.values())
+        where = lambda m: tuple(getattr(m, f) for f in fields)  # noqa: E731
+        return eqx.tree_at(where, self, (None,) * len(fields), is_leaf=lambda x: x is None)
 
     def with_layers(self, layers: Sequence[Block]) -> CausalLM:
-        """The model with its stacks rebuilt from `layers` as `layers()` slices them (the dense
-        prefix first): the inverse, for a call that needs the stacked form."""
-        prefix = self.config.moe.dense_layers if self.config.moe is not None else 0
-        kinds = self.config.layer_kinds()[prefix:]
+        """The model with its stacks rebuilt from `layers` as `layers()` slices them (in layer
+        order): the inverse, for a call that needs the stacked form."""
+        fields = tuple(STACKS.values())
+        order = layer_stacks(self.config)
 
-        def stack(kind):
-            part = [layer for layer, k in zip(layers[prefix:], kinds, strict=True) if k == kind]
+        def stack(field):
+            part = [layer for layer, f in zip(layers, order, strict=True) if f == field]
             return jax.tree.map(lambda *a: jnp.stack(a), *part) if part else None
 
-        dense = layers[:prefix]
-        dense = jax.tree.map(lambda *a: jnp.stack(a), *dense) if dense else None
-        lin = self.config.linear
-        main, other = ("linear", None) if lin is not None and lin.pure else ("full", "linear")
-        return eqx.tree_at(
-            lambda m: (m.dense_blocks, m.blocks, m.linear_blocks),
-            self,
-            (dense, stack(main), other and stack(other)),
-            is_leaf=lambda x: x is None,
-        )
+        where = lambda m: tuple(getattr(m, f) for f in fields)  # noqa: E731
+        rebuilt = tuple(stack(f) for f in fields)
+        return eqx.tree_at(where, self, rebuilt, is_leaf=lambda x: x is None)
 
     @jax.named_scope("eqllm.CausalLM.prefill")
     def prefill(

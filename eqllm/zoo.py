@@ -107,7 +107,8 @@ def active_param_count(name_or_config: str | ModelConfig) -> int:
     idle = cfg.moe.n_experts - cfg.moe.experts_per_token
     d, f = cfg.d_model, cfg.expert_d_ff
     per_expert = 3 * d * f + (2 * f + d if cfg.moe.bias else 0)  # gate, up, down (+ biases)
-    return total - (cfg.n_layers - cfg.moe.dense_layers) * idle * per_expert
+    expert_layers = cfg.n_layers - cfg.layer_kinds().count("dense")
+    return total - expert_layers * idle * per_expert
 
 
 def human_count(n: int) -> str:

@@ -328,6 +328,30 @@ FAMILIES = [
         lora=_ROUTED_LORA,
         published={"llama4-scout": (107_769_861_120, "17")},
     ),
+    # Llama 4 Maverick's layout: dense and expert layers alternate (interleave_moe_layer_step 2;
+    # the dense MLP 40 wide, the experts 16) over seven layers, so the depth is not a whole
+    # number of (dense, experts) pairs; chunked, chunked, global NoPE: the window pattern (period
+    # 3) crosses the pairs, and each kind of layer has both chunked and global layers.
+    Tiny(
+        "llama4-maverick",
+        _zoo(
+            "llama4-nano",
+            n_layers=7,
+            attention={
+                "n_kv_heads": 2,
+                "head_dim": 8,
+                "chunk_size": 8,
+                "global_every": 3,
+                "temperature_floor": 16,
+            },
+            positions={"nope_every": 3},
+            mlp={"d_ff": 40},
+            moe={"n_experts": 4, "d_ff": 16, "shared_d_ff": 16, "sparse_every": 2},
+        ),
+        variant=True,
+        lora=_ROUTED_LORA,
+        published={"llama4-maverick": (400_711_848_960, "17")},
+    ),
     # Direct queries, softmax greedy top-k, not renormalised.
     Tiny(
         "deepseek_v2",

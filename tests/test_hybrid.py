@@ -70,10 +70,10 @@ def test_layer_grad_norms_follow_the_model_s_layer_order(model):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"n_layers": 3}, "must be a multiple of linear.full_every=2"),
         ({"linear": {"full_every": 1}}, "must be at least 2"),
         ({"linear": {"n_key_heads": 3}}, "must divide n_value_heads=4"),
-        ({"positions": {"nope_every": 2}}, "must be None in a hybrid stack"),
+        # Dense and expert layers beside linear ones would be a fourth kind of layer.
+        ({"moe": {"n_experts": 4, "sparse_every": 2}}, "sparse_every.*must be 1 in a hybrid"),
     ],
 )
 def test_the_pattern_is_validated(change, message):

@@ -3,7 +3,8 @@ unrolled, cached decoding, LoRA against peft, published counts): the settings re
 mechanism's part in the parity (chunks, temperature tuning, the L2 QK-norm, adjacent rotary
 pairs, experts that read the score-scaled token), the published vision-language checkpoint read
 for its language model, packed documents, cached decoding across chunk boundaries in pieces,
-and the layouts refused (Maverick's alternating dense layers).
+Maverick's alternating dense and expert layers read from config.json, and the layouts refused
+(expert layers not every k-th).
 """
 
 import json
@@ -180,8 +181,8 @@ def _published_text() -> dict:
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"interleave_moe_layer_step": 2}, "interleave_moe_layer_step=2 .*Maverick"),
-        ({"moe_layers": [0, 2]}, "experts in every layer"),
+        ({"moe_layers": [0, 2]}, r"moe_layers=\[0, 2\] is not supported.*every k-th layer"),
+        ({"moe_layers": []}, "has no expert layer"),
         ({"layer_types": ["full_attention"] * 48}, "layer_types="),
         ({"no_rope_layers": [1, 0, 0, 1] * 12}, "no_rope_layers="),
         ({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
@@ -192,6 +193,19 @@ def _published_text() -> dict:
 def test_settings_outside_the_architecture_are_refused(change, message):
     with pytest.raises(eqllm.ConfigError, match=message):
         from_hf_config({**_published_text(), **change})
+
+
+@pytest.mark.parametrize("layers", [None, list(range(1, 48, 2))])
+def test_maverick_s_alternating_layers_read_as_dense_and_expert_stacks(layers):
+    """interleave_moe_layer_step 2 (or its moe_layers written out): experts in every second
+    layer, the others dense; written back with transformers' list of expert layers."""
+    hf = {**_published_text(), "interleave_moe_layer_step": 2, "moe_layers": layers}
+    cfg = from_hf_config(hf)
+    assert cfg.moe.sparse_every == 2
+    assert cfg.layer_kinds() == ("dense", "full") * 24
+    out = to_hf_config(cfg)
+    assert out["interleave_moe_layer_step"] == 2 and out["moe_layers"] == list(range(1, 48, 2))
+    assert from_hf_config(out) == cfg
 
 
 def test_no_chunks_and_no_tuning_read_as_plain_attention():

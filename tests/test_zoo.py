@@ -94,6 +94,7 @@ PUBLISHED = [
     "qwen3.5-397b-a17b",
     "qwen3-next-80b-a3b",
     "llama4-scout",
+    "llama4-maverick",
     "mamba2-130m",
     "mamba2-370m",
     "mamba2-780m",

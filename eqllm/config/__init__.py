@@ -35,6 +35,7 @@ from eqllm.config.groups import (
     RopeScalingConfig,
 )
 from eqllm.config.keys import dotted, expand, merge
+from eqllm.config.kinds import layer_kinds
 from eqllm.config.legacy import from_flat
 from eqllm.config.linear import check_hybrid
 from eqllm.config.validation import (
@@ -217,10 +218,11 @@ class ModelConfig:
             check_hybrid(self)
         if self.moe is not None:
             require(
-                self.moe.dense_layers < self.n_layers,
+                set(self.layer_kinds()) != {"dense"},
                 "ModelConfig.moe.dense_layers",
                 self.moe.dense_layers,
-                f"must be < n_layers={self.n_layers} (some layers must have the experts)",
+                f"leaves no layer with the experts (n_layers={self.n_layers}, sparse_every="
+                f"{self.moe.sparse_every}); some layers must have them",
             )
             require(
                 self.mlp.kind == "swiglu",
@@ -247,11 +249,9 @@ class ModelConfig:
         return int(self.attention.head_dim * self.positions.fraction)
 
     def layer_kinds(self) -> tuple[str, ...]:
-        """Per layer: "full" (softmax attention) or "linear" (Gated DeltaNet or Mamba-2,
-        `linear`)."""
-        if self.linear is None:
-            return ("full",) * self.n_layers
-        return self.linear.kinds(self.n_layers)
+        """Per layer, the kind of stack it belongs to: "full", "dense" or "linear" (Gated
+        DeltaNet or Mamba-2); see `eqllm.config.kinds`."""
+        return layer_kinds(self)
 
     def local_layers(self) -> tuple[bool, ...]:
         """Per layer: does it attend through the sliding window or its chunk (`attention.
@@ -347,17 +347,17 @@ class ModelConfig:
             expand = a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim)
             attn = query + latent + expand + h * a.v_head_dim * d
         mlp = dense = (3 if self.mlp.kind in ("swiglu", "geglu") else 2) * d * self.mlp.d_ff
-        dense_layers = 0
+        kinds = self.layer_kinds()
+        dense_layers = kinds.count("dense")
         if (moe := self.moe) is not None:
             gate = d if moe.shared_gated else 0
             shared = 3 * d * moe.shared_d_ff + gate if moe.shared_d_ff else 0
             mlp = d * moe.n_experts + 3 * d * self.expert_d_ff * moe.experts_per_token + shared
-            dense_layers = moe.dense_layers
         if a.output_gate:
             attn += d * h * q
         head = d * self.vocab_size
         sparse_layers = self.n_layers - dense_layers
-        full = self.layer_kinds().count("full")
+        full = self.n_layers - kinds.count("linear")  # the layers with softmax attention
         matmul_params = full * attn + sparse_layers * mlp + dense_layers * dense + head
         if (lin := self.linear) is not None:  # q, k, v, z, b, a and out of each linear layer
             keys, values = (
@@ -381,7 +381,7 @@ class ModelConfig:
         window = self.attention.sliding_window or self.attention.chunk_size
         t = sum(min(full, window) if w else full for w in self.local_layers()) / self.n_layers
         values = self.attention.v_head_dim if self.attention.kind == "mla" else self.head_dim
-        layers = self.layer_kinds().count("full")  # a hybrid's linear layers: no T-long scores
+        layers = self.n_layers - self.layer_kinds().count("linear")  # none: no T-long scores
         return 6.0 * layers * self.attention.n_heads * (self.head_dim + values) * t
 
 

@@ -52,7 +52,9 @@ class MoEConfig:
     `n_groups` / `topk_groups`: each token chooses among the best topk_groups of n_groups
     groups of experts, a group scored by `group_score` ("max": V2, "top2_sum": V3);
     `routed_scale` multiplies the routed weights; the first `dense_layers` layers have a dense
-    MLP of mlp.d_ff instead of experts. `balance_loss`: what aux_loss_coef weighs, "switch"
+    MLP of mlp.d_ff instead of experts, and so has every layer but each `sparse_every`-th
+    (counting from 1; Llama 4 Maverick's interleave_moe_layer_step 2: dense and expert layers
+    alternate). `balance_loss`: what aux_loss_coef weighs, "switch"
     (transformers' load-balancing loss over all of a batch's tokens) or "sequence" (DeepSeek-V3's
     sequence-wise balance loss, under each layer's own routing). `score_input`: each routed
     weight scales its expert's input rather than its output (Llama 4's experts read the token
@@ -82,6 +84,7 @@ class MoEConfig:
     group_score: GroupScore = "max"
     routed_scale: PositiveFloat = 1.0
     dense_layers: Annotated[int, Field(ge=0)] = 0
+    sparse_every: Positive = 1
     balance_loss: BalanceLoss = "switch"
     score_input: bool = False
 

@@ -28,7 +28,9 @@ _group = validated(STRICT, config_error)
 @_group
 class LinearAttentionConfig:
     """Linear-attention layers (`kind`) in place of attention in all but every
-    `full_every`-th layer, or in every layer (`full_every` unset, Mamba-2 only).
+    `full_every`-th layer, or in every layer (`full_every` unset, Mamba-2 only), or as
+    `pattern` says: "linear" and "full" layers in any order, repeated from the first layer and
+    cut at n_layers (Nemotron-H's and Granite-4.0-H's attention layers sit mid-group).
 
     The layers repeat in groups of `full_every`: `full_every - 1` linear-attention layers, then
     one softmax attention layer (Qwen3.5 and Qwen3-Next: `full_attention_interval` = 4). Their
@@ -63,6 +65,7 @@ class LinearAttentionConfig:
     key_head_dim: Positive
     value_head_dim: Positive
     full_every: Positive | None = None
+    pattern: tuple[Literal["linear", "full"], ...] | None = None
     conv_kernel: Positive = 4
     chunk_size: Positive = 64
     kind: LinearKind = "gated_deltanet"
@@ -95,7 +98,17 @@ class LinearAttentionConfig:
             f"is Mamba-2's; leave it at 'after_gate' for kind={self.kind!r}",
         )
         require(
-            self.full_every is not None or self.kind == "mamba2" or self.parallel,
+            self.pattern is None
+            or (self.full_every is None and not self.parallel and len(self.pattern) > 0),
+            f"{self.PATH}.pattern",
+            self.pattern,
+            "must be a non-empty list of 'linear' and 'full', with full_every and parallel unset",
+        )
+        require(
+            self.full_every is not None
+            or self.pattern is not None
+            or self.kind == "mamba2"
+            or self.parallel,
             f"{self.PATH}.full_every",
             None,
             f"must be set for kind={self.kind!r} (a stack of linear layers alone is Mamba-2's)",
@@ -124,10 +137,13 @@ class LinearAttentionConfig:
         )
 
     def kinds(self, n_layers: int) -> tuple[str, ...]:
-        """Per layer: "linear" or "full" (every full_every-th layer, counting from 1; none
-        when full_every is unset; every layer when `parallel`, the mixer inside the block)."""
+        """Per layer: "linear" or "full" (`pattern` repeated, or every full_every-th layer,
+        counting from 1; none when both are unset; every layer when `parallel`, the mixer
+        inside the block)."""
         if self.parallel:
             return ("full",) * n_layers
+        if self.pattern is not None:
+            return tuple(self.pattern[i % len(self.pattern)] for i in range(n_layers))
         every = self.full_every
         return tuple(
             "full" if every and (i + 1) % every == 0 else "linear" for i in range(n_layers)
@@ -135,25 +151,18 @@ class LinearAttentionConfig:
 
     @property
     def pure(self) -> bool:
-        """Whether every layer is a linear layer (no attention layers: full_every unset)."""
-        return self.full_every is None and not self.parallel
+        """Whether every layer is a linear layer (no attention layers)."""
+        return self.full_every is None and not self.parallel and "full" not in (self.pattern or ())
 
 
 def check_hybrid(cfg) -> None:
-    """Raise unless a ModelConfig with `linear` is a stack the groups scan can run: whole groups
-    of layers, and none of the per-layer switches of the other stacks."""
-    every = cfg.linear.full_every or 1
-    require(
-        cfg.n_layers % every == 0,
-        "ModelConfig.n_layers",
-        cfg.n_layers,
-        f"must be a multiple of linear.full_every={every} (the stack scans whole groups)",
-    )
+    """Raise unless a ModelConfig with `linear` is a stack of the two kinds the hybrid has:
+    attention and linear layers, none with the dense MLP of a mixture of experts (a fourth
+    stack), no latent attention."""
     for path, plain in (
-        ("attention.global_every", None),
-        ("positions.nope_every", None),
         ("attention.kind", "gqa"),
         ("moe.dense_layers", None if cfg.moe is None else 0),
+        ("moe.sparse_every", None if cfg.moe is None else 1),
     ):
         value = cfg.at(path)
         require(value == plain, f"ModelConfig.{path}", value, f"must be {plain} in a hybrid stack")

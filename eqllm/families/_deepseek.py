@@ -119,6 +119,7 @@ FIXED = {
     "moe.shared_gated": False,
     "moe.bias": False,
     "moe.score_input": False,
+    "moe.sparse_every": 1,
 }
 
 

@@ -179,6 +179,7 @@ PLAIN_EXPERTS = {
     "moe.n_groups": None,
     "moe.routed_scale": 1.0,
     "moe.dense_layers": 0,
+    "moe.sparse_every": 1,
     "moe.score_input": False,
 }
 

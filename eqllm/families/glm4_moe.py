@@ -169,6 +169,7 @@ FAMILY = Family(
         "moe.score_bias": True,
         "moe.group_score": "top2_sum",
         "moe.score_input": False,
+        "moe.sparse_every": 1,
     },
     table=TABLE,
     layouts=(FUSED,),

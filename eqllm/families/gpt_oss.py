@@ -145,6 +145,7 @@ FAMILY = Family(
         "moe.bias": True,
         "moe.activation": "clamped_swiglu",
         "moe.score_input": False,
+        "moe.sparse_every": 1,
     },
     table=TABLE,
     prefix=LLAMA_PREFIX,

@@ -3,13 +3,11 @@ layers attend within chunks of `attention_chunk_size` positions with their queri
 L2-normalised (a weightless RMSNorm, `use_qk_norm`) and whose every fourth layer is global,
 without rotary positions (NoPE) and with attention-temperature tuning of its queries
 (`attn_temperature_tuning`, `floor_scale`, `attn_scale`); Llama's complex rotation pairs
-adjacent dims (`attention.rope_interleave`). Every layer here is a mixture of experts: top-1
-sigmoid routing that scales the expert's input by the router score, plus an ungated shared
-expert as wide as a routed one (`intermediate_size`); `intermediate_size_mlp` is the width of
-the dense layers, which Scout's layout (`interleave_moe_layer_step` = 1) does not have.
-
-Maverick's alternating dense and expert layers (`interleave_moe_layer_step` = 2) are refused by
-name: the stack runs one kind of feed-forward layer after an optional dense prefix.
+adjacent dims (`attention.rope_interleave`). Every `interleave_moe_layer_step`-th layer is a
+mixture of experts (`moe.sparse_every`): top-1 sigmoid routing that scales the expert's input by
+the router score, plus an ungated shared expert as wide as a routed one (`intermediate_size`);
+the layers between them (Maverick's, step 2; Scout, step 1, has none) have a dense SwiGLU MLP of
+`intermediate_size_mlp`, a stack of their own (`dense_blocks`, layer kind "dense").
 
 Published checkpoints are vision-language models (`llama4`, `Llama4ForConditionalGeneration`):
 eqllm reads their language model (`text_config`, `language_model.*`) and leaves the vision tower
@@ -64,7 +62,16 @@ def _table(body: str, head: str) -> tuple:
         axis=1,
         transposed=True,
     ) + rows((f"{ff}experts.down_proj", "blocks.mlp.down.weight"), transposed=True)
-    return rows(*plain) + experts
+    # Maverick's dense layers: the same attention and norms, and a SwiGLU MLP.
+    dense = [
+        (hf, "dense_blocks." + ours.removeprefix("blocks."))
+        for hf, ours in plain
+        if hf.startswith(layer) and not hf.startswith(ff)
+    ]
+    dense += [
+        (f"{ff}{p}_proj.weight", f"dense_blocks.mlp.{p}.weight") for p in ("gate", "up", "down")
+    ]
+    return rows(*plain) + experts + rows(*dense)
 
 
 TABLE = _table(LLAMA_PREFIX, "lm_head.weight")
@@ -103,8 +110,8 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "intermediate_size": cfg.expert_d_ff,
         "intermediate_size_mlp": cfg.mlp.d_ff,
         "num_local_experts": moe.n_experts,
-        "interleave_moe_layer_step": 1,
-        "moe_layers": list(range(cfg.n_layers)),
+        "interleave_moe_layer_step": moe.sparse_every,
+        "moe_layers": [i for i, kind in enumerate(cfg.layer_kinds()) if kind == "full"],
         "use_qk_norm": a.qk_norm == "l2",
         "no_rope_layers": [int(r) for r in cfg.rotary_layers()],
         "no_rope_layer_interval": cfg.positions.nope_every or _INTERVAL,
@@ -117,18 +124,26 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def _expert_layers(hf: dict[str, Any], n_layers: int) -> None:
-    """Refuse any layout but a mixture of experts in every layer (Scout's)."""
+def _expert_layers(hf: dict[str, Any], n_layers: int) -> int:
+    """The step of the expert layers (`moe.sparse_every`): moe_layers must be every step-th
+    layer, counting from 1 (transformers' default list for interleave_moe_layer_step)."""
     step = hf["interleave_moe_layer_step"]
     layers = hf.get("moe_layers")
     if layers is None:
         layers = list(range(step - 1, n_layers, step))
-    if list(layers) != list(range(n_layers)):
+    if not layers:
         raise ConfigError(
-            f"config.json interleave_moe_layer_step={step} (moe_layers={list(layers)}) is not "
-            "supported: eqllm's llama4 has experts in every layer (Scout's layout, step 1); "
-            "Maverick's alternating dense and expert layers are not implemented yet"
+            f"config.json moe_layers={list(layers)} has no expert layer; a llama4 model has "
+            "experts in every interleave_moe_layer_step-th layer"
         )
+    every = layers[0] + 1
+    if list(layers) != list(range(every - 1, n_layers, every)):
+        raise ConfigError(
+            f"config.json moe_layers={list(layers)} is not supported: eqllm's llama4 has experts "
+            "in every k-th layer (range(k - 1, num_hidden_layers, k)), as "
+            "interleave_moe_layer_step builds them; list such layers"
+        )
+    return every
 
 
 def _floor_scale(value: Any) -> int:
@@ -142,7 +157,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     refuse(hf, "router_jitter_noise", (0.0, 0, None))
     refuse(hf, "for_llm_compressor", (False, None))
     n_layers = need(hf, "num_hidden_layers")
-    _expert_layers(hf, n_layers)
+    every = _expert_layers(hf, n_layers)
     rotary = hf.get("no_rope_layers") or [
         int((i + 1) % (hf["no_rope_layer_interval"] or _INTERVAL) != 0) for i in range(n_layers)
     ]
@@ -152,7 +167,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
             f"{n_layers}; it needs one per layer"
         )
     rotary = list(rotary[:n_layers])
-    every = nope_every(rotary)
+    nope = nope_every(rotary)
     chunk = hf.get("attention_chunk_size")
     expected = [
         "chunked_attention" if r and chunk is not None else "full_attention" for r in rotary
@@ -169,15 +184,16 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         **llama_from_hf({**hf, "intermediate_size": hf["intermediate_size_mlp"]}, eps=1e-5),
         **attention_bias_from_hf(hf),
         **moe_from_hf(hf, {}),
-        "positions.nope_every": every,
+        "positions.nope_every": nope,
         "attention.chunk_size": chunk,
-        "attention.global_every": every if chunk is not None else None,
+        "attention.global_every": nope if chunk is not None else None,
         "attention.qk_norm": "l2" if hf["use_qk_norm"] else None,
         "attention.temperature_floor": _floor_scale(hf["floor_scale"]) if tuning else None,
         "attention.temperature_scale": float(hf["attn_scale"]) if tuning else None,
         "moe.n_experts": need(hf, "num_local_experts"),
         "moe.d_ff": d_ff,
         "moe.shared_d_ff": d_ff,
+        "moe.sparse_every": every,
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }
 

@@ -132,6 +132,7 @@ FAMILY = Family(
     fixed={
         **{k: v for k, v in LLAMA_BLOCK.items() if k != "linear"},
         "linear.kind": "mamba2",
+        "linear.pattern": None,
         "linear.full_every": None,
         "linear.mlp": False,
         # No attention and no MLP layers: the groups a ModelConfig must have, at placeholders.

@@ -190,6 +190,7 @@ FAMILY = Family(
     fixed={
         **{k: v for k, v in LLAMA_BLOCK.items() if k not in ("positions.kind", "linear")},
         "linear.kind": "gated_deltanet",
+        "linear.pattern": None,
         "linear.norm_eps": _GATED_NORM_EPS,
         "linear.pre_norm": True,
         "attention.qk_norm": "whole",

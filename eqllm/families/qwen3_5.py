@@ -194,6 +194,7 @@ def hybrid_from_hf(hf: dict[str, Any], published: dict[str, Any] = PUBLISHED) ->
 HYBRID_FIXED = {
     **{k: v for k, v in LLAMA_BLOCK.items() if k not in ("positions.fraction", "linear")},
     "linear.kind": "gated_deltanet",
+    "linear.pattern": None,
     "linear.norm_eps": None,  # the gated norm uses rms_norm_eps
     "linear.allow_neg_eigval": False,
     "linear.pre_norm": False,

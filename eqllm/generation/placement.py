@@ -17,6 +17,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eqllm.config import ModelConfig
+from eqllm.config.kinds import layer_stacks
 from eqllm.generation.recurrent import is_state
 from eqllm.sharding import MeshConfig, MeshError, check_divisible, make_mesh, param_shardings
 
@@ -67,15 +68,8 @@ def place_weights(model, layers: tuple, mesh: Mesh):
     def sliced(stack):  # one layer's shardings: the stack's, less the `layers` axis
         return jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(*s.spec[1:])), stack)
 
-    dense = 0 if model.dense_blocks is None else jax.tree.leaves(model.dense_blocks)[0].shape[0]
-    kinds = ["dense"] * dense + list(model.config.layer_kinds()[dense:])  # as layers() orders
-    pure = model.linear_blocks is None  # every layer of one kind: all in `blocks`
-    stacks = {
-        "dense": shardings.dense_blocks,
-        "full": shardings.blocks,
-        "linear": shardings.blocks if pure else shardings.linear_blocks,
-    }
-    per_layer = [sliced(stacks[kind]) for kind in kinds]
+    order = layer_stacks(model.config)  # each layer's stack, as layers() orders them
+    per_layer = [sliced(getattr(shardings, field)) for field in order]
     layers = tuple(
         jax.tree.map(jax.device_put, layer, where)
         for layer, where in zip(layers, per_layer, strict=True)

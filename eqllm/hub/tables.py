@@ -7,6 +7,7 @@ import re
 import numpy as np
 
 from eqllm import families
+from eqllm.config.kinds import stack_layers as layers_of
 from eqllm.families import Row
 
 # Non-parameter buffers some checkpoints carry: read past, never needed.
@@ -43,18 +44,11 @@ def indices(row: Row, n_layers: int, n_experts: int | None) -> list[tuple[int, .
 
 
 def stack_layers(row: Row, config) -> tuple[int, ...]:
-    """The model's layer index of each layer of the stack a layered row fills: a mixture of
-    experts' dense prefix (`dense_blocks`, layers 0 .. moe.dense_layers - 1), a hybrid's
-    linear-attention layers (`linear_blocks`) or the main stack (`blocks`, the rest); every
-    layer in order for a model with one stack."""
-    prefix = config.at("moe.dense_layers") or 0
-    if row.eqllm[0].startswith("dense_blocks."):
-        return tuple(range(prefix))
-    if config.linear is not None and config.linear.pure:  # one stack, every layer linear
-        return tuple(range(prefix, config.n_layers))
-    kinds = config.layer_kinds()
-    kind = "linear" if row.eqllm[0].startswith("linear_blocks.") else "full"
-    return tuple(i for i in range(prefix, config.n_layers) if kinds[i] == kind)
+    """The model's layer index of each layer of the stack a layered row fills (`dense_blocks`,
+    `blocks` or `linear_blocks`, by the row's first eqllm path), in order: one entry per layer
+    of that stack (`eqllm.config.kinds.stack_layers`); none for a stack the model lacks."""
+    field = row.eqllm[0].split(".", 1)[0]
+    return layers_of(config).get(field, ())
 
 
 def tensor_name(row: Row, index: tuple[int, ...], layers: tuple[int, ...] | None = None) -> str:

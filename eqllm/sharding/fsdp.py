@@ -131,9 +131,10 @@ class FsdpGather:
         if not isinstance(model, CausalLM):
             # No stack whose loop gathers layer by layer: the partitioner places the gathers.
             return model
-        stacks = (model.blocks, model.linear_blocks)  # gathered layer by layer, in the loop
-        where = lambda m: (m.blocks, m.linear_blocks)  # noqa: E731
-        rest = self.gather(eqx.tree_at(where, model, replace=(None, None), is_leaf=_none))
+        # every stack is gathered layer by layer, in the loop
+        where = lambda m: (m.blocks, m.dense_blocks, m.linear_blocks)  # noqa: E731
+        stacks = where(model)
+        rest = self.gather(eqx.tree_at(where, model, replace=(None,) * 3, is_leaf=_none))
         return eqx.tree_at(where, rest, stacks, is_leaf=_none)
 
 

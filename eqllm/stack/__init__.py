@@ -5,9 +5,10 @@ Every layer is the same Block (`eqllm.nn.Block`), its arrays stacked on a leadin
 so one compiled body serves any depth (Levanter, MaxText do the same). What differs between
 layers, the local/global attention pattern of Gemma 2 and 3 and OLMo 3 (with its own RoPE base)
 and SmolLM3's layers without rotary embedding (NoPE), are per-layer flags scanned alongside the
-weights rather than second stacks or an unrolled loop. A hybrid (`ModelConfig.linear`) holds
-one stack per layer kind, attention and Gated DeltaNet, and scans over the repeating group of
-kinds (`run_groups`).
+weights rather than second stacks or an unrolled loop. A model with several kinds of layer
+(`ModelConfig.layer_kinds`: a mixture of experts' dense layers, a hybrid's linear-attention
+layers) holds one stack per kind and runs them in segments (`run_stacks`): a run of one kind
+(`run_blocks`) or a repeated pattern of kinds, scanned group by group (`run_groups`).
 """
 
 from eqllm.stack.build import (

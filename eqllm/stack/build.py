@@ -5,6 +5,7 @@ model's initial parts with every layer kind stacked on a leading `layers` axis
 
 from __future__ import annotations
 
+import functools
 import math
 
 import equinox as eqx
@@ -16,6 +17,7 @@ from jaxtyping import PRNGKeyArray
 from eqllm.attention_backend import attention_kernel
 from eqllm.config import ModelConfig
 from eqllm.config.experts import choose_impl
+from eqllm.config.kinds import STACKS, stack_field
 from eqllm.config.multipliers import MultipliersConfig
 from eqllm.nn import (
     MLP,
@@ -186,10 +188,10 @@ def make_block(
     config: ModelConfig, key: PRNGKeyArray, *, dense: bool = False, linear: bool = False
 ) -> Block:
     """One Transformer block as `config` describes it (`dense`: with the dense MLP even in a
-    mixture of experts, one of its first `moe.dense_layers` layers; `linear`: a Gated DeltaNet
-    or Mamba-2 in place of attention, a linear-attention layer of a hybrid stack, without an
-    MLP where `linear.mlp` is False; with `linear.parallel`, attention with that mixer beside
-    it)."""
+    mixture of experts, a layer of kind "dense" (`ModelConfig.layer_kinds`); `linear`: a Gated
+    DeltaNet or Mamba-2 in place of attention, a linear-attention layer of a hybrid stack,
+    without an MLP where `linear.mlp` is False; with `linear.parallel`, attention with that
+    mixer beside it)."""
     dtype = dtype_of(config.param_dtype)
     k_attn, k_mlp = jax.random.split(key)
     norms = config.norms
@@ -284,9 +286,15 @@ def initial_parts(config: ModelConfig, key: PRNGKeyArray) -> dict:
     dtype = dtype_of(config.param_dtype)
     k_embed, k_pos, k_blocks, k_head, k_init = jax.random.split(key, 5)
     block_keys = jax.random.split(k_blocks, config.n_layers)
-    dense = 0 if config.moe is None else config.moe.dense_layers
-    kinds = config.layer_kinds()[dense:]
-    pure = "full" not in kinds
+    # One stack per kind of layer, each layer built from its own key (`eqllm.config.kinds`).
+    kinds = np.array(config.layer_kinds())
+    stacks = dict.fromkeys(STACKS.values())
+    for kind in STACKS:
+        if kind in kinds:
+            make = functools.partial(
+                make_block, config, dense=kind == "dense", linear=kind == "linear"
+            )
+            stacks[stack_field(config, kind)] = eqx.filter_vmap(make)(block_keys[kinds == kind])
     parts = {
         "embed": Embedding(
             config.vocab_size, config.d_model, axes=("vocab", "d_model"), key=k_embed, dtype=dtype
@@ -302,22 +310,7 @@ def initial_parts(config: ModelConfig, key: PRNGKeyArray) -> dict:
             if config.positions.kind == "learned"
             else None
         ),
-        # A stack of linear layers alone (no attention) holds them in `blocks`, one stack.
-        "blocks": eqx.filter_vmap(lambda k: make_block(config, k, linear=pure))(
-            block_keys[dense:][np.array(kinds) == ("linear" if pure else "full")]
-        ),
-        "linear_blocks": (
-            eqx.filter_vmap(lambda k: make_block(config, k, linear=True))(
-                block_keys[dense:][np.array(kinds) == "linear"]
-            )
-            if "linear" in kinds and not pure
-            else None
-        ),
-        "dense_blocks": (
-            eqx.filter_vmap(lambda k: make_block(config, k, dense=True))(block_keys[:dense])
-            if dense
-            else None
-        ),
+        **stacks,
         "lm_head": (
             None
             if config.tie_embeddings

@@ -1,6 +1,7 @@
-"""Running the stacked blocks in order with `lax.scan`: one stack (`run_blocks`, with its
-per-layer flags), a dense prefix then the main stack, or a hybrid's repeating group of layer
-kinds (`run_groups`); remat policies and the per-layer hook (`each_layer`) of FSDP."""
+"""Running the stacked blocks in order with `lax.scan`: the layers' kinds cut into segments
+(`eqllm.config.kinds.segments`), a run of one kind through `run_blocks` (with its per-layer
+flags), a repeated pattern of kinds through `run_groups`; remat policies and the per-layer hook
+(`each_layer`) of FSDP."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from eqllm.config import ModelConfig
+from eqllm.config.kinds import Segment, segments, stack_field, stack_layers
 from eqllm.nn import Block, Routing
 
 REMAT_POLICIES = {
@@ -109,83 +111,125 @@ def run_blocks(
 
 
 def run_groups(
-    stacks: dict[str, Block],
+    stacks: dict[str, Block | None],
+    segment: Segment,
     x: Float[Array, "*batch seq d_model"],
     positions: Int[Array, "*batch seq"] | None,
     config: ModelConfig,
     segment_ids: Int[Array, "*batch seq"] | None = None,
 ) -> tuple[Float[Array, "*batch seq d_model"], Routing | None]:
-    """Apply a stack whose layers repeat a pattern of kinds (`ModelConfig.layer_kinds`: a
-    hybrid's linear-attention and full-attention layers), one stacked Block per kind.
+    """Apply the layers of `segment`, a pattern of kinds repeated (a hybrid's linear and
+    attention layers, Llama 4 Maverick's dense and expert layers), from `stacks` (CausalLM
+    field -> stacked Block, `eqllm.config.kinds.stack_layers`).
 
-    Each kind's stack is viewed as (groups, layers of that kind per group, ...) and `lax.scan`
-    runs over the groups: one compiled body (the group's layers in pattern order) serves any
-    depth. Remat, the `each_layer` hook and `scan_layers=False` act per layer as in
-    `run_blocks`. Returns the output and every layer's `Routing` in layer order (None
-    without experts).
+    Each kind's layers in the segment are a contiguous slice of its stack, viewed as (repeats,
+    layers of that kind per group, ...), with their per-layer flags (`layer_flags`) beside them;
+    `lax.scan` runs over the groups: one compiled body (the group's layers in pattern order)
+    serves any depth. Remat, the `each_layer` hook and `scan_layers=False` act per layer as in
+    `run_blocks`. Returns the output and the `Routing` of the segment's layers with experts in
+    layer order (None without experts).
     """
-    kinds = config.layer_kinds()
-    pattern = kinds[: config.linear.full_every]  # the repeating group
-    n_groups = len(kinds) // len(pattern)
-    parts = {k: eqx.partition(stack, eqx.is_array) for k, stack in stacks.items()}
-    grouped = {
-        k: jax.tree.map(lambda a: a.reshape(n_groups, -1, *a.shape[1:]), params)
-        for k, (params, _) in parts.items()
-    }
+    fields = [stack_field(config, kind) for kind in segment.pattern]
+    index = {i: j for layers in stack_layers(config).values() for j, i in enumerate(layers)}
+    flags = layer_flags(config)
+    grouped, statics = {}, {}
+    for field in dict.fromkeys(fields):
+        per_group = fields.count(field)
+        mine = [
+            segment.start + g * len(fields) + p
+            for g in range(segment.repeats)
+            for p, f in enumerate(fields)
+            if f == field
+        ]
+        params, statics[field] = eqx.partition(stacks[field], eqx.is_array)
+        params = _slice(params, index[mine[0]], len(mine))
+        grouped[field] = (
+            jax.tree.map(lambda a, c=per_group: a.reshape(-1, c, *a.shape[1:]), params),
+            *(None if f is None else f[mine].reshape(-1, per_group) for f in flags),
+        )
     hook = _LAYER_HOOK.get()
 
-    def layer(h, params, kind):
-        block = eqx.combine(params, parts[kind][1])
+    def layer(h, params, local, rotate, field):
+        block = eqx.combine(params, statics[field])
         if hook is not None:
-            return hook(block)(h, positions, None, segment_ids, None)
-        return block.routed(h, positions, None, segment_ids, None)
+            return hook(block)(h, positions, local, segment_ids, rotate)
+        return block.routed(h, positions, local, segment_ids, rotate)
 
     if config.remat != "none":
-        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[config.remat], static_argnums=2)
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[config.remat], static_argnums=4)
     elif hook is not None:
-        layer = jax.checkpoint(layer, policy=_save_all_but_gathers, static_argnums=2)
+        layer = jax.checkpoint(layer, policy=_save_all_but_gathers, static_argnums=4)
 
-    def group(h, params):
-        seen = dict.fromkeys(params, 0)
-        logits = []
-        for kind in pattern:
-            h, out = layer(h, jax.tree.map(lambda a, i=seen[kind]: a[i], params[kind]), kind)
-            seen[kind] += 1
-            logits.append(out)
-        return h, _stacked(logits)
+    def group(h, xs):
+        seen = dict.fromkeys(xs, 0)
+        routings = []
+        for field in fields:
+            i = seen[field]
+            params, local, rotate = xs[field]
+            pick = jax.tree.map(lambda a, i=i: a[i], params)
+            h, out = layer(h, pick, _pick(local, i), _pick(rotate, i), field)
+            seen[field] += 1
+            routings.append(out)
+        return h, _stacked([r for r in routings if r is not None] or [None])
 
     if config.scan_layers or config.remat != "none":
-        x, logits = jax.lax.scan(group, x, grouped)
+        traced = {f: (p, _traced(a), _traced(b)) for f, (p, a, b) in grouped.items()}
+        x, routing = jax.lax.scan(group, x, traced)
     else:
         outs = []
-        for g in range(n_groups):
+        for g in range(segment.repeats):  # each layer's flags are known here: Python bools
             x, out = group(x, jax.tree.map(lambda a, g=g: a[g], grouped))
             outs.append(out)
-        logits = _stacked(outs)
-    # (groups, layers per group, ...) -> (layers, ...), in layer order
-    return x, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), logits)
+        routing = _stacked(outs)
+    # (groups, layers with experts per group, ...) -> (layers, ...), in layer order
+    return x, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), routing)
 
 
 def run_stacks(
-    dense_blocks: Block | None,
-    blocks: Block,
+    stacks: dict[str, Block | None],
     x: Float[Array, "*batch seq d_model"],
     positions: Int[Array, "*batch seq"] | None,
     config: ModelConfig,
     segment_ids: Int[Array, "*batch seq"] | None = None,
-    linear_blocks: Block | None = None,
 ) -> tuple[Float[Array, "*batch seq d_model"], Routing | None]:
-    """`run_blocks` over a dense prefix (`moe.dense_layers` layers, None: none) and then the
-    main stack: two scanned segments, each one compiled body. The `Routing` is that of the
-    main stack's layers. A hybrid (`linear_blocks`, its linear-attention layers) runs its
-    groups of layers of both kinds (`run_groups`)."""
-    if linear_blocks is not None:
-        stacks = {"linear": linear_blocks, "full": blocks}
-        return run_groups(stacks, x, positions, config, segment_ids)
-    if dense_blocks is not None:
-        x, _ = run_blocks(dense_blocks, x, positions, config, segment_ids)
-    first = 0 if dense_blocks is None else config.moe.dense_layers
-    return run_blocks(blocks, x, positions, config, segment_ids, first)
+    """Apply every layer in order: `stacks` maps each CausalLM field ("blocks", "dense_blocks",
+    "linear_blocks") to its stacked Block, and `ModelConfig.layer_kinds` says which holds each
+    layer. The kinds are cut into `segments`: a run of one kind goes through `run_blocks` (its
+    slice of one stack: a uniform model's whole stack; DeepSeek's dense prefix, then the rest),
+    a repeated pattern of kinds through `run_groups`; each segment is one compiled body.
+    Returns the output and the `Routing` of every layer with experts, in layer order (None
+    without experts)."""
+    index = {i: j for layers in stack_layers(config).values() for j, i in enumerate(layers)}
+    routings = []
+    for segment in segments(config.layer_kinds()):
+        if len(segment.pattern) > 1:
+            x, routing = run_groups(stacks, segment, x, positions, config, segment_ids)
+        else:
+            stack = stacks[stack_field(config, segment.pattern[0])]
+            part = _slice(stack, index[segment.start], segment.repeats)
+            x, routing = run_blocks(part, x, positions, config, segment_ids, segment.start)
+        routings.append(routing)
+    routings = [r for r in routings if r is not None]
+    if not routings:
+        return x, None
+    if len(routings) == 1:
+        return x, routings[0]
+    return x, jax.tree.map(lambda *a: jnp.concatenate(a), *routings)
+
+
+def _slice(stack: Block, first: int, n: int) -> Block:
+    """Layers first .. first + n - 1 of a stacked Block (the stack itself when it is all)."""
+    params, static = eqx.partition(stack, eqx.is_array)
+    if first == 0 and jax.tree.leaves(params)[0].shape[0] == n:
+        return stack
+    return eqx.combine(jax.tree.map(lambda a: a[first : first + n], params), static)
+
+
+def _pick(flags, i: int):
+    """Layer i's flag of a group: a Python bool from host flags (unrolled), else traced."""
+    if flags is None:
+        return None
+    return bool(flags[i]) if isinstance(flags, np.ndarray) else flags[i]
 
 
 def _stacked(routings: list[Routing | None]) -> Routing | None:

@@ -25,6 +25,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, Int
 
+from eqllm.config.kinds import stack_layers
 from eqllm.data import DataError
 from eqllm.errors import EqllmError
 from eqllm.lora import trainable, with_dropout_keys
@@ -38,11 +39,12 @@ from eqllm.train.stability import spike_state
 
 def _layer_grad_norms(grads) -> dict[str, Float[Array, " layers"]]:
     """{"grad_norm/layer": L2 norm of each layer's gradient}: the stacked blocks' leaves
-    reduced over all but axis 0 (a dense prefix's layers first); {} for a model without
-    stacked blocks."""
+    reduced over all but axis 0, in layer order; {} for a model without stacked blocks."""
 
-    def norms(stack):
+    def norms(stack, n: int):
         leaves = [g for g in jax.tree.leaves(stack) if g is not None]
+        if not leaves:  # a stack without trainable arrays (LoRA targets none of its layers)
+            return jnp.zeros((n,), jnp.float32)
         # Summed over the other axes in place: reshaping a split array to (layers, -1) would
         # make XLA gather every layer's whole gradient (under fsdp) just for this metric.
         squares = [
@@ -52,14 +54,11 @@ def _layer_grad_norms(grads) -> dict[str, Float[Array, " layers"]]:
 
     if getattr(grads, "blocks", None) is None:
         return {}
-    if getattr(grads, "linear_blocks", None) is not None:  # a hybrid: both stacks, layer order
-        kinds = np.array(grads.config.layer_kinds())
-        stacked = jnp.concatenate([norms(grads.linear_blocks), norms(grads.blocks)])
-        order = np.argsort(np.argsort(kinds == "full", kind="stable"), kind="stable")
-        return {"grad_norm/layer": stacked[order]}
-    if getattr(grads, "dense_blocks", None) is None:
-        return {"grad_norm/layer": norms(grads.blocks)}
-    return {"grad_norm/layer": jnp.concatenate([norms(grads.dense_blocks), norms(grads.blocks)])}
+    # Each stack's layers, then put in layer order (`eqllm.config.kinds.stack_layers`).
+    stacks = stack_layers(grads.config)
+    stacked = jnp.concatenate([norms(getattr(grads, f), len(ls)) for f, ls in stacks.items()])
+    order = np.argsort(np.concatenate([np.array(layers) for layers in stacks.values()]))
+    return {"grad_norm/layer": stacked[order]}
 
 
 training_loss = next_token_loss  # the language model's loss, by its older name

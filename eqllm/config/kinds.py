@@ -1,0 +1,92 @@
+"""Which stack each layer belongs to, and the segments the stack runs them in.
+
+A model's layers are of up to three kinds (`ModelConfig.layer_kinds`), each held by one stacked
+Block of `CausalLM`: "dense" (a mixture of experts' layers with the dense MLP: DeepSeek's
+first `moe.dense_layers`, Llama 4 Maverick's layers between each `moe.sparse_every`-th;
+`dense_blocks`), "full" (softmax attention, the main stack: `blocks`) and "linear" (a hybrid's
+Gated DeltaNet or Mamba-2 layers: `linear_blocks`; `blocks` when every layer is linear).
+
+Everything that walks layers (the forward pass, the sliced layers of generation, the hub's key
+tables, sharding, the per-layer gradient norms) maps a layer to (stack, index in the stack)
+through `stack_layers`. The forward pass runs the layers in `segments`: a run of one kind, or a
+pattern of kinds repeated, each one compiled body however deep.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+# The CausalLM field holding each kind's layers, stacked in layer order.
+STACKS = {"dense": "dense_blocks", "full": "blocks", "linear": "linear_blocks"}
+
+
+def layer_kinds(config) -> tuple[str, ...]:
+    """Per layer of `config` (a ModelConfig): "dense", "full" or "linear" (see the module)."""
+    n = config.n_layers
+    kinds = ["full"] * n if config.linear is None else list(config.linear.kinds(n))
+    if (moe := config.moe) is not None:
+        for i in range(n):
+            if i < moe.dense_layers or (i + 1) % moe.sparse_every != 0:
+                kinds[i] = "dense"
+    return tuple(kinds)
+
+
+def stack_field(config, kind: str) -> str:
+    """The CausalLM field holding the layers of `kind` ("blocks" for a stack of linear layers
+    alone: a pure Mamba-2 model has one stack)."""
+    if kind == "linear" and "full" not in layer_kinds(config):
+        return "blocks"
+    return STACKS[kind]
+
+
+def stack_layers(config) -> dict[str, tuple[int, ...]]:
+    """{CausalLM field: the model's layer index of each layer of that stack, in order}, for the
+    stacks the model has."""
+    stacks: dict[str, list[int]] = {}
+    for i, kind in enumerate(layer_kinds(config)):
+        stacks.setdefault(stack_field(config, kind), []).append(i)
+    return {field: tuple(layers) for field, layers in stacks.items()}
+
+
+def layer_stacks(config) -> tuple[str, ...]:
+    """Per layer, the CausalLM field of the stack holding it."""
+    return tuple(stack_field(config, kind) for kind in layer_kinds(config))
+
+
+class Segment(NamedTuple):
+    """Layers start .. start + len(pattern) * repeats - 1: `pattern` (kinds in order) repeated."""
+
+    start: int
+    pattern: tuple[str, ...]
+    repeats: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + len(self.pattern) * self.repeats
+
+
+def segments(kinds: tuple[str, ...]) -> tuple[Segment, ...]:
+    """`kinds` cut into segments, each a pattern repeated, from the first layer on.
+
+    At each point the segment covering the most layers is taken (ties: the shortest pattern):
+    a run of one kind is the pattern of one; a longer pattern needs two repeats at least, so
+    an irregular stretch becomes runs. A depth that is not a whole number of periods leaves a
+    remainder, cut the same way: `("linear",) * 3 + ("full",)` twice then two "linear" is
+    (LLLF x 2, L x 2); DeepSeek's dense prefix then experts is (D x k, F x rest); Maverick's
+    alternation is (DF x n/2).
+    """
+    out, start, n = [], 0, len(kinds)
+    while start < n:
+        best = Segment(start, (kinds[start],), 1)
+        for period in range(1, (n - start) // 2 + 1 if n - start > 1 else 2):
+            pattern = kinds[start : start + period]
+            repeats = 1
+            while kinds[start + repeats * period : start + (repeats + 1) * period] == pattern:
+                repeats += 1
+            if period > 1 and repeats < 2:
+                continue
+            if period * repeats > len(best.pattern) * best.repeats:
+                best = Segment(start, pattern, repeats)
+        out.append(best)
+        start = best.stop
+    return tuple(out)
