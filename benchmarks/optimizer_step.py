@@ -2,7 +2,7 @@
 `TrainStep` + `make_optimizer`), same weights and batch.
 
     python benchmarks/optimizer_step.py [--variant llama-nano --batch 8 --seq 128 --steps 20]
-        [--optimizers adamw,muon,soap,soap:1024]
+        [--optimizers adamw,muon,soap,soap:1024] [--set d_model=256 --set n_layers=2 ...]
 
 Prints, per optimizer, the compile time and the mean and median step time over `--steps`
 steps after two warmup steps. The mean counts SOAP's eigenbasis refresh (every
@@ -15,6 +15,7 @@ side unpreconditioned; the default 10000 preconditions it, a 4096 x 4096 eigende
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 
 import numpy as np
@@ -31,11 +32,17 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--optimizers", default="adamw,muon,soap")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a ModelConfig field"
+    )
     args = parser.parse_args(argv)
-    config = bench_config(zoo.config(args.variant), args.seq)
+    changes = dict(item.split("=", 1) for item in args.set)
+    variant = zoo.config(args.variant).replace(**{k: json.loads(v) for k, v in changes.items()})
+    config = bench_config(variant, args.seq)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, config.vocab_size, (args.batch, args.seq + 1), dtype=np.int32)
-    print(f"{args.variant}, batch {args.batch} x seq {args.seq}, {args.steps} timed steps")
+    sets = "".join(f" {item}" for item in args.set)
+    print(f"{args.variant}{sets}, batch {args.batch} x seq {args.seq}, {args.steps} timed steps")
     print("| optimizer | compile s | mean step ms | median step ms |")
     print("|---|---|---|---|")
     for entry in args.optimizers.split(","):
