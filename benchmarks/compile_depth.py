@@ -3,7 +3,8 @@
     python benchmarks/compile_depth.py [--variant llama-micro] [--layers 2 8 32] [--seq 128]
 
 Prints, for each depth, the seconds to lower and compile `value_and_grad(loss)` for a model of
-the variant's width, with the layers run by `lax.scan` (eqllm's default) and by a Python loop.
+the variant's width, with the layers run by `lax.scan` and by a Python loop (whatever the
+variant's own `scan_layers`: the research-size variants unroll theirs).
 Nothing is executed, so the figures are compile cost alone; the persistent cache is off.
 """
 
@@ -51,7 +52,7 @@ def main():
     print(f"{'layers':>6}  {'scan (s)':>9}  {'unrolled (s)':>12}")
     rows = []
     for n in args.layers:
-        cfg = eqllm.zoo.config(args.variant, n_layers=n)
+        cfg = eqllm.zoo.config(args.variant, n_layers=n, scan_layers=True)
         scan = compile_seconds(cfg, args.batch, args.seq)
         unrolled = compile_seconds(cfg.replace(scan_layers=False), args.batch, args.seq)
         rows.append((n, scan, unrolled))
