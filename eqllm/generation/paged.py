@@ -37,6 +37,7 @@ from eqllm.generation.adapters import row_calls
 from eqllm.generation.recurrent import State, is_state
 from eqllm.model import CausalLM
 from eqllm.nn import KVCache, LatentCache
+from eqllm.nn.linear import zero_after
 
 
 class Pool(eqx.Module):
@@ -203,12 +204,12 @@ def forward_hidden(
     for call, pool, window in zip(calls, cache, windows(model.config), strict=True):
         if is_state(pool):  # the rows' recurrent state, continued
             x, state = call(x, positions, pool)
-            after = jnp.minimum(jnp.min(jnp.argmax(x[:, -1, :2], axis=-1)), 0).astype(jnp.int32)
+            after = zero_after(x)
             written.append(state)
             continue
         blocks = view_blocks(window, n_pages, new, block_size)
         view = _view(pool, pages, start, end, blocks, block_size, after)
         x, view = call(x, positions, view)
-        after = jnp.minimum(jnp.min(jnp.argmax(x[:, -1, :2], axis=-1)), 0).astype(jnp.int32)
+        after = zero_after(x)
         written.append(_write(pool, view, pages, positions + after, block_size))
     return x, tuple(written)

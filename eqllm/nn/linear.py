@@ -136,7 +136,7 @@ class Int8Linear(Linear):
         # 0.5x their speed. Adding a zero computed from the input makes each widening wait for
         # its layer, so one buffer the size of one weight in fp32 is reused, still in cache when
         # the product reads it. The per-channel scale multiplies the (rows, out) result.
-        weight = self.weight + _zero_after(jax.lax.stop_gradient(x)).astype(jnp.int8)
+        weight = self.weight + zero_after(jax.lax.stop_gradient(x)).astype(jnp.int8)
         y = rows_times(x, weight.astype(x.dtype), **kwargs)
         y = y * self.scale.astype(y.dtype)
         if self.bias is not None:
@@ -145,20 +145,21 @@ class Int8Linear(Linear):
 
 
 @jax.custom_batching.custom_vmap
-def _zero_after(x: Array) -> Int[Array, ""]:
+def zero_after(x: Array) -> Int[Array, ""]:
     """0, computed from `x` in a way XLA cannot fold, so what adds it runs after `x` exists.
 
     An integer (an argmax clipped at 0), whatever NaN or infinity `x` holds. Under `jax.vmap`
-    it stays one unbatched zero from the whole batch, so the weight it is added to is not
-    copied per row.
+    it stays one unbatched zero from the whole batch, so a weight it is added to is not copied
+    per row. `Int8Linear` orders its weight's widening with it, and the serving engine its
+    reads of a layer's cache (`eqllm.generation.paged`).
     """
     x = x.reshape(-1)[:2]
     return jnp.minimum(jnp.argmax(x), 0).astype(jnp.int32)
 
 
-@_zero_after.def_vmap
+@zero_after.def_vmap
 def _zero_after_batched(axis_size, in_batched, x):
-    return _zero_after(x), False
+    return zero_after(x), False
 
 
 QUANTIZATIONS = ("int8",)
