@@ -365,6 +365,7 @@ FAMILIES = [
     Tiny(
         "qwen3_5",
         _zoo("qwen3_5-nano", **_HYBRID),
+        gguf=True,
         atol=1e-4,
         cached_atol=3e-5,  # the chunked and token-by-token delta rules round differently
     ),
@@ -376,6 +377,7 @@ FAMILIES = [
         lora=_HYBRID_LORA + ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
         # The 397B-A17B's language model is 396.3B: its 397B counts the vision tower.
         published={"qwen3.5-35b-a3b": ("35", "3")},
+        gguf=True,
         atol=1e-4,
         cached_atol=3e-5,  # the chunked and token-by-token delta rules round differently
     ),
@@ -386,6 +388,7 @@ FAMILIES = [
         _zoo("qwen3_next-nano", **_HYBRID, moe={**_HYBRID_MOE, "d_ff": 16}),
         lora=_HYBRID_LORA + ("in_proj_qkvz", "in_proj_ba"),
         published={"qwen3-next-80b-a3b": "80"},  # 3.87B active, named "A3B"
+        gguf=True,
         atol=1e-4,
         cached_atol=3e-5,  # the chunked and token-by-token delta rules round differently
     ),
@@ -428,6 +431,7 @@ FAMILIES = [
             },
         ),
         lora=("in_proj",),
+        gguf=True,
         atol=1e-4,
     ),
     # Mamba-Codestral's layout: an untied head, one group; dt clamped to limits that the
@@ -465,6 +469,7 @@ FAMILIES = [
             multipliers=tiny.FALCON_MULTIPLIERS,
         ),
         lora=tiny.FALCON_LORA,
+        gguf=True,
         atol=1e-4,
         generates=False,
     ),

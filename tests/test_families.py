@@ -296,12 +296,23 @@ def test_adapter_saved_by_eqllm_loads_in_peft_and_merges(twins, name, tmp_path):
 
 @pytest.mark.parametrize("name", params(where=lambda t: t.gguf))
 def test_gguf_file_equals_the_model_in_transformers(twins, name, tmp_path):
-    """eqllm's f32 GGUF file, read by transformers' GGUF loader, gives eqllm's logits (within
-    1e-5 of the largest); eqllm reads it back to the same model."""
+    """eqllm's f32 GGUF file, read by transformers' GGUF loader where it reads the
+    architecture (not the hybrids: tests/test_gguf_hybrid.py checks them against llama.cpp's
+    converter), gives eqllm's logits (within 1e-5 of the largest); eqllm reads it back to the
+    same model."""
     pytest.importorskip("gguf")
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
     pair = twins(name)
     file = tmp_path / "model.gguf"
     eqllm.hub.save_gguf(pair.model, file, type="f32")
+    ours = logits(pair.model, TOKENS)
+    back = eqllm.hub.from_pretrained(file)
+    # llama.cpp's files hold some weights transformed (1 + w norms, -exp(A_log)): their
+    # rounding, run through a recurrence over the sequence, is why this is not bit-exact.
+    np.testing.assert_allclose(logits(back, TOKENS), ours, atol=1e-5 * np.abs(ours).max(), rtol=0)
+    if families.get(pair.model.config.family).gguf not in GGUF_SUPPORTED_ARCHITECTURES:
+        return
     # transformers' GGUF loader leaves head_dim at its config's default (Qwen3's: 128) whatever
     # the file's attention.key_length says; eqllm's reading of it is checked below.
     config = transformers.AutoConfig.from_pretrained(str(tmp_path), gguf_file=file.name)
@@ -310,11 +321,8 @@ def test_gguf_file_equals_the_model_in_transformers(twins, name, tmp_path):
     theirs = transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp_path), gguf_file=file.name, config=config, dtype=torch.float32
     ).eval()
-    ours = logits(pair.model, TOKENS)
     error = np.abs(hf_logits(theirs, TOKENS) - ours).max() / np.abs(ours).max()
     assert error <= 1e-5
-    back = eqllm.hub.from_pretrained(file)
-    np.testing.assert_allclose(logits(back, TOKENS), ours, atol=1e-5, rtol=0)
 
 
 # Published parameter counts ------------------------------------------------------------------

@@ -29,7 +29,7 @@ from eqllm.families.base import (
     refuse,
     rows,
 )
-from eqllm.families.mamba2 import step_limit
+from eqllm.families.mamba2 import gguf_refuses_mamba2, step_limit
 
 LAYER = "model.layers.{i}."
 MIXER = LAYER + "mamba."
@@ -161,6 +161,16 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def gguf_refuses(cfg: ModelConfig) -> dict[str, Any]:
+    """llama.cpp's Falcon-H1 runs Mamba-2 as its mamba2 does (`gguf_refuses_mamba2`), and its
+    converter folds the multipliers into the weights: a tied embedding holds only one."""
+    wrong = gguf_refuses_mamba2(cfg.linear)
+    m = cfg.multipliers
+    if cfg.tie_embeddings and m is not None and m.embedding != m.logits:
+        wrong["tie_embeddings"] = True
+    return wrong
+
+
 FAMILY = Family(
     name="falcon_h1",
     released="2025-05",
@@ -192,4 +202,6 @@ FAMILY = Family(
     | frozenset(MULTIPLIERS),
     to_hf=to_hf,
     from_hf=from_hf,
+    gguf="falcon-h1",
+    gguf_refuses=gguf_refuses,
 )

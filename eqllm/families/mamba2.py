@@ -124,6 +124,16 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def gguf_refuses_mamba2(lin) -> dict[str, Any]:
+    """What llama.cpp's Mamba-2 cannot hold: it never clamps dt, and norms after the gate."""
+    wrong = {"linear.dt_min": lin.dt_min} if lin.dt_min != 0.0 else {}
+    if lin.dt_max is not None:
+        wrong["linear.dt_max"] = lin.dt_max
+    if lin.gate_norm == "before_gate":
+        wrong["linear.gate_norm"] = lin.gate_norm
+    return wrong
+
+
 FAMILY = Family(
     name="mamba2",
     released="2024-05",
@@ -156,4 +166,6 @@ FAMILY = Family(
     to_hf=to_hf,
     from_hf=from_hf,
     check=check,
+    gguf="mamba2",
+    gguf_refuses=lambda cfg: gguf_refuses_mamba2(cfg.linear),
 )

@@ -239,4 +239,5 @@ FAMILY = Family(
     from_hf=hybrid_from_hf,
     wrapper="qwen3_5",
     ignored=IGNORED,
+    gguf="qwen35",
 )

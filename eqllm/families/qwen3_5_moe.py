@@ -104,6 +104,7 @@ FAMILY = Family(
     to_hf=to_hf,
     from_hf=from_hf,
     check=has_shared_expert,
+    gguf="qwen35moe",
     wrapper="qwen3_5_moe",
     ignored=IGNORED,
 )

@@ -75,6 +75,11 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def gguf_refuses(cfg: ModelConfig) -> dict[str, Any]:
+    """llama.cpp's Qwen3-Next always renormalises the chosen experts' weights."""
+    return {} if cfg.moe.norm_topk_prob else {"moe.norm_topk_prob": False}
+
+
 FAMILY = Family(
     name="qwen3_next",
     released="2025-09",
@@ -92,5 +97,7 @@ FAMILY = Family(
     to_hf=to_hf,
     from_hf=from_hf,
     check=has_shared_expert,
+    gguf="qwen3next",
+    gguf_refuses=gguf_refuses,
     ignored=r"^mtp\.",  # the published multi-token-prediction layer
 )

@@ -16,8 +16,10 @@ translation stay the one source of truth:
 Architectures: each family names the one it is written as (`eqllm.families.Family.gguf`, and
 what that architecture cannot hold, `gguf_refuses`): llama (eqllm's llama and, without a sliding
 window, mistral), qwen2 and qwen3, the Llama-layout families llama.cpp and transformers' GGUF
-loader share. A file is read back as the family whose Hugging Face model_type is llama.cpp's
-architecture name.
+loader share; and qwen35, qwen35moe, qwen3next, mamba2 and falcon-h1 (`eqllm.hub.gguf_hybrid`),
+their tensors renamed by the gguf package's own `TensorNameMap` and changed as llama.cpp's
+converter changes them. A file is read back as the family whose Hugging Face model_type is
+llama.cpp's architecture name, else the one family written as it.
 """
 
 from __future__ import annotations
@@ -32,14 +34,19 @@ import numpy as np
 
 from eqllm import families
 from eqllm.config import ConfigError
-from eqllm.data.sentencepiece import spm_bpe
 from eqllm.data.tokenizer import Tokenizer
+from eqllm.hub.config import from_hf_config
 from eqllm.hub.files import CheckpointError
+from eqllm.hub.folders import skeleton
+from eqllm.hub.gguf_hybrid import ARCHS, EXPERT, stack_experts
+from eqllm.hub.gguf_vocab import read_tokenizer, write_tokenizer
+from eqllm.hub.tables import indices, part_names, rows_for, stack_layers, tensor_name
 
 # llama.cpp's architectures whose q/k projection rows it stores in its own rotary order
 # (convert_hf_to_gguf.py's LlamaModel permutes them; Qwen2's and Qwen3's keep transformers').
 _PERMUTED_QK = frozenset({"llama"})
 TYPES = ("f32", "f16", "bf16", "q8_0")
+SUFFIXES = (".weight", ".bias")
 _NAMES = [  # Hugging Face tensor name -> llama.cpp's
     (r"model\.embed_tokens\.weight", "token_embd.weight"),
     (r"model\.norm\.weight", "output_norm.weight"),
@@ -106,11 +113,12 @@ def _written() -> list[str]:
     return [name for name in families.names() if families.get(name).gguf is not None]
 
 
-def _model_types() -> dict[str, str]:
-    """GGUF architecture -> the Hugging Face model_type a file of it is read back as: the
-    family written under its own model_type's name."""
-    found = (families.get(name) for name in families.names())
-    return {f.gguf: f.model_type for f in found if f.gguf is not None and f.gguf == f.model_type}
+def _family_of(arch: str):
+    """The family a file of GGUF architecture `arch` is read back as: the one written under its
+    own model_type's name, else the only one written as `arch`; None if there is none."""
+    found = [f for f in families.every() if f.gguf == arch]
+    own = [f for f in found if f.model_type == arch]
+    return (own or found)[0] if len(own or found) == 1 else None
 
 
 def check_exportable(cfg, type: str) -> None:
@@ -154,6 +162,28 @@ def folder_to_gguf(folder: Path, path: Path, cfg, tokenizer: Tokenizer | None, t
     }[type]
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(cfg.family)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_file_type(
+        {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}[type]  # llama.cpp's LLAMA_FTYPE values
+    )
+    if tokenizer is not None:
+        write_tokenizer(writer, gguf, tokenizer)
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    if arch in ARCHS:
+        _write_hybrid(writer, gguf, arch, hf, tensors, qtype)
+    else:
+        _write_llama(writer, gguf, arch, cfg, hf, tensors, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _write_llama(writer, gguf, arch: str, cfg, hf: dict, tensors: dict, qtype) -> None:
+    """The Llama-layout architectures (llama, qwen2, qwen3): metadata and tensors."""
     writer.add_context_length(cfg.max_seq_len)
     writer.add_embedding_length(cfg.d_model)
     writer.add_block_count(cfg.n_layers)
@@ -165,15 +195,6 @@ def folder_to_gguf(folder: Path, path: Path, cfg, tokenizer: Tokenizer | None, t
     writer.add_rope_dimension_count(hf["head_dim"])
     writer.add_rope_freq_base(float(hf["rope_theta"]))
     writer.add_layer_norm_rms_eps(float(hf["rms_norm_eps"]))
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_file_type(
-        {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}[type]  # llama.cpp's LLAMA_FTYPE values
-    )
-    if tokenizer is not None:
-        _write_tokenizer(writer, tokenizer)
-    tensors = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(str(file)))
     n_head, n_kv = hf["num_attention_heads"], hf["num_key_value_heads"]
     for name, array in tensors.items():
         array = array.astype(np.float32)
@@ -183,11 +204,36 @@ def folder_to_gguf(folder: Path, path: Path, cfg, tokenizer: Tokenizer | None, t
             array = _permute(array, n_head, n_kv)
         target, raw = _encode(array, qtype, gguf)
         writer.add_tensor(_rename(name, _NAMES), target, raw_dtype=raw)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+
+
+def _name_map(gguf, arch: str, n_layers: int):
+    """The gguf package's Hugging Face -> llama.cpp tensor names of `arch`."""
+    enum = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    return gguf.get_tensor_name_map(enum, n_layers)
+
+
+def _write_hybrid(writer, gguf, arch: str, hf: dict, tensors: dict, qtype) -> None:
+    """The hybrid and state-space architectures (`eqllm.hub.gguf_hybrid`)."""
+    spec, T = ARCHS[arch], gguf.MODEL_TENSOR
+    for key, value in spec.metadata(hf).items():
+        if isinstance(value, list):
+            writer.add_array(f"{arch}.{key}", value)
+        elif isinstance(value, float):
+            writer.add_float32(f"{arch}.{key}", value)
+        else:
+            writer.add_uint32(f"{arch}.{key}", int(value))
+    names = _name_map(gguf, arch, hf["num_hidden_layers"])
+    # Kept in F32 whatever the type, as the converter keeps them.
+    f32 = {T.FFN_GATE_INP, T.FFN_GATE_INP_SHEXP, T.SSM_CONV1D}
+    for name, array in stack_experts(tensors).items():
+        for mapped, out in spec.to_gguf(name, array.astype(np.float32), hf):
+            found = names.get_type_and_name(mapped, try_suffixes=SUFFIXES)
+            if found is None:
+                raise CheckpointError(f"tensor {name!r} has no {arch} GGUF counterpart")
+            kind, target = found
+            keep = kind in f32 or not target.endswith(".weight") or target.endswith("_norm.weight")
+            data, raw = _encode(out, gguf.GGMLQuantizationType.F32 if keep else qtype, gguf)
+            writer.add_tensor(target, data, raw_dtype=raw)
 
 
 def _encode(array: np.ndarray, qtype, gguf) -> tuple[np.ndarray, Any]:
@@ -199,45 +245,6 @@ def _encode(array: np.ndarray, qtype, gguf) -> tuple[np.ndarray, Any]:
     if qtype == T.F16 or (qtype == T.Q8_0 and array.shape[-1] % 32):
         return array.astype(np.float16), None
     return gguf.quants.quantize(array, qtype), qtype
-
-
-def _write_tokenizer(writer, tokenizer: Tokenizer) -> None:
-    """A byte-level BPE tokenizer as llama.cpp's "gpt2" vocabulary."""
-    gguf = _package()
-
-    data = json.loads(tokenizer.to_str())
-    if data["model"]["type"] != "BPE" or (data.get("pre_tokenizer") or {}).get("type") not in (
-        "ByteLevel",
-        None,
-    ):
-        raise ConfigError(
-            "eqllm writes byte-level BPE tokenizers (GPT-2 style) into GGUF files; convert with "
-            "a tokenizer of that kind, or leave it out"
-        )
-    vocab = tokenizer.hf.get_vocab(with_added_tokens=True)
-    tokens = [""] * len(vocab)
-    for token, i in vocab.items():
-        tokens[i] = token
-    added = {t["content"]: t for t in data.get("added_tokens", [])}
-    types = [
-        (gguf.TokenType.CONTROL if added[t].get("special") else gguf.TokenType.USER_DEFINED)
-        if t in added
-        else gguf.TokenType.NORMAL
-        for t in tokens
-    ]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_eos_token_id(tokenizer.eot_id)
-    bos = tokenizer.special_tokens.get("bos_token")
-    if bos is not None and tokenizer.hf.token_to_id(bos) is not None:
-        writer.add_bos_token_id(tokenizer.hf.token_to_id(bos))
-    writer.add_add_bos_token(False)
-    if tokenizer.chat_template:
-        writer.add_chat_template(tokenizer.chat_template)
 
 
 # Reading ----------------------------------------------------------------------------------
@@ -265,30 +272,48 @@ def gguf_to_folder(path: str | os.PathLike, folder: str | os.PathLike) -> Tokeni
         return default if f is None else f.contents()
 
     arch = field("general.architecture")
-    model_types = _model_types()
-    if arch not in model_types:
+    family = _family_of(arch)
+    if family is None:
+        known = sorted({f.gguf for f in families.every() if _family_of(f.gguf or "")})
         raise CheckpointError(
-            f"{path}: GGUF architecture {arch!r} is not supported; eqllm reads "
-            f"{sorted(model_types)}"
+            f"{path}: GGUF architecture {arch!r} is not supported; eqllm reads {known}"
         )
+    stored: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        stored[t.name] = array.reshape(tuple(int(n) for n in reversed(t.shape)))
+    if arch in ARCHS:
+        config, tensors = _read_hybrid(gguf, arch, family, field, stored, path)
+    else:
+        config, tensors = _read_llama(arch, family, field, stored)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tokenizer = read_tokenizer(field, path)
+    if tokenizer is not None:
+        tokenizer.save(folder)
+    return tokenizer
+
+
+def _read_llama(arch: str, family, field, stored: dict) -> tuple[dict, dict]:
+    """config.json and Hugging Face tensors of a Llama-layout file (llama, qwen2, qwen3)."""
     n_head = int(field(f"{arch}.attention.head_count"))
     n_kv = int(field(f"{arch}.attention.head_count_kv", n_head))
     d = int(field(f"{arch}.embedding_length"))
     head_dim = field(f"{arch}.attention.key_length") or field(f"{arch}.rope.dimension_count")
     tensors: dict[str, np.ndarray] = {}
-    for t in reader.tensors:
-        array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        array = array.reshape(tuple(int(n) for n in reversed(t.shape)))
-        if arch in _PERMUTED_QK and ".attn_q." in t.name:
+    for name, array in stored.items():
+        if arch in _PERMUTED_QK and ".attn_q." in name:
             array = _unpermute(array, n_head, n_head)
-        elif arch in _PERMUTED_QK and ".attn_k." in t.name:
+        elif arch in _PERMUTED_QK and ".attn_k." in name:
             array = _unpermute(array, n_head, n_kv)
-        tensors[_rename(t.name, _FROM_GGUF)] = np.ascontiguousarray(array)
-    vocab = tensors["model.embed_tokens.weight"].shape[0]
+        tensors[_rename(name, _FROM_GGUF)] = array
     config = {
         "architectures": [f"{arch.capitalize()}ForCausalLM"],
-        "model_type": model_types[arch],
-        "vocab_size": vocab,
+        "model_type": family.model_type,
+        "vocab_size": tensors["model.embed_tokens.weight"].shape[0],
         "hidden_size": d,
         "intermediate_size": int(field(f"{arch}.feed_forward_length")),
         "num_hidden_layers": int(field(f"{arch}.block_count")),
@@ -302,57 +327,53 @@ def gguf_to_folder(path: str | os.PathLike, folder: str | os.PathLike) -> Tokeni
     }
     if arch == "llama":
         config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in tensors
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tokenizer = _read_tokenizer(field, path)
-    if tokenizer is not None:
-        tokenizer.save(folder)
-    return tokenizer
+    return config, tensors
 
 
-def _read_tokenizer(field, path) -> Tokenizer | None:
-    """The vocabulary of a GGUF file: "gpt2" (byte-level BPE) or "llama" (SentencePiece BPE)."""
-    import tokenizers
-    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+def hf_tensor_names(config) -> list[str]:
+    """The Hugging Face tensor names `save_pretrained` writes for a model of `config`."""
+    leaves, _ = skeleton(config)
+    names = []
+    for row in rows_for(config.family, set(leaves)):
+        spans = stack_layers(row, config)
+        for index in indices(row, len(spans), config.at("moe.n_experts")):
+            names += part_names(row, tensor_name(row, index, spans))
+    return names
 
-    kind = field("tokenizer.ggml.model")
-    if kind is None:
-        return None
-    tokens = list(field("tokenizer.ggml.tokens"))
-    types = [int(t) for t in field("tokenizer.ggml.token_type", [1] * len(tokens))]
-    if kind == "gpt2":
-        merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges", [])]
-        hf = tokenizers.Tokenizer(
-            models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges)
-        )
-        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        hf.decoder = decoders.ByteLevel()
-        hf.add_tokens(
-            [
-                AddedToken(t, special=k == 3, normalized=False)
-                for t, k in zip(tokens, types, strict=True)
-                if k in (3, 4)
-            ]
-        )
-    elif kind == "llama":
-        unk = field("tokenizer.ggml.unknown_token_id")
-        hf = spm_bpe(list(zip(tokens, types, strict=True)), unk_id=unk, byte_fallback=6 in types)
-    else:
-        raise CheckpointError(f"{path}: GGUF tokenizer model {kind!r} is not supported")
-    specials = {}
-    for role in ("bos", "eos", "unknown", "padding"):
-        i = field(f"tokenizer.ggml.{role}_token_id")
-        if i is not None and 0 <= int(i) < len(tokens):
-            key = {"unknown": "unk", "padding": "pad"}.get(role, role)
-            specials[f"{key}_token"] = tokens[int(i)]
-    if "eos_token" not in specials:
-        raise CheckpointError(f"{path}: the GGUF tokenizer has no eos_token_id")
-    return Tokenizer(
-        hf,
-        specials["eos_token"],
-        "pretrained",
-        chat_template=field("tokenizer.chat_template"),
-        special_tokens=specials,
-    )
+
+def _read_hybrid(gguf, arch: str, family, field, stored: dict, path) -> tuple[dict, dict]:
+    """config.json and Hugging Face tensors of a hybrid or state-space file: the tensors the
+    family's key table names for that config, each from the llama.cpp tensors the gguf
+    package maps its name to, the converter's transforms undone (`eqllm.hub.gguf_hybrid`)."""
+    spec = ARCHS[arch]
+    if "token_embd.weight" not in stored:
+        raise CheckpointError(f"{path}: the {arch} GGUF file has no token_embd.weight")
+    try:
+        config = {
+            "architectures": [family.architecture],
+            "model_type": family.model_type,
+            "vocab_size": stored["token_embd.weight"].shape[0],
+            "tie_word_embeddings": "output.weight" not in stored,
+            **spec.config(field, arch, set(stored)),
+        }
+    except KeyError as e:
+        raise CheckpointError(f"{path}: the {arch} GGUF file has no {e.args[0]} key") from None
+    n_layers = config["num_hidden_layers"]
+    names = _name_map(gguf, arch, n_layers)
+    tensors, done, used = {}, {}, set()
+    for name in hf_tensor_names(from_hf_config(config)):
+        m = EXPERT.fullmatch(name)
+        whole = f"{m[1]}.{m[3]}" if m else name  # an expert's slice of its stacked tensor
+        if whole not in done:
+            targets = [names.get_name(n, try_suffixes=SUFFIXES) for n in spec.names(whole)]
+            missing = [t for t in targets if t not in stored]
+            if missing:
+                raise CheckpointError(f"{path}: the {arch} GGUF file has no {missing[0]}")
+            used.update(targets)
+            done[whole] = spec.from_gguf(whole, [stored[t] for t in targets], config)
+        tensors[name] = done[whole][int(m[2])] if m else done[whole]
+    # Layers past the model's: llama.cpp's multi-token-prediction layers, left out as on import.
+    beyond = [n for n in stored if (m := re.match(r"blk\.(\d+)\.", n)) and int(m[1]) >= n_layers]
+    if extra := sorted(set(stored) - used - set(beyond)):
+        raise CheckpointError(f"{path}: {arch} tensors eqllm does not read: {extra}")
+    return config, tensors
