@@ -360,3 +360,31 @@ def test_what_an_architecture_cannot_hold_is_refused_by_name(tmp_path):
         moe={"norm_topk_prob": False},
     )
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_multi_token_prediction_layers_are_left_out(written, tmp_path):
+    """llama.cpp's Qwen3.5 files count their multi-token-prediction layers in block_count
+    (`nextn_predict_layers`) and hold them as further blocks: read as the model without them,
+    as eqllm's Hugging Face import leaves `mtp.*` out."""
+    model, hf, _, reader, tmp = written("qwen3_5")
+    n = hf["num_hidden_layers"]
+    writer = gguf.GGUFWriter(str(tmp_path / "mtp.gguf"), "qwen35")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents() + 1 if key == "qwen35.block_count" else field.contents()
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, field.types[0], sub_type=sub)
+    writer.add_uint32("qwen35.nextn_predict_layers", 1)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, _array(t))
+    d = hf["hidden_size"]
+    writer.add_tensor(f"blk.{n}.nextn.eh_proj.weight", np.ones((d, 2 * d), np.float32))
+    writer.add_tensor(f"blk.{n}.attn_norm.weight", np.ones(d, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    back = eqllm.hub.from_pretrained(tmp_path / "mtp.gguf")
+    assert back.config == eqllm.hub.from_pretrained(tmp / "m.gguf").config
+    assert back.config.n_layers == n

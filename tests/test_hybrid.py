@@ -92,11 +92,6 @@ def test_speculative_decoding_refuses_a_hybrid_target_or_draft_by_name(model):
         Engine(target, max_batch=2, max_len=32, speculate=2, draft=model)
 
 
-def test_gguf_export_refuses_qwen3_5_by_name(model, tmp_path):
-    with pytest.raises(EqllmError, match="qwen3_5"):
-        eqllm.hub.save_gguf(model, tmp_path / "m.gguf")
-
-
 def test_vision_language_checkpoint_reads_as_its_language_model(tmp_path, caplog):
     """A published-style `qwen3_5` folder (Qwen3_5ForConditionalGeneration: language model under
     `model.language_model.`, a vision tower under `model.visual.`) imports as the text model,
