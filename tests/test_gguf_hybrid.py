@@ -359,6 +359,11 @@ def test_what_an_architecture_cannot_hold_is_refused_by_name(tmp_path):
         "moe.norm_topk_prob=False: GGUF architecture 'qwen3next'",
         moe={"norm_topk_prob": False},
     )
+    refused(
+        "qwen3_5",
+        "linear.value_head_dim=16: GGUF architecture 'qwen35'",
+        linear={"value_head_dim": 16},
+    )
     assert not (tmp_path / "x.gguf").exists()
 
 

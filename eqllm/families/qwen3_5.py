@@ -225,6 +225,17 @@ HYBRID_KEYS = LLAMA_KEYS | {
 IGNORED = r"^(mtp\.|model\.visual\.)"
 
 
+def gguf_refuses(cfg: ModelConfig) -> dict[str, Any]:
+    """llama.cpp's Gated DeltaNet (qwen35, qwen35moe, qwen3next) sizes a value head as a key
+    head (`ssm.state_size`): the two must be equal."""
+    lin = cfg.linear
+    return (
+        {}
+        if lin.value_head_dim == lin.key_head_dim
+        else {"linear.value_head_dim": lin.value_head_dim}
+    )
+
+
 FAMILY = Family(
     name="qwen3_5",
     released="2026-02",
@@ -240,4 +251,5 @@ FAMILY = Family(
     wrapper="qwen3_5",
     ignored=IGNORED,
     gguf="qwen35",
+    gguf_refuses=gguf_refuses,
 )

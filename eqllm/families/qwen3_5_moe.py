@@ -27,6 +27,7 @@ from eqllm.families.qwen3_5 import (
     HYBRID_KEYS,
     IGNORED,
     PUBLISHED,
+    gguf_refuses,
     hybrid_from_hf,
     hybrid_table,
     hybrid_to_hf,
@@ -105,6 +106,7 @@ FAMILY = Family(
     from_hf=from_hf,
     check=has_shared_expert,
     gguf="qwen35moe",
+    gguf_refuses=gguf_refuses,
     wrapper="qwen3_5_moe",
     ignored=IGNORED,
 )

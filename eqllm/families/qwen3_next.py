@@ -30,6 +30,7 @@ from eqllm.families.qwen3_5 import (
     hybrid_table,
     hybrid_to_hf,
 )
+from eqllm.families.qwen3_5 import gguf_refuses as hybrid_gguf_refuses
 from eqllm.families.qwen3_5_moe import fused_moe, per_expert_moe
 
 
@@ -76,8 +77,10 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def gguf_refuses(cfg: ModelConfig) -> dict[str, Any]:
-    """llama.cpp's Qwen3-Next always renormalises the chosen experts' weights."""
-    return {} if cfg.moe.norm_topk_prob else {"moe.norm_topk_prob": False}
+    """llama.cpp's Qwen3-Next always renormalises the chosen experts' weights (and sizes value
+    heads as key heads, `qwen3_5.gguf_refuses`)."""
+    wrong = hybrid_gguf_refuses(cfg)
+    return wrong if cfg.moe.norm_topk_prob else {**wrong, "moe.norm_topk_prob": False}
 
 
 FAMILY = Family(
