@@ -138,6 +138,22 @@ def test_the_cache_holds_kv_per_position_and_the_state_per_request():
     assert not engine.pool.prefix_cache and "recurrent state" in engine.describe()
 
 
+def test_the_server_s_seeded_completion_equals_generate(model):
+    """`eqllm serve`'s app over the engine (no tokenizer: token ids in, ids as text out): a
+    seeded sampled completion is `eqllm.generate`'s with that seed."""
+    from eqllm.serve.app import Service, create_app
+    from tests.serve_helpers import ServerThread, post
+
+    prompt = random_prompts([11], seed=3)[0]
+    service = Service(_engine(model), None, model_name="falcon")
+    body = {"model": "falcon", "prompt": " ".join(map(str, prompt)), "max_tokens": 10}
+    with ServerThread(create_app(service)) as server:
+        status, out = post(f"{server.url}/v1/completions", {**body, "seed": 5, "top_k": 20})
+    assert status == 200, out
+    want = eqllm.generate(model, prompt, max_new_tokens=10, key=jax.random.key(5), top_k=20)
+    assert [int(t) for t in out["choices"][0]["text"].split()] == want.tolist()
+
+
 def test_speculative_decoding_refuses_falcon_h1():
     """Rejected guesses would have to be undone in the Mamba-2 state, which the engine does not
     keep per guess."""
