@@ -1,13 +1,16 @@
 """Cache bytes per request of a hybrid against an all-attention model of the same sizes, as the
 serving engine sizes them (`eqllm.generation.sizing.request_bytes`: its attention layers'
 blocks, plus the recurrent state of its linear-attention layers in the request's slot); and of
-a stack of Mamba-2 layers alone, which has no attention layer: its state is all it keeps.
+a stack of Mamba-2 layers alone, which has no attention layer: its state is all it keeps; and
+of Falcon-H1, whose every layer runs attention and Mamba-2 side by side: it keeps the
+all-attention twin's keys and values and a Mamba-2 state per layer on top (a ratio below 1).
 
 The all-attention twin is the same config with `linear = None`: the same layers, heads and
 dims, every layer full attention (a stack without attention layers has no such twin: "-").
 Nothing runs: the models are shape-only skeletons.
 
-    python benchmarks/hybrid_cache.py [--models qwen3.5-0.8b,mamba2-780m] [--lengths 4096,32768]
+    python benchmarks/hybrid_cache.py [--models qwen3.5-0.8b,mamba2-780m,falcon-h1-0.5b]
+        [--lengths 4096,32768]
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ def table(name: str, lengths: list[int], dtypes: list[str]) -> tuple[list[str], 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="qwen3.5-0.8b,mamba2-780m")
+    parser.add_argument("--models", default="qwen3.5-0.8b,mamba2-780m,falcon-h1-0.5b")
     parser.add_argument("--lengths", default="4096,32768")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     args = parser.parse_args()

@@ -42,8 +42,10 @@ from eqllm.stack import REMAT_POLICIES as REMAT_POLICIES  # re-exported: the rem
 from eqllm.stack import dtype_of, initial_parts, layer_flag, layer_flags, multipliers_of, run_stacks
 from eqllm.trees import cast_floating
 
-# Cached inference, per layer: K and V (or latents) per position, or a fixed recurrent state.
-Cache = tuple[KVCache | LatentCache | GatedDeltaNetState | Mamba2State, ...]
+# Cached inference, per layer: K and V (or latents) per position, or a fixed recurrent state;
+# a layer with a mixer beside attention (Falcon-H1's) holds the pair (its K and V, its state).
+Entry = KVCache | LatentCache | GatedDeltaNetState | Mamba2State
+Cache = tuple[Entry | tuple[KVCache, GatedDeltaNetState | Mamba2State], ...]
 
 # ModelConfig fields that change how the model runs, not what it computes.
 EXECUTION_FIELDS = (
@@ -217,10 +219,10 @@ class CausalLM(eqx.Module):
         `min(length, max_seq_len)` slots of kv heads in the compute dtype (a ring of just the
         window in a windowed or chunked layer), or a linear-attention or Mamba-2 layer's
         fixed-size state (its convolution's last inputs in the compute dtype; its recurrent
-        state in fp32, or a Mamba-2 layer's `state_dtype`).
+        state in fp32, or a Mamba-2 layer's `state_dtype`). A layer that runs a mixer beside
+        attention (`linear.parallel`) holds both: the pair (its KV cache, its mixer's state).
         """
         cfg = self.config
-        refuse_cached(cfg)
         dtype = dtype_of(cfg.compute_dtype)
         full = min(length, cfg.max_seq_len)
         a = cfg.attention
@@ -234,6 +236,9 @@ class CausalLM(eqx.Module):
         caches = tuple(local if w else world for w in cfg.local_layers())
         if cfg.linear is None:
             return caches
+        if cfg.linear.parallel:  # every layer: attention and its mixer's state (Falcon-H1)
+            state = self.blocks.ssm.init_state(dtype=dtype)
+            return tuple((c, state) for c in caches)
         mixers = self.blocks if cfg.linear.pure else self.linear_blocks  # pure: no attention
         state = mixers.attn.init_state(dtype=dtype)  # conv inputs in dtype, S in its own
         kinds = cfg.layer_kinds()
@@ -339,17 +344,6 @@ class CausalLM(eqx.Module):
     ) -> tuple[Float[Array, " vocab"], Cache]:
         """Feed one token at `position` after those in `cache`: `prefill` of a chunk of one."""
         return self.prefill(token[None], position[None], cache, layers=layers)
-
-
-def refuse_cached(config: ModelConfig) -> None:
-    """Raise for a mixer beside attention in every layer (Falcon-H1's), whose cache would need
-    a KV cache and a recurrent state at once."""
-    if config.linear is not None and config.linear.parallel:
-        raise EqllmError(
-            f"generation of {config.family} models is not supported yet (linear.parallel: "
-            "every layer needs both a KV cache and a recurrent state); use the full forward, "
-            "model(tokens), instead"
-        )
 
 
 def check_tokens(tokens, config: ModelConfig) -> None:

@@ -471,7 +471,6 @@ FAMILIES = [
         lora=tiny.FALCON_LORA,
         gguf=True,
         atol=1e-4,
-        generates=False,
     ),
     # The mixer's gated RMSNorm before the gate (mamba_rms_norm and mamba_norm_before_gate),
     # dt clamped to limits the perturbed twin's time steps cross at both ends, a tied head.
@@ -487,7 +486,6 @@ FAMILIES = [
         variant=True,
         lora=tiny.FALCON_LORA[:-1],  # tied: no lm_head of its own
         atol=1e-4,
-        generates=False,
     ),
 ]
 # tests/conftest.py records here the parametrised tests none of whose cases runs by default;

@@ -3,10 +3,11 @@ multipliers (`ModelConfig.multipliers`).
 
 The family contract (tests/test_families.py, entries `falcon_h1` and `falcon_h1_normed`) checks
 logits against transformers both ways (every multiplier away from 1), the bit-for-bit round
-trip, peft's LoRA, scanned == unrolled and the cache's refusal. Here: the one stack with both
+trip, peft's LoRA, scanned == unrolled, cached decoding and greedy generation against
+transformers'; tests/test_falcon_h1_generation.py the engine. Here: the one stack with both
 mixers in each block, packed documents equal each alone, the FLOPs count, the validation of the
-new settings, the refusal of generation, a published config.json read as its zoo size, and the
-key multiplier against the keys themselves scaled.
+new settings, a published config.json read as its zoo size, and the key multiplier against the
+keys themselves scaled.
 """
 
 import equinox as eqx
@@ -17,7 +18,6 @@ import pytest
 
 import eqllm
 from eqllm.config import ConfigError
-from eqllm.errors import EqllmError
 from eqllm.nn import Attention, Linear, Mamba2
 from eqllm.sharding.rules import logical_axes
 from tests.families import TINY_CONFIGS
@@ -76,15 +76,6 @@ def test_flops_count_both_mixers_and_the_head(model):
 def test_the_settings_are_validated(change, message):
     with pytest.raises(ConfigError, match=message):
         CONFIG.replace(**change)
-
-
-def test_generation_refuses_by_name(model):
-    with pytest.raises(EqllmError, match="generation of falcon_h1 models is not supported yet"):
-        eqllm.generate(model, [1, 2, 3], max_new_tokens=2, key=jax.random.key(0))
-    from eqllm.generation.engine import Engine
-
-    with pytest.raises(EqllmError, match="falcon_h1.*use the full forward"):
-        Engine(model, max_batch=2, max_len=32)
 
 
 def test_key_multiplier_equals_the_keys_scaled(model):

@@ -169,7 +169,10 @@ def _decodes_as_transformers(tiny) -> bool:
 # a hybrid's and Mamba-2's recurrent state.
 @pytest.mark.parametrize(
     "name",
-    params({"gpt2", "mistral", "gemma2", "qwen3_5", "mamba2"}, where=_decodes_as_transformers),
+    params(
+        {"gpt2", "mistral", "gemma2", "qwen3_5", "mamba2", "falcon_h1"},
+        where=_decodes_as_transformers,
+    ),
 )
 def test_greedy_equals_transformers_generate(twins, name):
     """eqllm.generate's greedy continuation is the one transformers' generate picks."""

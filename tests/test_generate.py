@@ -114,7 +114,8 @@ def greedy(models):
 def test_each_layer_caches_its_window_or_the_whole_context(family):
     """A windowed layer's cache is a ring of just its window (a chunked layer's, of one chunk);
     a global layer's holds LENGTH; a hybrid's linear-attention layer and a Mamba-2 layer hold
-    their recurrent state, the same at any length."""
+    their recurrent state, the same at any length; a layer with Mamba-2 beside attention
+    (Falcon-H1's) holds both, the pair (its keys and values, its state)."""
     config = TINY_CONFIGS[family]
     shapes = eqx.filter_eval_shape(eqllm.CausalLM, config, key=jax.random.key(0))
     cache = eqx.filter_eval_shape(lambda m: m.init_cache(LENGTH), shapes)
@@ -122,7 +123,11 @@ def test_each_layer_caches_its_window_or_the_whole_context(family):
     attention, lin = config.attention, config.linear
     kinds = config.layer_kinds()
     for layer_cache, local, kind in zip(cache, config.local_layers(), kinds, strict=True):
-        if kind == "linear" and lin.kind == "mamba2":  # heads x head_dim x d_state
+        if lin is not None and lin.parallel:
+            layer_cache, state = layer_cache
+            heads = (lin.n_value_heads, lin.value_head_dim, lin.key_head_dim)
+            assert state.ssm.shape == heads and state.ssm.dtype == jnp.float32
+        elif kind == "linear" and lin.kind == "mamba2":  # heads x head_dim x d_state
             heads = (lin.n_value_heads, lin.value_head_dim, lin.key_head_dim)
             assert layer_cache.ssm.shape == heads and layer_cache.ssm.dtype == jnp.float32
             continue

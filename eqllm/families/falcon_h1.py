@@ -12,8 +12,8 @@ forward as transformers applies them (the key multiplier as a factor on the soft
 same scores), so weights import and export bit for bit.
 
 transformers computes the residual in the compute dtype too; its `mup_vector` is a buffer it
-rebuilds from the config, never in a checkpoint. Cached generation refuses the family
-(`eqllm.model.refuse_cached`): a layer needs a KV cache and a Mamba-2 state at once.
+rebuilds from the config, never in a checkpoint. In cached generation each layer's cache entry
+is the pair (its KV cache, its Mamba-2 state) (`CausalLM.init_cache`).
 """
 
 import math

@@ -18,13 +18,16 @@ sequence.
 
 A recurrent layer (a hybrid's linear-attention layer, a Mamba-2 layer) has no pool: its entry
 of the cache is the recurrent state of the call's rows (`eqllm.generation.recurrent`), which the
-layer continues and `forward` returns. A stack of Mamba-2 layers alone has no pool at all: its
-pages and page tables are bookkeeping that holds no bytes.
+layer continues and `forward` returns. A layer with a mixer beside attention (Falcon-H1's) has
+the pair (its pool, its mixer's state): the layer runs on (its view, the state). A stack of
+Mamba-2 layers alone has no pool at all: its pages and page tables are bookkeeping that holds
+no bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import equinox as eqx
@@ -34,7 +37,7 @@ from jaxtyping import Array, Float, Int
 
 from eqllm.config import ModelConfig
 from eqllm.generation.adapters import row_calls
-from eqllm.generation.recurrent import State, is_state
+from eqllm.generation.recurrent import State, is_state, parts
 from eqllm.model import CausalLM
 from eqllm.nn import KVCache, LatentCache
 from eqllm.nn.linear import zero_after
@@ -70,6 +73,10 @@ class Pool(eqx.Module):
         return jax.tree.unflatten(self.treedef, leaves)
 
 
+# A layer's entry of the engine's cache: its pool, its rows' recurrent state, or both.
+Entry = Pool | State | tuple[Pool, State]
+
+
 def data_fields(kind: type) -> list[str]:
     """The arrays a cache kind holds per position (its fields but `positions`)."""
     return [f.name for f in dataclasses.fields(kind) if f.name != "positions"]
@@ -79,7 +86,8 @@ def bytes_per_token(model: CausalLM) -> int:
     """Cache bytes one token position takes in all of the model's pools."""
     return sum(
         math.prod(getattr(c, name).shape[1:]) * getattr(c, name).dtype.itemsize
-        for c in model.init_cache(1)
+        for entry in model.init_cache(1)
+        for c in parts(entry)
         if not is_state(c)  # a fixed size per sequence, not per token
         for name in data_fields(type(c))
     )
@@ -90,7 +98,8 @@ def state_bytes(model: CausalLM) -> int:
     (Gated DeltaNet, Mamba-2), whatever its length (0 without any)."""
     return sum(
         math.prod(a.shape) * a.dtype.itemsize
-        for c in model.init_cache(1)
+        for entry in model.init_cache(1)
+        for c in parts(entry)
         if is_state(c)
         for a in jax.tree.leaves(c)
     )
@@ -158,14 +167,14 @@ def _write(
 
 def forward(
     fixed,
-    cache: tuple[Pool | State, ...],
+    cache: tuple[Entry, ...],
     pages: Int[Array, "rows pages"],
     tokens: Int[Array, "rows new"],
     positions: Int[Array, "rows new"],
     start: Int[Array, " rows"],
     block_size: int,
     adapter: Int[Array, " rows"] | None = None,
-) -> tuple[Float[Array, "rows vocab"], tuple[Pool | State, ...]]:
+) -> tuple[Float[Array, "rows vocab"], tuple[Entry, ...]]:
     """`forward_hidden`, and the logits after each row's last position."""
     x, written = forward_hidden(fixed, cache, pages, tokens, positions, start, block_size, adapter)
     return jax.vmap(fixed[0].next_logits)(x), written
@@ -173,14 +182,14 @@ def forward(
 
 def forward_hidden(
     fixed,
-    cache: tuple[Pool | State, ...],
+    cache: tuple[Entry, ...],
     pages: Int[Array, "rows pages"],
     tokens: Int[Array, "rows new"],
     positions: Int[Array, "rows new"],
     start: Int[Array, " rows"],
     block_size: int,
     adapter: Int[Array, " rows"] | None = None,
-) -> tuple[Float[Array, "rows new d_model"], tuple[Pool | State, ...]]:
+) -> tuple[Float[Array, "rows new d_model"], tuple[Entry, ...]]:
     """The model's own cached forward on each row's new positions (negative: padding), one
     layer at a time: a layer's views are gathered from its pool right before it runs, and the
     positions it computed written back right after; the last layer's output at every position
@@ -201,15 +210,31 @@ def forward_hidden(
     after = jnp.zeros((), jnp.int32)
     written = []
     calls = row_calls(model, layers, adapter)  # vmapped over rows
-    for call, pool, window in zip(calls, cache, windows(model.config), strict=True):
-        if is_state(pool):  # the rows' recurrent state, continued
-            x, state = call(x, positions, pool)
-            after = zero_after(x)
-            written.append(state)
-            continue
+    for call, entry, window in zip(calls, cache, windows(model.config), strict=True):
         blocks = view_blocks(window, n_pages, new, block_size)
-        view = _view(pool, pages, start, end, blocks, block_size, after)
-        x, view = call(x, positions, view)
+        read = functools.partial(
+            _view,
+            pages=pages,
+            start=start,
+            end=end,
+            blocks=blocks,
+            block_size=block_size,
+            after=after,
+        )
+        x, out = call(x, positions, _on_pools(read, entry))  # a state: the rows' own
         after = zero_after(x)
-        written.append(_write(pool, view, pages, positions + after, block_size))
+        write = functools.partial(
+            _write, pages=pages, positions=positions + after, block_size=block_size
+        )
+        written.append(_on_pools(write, entry, out))
     return x, tuple(written)
+
+
+def _on_pools(fn, entry, *out):
+    """`fn(pool, *out)` for each pool of a layer's entry (alone or in a pair); a recurrent state
+    is the rows' state to continue: as it is, or (with `out`, the call's output) the call's."""
+    if isinstance(entry, tuple):
+        return tuple(_on_pools(fn, e, *o) for e, *o in zip(entry, *out, strict=True))
+    if is_state(entry):
+        return out[0] if out else entry
+    return fn(entry, *out)

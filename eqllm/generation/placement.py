@@ -84,10 +84,14 @@ def state_shardings(state, mesh: Mesh):
     `tensor` by kv head (latents, without a head axis, over `data` only)."""
     by_row = NamedSharding(mesh, PartitionSpec("data"))
     by_head = NamedSharding(mesh, PartitionSpec("data", "tensor"))
-    pools = [c for c in state.cache if not is_state(c)]  # recurrent states: by slot alone
-    pools = jax.tree.map(lambda a: by_head if a.ndim == 3 else by_row, pools)
-    cache = tuple(
-        jax.tree.map(lambda a: by_row, c) if is_state(c) else pools.pop(0) for c in state.cache
-    )
+
+    def entry(c):  # recurrent states by slot alone; a pair (pool, state) part by part
+        if isinstance(c, tuple):
+            return tuple(entry(part) for part in c)
+        if is_state(c):
+            return jax.tree.map(lambda a: by_row, c)
+        return jax.tree.map(lambda a: by_head if a.ndim == 3 else by_row, c)
+
+    cache = tuple(entry(c) for c in state.cache)
     rest = jax.tree.map(lambda a: by_row, eqx.tree_at(lambda s: s.cache, state, ()))
     return eqx.tree_at(lambda s: s.cache, rest, cache)

@@ -6,12 +6,14 @@ inputs) where an attention layer keeps keys and values per position.
 The state lives in the engine's one device state (`SlotState.cache`), in the place of the
 layer's paged pool: the layer's state (`GatedDeltaNetState`, `Mamba2State`) with a leading
 `slots` axis, one per recurrent layer, beside the attention layers' pools (a stack of Mamba-2
-layers alone has no pool at all). Every function here acts on any such state as a pytree, so
-both layer kinds share one mechanism. A prefill call gathers its rows' states by slot (a
-row's first chunk starts from zeros: the state a finished request left in the slot is cleared
-before the new request reads it), runs the chunk, and writes them back; a decode call runs the
-first `slots` slots' states in place. Padding (negative positions, and slots a call does not
-run) leaves a state as it is, so a prompt may go in over several chunks.
+layers alone has no pool at all). A layer that runs a mixer beside attention (Falcon-H1's) has
+the pair (its pool, its state) as its entry. Every function here acts on any such state as a
+pytree, and on the states inside a pair, so every layer kind shares one mechanism. A prefill
+call gathers its rows' states by slot (a row's first chunk starts from zeros: the state a
+finished request left in the slot is cleared before the new request reads it), runs the
+chunk, and writes them back; a decode call runs the first `slots` slots' states in place.
+Padding (negative positions, and slots a call does not run) leaves a state as it is, so a
+prompt may go in over several chunks.
 
 The state at the end of a cached prefix is not kept with the prefix's blocks, so an engine
 over a model with recurrent layers does not reuse cached prefixes (`prefix_cache` is off for
@@ -37,6 +39,23 @@ def is_state(entry) -> bool:
     return isinstance(entry, State)
 
 
+def parts(entry) -> tuple:
+    """A layer's entry as a tuple of its parts (a pool or state alone, or both of a pair)."""
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def on_states(fn, *entries):
+    """`fn` applied to a layer's entries (one per cache given, alike) where they are states:
+    the entry itself, or the states inside a pair; anything else (a pool) is the last entry
+    given, as it is (the written one, when `fn` puts written states back)."""
+    first = entries[0]
+    if is_state(first):
+        return fn(*entries)
+    if isinstance(first, tuple):
+        return tuple(on_states(fn, *parts) for parts in zip(*entries, strict=True))
+    return entries[-1]
+
+
 def for_slots(template: State, slots: int) -> State:
     """Zero states of `slots` sequences shaped like one sequence's `template`."""
     return jax.tree.map(lambda a: jnp.zeros((slots, *a.shape), a.dtype), template)
@@ -53,7 +72,7 @@ def gather(cache: tuple, slots: Int[Array, " rows"], first: Bool[Array, " rows"]
 
         return jax.tree.map(take, state)
 
-    return tuple(rows(c) if is_state(c) else c for c in cache)
+    return tuple(on_states(rows, c) for c in cache)
 
 
 def scatter(cache: tuple, written: tuple, slots: Int[Array, " rows"]) -> tuple:
@@ -63,12 +82,12 @@ def scatter(cache: tuple, written: tuple, slots: Int[Array, " rows"]) -> tuple:
     def put(whole, rows):
         return jax.tree.map(lambda a, r: a.at[slots].set(r, mode="drop"), whole, rows)
 
-    return tuple(put(c, w) if is_state(c) else w for c, w in zip(cache, written, strict=True))
+    return tuple(on_states(put, c, w) for c, w in zip(cache, written, strict=True))
 
 
 def first_slots(cache: tuple, n: int) -> tuple:
     """`cache` with each state cut to its first `n` slots (a decode call's rows)."""
-    return tuple(jax.tree.map(lambda a: a[:n], c) if is_state(c) else c for c in cache)
+    return tuple(on_states(lambda c: jax.tree.map(lambda a: a[:n], c), c) for c in cache)
 
 
 def put_first(cache: tuple, written: tuple, n: int) -> tuple:
@@ -77,7 +96,7 @@ def put_first(cache: tuple, written: tuple, n: int) -> tuple:
     def put(whole, rows):
         return jax.tree.map(lambda a, r: a.at[:n].set(r), whole, rows)
 
-    return tuple(put(c, w) if is_state(c) else w for c, w in zip(cache, written, strict=True))
+    return tuple(on_states(put, c, w) for c, w in zip(cache, written, strict=True))
 
 
 def refuse_speculation(model: CausalLM, role: str) -> None:

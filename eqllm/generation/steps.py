@@ -42,7 +42,7 @@ class SlotState(eqx.Module):
     of its prompt and output (repetition penalty).
     """
 
-    cache: tuple  # per layer: a Pool, or a recurrent state per slot (recurrent.State)
+    cache: tuple  # per layer: a Pool, a recurrent state per slot (recurrent.State), or both
     token: Int[Array, " slots"]
     position: Int[Array, " slots"]
     present: Bool[Array, "slots vocab"]
@@ -64,15 +64,24 @@ def empty_state(model: CausalLM, slots: int, blocks: int, block_size: int) -> Sl
     """Every slot empty; pools of `blocks` blocks of `block_size` positions per layer."""
     rows = blocks * block_size
     return SlotState(
-        cache=tuple(
-            recurrent.for_slots(t, slots) if recurrent.is_state(t) else Pool.empty(t, rows)
-            for t in model.init_cache(1)
-        ),
+        cache=tuple(_empty(t, slots, rows) for t in model.init_cache(1)),
         token=jnp.zeros((slots,), jnp.int32),
         position=jnp.zeros((slots,), jnp.int32),
         present=jnp.zeros((slots, model.config.vocab_size), bool),
         keys=jax.random.split(jax.random.key(0), slots),
         step=jnp.zeros((slots,), jnp.int32),
+    )
+
+
+def _empty(template, slots: int, rows: int):
+    """A layer's empty entry from one sequence's cache `template`: a pool, a state per slot, or
+    the pair of both (a layer with a mixer beside attention)."""
+    if isinstance(template, tuple):
+        return tuple(_empty(t, slots, rows) for t in template)
+    return (
+        recurrent.for_slots(template, slots)
+        if recurrent.is_state(template)
+        else Pool.empty(template, rows)
     )
 
 

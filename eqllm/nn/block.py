@@ -19,6 +19,9 @@ from eqllm.nn.norm import LayerNorm, RMSNorm
 from eqllm.nn.ssd import Mamba2State
 
 Norm = RMSNorm | LayerNorm
+State = GatedDeltaNetState | Mamba2State
+# One layer's cache: keys and values (or latents), a recurrent state, or both (with `ssm`).
+Cache = KVCache | LatentCache | State | tuple[KVCache, State]
 
 
 def _apply(norm: Norm | None, x):
@@ -121,24 +124,30 @@ class Block(eqx.Module):
         self,
         x: Float[Array, "seq d_model"],
         positions: Int[Array, " seq"],
-        cache: KVCache | LatentCache | GatedDeltaNetState | Mamba2State,
+        cache: Cache,
         local: Bool[Array, ""] | bool | None = None,
         rotate: Bool[Array, ""] | bool | None = None,
-    ) -> tuple[
-        Float[Array, "seq d_model"], KVCache | LatentCache | GatedDeltaNetState | Mamba2State
-    ]:
+    ) -> tuple[Float[Array, "seq d_model"], Cache]:
         """The block on a chunk of new positions, attending to `cache` (see Attention.cached);
         a Gated DeltaNet or Mamba-2 layer continues its recurrent state instead (its `cache`),
-        skipping the chunk's left padding (negative positions).
+        skipping the chunk's left padding (negative positions). A block with a mixer beside
+        attention (`ssm`) takes the pair (attention's cache, the mixer's state) and returns
+        both continued.
 
         Experts are computed densely here: generation runs this under `jax.vmap`, which the
         grouped ("ragged") product does not support, and a decode step has one token anyway.
         """
-        # eqllm.model.refuse_cached keeps a parallel block (its cache would need both) away.
-        assert self.ssm is None, "a block with a parallel mixer has no cached form yet"
-        h = _scaled(_apply(self.attn_norm, x), self.multipliers[0])
+        h = _apply(self.attn_norm, x)
+        h_in = _scaled(h, self.multipliers[0])
+        valid = positions >= 0
         if isinstance(self.attn, GatedDeltaNet | Mamba2):
-            attended, cache = self.attn(h, cache, valid=positions >= 0)
+            attended, cache = self.attn(h_in, cache, valid=valid)
             return self._residual(x, self._mixed(h, attended), "dense")[0], cache
-        attended, cache = self.attn.cached(h, positions, cache, local, rotate)
-        return self._residual(x, self._mixed(h, attended), "dense")[0], cache
+        if self.ssm is None:
+            attended, cache = self.attn.cached(h_in, positions, cache, local, rotate)
+            return self._residual(x, self._mixed(h, attended), "dense")[0], cache
+        kv, state = cache
+        attended, kv = self.attn.cached(h_in, positions, kv, local, rotate)
+        mixed, state = self.ssm(h, state, valid=valid)  # on the unscaled input, as in `_mixed`
+        out = _scaled(attended, self.multipliers[1]) + _scaled(mixed, self.multipliers[2])
+        return self._residual(x, out, "dense")[0], (kv, state)

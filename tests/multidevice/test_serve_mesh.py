@@ -163,3 +163,27 @@ def test_mamba2_alone_serves_on_a_mesh_as_on_one_device():
         assert tokens == want_tokens and len(tokens) == 8
         np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-5)
         np.testing.assert_allclose(scores, want_scores, atol=1e-5)
+
+
+def test_falcon_h1_serves_on_a_mesh_as_on_one_device():
+    """Falcon-H1's layers hold a pool and a Mamba-2 state each: the pool's keys and values split
+    over `data` by row and `tensor` by kv head, the state over `data` by slot; the same tokens,
+    log-probabilities and prompt scores as one device."""
+    from tests.families import TINY_CONFIGS
+
+    model = eqllm.CausalLM(TINY_CONFIGS["falcon_h1"], key=jax.random.key(0))
+
+    def engine(mesh=None):
+        return Engine(model, max_batch=SLOTS, max_len=LENGTH, prefill_chunk=CHUNK, mesh=mesh)
+
+    split = engine(serving_mesh("data=2,tensor=2"))
+    got, want = _serve(split), _serve(engine())
+    pool, state = split.runner.state.cache[0]
+    assert state.ssm.addressable_shards[0].data.shape[0] == SLOTS // 2
+    assert pool.data["k"].addressable_shards[0].data.shape[1] == 1  # 2 kv heads over tensor=2
+    for (tokens, logprobs, scores), (want_tokens, want_logprobs, want_scores) in zip(
+        got, want, strict=True
+    ):
+        assert tokens == want_tokens and len(tokens) == 8
+        np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-5)
+        np.testing.assert_allclose(scores, want_scores, atol=1e-5)
