@@ -142,6 +142,18 @@ FAMILIES = [
         ),
         published={"gemma3-1b": 999_885_952, "gemma3-4b": 3_880_263_168},
     ),
+    # Gemma 3's layout with plain-weight norms, a weightless value norm, unscaled scores and a
+    # stored scalar per layer: local, global, local, global layers (transformers makes the last
+    # layer global), a soft-cap of 2 on the logits.
+    Tiny(
+        "gemma4",
+        _zoo(
+            "gemma4-nano",
+            n_layers=4,
+            attention={"n_kv_heads": 2, "head_dim": 8, "sliding_window": 5, "global_every": 2},
+            final_softcap=2.0,
+        ),
+    ),
     # Fused qkv_proj and gate_up_proj; half of each head rotated; a window over every layer.
     Tiny(
         "phi3",

@@ -64,7 +64,7 @@ class AttentionConfig:
 
     `output_gate`: the heads' output is multiplied by sigmoid of a second query-sized
     projection of the input before the output projection (Qwen3-Next and Qwen3.5's gated
-    attention).
+    attention). `v_norm`: values pass a weightless RMSNorm over each head (Gemma 4).
 
     `kind` "gqa": the attention above; "mla": DeepSeek's multi-head latent attention
     (`eqllm.nn.mla`), keys and values from a shared `kv_lora_rank` latent, per-head
@@ -100,6 +100,7 @@ class AttentionConfig:
     chunk_size: Positive | None = None
     temperature_floor: Positive | None = None
     temperature_scale: PositiveFloat | None = None
+    v_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -127,6 +128,7 @@ class AttentionConfig:
                 "output_gate": False,
                 "chunk_size": None,
                 "temperature_floor": None,
+                "v_norm": False,
             }
             for name, wanted in plain.items():
                 value = getattr(self, name)
@@ -333,7 +335,8 @@ class MLPConfig:
 class NormsConfig:
     """The norms: `kind`, `eps`, `plus_one` (Gemma's (1 + w) RMSNorm scale), `bias` (LayerNorm
     only), `pre` (a norm before each sublayer) and `post` (one on each sublayer's output before
-    the residual add: Gemma 2/3 have both, OLMo 2 only the latter)."""
+    the residual add: Gemma 2/3 have both, OLMo 2 only the latter). `layer_scalar`: each block's
+    output is multiplied by a stored scalar of its own (Gemma 4's `layer_scalar`, 1 at init)."""
 
     PATH: ClassVar[str] = "ModelConfig.norms"
 
@@ -343,6 +346,7 @@ class NormsConfig:
     bias: bool = False
     pre: bool = True
     post: bool = False
+    layer_scalar: bool = False
 
     def __post_init__(self) -> None:
         require(

@@ -77,6 +77,7 @@ class Attention(eqx.Module):
         interleaved: rotary pairs are adjacent dims (0, 1), (2, 3), ... (Llama 4).
         temperature: (floor_scale, attn_scale): in the layers that do not rotate, the queries
             at position p times 1 + attn_scale * log1p(floor((p + 1) / floor_scale)) (None: off).
+        v_norm: a weightless RMSNorm over each value head, with `norm_eps` (Gemma 4).
     """
 
     q_proj: Linear
@@ -100,6 +101,7 @@ class Attention(eqx.Module):
     qk_l2_eps: float | None = eqx.field(static=True, default=None)
     interleaved: bool = eqx.field(static=True, default=False)
     temperature: tuple[int, float] | None = eqx.field(static=True, default=None)
+    v_norm_eps: float | None = eqx.field(static=True, default=None)
 
     def __init__(
         self,
@@ -125,6 +127,7 @@ class Attention(eqx.Module):
         qk_l2: bool = False,
         interleaved: bool = False,
         temperature: tuple[int, float] | None = None,
+        v_norm: bool = False,
         key: PRNGKeyArray,
         dtype=jnp.float32,
     ):
@@ -189,6 +192,7 @@ class Attention(eqx.Module):
         self.qk_l2_eps = norm_eps if qk_l2 else None
         self.interleaved = interleaved
         self.temperature = None if temperature is None else tuple(temperature)
+        self.v_norm_eps = norm_eps if v_norm else None
 
     def project(
         self,
@@ -211,6 +215,8 @@ class Attention(eqx.Module):
         q = q.reshape(*rows, self.n_heads, self.head_dim)
         k = k.reshape(*rows, self.n_kv_heads, self.head_dim)
         v = v.reshape(*rows, self.n_kv_heads, self.head_dim)
+        if self.v_norm_eps is not None:  # Gemma 4: a weightless RMSNorm over each value head
+            v = _unit_rms(v, self.v_norm_eps)
         if self.q_norm is not None and self.k_norm is not None and not whole:
             q = self.q_norm(q)
             k = self.k_norm(k)

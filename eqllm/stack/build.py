@@ -143,6 +143,7 @@ def make_attention(config: ModelConfig, key: PRNGKeyArray, dtype):
         temperature=(
             None if a.temperature_floor is None else (a.temperature_floor, a.temperature_scale)
         ),
+        v_norm=a.v_norm,
         key=key,
         dtype=dtype,
     )
@@ -273,6 +274,7 @@ def make_block(
         config.parallel_residual,
         ssm,
         (*mixer, m.ssm_out),
+        jnp.ones((1,), dtype) if norms.layer_scalar else None,  # Gemma 4: 1 until trained
     )
 
 
