@@ -5,13 +5,15 @@ RMSNorm on the values (`attention.v_norm`), unscaled attention scores (query_pre
 the QK-norm sets their size) and a stored scalar multiplying each layer's output
 (`norms.layer_scalar`).
 
-eqllm reads the Gemma 4 configs whose global layers are local layers without the window: the
-same head size and kv heads, values of their own, plain RoPE. The mechanisms of the published
-sizes it does not have yet are refused by name on import: global layers of another shape
-(`global_head_dim`, `attention_k_eq_v` with `num_global_key_value_heads`), proportional RoPE on
-a fraction of the global heads, per-layer input embeddings (`hidden_size_per_layer_input`, E2B
-and E4B), key/value caches shared by the last layers (`num_kv_shared_layers`) with their
-double-wide MLP, and the mixture-of-experts block (`enable_moe_block`, 26B-A4B).
+The global layers may have a shape of their own, a stack of layer kind "global"
+(`eqllm.config.kinds`): wider heads (`global_head_dim` -> `attention.global_head_dim`), fewer kv
+heads whose values are their keys (`attention_k_eq_v`, `num_global_key_value_heads` ->
+`attention.k_eq_v`, `attention.global_kv_heads`) and proportional RoPE on a fraction of their
+frequencies (`rope_parameters.full_attention.partial_rotary_factor` ->
+`positions.global_fraction`). The mechanisms of the other published sizes are refused by name on
+import: per-layer input embeddings (`hidden_size_per_layer_input`, E2B and E4B), key/value
+caches shared by the last layers (`num_kv_shared_layers`, with their double-wide MLP) and the
+mixture-of-experts block (`enable_moe_block`, 26B-A4B).
 
 Published checkpoints are multimodal (`gemma4`, `Gemma4ForConditionalGeneration`): eqllm reads
 the language model (`text_config`, `model.language_model.*`) and leaves the vision and audio
@@ -63,10 +65,15 @@ def _table(body: str) -> tuple:
     """The key table with the language model under `body` ("model." for Gemma4ForCausalLM,
     "model.language_model." in the published multimodal files); the head is tied."""
     scalar = rows(("model.layers.{i}.layer_scalar", "blocks.layer_scalar"))
+    local = [r for r in SANDWICH_TABLE + QK_NORM_ROWS + scalar if r.hf != "lm_head.weight"]
+    # The global layers' own stack (attention.global_shape) has the same tensor names.
+    global_ = [
+        dataclasses.replace(r, eqllm=tuple("global_" + p for p in r.eqllm))
+        for r in local
+        if r.layered
+    ]
     return tuple(
-        dataclasses.replace(r, hf=body + r.hf.removeprefix("model."))
-        for r in SANDWICH_TABLE + QK_NORM_ROWS + scalar
-        if r.hf != "lm_head.weight"
+        dataclasses.replace(r, hf=body + r.hf.removeprefix("model.")) for r in local + global_
     )
 
 
@@ -76,24 +83,29 @@ MULTIMODAL_TABLE = _table("model.language_model.")
 
 def _rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     p = cfg.positions
+    full = {"rope_type": "default", "rope_theta": p.theta}
+    if p.global_fraction is not None:
+        full = {**full, "rope_type": "proportional", "partial_rotary_factor": p.global_fraction}
     return {
-        "full_attention": {"rope_type": "default", "rope_theta": p.theta},
+        "full_attention": full,
         "sliding_attention": {"rope_type": "default", "rope_theta": p.local_theta},
     }
 
 
 def to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    a = cfg.attention
     fields = {k: v for k, v in llama_to_hf(cfg).items() if k not in ("rope_theta", "rope_scaling")}
     return {
         **fields,
         "hidden_activation": "gelu_pytorch_tanh",
         "attention_bias": False,
-        "sliding_window": cfg.attention.sliding_window,
+        "sliding_window": a.sliding_window,
         "layer_types": layer_types(cfg),
         "final_logit_softcapping": cfg.final_softcap,
         "rope_parameters": _rope_to_hf(cfg),
-        "global_head_dim": cfg.head_dim,  # the global layers have the local layers' shape
-        "attention_k_eq_v": False,
+        "global_head_dim": a.global_head_dim or cfg.head_dim,
+        "num_global_key_value_heads": a.global_kv_heads or a.n_kv_heads,
+        "attention_k_eq_v": a.k_eq_v,
         "hidden_size_per_layer_input": 0,
         "vocab_size_per_layer_input": cfg.vocab_size,
         "num_kv_shared_layers": 0,
@@ -107,44 +119,64 @@ def _unsupported(key: str, value: Any, fix: str) -> ConfigError:
     return ConfigError(f"config.json {key}={value!r} is not supported for Gemma 4 yet; {fix}")
 
 
-def _global_shape(hf: dict[str, Any], head_dim: int, kv_heads: int) -> None:
-    """Refuse global layers whose head size or kv heads differ from the local layers'."""
+def _global_shape(hf: dict[str, Any], head_dim: int, kv_heads: int) -> dict[str, Any]:
+    """The global layers' head size and kv heads where they differ from the local layers'
+    (None where the same): from `per_layer_config` as transformers saves it, or from
+    `global_head_dim` (512 when absent) and, with keys as values, `num_global_key_value_heads`,
+    as the published files give them."""
     overrides = hf.get("per_layer_config")
-    if overrides is None:  # as published: global_head_dim (512 when absent)
-        overrides = {"full_attention": {"head_dim": hf.get("global_head_dim", _GLOBAL_HEAD_DIM)}}
+    if overrides is None:
+        shape = {"head_dim": hf.get("global_head_dim", _GLOBAL_HEAD_DIM)}
         if hf.get("attention_k_eq_v") and hf.get("num_global_key_value_heads") is not None:
-            overrides["full_attention"]["num_key_value_heads"] = hf["num_global_key_value_heads"]
-    for layer, values in overrides.items():
-        for key, same in (("head_dim", head_dim), ("num_key_value_heads", kv_heads)):
-            if values.get(key, same) != same:
-                name = "global_head_dim" if key == "head_dim" else "num_global_key_value_heads"
-                raise _unsupported(
-                    name,
-                    values[key],
-                    f"eqllm's global layers ({layer}) have the local layers' {key}={same}",
-                )
+            shape["num_key_value_heads"] = hf["num_global_key_value_heads"]
+        overrides = {"full_attention": shape}
+    shapes = {(v.get("head_dim", head_dim), v.get("num_key_value_heads", kv_heads))
+              for v in overrides.values()}  # fmt: skip
+    if len(shapes) > 1:
+        raise _unsupported(
+            "per_layer_config", overrides, "eqllm's global layers all have one shape"
+        )
+    global_head, global_kv = shapes.pop() if shapes else (head_dim, kv_heads)
+    return {
+        "attention.global_head_dim": None if global_head == head_dim else global_head,
+        "attention.global_kv_heads": None if global_kv == kv_heads else global_kv,
+    }
+
+
+# transformers' rope_parameters when a config.json has none.
+_ROPE = {
+    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                       "rope_theta": 1_000_000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+}  # fmt: skip
 
 
 def _rope(hf: dict[str, Any]) -> dict[str, Any]:
-    """The global and local RoPE bases; both must be plain rotations of the whole head."""
-    params = hf.get("rope_parameters") or {}
-    bases = {}
-    for kind, default in (("full_attention", 1_000_000.0), ("sliding_attention", 10_000.0)):
-        p = dict(params.get(kind) or {})
-        rope_type = p.get("rope_type", "default")
-        fraction = p.get("partial_rotary_factor", 1.0)
-        plain = rope_type == "default" or (rope_type == "proportional" and fraction == 1.0)
-        if not plain or set(p) - {"rope_type", "rope_theta", "partial_rotary_factor"}:
-            raise _unsupported(
-                f"rope_parameters.{kind}",
-                p,
-                "eqllm reads plain RoPE over the whole head (proportional RoPE on a "
-                "partial_rotary_factor of the head is not implemented)",
-            )
-        bases[kind] = float(p.get("rope_theta", default))
+    """The global and local RoPE bases and the global layers' proportion (the local layers
+    rotate their whole heads)."""
+    params = hf.get("rope_parameters") or _ROPE
+    full, local = (dict(params.get(k) or {}) for k in ("full_attention", "sliding_attention"))
+    for kind, p, allowed in (
+        ("full_attention", full, ("default", "proportional")),
+        ("sliding_attention", local, ("default",)),
+    ):
+        if p.get("rope_type", "default") not in allowed or set(p) - {
+            "rope_type", "rope_theta", "partial_rotary_factor"
+        }:  # fmt: skip
+            raise _unsupported(f"rope_parameters.{kind}", p, f"eqllm reads rope_type {allowed}")
+    if local.get("partial_rotary_factor", 1.0) != 1.0:
+        raise _unsupported(
+            "rope_parameters.sliding_attention", local, "the local layers rotate whole heads"
+        )
+    fraction = full.get("partial_rotary_factor", 1.0)
+    if full.get("rope_type", "default") == "default" and fraction != 1.0:
+        raise _unsupported(
+            "rope_parameters.full_attention", full, "partial rotation is read as 'proportional'"
+        )
     return {
-        "positions.theta": bases["full_attention"],
-        "positions.local_theta": bases["sliding_attention"],
+        "positions.theta": float(full.get("rope_theta", 1_000_000.0)),
+        "positions.local_theta": float(local.get("rope_theta", 10_000.0)),
+        "positions.global_fraction": None if fraction == 1.0 else float(fraction),
     }
 
 
@@ -159,13 +191,11 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         ("hidden_size_per_layer_input", (0, None), "per-layer input embeddings (E2B, E4B)"),
         ("num_kv_shared_layers", (0, None), "key/value caches shared by the last layers"),
         ("enable_moe_block", (False, None), "the mixture-of-experts block (26B-A4B)"),
-        ("attention_k_eq_v", (False, None), "global layers whose values are their keys"),
     )
     for key, plain, what in mechanisms:
         if hf.get(key, _DEFAULTS.get(key)) not in plain:
             raise _unsupported(key, hf.get(key, _DEFAULTS.get(key)), f"{what} is not implemented")
     fields = llama_from_hf({k: v for k, v in hf.items() if k != "rope_parameters"})
-    _global_shape(hf, fields["attention.head_dim"], fields["attention.n_kv_heads"])
     every = global_every(hf, 6)
     if fields["n_layers"] % every:  # transformers makes the last layer global whatever the list
         raise _unsupported(
@@ -177,6 +207,8 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     return {
         **fields,
         **_rope(hf),
+        **_global_shape(hf, fields["attention.head_dim"], fields["attention.n_kv_heads"]),
+        "attention.k_eq_v": bool(hf.get("attention_k_eq_v", False)),
         "attention.sliding_window": need(hf, "sliding_window"),
         "attention.global_every": every,
         "final_softcap": hf.get("final_logit_softcapping"),
@@ -190,6 +222,12 @@ def _check(cfg: ModelConfig) -> dict[str, Any]:
             return {k: None}
     if cfg.n_layers % a.global_every:
         return {"n_layers": cfg.n_layers}
+    # Written as the local layers' own sizes, read back as None; transformers reads the global
+    # kv heads only where keys are values.
+    if a.global_head_dim == cfg.head_dim:
+        return {"attention.global_head_dim": a.global_head_dim}
+    if a.global_kv_heads is not None and (a.global_kv_heads == a.n_kv_heads or not a.k_eq_v):
+        return {"attention.global_kv_heads": a.global_kv_heads}
     return {}
 
 

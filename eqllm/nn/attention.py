@@ -78,11 +78,13 @@ class Attention(eqx.Module):
         temperature: (floor_scale, attn_scale): in the layers that do not rotate, the queries
             at position p times 1 + attn_scale * log1p(floor((p + 1) / floor_scale)) (None: off).
         v_norm: a weightless RMSNorm over each value head, with `norm_eps` (Gemma 4).
+        k_eq_v: no value projection: the values are the keys' projection, before the QK-norm
+            and the rotation (Gemma 4's global layers, attention_k_eq_v).
     """
 
     q_proj: Linear
     k_proj: Linear
-    v_proj: Linear
+    v_proj: Linear | None  # None: the values are the keys' projection (k_eq_v)
     o_proj: Linear
     gate_proj: Linear | None
     q_norm: RMSNorm | None
@@ -128,6 +130,7 @@ class Attention(eqx.Module):
         interleaved: bool = False,
         temperature: tuple[int, float] | None = None,
         v_norm: bool = False,
+        k_eq_v: bool = False,
         key: PRNGKeyArray,
         dtype=jnp.float32,
     ):
@@ -156,8 +159,17 @@ class Attention(eqx.Module):
         self.k_proj = Linear(
             d_model, kv_size, axes=("kv_heads", "d_model"), use_bias=qkv_bias, key=kk, dtype=dtype
         )
-        self.v_proj = Linear(
-            d_model, kv_size, axes=("kv_heads", "d_model"), use_bias=qkv_bias, key=kv, dtype=dtype
+        self.v_proj = (
+            None
+            if k_eq_v
+            else Linear(
+                d_model,
+                kv_size,
+                axes=("kv_heads", "d_model"),
+                use_bias=qkv_bias,
+                key=kv,
+                dtype=dtype,
+            )
         )
         self.o_proj = Linear(
             q_size,
@@ -208,7 +220,8 @@ class Attention(eqx.Module):
         """Queries, keys and values of `x`, normalised and rotated to their positions (not
         rotated where `rotate` is False)."""
         rows = x.shape[:-1]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k = self.q_proj(x), self.k_proj(x)
+        v = k if self.v_proj is None else self.v_proj(x)
         whole = self.q_norm is not None and self.k_norm is not None and not self.qk_norm_per_head
         if whole:  # over the whole projection, before the split into heads
             q, k = self.q_norm(q), self.k_norm(k)
