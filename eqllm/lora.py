@@ -145,8 +145,12 @@ def _is_linear(node) -> bool:
 def _names(model) -> tuple[dict[str, list[tuple[str, ...]]], str]:
     """(target name -> module paths, what to call the model in messages): Hugging Face names
     for eqllm's model, attribute names for any other tree."""
-    if isinstance(model, CausalLM):
-        return module_names(model.config.family), f"{model.config.family} model"
+    if isinstance(model, CausalLM):  # the modules this model has (a stack may be absent)
+        names = {
+            name: [m for m in modules if all(get_path(model, p) is not None for p in m)]
+            for name, modules in module_names(model.config.family).items()
+        }
+        return {k: v for k, v in names.items() if v}, f"{model.config.family} model"
     return tree_module_names(model), "model"
 
 

@@ -83,6 +83,9 @@ class CausalLM(eqx.Module):
     # A hybrid's linear-attention (Gated DeltaNet) layers, stacked alike, in layer order; None
     # otherwise. `blocks` then holds its full-attention layers (`ModelConfig.layer_kinds`).
     linear_blocks: Block | None = None
+    # The global layers where they have another shape than the windowed ones (Gemma 4's
+    # `attention.global_shape`), stacked alike, in layer order; None otherwise.
+    global_blocks: Block | None = None
 
     def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
         parts = initial_parts(config, key)
@@ -94,6 +97,7 @@ class CausalLM(eqx.Module):
         self.config = config
         self.dense_blocks = parts["dense_blocks"]
         self.linear_blocks = parts["linear_blocks"]
+        self.global_blocks = parts["global_blocks"]
 
     def with_config(self, **changes) -> CausalLM:
         """The same weights under changed execution settings (EXECUTION_FIELDS, as dotted keys
@@ -233,6 +237,10 @@ class CausalLM(eqx.Module):
         window, kv_heads = a.sliding_window or a.chunk_size, a.n_kv_heads
         local = KVCache.empty(min(full, window or full), kv_heads, cfg.head_dim, dtype)
         world = KVCache.empty(full, kv_heads, cfg.head_dim, dtype)
+        if a.global_shape:  # Gemma 4: the global layers' own heads
+            world = KVCache.empty(
+                full, a.global_kv_heads or kv_heads, a.global_head_dim or cfg.head_dim, dtype
+            )
         caches = tuple(local if w else world for w in cfg.local_layers())
         if cfg.linear is None:
             return caches

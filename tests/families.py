@@ -55,6 +55,7 @@ _OLMO_LINEAR = {
     "key_head_dim": 8,
     "value_head_dim": 8,
 }
+_GEMMA4_LOCAL = {"n_kv_heads": 2, "head_dim": 8, "sliding_window": 5, "global_every": 2}
 _MLA_LORA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "lm_head")
 
 FAMILIES = [
@@ -141,6 +142,32 @@ FAMILIES = [
             },
         ),
         published={"gemma3-1b": 999_885_952, "gemma3-4b": 3_880_263_168},
+    ),
+    # Gemma 3's layout with plain-weight norms, a weightless value norm, unscaled scores and a
+    # stored scalar per layer: local, global, local, global layers (transformers makes the last
+    # layer global), a soft-cap of 2 on the logits. The global layers are a stack of their own:
+    # heads twice as wide, one kv head whose values are its keys, a quarter of the frequencies
+    # turning (proportional RoPE). The variant's global layers have the local layers' shape.
+    Tiny(
+        "gemma4",
+        _zoo(
+            "gemma4-nano",
+            n_layers=4,
+            attention={
+                **_GEMMA4_LOCAL,
+                "global_head_dim": 16,
+                "global_kv_heads": 1,
+                "k_eq_v": True,
+            },
+            positions={"global_fraction": 0.25},
+            final_softcap=2.0,
+        ),
+        atol=3e-5,  # unscaled scores of QK-normed heads: fp32 rounding reaches 1.3e-5
+    ),
+    Tiny(
+        "gemma4-plain-global",
+        _zoo("gemma4-nano", n_layers=4, attention=_GEMMA4_LOCAL, final_softcap=2.0),
+        variant=True,
     ),
     # Fused qkv_proj and gate_up_proj; half of each head rotated; a window over every layer.
     Tiny(

@@ -291,14 +291,16 @@ def _spy_prefill(engine):
 
 
 @pytest.mark.parametrize(
-    "family", ["llama", "mistral", pytest.param("llama4", marks=pytest.mark.slow)]
+    "family",
+    ["llama", "mistral", *(pytest.param(f, marks=pytest.mark.slow) for f in ("llama4", "gemma4"))],
 )
 def test_a_shared_prefix_is_computed_once_and_gives_generates_tokens(family):
     """A request that shares a 21-token start with an earlier one takes its 5 full blocks (of
     4 positions) from the cache and prefills only what follows; a third that continues the
     second's output (a chat's next turn) takes the blocks of that output too. Each draws what
     `eqllm.generate` draws; windowed layers (mistral: a window of 5) read their blocks alike,
-    and so do chunked ones (llama4: chunks of 8, a ring of one chunk per layer)."""
+    and so do chunked ones (llama4: chunks of 8, a ring of one chunk per layer); gemma4's global
+    layers keep pools of their own head shape."""
     model = eqllm.CausalLM(TINY_CONFIGS[family], key=jax.random.key(3))
     engine = Engine(model, max_batch=2, max_len=LENGTH, prefill_chunk=16, block_size=4)
     calls = _spy_prefill(engine)

@@ -17,6 +17,7 @@ RESEARCH = [
     "llama-350m",
     "gemma2-nano",
     "gemma3-nano",
+    "gemma4-nano",
     "phi3-nano",
     "olmo2-nano",
     "olmo3-nano",
@@ -116,6 +117,7 @@ NANOS = [
     "llama-nano",
     "gemma2-nano",
     "gemma3-nano",
+    "gemma4-nano",
     "phi3-nano",
     "olmo2-nano",
     "olmo3-nano",
@@ -156,9 +158,11 @@ def test_param_count_equals_transformers(name):
     with torch.device("meta"):
         hf_model = transformers.AutoModelForCausalLM.from_config(hf_config)
     expected = sum(p.numel() for p in hf_model.parameters())
-    # DeepSeek-V3's correction biases are checkpoint buffers; eqllm counts them as arrays.
+    # DeepSeek-V3's correction biases and Gemma 4's layer scalars are checkpoint buffers; eqllm
+    # counts them as arrays.
     buffers = hf_model.named_buffers()
-    expected += sum(b.numel() for n, b in buffers if n.endswith("_correction_bias"))
+    stored = ("_correction_bias", ".layer_scalar")
+    expected += sum(b.numel() for n, b in buffers if n.endswith(stored))
     assert eqllm.zoo.param_count(name) == expected
     for special in ("bos_token_id", "eos_token_id"):  # GPT-2's 50256 is not in a small vocab
         token_id = getattr(hf_config, special, None)
@@ -175,7 +179,7 @@ def test_a_dense_config_counts_every_parameter_as_active():
     assert eqllm.zoo.active_param_count(dense) == eqllm.zoo.param_count(dense)
 
 
-@pytest.mark.parametrize("name", ["gemma2-nano", "gemma3-nano", "phi3-nano"])
+@pytest.mark.parametrize("name", ["gemma2-nano", "gemma3-nano", "gemma4-nano", "phi3-nano"])
 def test_research_sizes_exercise_their_family(name):
     """Windows shorter than the context, both kinds of layer, the family's own switches on."""
     cfg = eqllm.zoo.config(name)

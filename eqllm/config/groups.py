@@ -64,7 +64,13 @@ class AttentionConfig:
 
     `output_gate`: the heads' output is multiplied by sigmoid of a second query-sized
     projection of the input before the output projection (Qwen3-Next and Qwen3.5's gated
-    attention).
+    attention). `v_norm`: values pass a weightless RMSNorm over each head (Gemma 4).
+
+    Global layers of another shape (Gemma 4; each None/False: the local layers' own):
+    `global_head_dim` and `global_kv_heads` size the heads of the layers without the window, and
+    `k_eq_v` gives those layers no value projection (their values are the keys before norm and
+    rotation). Any of them puts the global layers in a stack of their own (layer kind
+    "global", `eqllm.config.kinds`); they need `global_every`.
 
     `kind` "gqa": the attention above; "mla": DeepSeek's multi-head latent attention
     (`eqllm.nn.mla`), keys and values from a shared `kv_lora_rank` latent, per-head
@@ -100,6 +106,15 @@ class AttentionConfig:
     chunk_size: Positive | None = None
     temperature_floor: Positive | None = None
     temperature_scale: PositiveFloat | None = None
+    v_norm: bool = False
+    global_head_dim: Positive | None = None
+    global_kv_heads: Positive | None = None
+    k_eq_v: bool = False
+
+    @property
+    def global_shape(self) -> bool:
+        """Whether the global layers differ from the local ones (a stack of their own)."""
+        return self.global_head_dim is not None or self.global_kv_heads is not None or self.k_eq_v
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -127,6 +142,7 @@ class AttentionConfig:
                 "output_gate": False,
                 "chunk_size": None,
                 "temperature_floor": None,
+                "v_norm": False,
             }
             for name, wanted in plain.items():
                 value = getattr(self, name)
@@ -146,6 +162,18 @@ class AttentionConfig:
             f"{self.PATH}.global_every",
             self.global_every,
             "needs a sliding_window or a chunk_size for the other layers",
+        )
+        require(
+            not self.global_shape or self.global_every is not None,
+            f"{self.PATH}.global_every",
+            self.global_every,
+            "must be set with global_head_dim, global_kv_heads or k_eq_v (they shape its layers)",
+        )
+        require(
+            self.global_kv_heads is None or self.n_heads % self.global_kv_heads == 0,
+            f"{self.PATH}.global_kv_heads",
+            self.global_kv_heads,
+            f"must divide n_heads={self.n_heads}",
         )
         require(
             self.chunk_size is None or self.sliding_window is None,
@@ -279,6 +307,9 @@ class PositionsConfig:
     sees no positions, SmolLM3; None: every layer rotates); "learned": a trained table of
     max_seq_len positions (GPT-2), which uses none of the RoPE settings; "none": no position
     information but the causal mask and the recurrent layers' order (OLMo hybrid's release).
+    `global_fraction` (None: all): proportional RoPE on the global layers of a stack of their
+    own (`attention.global_shape`, Gemma 4): only the first global_fraction of each head's
+    frequencies turn, with exponents over the whole head; the others stay at angle 0.
     """
 
     PATH: ClassVar[str] = "ModelConfig.positions"
@@ -289,6 +320,7 @@ class PositionsConfig:
     fraction: Annotated[float, Field(gt=0, le=1)] = 1.0
     scaling: RopeScalingConfig | None = None
     nope_every: Positive | None = None
+    global_fraction: Annotated[float, Field(gt=0, le=1)] | None = None
 
     @staticmethod
     def _prepare(values: dict[str, Any]) -> dict[str, Any]:
@@ -299,7 +331,13 @@ class PositionsConfig:
     def __post_init__(self) -> None:
         if self.kind == "rope":
             return
-        rope_only = {"local_theta": None, "fraction": 1.0, "scaling": None, "nope_every": None}
+        rope_only = {
+            "local_theta": None,
+            "fraction": 1.0,
+            "scaling": None,
+            "nope_every": None,
+            "global_fraction": None,
+        }
         for name, plain in rope_only.items():
             value = getattr(self, name)
             require(value == plain, f"{self.PATH}.{name}", value, "needs kind='rope'")
@@ -333,7 +371,8 @@ class MLPConfig:
 class NormsConfig:
     """The norms: `kind`, `eps`, `plus_one` (Gemma's (1 + w) RMSNorm scale), `bias` (LayerNorm
     only), `pre` (a norm before each sublayer) and `post` (one on each sublayer's output before
-    the residual add: Gemma 2/3 have both, OLMo 2 only the latter)."""
+    the residual add: Gemma 2/3 have both, OLMo 2 only the latter). `layer_scalar`: each block's
+    output is multiplied by a stored scalar of its own (Gemma 4's `layer_scalar`, 1 at init)."""
 
     PATH: ClassVar[str] = "ModelConfig.norms"
 
@@ -343,6 +382,7 @@ class NormsConfig:
     bias: bool = False
     pre: bool = True
     post: bool = False
+    layer_scalar: bool = False
 
     def __post_init__(self) -> None:
         require(

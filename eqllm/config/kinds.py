@@ -1,10 +1,13 @@
 """Which stack each layer belongs to, and the segments the stack runs them in.
 
-A model's layers are of up to three kinds (`ModelConfig.layer_kinds`), each held by one stacked
+A model's layers are of up to four kinds (`ModelConfig.layer_kinds`), each held by one stacked
 Block of `CausalLM`: "dense" (a mixture of experts' layers with the dense MLP: DeepSeek's
 first `moe.dense_layers`, Llama 4 Maverick's layers between each `moe.sparse_every`-th;
-`dense_blocks`), "full" (softmax attention, the main stack: `blocks`) and "linear" (a hybrid's
-Gated DeltaNet or Mamba-2 layers: `linear_blocks`; `blocks` when every layer is linear).
+`dense_blocks`), "full" (softmax attention, the main stack: `blocks`), "linear" (a hybrid's
+Gated DeltaNet or Mamba-2 layers: `linear_blocks`; `blocks` when every layer is linear) and
+"global" (the layers without the window where they have another shape than the windowed ones:
+Gemma 4's head size, kv heads, keys as values and proportional RoPE, `attention.global_shape`
+or `positions.global_fraction`; `global_blocks`, `blocks` when every layer is global).
 
 Everything that walks layers (the forward pass, the sliced layers of generation, the hub's key
 tables, sharding, the per-layer gradient norms) maps a layer to (stack, index in the stack)
@@ -17,13 +20,21 @@ from __future__ import annotations
 from typing import NamedTuple
 
 # The CausalLM field holding each kind's layers, stacked in layer order.
-STACKS = {"dense": "dense_blocks", "full": "blocks", "linear": "linear_blocks"}
+STACKS = {
+    "dense": "dense_blocks",
+    "full": "blocks",
+    "linear": "linear_blocks",
+    "global": "global_blocks",
+}
 
 
 def layer_kinds(config) -> tuple[str, ...]:
-    """Per layer of `config` (a ModelConfig): "dense", "full" or "linear" (see the module)."""
+    """Per layer of `config` (a ModelConfig): "dense", "full", "linear" or "global" (see the
+    module)."""
     n = config.n_layers
     kinds = ["full"] * n if config.linear is None else list(config.linear.kinds(n))
+    if config.attention.global_shape or config.positions.global_fraction is not None:
+        kinds = ["full" if w else "global" for w in config.local_layers()]
     if (moe := config.moe) is not None:
         for i in range(n):
             if i < moe.dense_layers or (i + 1) % moe.sparse_every != 0:
@@ -32,9 +43,9 @@ def layer_kinds(config) -> tuple[str, ...]:
 
 
 def stack_field(config, kind: str) -> str:
-    """The CausalLM field holding the layers of `kind` ("blocks" for a stack of linear layers
-    alone: a pure Mamba-2 model has one stack)."""
-    if kind == "linear" and "full" not in layer_kinds(config):
+    """The CausalLM field holding the layers of `kind` ("blocks" for a stack of linear or global
+    layers alone: a pure Mamba-2 model has one stack)."""
+    if kind in ("linear", "global") and "full" not in layer_kinds(config):
         return "blocks"
     return STACKS[kind]
 

@@ -77,11 +77,14 @@ class Attention(eqx.Module):
         interleaved: rotary pairs are adjacent dims (0, 1), (2, 3), ... (Llama 4).
         temperature: (floor_scale, attn_scale): in the layers that do not rotate, the queries
             at position p times 1 + attn_scale * log1p(floor((p + 1) / floor_scale)) (None: off).
+        v_norm: a weightless RMSNorm over each value head, with `norm_eps` (Gemma 4).
+        k_eq_v: no value projection: the values are the keys' projection, before the QK-norm
+            and the rotation (Gemma 4's global layers, attention_k_eq_v).
     """
 
     q_proj: Linear
     k_proj: Linear
-    v_proj: Linear
+    v_proj: Linear | None  # None: the values are the keys' projection (k_eq_v)
     o_proj: Linear
     gate_proj: Linear | None
     q_norm: RMSNorm | None
@@ -100,6 +103,7 @@ class Attention(eqx.Module):
     qk_l2_eps: float | None = eqx.field(static=True, default=None)
     interleaved: bool = eqx.field(static=True, default=False)
     temperature: tuple[int, float] | None = eqx.field(static=True, default=None)
+    v_norm_eps: float | None = eqx.field(static=True, default=None)
 
     def __init__(
         self,
@@ -125,6 +129,8 @@ class Attention(eqx.Module):
         qk_l2: bool = False,
         interleaved: bool = False,
         temperature: tuple[int, float] | None = None,
+        v_norm: bool = False,
+        k_eq_v: bool = False,
         key: PRNGKeyArray,
         dtype=jnp.float32,
     ):
@@ -153,8 +159,17 @@ class Attention(eqx.Module):
         self.k_proj = Linear(
             d_model, kv_size, axes=("kv_heads", "d_model"), use_bias=qkv_bias, key=kk, dtype=dtype
         )
-        self.v_proj = Linear(
-            d_model, kv_size, axes=("kv_heads", "d_model"), use_bias=qkv_bias, key=kv, dtype=dtype
+        self.v_proj = (
+            None
+            if k_eq_v
+            else Linear(
+                d_model,
+                kv_size,
+                axes=("kv_heads", "d_model"),
+                use_bias=qkv_bias,
+                key=kv,
+                dtype=dtype,
+            )
         )
         self.o_proj = Linear(
             q_size,
@@ -189,6 +204,7 @@ class Attention(eqx.Module):
         self.qk_l2_eps = norm_eps if qk_l2 else None
         self.interleaved = interleaved
         self.temperature = None if temperature is None else tuple(temperature)
+        self.v_norm_eps = norm_eps if v_norm else None
 
     def project(
         self,
@@ -204,13 +220,16 @@ class Attention(eqx.Module):
         """Queries, keys and values of `x`, normalised and rotated to their positions (not
         rotated where `rotate` is False)."""
         rows = x.shape[:-1]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k = self.q_proj(x), self.k_proj(x)
+        v = k if self.v_proj is None else self.v_proj(x)
         whole = self.q_norm is not None and self.k_norm is not None and not self.qk_norm_per_head
         if whole:  # over the whole projection, before the split into heads
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(*rows, self.n_heads, self.head_dim)
         k = k.reshape(*rows, self.n_kv_heads, self.head_dim)
         v = v.reshape(*rows, self.n_kv_heads, self.head_dim)
+        if self.v_norm_eps is not None:  # Gemma 4: a weightless RMSNorm over each value head
+            v = _unit_rms(v, self.v_norm_eps)
         if self.q_norm is not None and self.k_norm is not None and not whole:
             q = self.q_norm(q)
             k = self.k_norm(k)

@@ -56,6 +56,8 @@ class Block(eqx.Module):
             before the residual add (Falcon-H1; None: none).
         multipliers: constants on the mixers: `attn`'s input and output, and `ssm`'s output
             (Falcon-H1's attention_in, attention_out and ssm_out multipliers; 1.0: none).
+        layer_scalar: multiplies the block's whole output, shape (1,) (Gemma 4's stored
+            `layer_scalar`; None: none).
     """
 
     attn_norm: Norm | None
@@ -68,6 +70,7 @@ class Block(eqx.Module):
     parallel: bool = eqx.field(static=True, default=False)
     ssm: GatedDeltaNet | Mamba2 | None = None
     multipliers: tuple[float, float, float] = eqx.field(static=True, default=(1.0, 1.0, 1.0))
+    layer_scalar: Float[Array, "1"] | None = None
 
     def _mixed(self, h, attended, segment_ids=None):
         """Attention's output `attended` scaled, plus the parallel mixer's on `h` (if any)."""
@@ -77,7 +80,14 @@ class Block(eqx.Module):
         return attended + _scaled(self.ssm(h, None, segment_ids)[0], self.multipliers[2])
 
     def _residual(self, x, attended, moe_impl=None):
-        """The block's output from its input `x` and attention's output `attended`."""
+        """The block's output from its input `x` and attention's output `attended` (times
+        `layer_scalar`, where the block has one)."""
+        out, routing = self._sublayers(x, attended, moe_impl)
+        if self.layer_scalar is not None:
+            out = out * self.layer_scalar.astype(out.dtype)
+        return out, routing
+
+    def _sublayers(self, x, attended, moe_impl=None):
         after_attn = x + _scaled(_apply(self.attn_post_norm, attended), self.branch_scale)
         if self.mlp is None:
             return after_attn, None

@@ -168,6 +168,8 @@ class RotaryEmbedding(eqx.Module):
         local_theta: base used where `__call__` gets `local=True` (None: `theta` everywhere);
             those layers are never scaled.
         rotary_dim: rotate only the first `rotary_dim` dims of each head (None: all).
+        still: the last `still` frequencies are 0, their pairs left as they are (Gemma 4's
+            proportional RoPE: the turning ones keep their exponents over the whole head).
     """
 
     head_dim: int = eqx.field(static=True)
@@ -175,6 +177,7 @@ class RotaryEmbedding(eqx.Module):
     scaling: RopeScaling | None = eqx.field(default=None, static=True)
     local_theta: float | None = eqx.field(default=None, static=True)
     rotary_dim: int | None = eqx.field(default=None, static=True)
+    still: int = eqx.field(default=0, static=True)
 
     def __check_init__(self):
         dim = self.dim
@@ -230,6 +233,8 @@ class RotaryEmbedding(eqx.Module):
         if isinstance(rotate, bool | np.bool_) and not rotate:
             return x
         inv_freq, factor = self._frequencies(positions)
+        if self.still:  # proportional: the trailing frequencies stand still
+            inv_freq = inv_freq.at[inv_freq.shape[-1] - self.still :].set(0.0)
         if self.local_theta is not None and local is not None:
             local_freq = jnp.asarray(rope_inv_freq(self.dim, self.local_theta), jnp.float32)
             inv_freq = jnp.where(local, local_freq, inv_freq)

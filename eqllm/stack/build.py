@@ -58,8 +58,9 @@ def make_norm(config: ModelConfig, dtype) -> RMSNorm | LayerNorm:
     return LayerNorm(config.d_model, eps=norms.eps, use_bias=norms.bias, dtype=dtype)
 
 
-def make_rope(config: ModelConfig) -> RotaryEmbedding | None:
-    """The rotary embedding `config.positions` describes (None without RoPE)."""
+def make_rope(config: ModelConfig, global_layer: bool = False) -> RotaryEmbedding | None:
+    """The rotary embedding `config.positions` describes (None without RoPE); `global_layer`:
+    that of the global layers' own stack (their head size, proportional RoPE)."""
     pos = config.positions
     if pos.kind != "rope":
         return None
@@ -71,6 +72,10 @@ def make_rope(config: ModelConfig) -> RotaryEmbedding | None:
         scaling = RopeScaling(**values)
     if config.attention.kind == "mla":  # only the qk_rope_head_dim part rotates
         return RotaryEmbedding(config.rotary_dim, pos.theta, scaling=scaling)
+    if global_layer:
+        head_dim = config.attention.global_head_dim or config.head_dim
+        turning = int((pos.global_fraction or 1.0) * head_dim // 2)  # transformers' rope_angles
+        return RotaryEmbedding(head_dim, pos.theta, scaling=scaling, still=head_dim // 2 - turning)
     return RotaryEmbedding(
         config.head_dim,
         pos.theta,
@@ -92,8 +97,9 @@ def mla_scale(config: ModelConfig) -> float:
     return scale
 
 
-def make_attention(config: ModelConfig, key: PRNGKeyArray, dtype):
-    """The attention layer of a block: grouped-query or latent (`attention.kind`)."""
+def make_attention(config: ModelConfig, key: PRNGKeyArray, dtype, global_layer: bool = False):
+    """The attention layer of a block: grouped-query or latent (`attention.kind`);
+    `global_layer`: a layer of the global layers' own stack (`attention.global_shape`)."""
     a, norms = config.attention, config.norms
     if a.kind == "mla":
         return MultiHeadLatentAttention(
@@ -119,18 +125,21 @@ def make_attention(config: ModelConfig, key: PRNGKeyArray, dtype):
         scale = (config.head_dim**-0.5 if scale is None else scale) * s.attention
     if (key_m := multipliers_of(config).key) != 1.0:  # q . (m k) = m (q . k): the same scores
         scale = (config.head_dim**-0.5 if scale is None else scale) * key_m
+    head_dim, kv_heads = a.head_dim, a.n_kv_heads
+    if global_layer:
+        head_dim, kv_heads = a.global_head_dim or head_dim, a.global_kv_heads or kv_heads
     return Attention(
         config.d_model,
         a.n_heads,
-        n_kv_heads=a.n_kv_heads,
-        head_dim=a.head_dim,
+        n_kv_heads=kv_heads,
+        head_dim=head_dim,
         qkv_bias=a.qkv_bias,
         out_bias=a.out_bias,
         qk_norm=a.qk_norm in ("head", "whole"),
         qk_norm_per_head=a.qk_norm != "whole",
         norm_plus_one=norms.plus_one,
-        rope=make_rope(config),
-        sliding_window=a.sliding_window,
+        rope=make_rope(config, global_layer),
+        sliding_window=None if global_layer else a.sliding_window,
         norm_eps=norms.eps,
         scale=scale,
         softcap=a.softcap,
@@ -143,6 +152,8 @@ def make_attention(config: ModelConfig, key: PRNGKeyArray, dtype):
         temperature=(
             None if a.temperature_floor is None else (a.temperature_floor, a.temperature_scale)
         ),
+        v_norm=a.v_norm,
+        k_eq_v=global_layer and a.k_eq_v,
         key=key,
         dtype=dtype,
     )
@@ -185,13 +196,19 @@ def make_linear_attention(config: ModelConfig, key: PRNGKeyArray, dtype) -> Gate
 
 
 def make_block(
-    config: ModelConfig, key: PRNGKeyArray, *, dense: bool = False, linear: bool = False
+    config: ModelConfig,
+    key: PRNGKeyArray,
+    *,
+    dense: bool = False,
+    linear: bool = False,
+    global_layer: bool = False,
 ) -> Block:
     """One Transformer block as `config` describes it (`dense`: with the dense MLP even in a
     mixture of experts, a layer of kind "dense" (`ModelConfig.layer_kinds`); `linear`: a Gated
     DeltaNet or Mamba-2 in place of attention, a linear-attention layer of a hybrid stack,
     without an MLP where `linear.mlp` is False; with `linear.parallel`, attention with that
-    mixer beside it)."""
+    mixer beside it; `global_layer`: a layer of kind "global", shaped as
+    `attention.global_shape` says)."""
     dtype = dtype_of(config.param_dtype)
     k_attn, k_mlp = jax.random.split(key)
     norms = config.norms
@@ -201,7 +218,7 @@ def make_block(
         attn = make_linear_attention(config, k_attn, dtype)
         mixer = (1.0, m.ssm_out)  # the mixer's input multiplier is its own (ssm_in)
     else:
-        attn = make_attention(config, k_attn, dtype)
+        attn = make_attention(config, k_attn, dtype, global_layer)
         mixer = (m.attention_in, m.attention_out)
         if config.linear is not None and config.linear.parallel:  # Falcon-H1
             ssm = make_linear_attention(config, jax.random.fold_in(key, 2), dtype)
@@ -273,6 +290,7 @@ def make_block(
         config.parallel_residual,
         ssm,
         (*mixer, m.ssm_out),
+        jnp.ones((1,), dtype) if norms.layer_scalar else None,  # Gemma 4: 1 until trained
     )
 
 
@@ -292,7 +310,11 @@ def initial_parts(config: ModelConfig, key: PRNGKeyArray) -> dict:
     for kind in STACKS:
         if kind in kinds:
             make = functools.partial(
-                make_block, config, dense=kind == "dense", linear=kind == "linear"
+                make_block,
+                config,
+                dense=kind == "dense",
+                linear=kind == "linear",
+                global_layer=kind == "global",
             )
             stacks[stack_field(config, kind)] = eqx.filter_vmap(make)(block_keys[kinds == kind])
     parts = {
