@@ -1,0 +1,145 @@
+"""Batch-1 decode with fp32 and int8 weights, profiled and timed in alternating pairs, on CPU.
+
+For each kind of weights (fp32; int8 with the token embedding and tied head left in fp32, as
+`eqllm.quantize` did before; int8 throughout), random weights of a zoo model:
+
+- profile of one decode step (the model's cached forward on one token, vmapped over one row as
+  the engine runs it, layers unrolled) from XLA's compiled program, which load does not move:
+  bytes of parameters, `cost_analysis()` bytes accessed, `memory_analysis()` temporaries, and
+  the fusions that write a widened fp32 copy of an int8 weight (count and bytes);
+- the step and the head alone (`CausalLM.logits` on one row), milliseconds per call, median
+  over alternating rounds (fp32, int8, ... so load hits every kind alike);
+- whole decode through the engine (`eqllm.generate_batch`, greedy, prompt 16): tokens per
+  second over `--new` tokens (the time of 1 new token subtracted), in alternating pairs, and
+  the int8 / fp32 ratio of each pair.
+
+    PYTHONPATH=$PWD python benchmarks/int8_decode.py [--model smollm-135m] [--pairs 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import eqllm
+from eqllm import zoo
+
+# a kLoop fusion writing a 2-D fp32 array from an int8 weight (`convert_element_type`)
+WIDENED = re.compile(r"= f32\[(\d+),(\d+)\]\{1,0\} fusion\(.*convert_element_type")
+
+
+def kinds(base) -> dict:
+    q = eqllm.quantize(base, "int8")
+    return {
+        "fp32": base,
+        "int8-fp32-embed": eqx.tree_at(lambda m: m.embed, q, base.embed),
+        "int8": q,
+    }
+
+
+def step_fn(model, layers, cache, token, position):
+    """One decode step of one row: the next token's logits and the cache (vmapped, batch 1)."""
+
+    def one(cache, token, position):
+        return model.prefill(token[None], position[None], cache, layers=layers)
+
+    return jax.vmap(one)(cache, token, position)
+
+
+def profile(model, length: int):
+    """The compiled step and head, their arguments, and what XLA says of the step."""
+    layers = model.layers()
+    cache = jax.tree.map(lambda x: x[None], model.init_cache(length))
+    token, position = jnp.zeros(1, jnp.int32), jnp.full(1, length // 2, jnp.int32)
+    step = jax.jit(step_fn)
+    args = (model, layers, cache, token, position)
+    compiled = step.lower(*args).compile()
+    text = compiled.as_text()
+    widened = [int(a) * int(b) * 4 for a, b in WIDENED.findall(text)]
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    head = jax.jit(jax.vmap(lambda m, h: m.logits(h), in_axes=(None, 0)))
+    hidden = jax.random.normal(jax.random.key(2), (1, model.config.d_model))
+    facts = {
+        "param MB": sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))) / 1e6,
+        "bytes accessed MB": cost.get("bytes accessed", float("nan")) / 1e6,
+        "temps MiB": compiled.memory_analysis().temp_size_in_bytes / 2**20,
+        "widened fusions": len(widened),
+        "widened MB": sum(widened) / 1e6,
+    }
+    return (step, args), (head, (model, hidden)), facts
+
+
+def ms(f, args, calls: int = 5) -> float:
+    jax.block_until_ready(f(*args))
+    start = time.perf_counter()
+    for _ in range(calls):
+        out = f(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def engine_rate(model, prompts, new: int) -> float:
+    """Decode tokens per second through the engine (compiled already)."""
+
+    def run(n):
+        start = time.perf_counter()
+        eqllm.generate_batch(model, prompts, max_new_tokens=n, key=jax.random.key(0), temperature=0)
+        return time.perf_counter() - start
+
+    return (new - 1) / (run(new) - run(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm-135m")
+    parser.add_argument("--pairs", type=int, default=4)
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--length", type=int, default=64, help="cache positions of the step")
+    parser.add_argument("--no-engine", action="store_true", help="skip the engine's decode")
+    args = parser.parse_args()
+    models = kinds(zoo.create(args.model, key=jax.random.key(0)))
+    pieces = {name: profile(m, args.length) for name, m in models.items()}
+    print(f"{args.model}, batch 1, one decode step (XLA's compiled program):")
+    for name, (_, _, facts) in pieces.items():
+        print(f"  {name:<16} " + ", ".join(f"{k} {v:.1f}" for k, v in facts.items()))
+
+    times = {name: {"step": [], "head": []} for name in models}
+    for _ in range(args.pairs):
+        for name, (step, head, _) in pieces.items():
+            times[name]["step"].append(ms(*step))
+            times[name]["head"].append(ms(*head))
+    print(f"ms per call, median of {args.pairs} alternating rounds (per-round lists after):")
+    for name, t in times.items():
+        step, head = statistics.median(t["step"]), statistics.median(t["head"])
+        rounds = " ".join(f"{s:.1f}" for s in t["step"])
+        print(f"  {name:<16} step {step:6.2f}  head {head:6.2f}  (steps: {rounds})")
+    if args.no_engine:
+        return
+
+    prompts = np.random.default_rng(0).integers(0, models["fp32"].config.vocab_size, (1, 16))
+    pair = {"fp32": models["fp32"], "int8": models["int8"]}
+    for model in pair.values():  # compile both shapes of both
+        engine_rate(model, prompts, args.new)
+    print(f"engine decode tokens/s, {args.new} new, alternating pairs:")
+    ratios = []
+    for i in range(args.pairs):
+        rate = {name: engine_rate(model, prompts, args.new) for name, model in pair.items()}
+        ratios.append(rate["int8"] / rate["fp32"])
+        print(
+            f"  pair {i + 1}: fp32 {rate['fp32']:.1f}  int8 {rate['int8']:.1f}  "
+            f"int8/fp32 {ratios[-1]:.2f}x",
+            flush=True,
+        )
+    print(f"  median int8/fp32 {statistics.median(ratios):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
