@@ -1,14 +1,16 @@
 """Batch-1 decode with fp32 and int8 weights, profiled and timed in alternating pairs, on CPU.
 
-For each kind of weights (fp32; int8 with the token embedding and tied head left in fp32, as
-`eqllm.quantize` did before; int8 throughout), random weights of a zoo model:
+For each kind of weights, random weights of a zoo model: fp32; `int8-before`, `Int8Linear` as
+it was (the product an `einsum` on a widened weight, the token embedding and tied head in fp32);
+`int8-fp32-embed`, today's product with the table left in fp32; `int8`, `eqllm.quantize` now:
 
 - profile of one decode step (the model's cached forward on one token, vmapped over one row as
   the engine runs it, layers unrolled) from XLA's compiled program, which load does not move:
   bytes of parameters, `cost_analysis()` bytes accessed, `memory_analysis()` temporaries, and
   the fusions that write a widened fp32 copy of an int8 weight (count and bytes);
-- the step and the head alone (`CausalLM.logits` on one row), milliseconds per call, median
-  over alternating rounds (fp32, int8, ... so load hits every kind alike);
+- the step and the head alone (`CausalLM.logits` on one row), milliseconds per call (wall and
+  process CPU time), median over alternating rounds (every kind in turn, so load hits them
+  alike);
 - whole decode through the engine (`eqllm.generate_batch`, greedy, prompt 16): tokens per
   second over `--new` tokens (the time of 1 new token subtracted), in alternating pairs, and
   the int8 / fp32 ratio of each pair.
@@ -30,16 +32,40 @@ import numpy as np
 
 import eqllm
 from eqllm import zoo
+from eqllm.nn import Int8Linear
+from eqllm.nn.linear import rows_times, zero_after
 
 # a kLoop fusion writing a 2-D fp32 array from an int8 weight (`convert_element_type`)
 WIDENED = re.compile(r"= f32\[(\d+),(\d+)\]\{1,0\} fusion\(.*convert_element_type")
 
 
+class EinsumInt8Linear(Int8Linear):
+    """`Int8Linear` as it computed before: an einsum on the weight widened to fp32."""
+
+    def __call__(self, x, **kwargs):
+        weight = self.weight + zero_after(jax.lax.stop_gradient(x)).astype(jnp.int8)
+        y = rows_times(x, weight.astype(x.dtype), **kwargs) * self.scale.astype(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def _before(layer):
+    if not isinstance(layer, Int8Linear):
+        return layer
+    old = EinsumInt8Linear.__new__(EinsumInt8Linear)  # stacked layers: not through __init__
+    for name in ("weight", "scale", "bias", "axes", "init"):
+        object.__setattr__(old, name, getattr(layer, name))
+    return old
+
+
 def kinds(base) -> dict:
     q = eqllm.quantize(base, "int8")
+    plain_table = eqx.tree_at(lambda m: m.embed, q, base.embed)
     return {
         "fp32": base,
-        "int8-fp32-embed": eqx.tree_at(lambda m: m.embed, q, base.embed),
+        "int8-before": jax.tree.map(
+            _before, plain_table, is_leaf=lambda x: isinstance(x, Int8Linear)
+        ),
+        "int8-fp32-embed": plain_table,
         "int8": q,
     }
 
@@ -77,13 +103,15 @@ def profile(model, length: int):
     return (step, args), (head, (model, hidden)), facts
 
 
-def ms(f, args, calls: int = 5) -> float:
+def ms(f, args, calls: int = 5) -> tuple[float, float]:
+    """Milliseconds per call: wall time, and the process's CPU time (every thread)."""
     jax.block_until_ready(f(*args))
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(calls):
         out = f(*args)
     jax.block_until_ready(out)
-    return (time.perf_counter() - start) / calls * 1e3
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return wall / calls * 1e3, cpu / calls * 1e3
 
 
 def engine_rate(model, prompts, new: int) -> float:
@@ -116,11 +144,15 @@ def main() -> None:
         for name, (step, head, _) in pieces.items():
             times[name]["step"].append(ms(*step))
             times[name]["head"].append(ms(*head))
-    print(f"ms per call, median of {args.pairs} alternating rounds (per-round lists after):")
+    print(f"ms per call (wall / CPU), median of {args.pairs} alternating rounds:")
     for name, t in times.items():
-        step, head = statistics.median(t["step"]), statistics.median(t["head"])
-        rounds = " ".join(f"{s:.1f}" for s in t["step"])
-        print(f"  {name:<16} step {step:6.2f}  head {head:6.2f}  (steps: {rounds})")
+        step = [statistics.median(x) for x in zip(*t["step"], strict=True)]
+        head = [statistics.median(x) for x in zip(*t["head"], strict=True)]
+        rounds = " ".join(f"{w:.1f}" for w, _ in t["step"])
+        print(
+            f"  {name:<16} step {step[0]:6.2f} / {step[1]:6.2f}  head {head[0]:6.2f} / "
+            f"{head[1]:6.2f}  (step wall per round: {rounds})"
+        )
     if args.no_engine:
         return
 
