@@ -8,6 +8,7 @@ from eqllm.nn.kv_cache import KVCache
 from eqllm.nn.linear import (
     Embedding,
     ExpertLinear,
+    Int8Embedding,
     Int8Linear,
     Linear,
     ParamInfo,
@@ -40,6 +41,7 @@ __all__ = [
     "GatedDeltaNet",
     "GatedDeltaNetState",
     "GatedMLP",
+    "Int8Embedding",
     "Int8Linear",
     "KVCache",
     "LatentCache",

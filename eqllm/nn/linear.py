@@ -118,30 +118,33 @@ class Int8Linear(Linear):
     scale: Float[Array, " d_out"]
 
     def __init__(self, linear: Linear):
-        w = linear.weight.astype(jnp.float32)
-        amax = jnp.max(jnp.abs(w), axis=-1)
-        scale = jnp.where(amax > 0, amax / 127.0, 1.0)  # an all-zero row keeps scale 1
-        self.weight = jnp.clip(jnp.round(w / scale[..., None]), -127, 127).astype(jnp.int8)
-        self.scale = scale.astype(linear.weight.dtype)
+        self.weight, self.scale = _int8_rows(linear.weight)
         self.bias = linear.bias
         self.axes = linear.axes
         self.init = linear.init
 
     @jax.named_scope("eqllm.Int8Linear")
     def __call__(self, x: Float[Array, "*rows d_in"], **kwargs) -> Float[Array, "*rows d_out"]:
-        # XLA's CPU backend widens the int8 weight to the compute dtype in a loop of its own
-        # before the product. Nothing orders that widening after the layer's input, so in a
-        # program with the layers unrolled (the engine's decode) it widened every layer's weight
-        # at once, up front: a 135M model's decode read and wrote more than with fp32 weights,
-        # 0.5x their speed. Adding a zero computed from the input makes each widening wait for
-        # its layer, so one buffer the size of one weight in fp32 is reused, still in cache when
-        # the product reads it. The per-channel scale multiplies the (rows, out) result.
-        weight = self.weight + zero_after(jax.lax.stop_gradient(x)).astype(jnp.int8)
-        y = rows_times(x, weight.astype(x.dtype), **kwargs)
-        y = y * self.scale.astype(y.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y
+        y = int8_times(x, self.weight, self.scale, **kwargs)
+        return y if self.bias is None else y + self.bias
+
+
+def int8_times(x: Float[Array, "*rows d_in"], weight: Int8[Array, "d_out d_in"], scale, **kwargs):
+    """x @ (weight * scale[:, None])^T over the last axis, the scale applied to the result.
+
+    Written as `x @ w.T` on purpose: at one row (batch-1 decode) XLA's CPU backend rewrites that
+    product into one loop that reads the int8 weight and widens each value in registers, with
+    no fp32 copy (the `einsum("ti,oi->to")` of `rows_times` stays a library product on a copy
+    widened first: 3.5 MB written and read back per MLP weight of smollm-135m). At more rows
+    the weight is widened into a copy; adding a zero computed from the input then makes each
+    layer's widening wait for its input, so one buffer is reused rather than every layer's
+    weight widened up front (406 MiB of temporaries in smollm-135m's decode before).
+    """
+    weight = weight + zero_after(jax.lax.stop_gradient(x)).astype(jnp.int8)
+    rows = x.reshape(-1, x.shape[-1])
+    y = jnp.matmul(rows, weight.astype(x.dtype).T, **kwargs)
+    y = y * scale.astype(y.dtype)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 @jax.custom_batching.custom_vmap
@@ -166,19 +169,25 @@ QUANTIZATIONS = ("int8",)
 
 
 def quantize(tree, kind: str = "int8"):
-    """`tree` (a model, or any tree of layers) with every `Linear` replaced by its `Int8Linear`.
+    """`tree` (a model, or any tree of layers) with every `Linear` replaced by its `Int8Linear`
+    and every vocabulary table (the token embedding, and so a head tied to it) by its
+    `Int8Embedding`.
 
-    Embeddings (and a head tied to them), norms and mixture-of-experts weights stay as they
-    are. Merge LoRA adapters first (`eqllm.lora.merge`): an adapter's own layers would be
-    quantised too.
+    Position tables, norms and mixture-of-experts weights stay as they are. Merge LoRA
+    adapters first (`eqllm.lora.merge`): an adapter's own layers would be quantised too.
     """
     if kind not in QUANTIZATIONS:
         raise EqllmError(f"quantize kind={kind!r}: choose one of {list(QUANTIZATIONS)}")
 
     def plain(x) -> bool:
-        return isinstance(x, Linear) and not isinstance(x, Int8Linear)
+        if isinstance(x, Int8Linear | Int8Embedding):
+            return False
+        return isinstance(x, Linear) or (isinstance(x, Embedding) and x.axes[0] == "vocab")
 
-    return jax.tree.map(lambda x: Int8Linear(x) if plain(x) else x, tree, is_leaf=plain)
+    def quantized(x):
+        return Int8Linear(x) if isinstance(x, Linear) else Int8Embedding(x)
+
+    return jax.tree.map(lambda x: quantized(x) if plain(x) else x, tree, is_leaf=plain)
 
 
 class Embedding(eqx.Module):
@@ -213,6 +222,40 @@ class Embedding(eqx.Module):
     def attend(self, x: Float[Array, "*rows dim"], **kwargs) -> Float[Array, "*rows num"]:
         """x against every row of the table: the LM head of a model tied to its embedding."""
         return rows_times(x, self.weight.astype(x.dtype), **kwargs)
+
+
+class Int8Embedding(Embedding):
+    """An `Embedding` stored in int8 with one fp scale per row (`Int8Linear`'s rounding).
+
+    A lookup gathers int8 rows and scales them; `attend` (the head of a tied model) is the
+    int8 product of `int8_times`, each row's scale being its logit's. Build it from a table
+    with `Int8Embedding(embedding)`, or a whole model with `quantize(model, "int8")`.
+    """
+
+    weight: Int8[Array, "num dim"]
+    scale: Float[Array, " num"]
+
+    def __init__(self, embedding: Embedding):
+        self.weight, self.scale = _int8_rows(embedding.weight)
+        self.axes = embedding.axes
+
+    @jax.named_scope("eqllm.Int8Embedding")
+    def __call__(self, ids: Int[Array, "*rows"]) -> Float[Array, "*rows dim"]:
+        rows = jnp.take(self.weight, ids, axis=0).astype(self.scale.dtype)
+        return rows * jnp.take(self.scale, ids, axis=0)[..., None]
+
+    @jax.named_scope("eqllm.Int8Embedding.attend")
+    def attend(self, x: Float[Array, "*rows dim"], **kwargs) -> Float[Array, "*rows num"]:
+        return int8_times(x, self.weight, self.scale, **kwargs)
+
+
+def _int8_rows(weight: Array) -> tuple[Array, Array]:
+    """Symmetric int8 rows, `weight ~ int8 * scale[..., None]`, scale = max|row| / 127."""
+    w = weight.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=-1)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)  # an all-zero row keeps scale 1
+    q = jnp.clip(jnp.round(w / scale[..., None]), -127, 127).astype(jnp.int8)
+    return q, scale.astype(weight.dtype)
 
 
 class ExpertLinear(eqx.Module):
@@ -331,7 +374,11 @@ def param_info(tree):
             )
         if isinstance(node, Embedding):
             weight = ParamInfo(leading(node.weight, node.axes), "normal", False, "embedding")
-            return eqx.tree_at(lambda m: m.weight, node, weight)
+            node = eqx.tree_at(lambda m: m.weight, node, weight)
+            if isinstance(node, Int8Embedding):  # the scales are split like the rows
+                scale = ParamInfo(leading(node.scale, node.axes[:1]), None, False)
+                node = eqx.tree_at(lambda m: m.scale, node, scale)
+            return node
         if hasattr(node, "shape") and hasattr(node, "dtype"):
             return ParamInfo((None,) * len(node.shape), None, False)
         return None
