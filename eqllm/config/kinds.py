@@ -1,10 +1,12 @@
 """Which stack each layer belongs to, and the segments the stack runs them in.
 
-A model's layers are of up to three kinds (`ModelConfig.layer_kinds`), each held by one stacked
+A model's layers are of up to four kinds (`ModelConfig.layer_kinds`), each held by one stacked
 Block of `CausalLM`: "dense" (a mixture of experts' layers with the dense MLP: DeepSeek's
 first `moe.dense_layers`, Llama 4 Maverick's layers between each `moe.sparse_every`-th;
-`dense_blocks`), "full" (softmax attention, the main stack: `blocks`) and "linear" (a hybrid's
-Gated DeltaNet or Mamba-2 layers: `linear_blocks`; `blocks` when every layer is linear).
+`dense_blocks`), "full" (softmax attention, the main stack: `blocks`), "linear" (a hybrid's
+Gated DeltaNet or Mamba-2 layers: `linear_blocks`; `blocks` when no layer has attention) and
+"ffn" (a feed-forward layer without a token mixer, the MLP or the experts: Nemotron-H's,
+`ffn_blocks`).
 
 Everything that walks layers (the forward pass, the sliced layers of generation, the hub's key
 tables, sharding, the per-layer gradient norms) maps a layer to (stack, index in the stack)
@@ -17,11 +19,17 @@ from __future__ import annotations
 from typing import NamedTuple
 
 # The CausalLM field holding each kind's layers, stacked in layer order.
-STACKS = {"dense": "dense_blocks", "full": "blocks", "linear": "linear_blocks"}
+STACKS = {
+    "dense": "dense_blocks",
+    "full": "blocks",
+    "linear": "linear_blocks",
+    "ffn": "ffn_blocks",
+}
 
 
 def layer_kinds(config) -> tuple[str, ...]:
-    """Per layer of `config` (a ModelConfig): "dense", "full" or "linear" (see the module)."""
+    """Per layer of `config` (a ModelConfig): "dense", "full", "linear" or "ffn" (see the
+    module)."""
     n = config.n_layers
     kinds = ["full"] * n if config.linear is None else list(config.linear.kinds(n))
     if (moe := config.moe) is not None:

@@ -37,7 +37,8 @@ class Block(eqx.Module):
         attn_norm: the norm applied before attention (None: none).
         attn: the token mixer: self-attention (grouped-query or latent), or a Gated DeltaNet or
             Mamba-2 (a linear-attention or state-space layer; it takes no positions, and
-            segment ids reset its state).
+            segment ids reset its state); None: none, the block is norm -> feed-forward ->
+            residual (Nemotron-H's MLP and expert layers).
         mlp_norm: the norm applied before the feed-forward layer (None: none).
         mlp: the feed-forward layer (a mixture of experts in a sparse model; None: none, the
             block is norm -> mixer -> residual, as Mamba-2's).
@@ -56,7 +57,7 @@ class Block(eqx.Module):
     """
 
     attn_norm: Norm | None
-    attn: Attention | MultiHeadLatentAttention | GatedDeltaNet | Mamba2
+    attn: Attention | MultiHeadLatentAttention | GatedDeltaNet | Mamba2 | None
     mlp_norm: Norm | None
     mlp: MLP | GatedMLP | MoE | None
     attn_post_norm: Norm | None = None
@@ -78,12 +79,16 @@ class Block(eqx.Module):
         after_attn = x + _scaled(_apply(self.attn_post_norm, attended), self.branch_scale)
         if self.mlp is None:
             return after_attn, None
-        h = _apply(self.mlp_norm, x if self.parallel else after_attn)
+        return self._feed_forward(after_attn, x if self.parallel else after_attn, moe_impl)
+
+    def _feed_forward(self, x, h=None, moe_impl=None):
+        """x plus the feed-forward layer's output on `h` (None: on x itself), and its Routing."""
+        h = _apply(self.mlp_norm, x if h is None else h)
         if isinstance(self.mlp, MoE):
             out, routing = self.mlp.routed(h, moe_impl)
         else:
             out, routing = self.mlp(h), None
-        return after_attn + _scaled(_apply(self.mlp_post_norm, out), self.branch_scale), routing
+        return x + _scaled(_apply(self.mlp_post_norm, out), self.branch_scale), routing
 
     @jax.named_scope("eqllm.Block")
     def __call__(
@@ -108,6 +113,8 @@ class Block(eqx.Module):
     ) -> tuple[Float[Array, "*batch seq d_model"], Routing | None]:
         """The block's output and its `Routing` (router logits, dropped copies; None unless
         `mlp` is a mixture of experts)."""
+        if self.attn is None:  # a feed-forward layer alone
+            return self._feed_forward(x)
         h = _apply(self.attn_norm, x)
         h_in = _scaled(h, self.multipliers[0])
         if isinstance(self.attn, GatedDeltaNet | Mamba2):  # recurrent: order is position
@@ -121,21 +128,25 @@ class Block(eqx.Module):
         self,
         x: Float[Array, "seq d_model"],
         positions: Int[Array, " seq"],
-        cache: KVCache | LatentCache | GatedDeltaNetState | Mamba2State,
+        cache: KVCache | LatentCache | GatedDeltaNetState | Mamba2State | None,
         local: Bool[Array, ""] | bool | None = None,
         rotate: Bool[Array, ""] | bool | None = None,
     ) -> tuple[
-        Float[Array, "seq d_model"], KVCache | LatentCache | GatedDeltaNetState | Mamba2State
+        Float[Array, "seq d_model"],
+        KVCache | LatentCache | GatedDeltaNetState | Mamba2State | None,
     ]:
         """The block on a chunk of new positions, attending to `cache` (see Attention.cached);
         a Gated DeltaNet or Mamba-2 layer continues its recurrent state instead (its `cache`),
-        skipping the chunk's left padding (negative positions).
+        skipping the chunk's left padding (negative positions); a feed-forward layer alone
+        keeps nothing (its `cache` is None).
 
         Experts are computed densely here: generation runs this under `jax.vmap`, which the
         grouped ("ragged") product does not support, and a decode step has one token anyway.
         """
         # eqllm.model.refuse_cached keeps a parallel block (its cache would need both) away.
         assert self.ssm is None, "a block with a parallel mixer has no cached form yet"
+        if self.attn is None:  # a feed-forward layer alone keeps nothing: its cache is as given
+            return self._feed_forward(x, None, "dense")[0], cache
         h = _scaled(_apply(self.attn_norm, x), self.multipliers[0])
         if isinstance(self.attn, GatedDeltaNet | Mamba2):
             attended, cache = self.attn(h, cache, valid=positions >= 0)

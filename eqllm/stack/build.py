@@ -185,28 +185,36 @@ def make_linear_attention(config: ModelConfig, key: PRNGKeyArray, dtype) -> Gate
 
 
 def make_block(
-    config: ModelConfig, key: PRNGKeyArray, *, dense: bool = False, linear: bool = False
+    config: ModelConfig,
+    key: PRNGKeyArray,
+    *,
+    dense: bool = False,
+    linear: bool = False,
+    ffn: bool = False,
 ) -> Block:
     """One Transformer block as `config` describes it (`dense`: with the dense MLP even in a
     mixture of experts, a layer of kind "dense" (`ModelConfig.layer_kinds`); `linear`: a Gated
     DeltaNet or Mamba-2 in place of attention, a linear-attention layer of a hybrid stack,
     without an MLP where `linear.mlp` is False; with `linear.parallel`, attention with that
-    mixer beside it)."""
+    mixer beside it; `ffn`: the feed-forward layer alone, no token mixer, a layer of kind
+    "ffn"; an attention layer has no MLP where `linear.full_mlp` is False)."""
     dtype = dtype_of(config.param_dtype)
     k_attn, k_mlp = jax.random.split(key)
     norms = config.norms
     s, m = scales(config), multipliers_of(config)
-    ssm = None
+    ssm, attn, mixer = None, None, (1.0, 1.0)  # a feed-forward layer alone: no mixer
     if linear:
         attn = make_linear_attention(config, k_attn, dtype)
         mixer = (1.0, m.ssm_out)  # the mixer's input multiplier is its own (ssm_in)
-    else:
+    elif not ffn:
         attn = make_attention(config, k_attn, dtype)
         mixer = (m.attention_in, m.attention_out)
         if config.linear is not None and config.linear.parallel:  # Falcon-H1
             ssm = make_linear_attention(config, jax.random.fold_in(key, 2), dtype)
     if linear and not config.linear.mlp:
         mlp = None
+    elif attn is not None and config.linear is not None and not config.linear.full_mlp:
+        mlp = None  # Nemotron-H's attention layers: attention alone
     elif (moe := config.moe) is not None and not dense:
         mlp = MoE(
             config.d_model,
@@ -234,12 +242,13 @@ def make_block(
             key=k_mlp,
             dtype=dtype,
         )
-    elif config.mlp.kind == "gelu":
+    elif config.mlp.kind in ("gelu", "relu2"):
         mlp = MLP(
             config.d_model,
             config.mlp.d_ff,
             use_bias=config.mlp.bias,
             approximate=config.mlp.gelu == "tanh",
+            relu2=config.mlp.kind == "relu2",
             key=k_mlp,
             dtype=dtype,
         )
@@ -263,7 +272,7 @@ def make_block(
         pre, post = True, False
     has_mlp = mlp is not None
     return Block(
-        norm(pre),
+        norm(pre and attn is not None),
         attn,
         norm(pre and has_mlp),
         mlp,
@@ -292,7 +301,11 @@ def initial_parts(config: ModelConfig, key: PRNGKeyArray) -> dict:
     for kind in STACKS:
         if kind in kinds:
             make = functools.partial(
-                make_block, config, dense=kind == "dense", linear=kind == "linear"
+                make_block,
+                config,
+                dense=kind == "dense",
+                linear=kind == "linear",
+                ffn=kind == "ffn",
             )
             stacks[stack_field(config, kind)] = eqx.filter_vmap(make)(block_keys[kinds == kind])
     parts = {
