@@ -467,7 +467,7 @@ FAMILIES = [
             linear={**tiny.FALCON_MIXER, "pattern": ("linear", "ffn", "full", "ffn", "linear")},
         ),
         lora=("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "up_proj", "down_proj"),
-        published={"nemotron-h-56b": "56"},
+        published={"nemotron-h-8b": "8", "nemotron-h-56b": "56"},
         atol=1e-4,
     ),
     # Falcon-H1: attention (2 kv heads of 8) and Mamba-2 (tests/tiny.py) in parallel in every
