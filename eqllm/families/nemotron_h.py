@@ -110,6 +110,13 @@ def pattern_from_hf(hf: dict[str, Any]) -> tuple[str, ...]:
     return tuple(names[t] for t in given)
 
 
+def shortest(kinds: tuple[str, ...]) -> tuple[str, ...]:
+    """The shortest pattern that, repeated a whole number of times, gives `kinds` (a zoo
+    variant's `linear.pattern`, as it lists it)."""
+    n = len(kinds)
+    return kinds[: next(p for p in range(1, n + 1) if n % p == 0 and kinds[: n - p] == kinds[p:])]
+
+
 def to_hf(cfg: ModelConfig) -> dict[str, Any]:
     lin, a = cfg.linear, cfg.attention
     return {
@@ -170,7 +177,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "mlp.bias": bool(hf.get("mlp_bias", False)),
         "linear": {
             "kind": "mamba2",
-            "pattern": kinds,
+            "pattern": shortest(kinds),
             "mlp": False,
             "full_mlp": False,
             "n_key_heads": hf.get("n_groups", 8),
