@@ -18,8 +18,11 @@ import eqllm
 from eqllm.config import ConfigError
 from eqllm.config.kinds import segments, stack_layers
 from eqllm.nn import Linear, Mamba2
+from eqllm.serve import Engine
 from eqllm.sharding.rules import logical_axes
+from tests.engine_runs import full_forward_logprobs, random_prompts, run_requests
 from tests.families import TINY_CONFIGS
+from tests.test_mamba2_generation import _perturbed
 from tests.test_segments import assert_each_document_alone, forward, packed_row
 
 CONFIG = TINY_CONFIGS["nemotron_h"]  # Mamba-2, MLP, attention, MLP, Mamba-2
@@ -129,3 +132,23 @@ def test_completep_export_folds_the_branch_multiplier_into_every_stack(tmp_path)
     with torch.no_grad():
         theirs = hf(torch.tensor(tokens[None])).logits[0].numpy()
     np.testing.assert_allclose(theirs, np.asarray(model(jnp.asarray(tokens))), atol=1e-4)
+
+
+@pytest.mark.slow
+def test_the_engine_equals_generate_and_the_full_forward(model):
+    """Four sampled requests over two slots of the serving engine: the Mamba-2 layers carry
+    their state by slot, the attention layer its pages, the MLP layers nothing (their cache
+    entry is None). Each request equals `eqllm.generate` and the full forward's
+    log-probabilities."""
+    model = _perturbed(model, jax.random.key(4))
+    prompts, new = random_prompts([5, 37, 12, 3]), [9, 4, 14, 6]
+    engine = Engine(model, max_batch=2, max_len=64, prefill_chunk=16)
+    got = run_requests(
+        engine, [(p, n, i) for i, (p, n) in enumerate(zip(prompts, new, strict=True))]
+    )
+    keys = jax.vmap(jax.random.key)(np.arange(len(prompts)))
+    want = eqllm.generate_batch(model, prompts, max_new_tokens=max(new), key=keys)
+    assert [tokens for tokens, _ in got] == [w[:n].tolist() for w, n in zip(want, new, strict=True)]
+    full = full_forward_logprobs(model, prompts, [tokens for tokens, _ in got], 64)
+    for (_, logprobs), wanted in zip(got, full, strict=True):
+        np.testing.assert_allclose(logprobs, wanted, atol=1e-4, rtol=0)
