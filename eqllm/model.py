@@ -23,7 +23,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqllm.config import ModelConfig, dotted
-from eqllm.config.kinds import STACKS, layer_stacks
+from eqllm.config.kinds import STACKS, layer_stacks, stack_field
 from eqllm.errors import EqllmError
 from eqllm.nn import (
     Block,
@@ -43,9 +43,10 @@ from eqllm.stack import dtype_of, initial_parts, layer_flag, layer_flags, multip
 from eqllm.trees import cast_floating
 
 # Cached inference, per layer: K and V (or latents) per position, or a fixed recurrent state;
-# a layer with a mixer beside attention (Falcon-H1's) holds the pair (its K and V, its state).
+# a layer with a mixer beside attention (Falcon-H1's) holds the pair (its K and V, its state);
+# None: a feed-forward layer alone (kind "ffn"), which keeps nothing.
 Entry = KVCache | LatentCache | GatedDeltaNetState | Mamba2State
-Cache = tuple[Entry | tuple[KVCache, GatedDeltaNetState | Mamba2State], ...]
+Cache = tuple[Entry | tuple[KVCache, GatedDeltaNetState | Mamba2State] | None, ...]
 
 # ModelConfig fields that change how the model runs, not what it computes.
 EXECUTION_FIELDS = (
@@ -86,6 +87,9 @@ class CausalLM(eqx.Module):
     # The global layers where they have another shape than the windowed ones (Gemma 4's
     # `attention.global_shape`), stacked alike, in layer order; None otherwise.
     global_blocks: Block | None = None
+    # Feed-forward layers without a token mixer (kind "ffn": Nemotron-H's MLP and expert
+    # layers), stacked alike, in layer order; None otherwise.
+    ffn_blocks: Block | None = None
 
     def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
         parts = initial_parts(config, key)
@@ -98,6 +102,7 @@ class CausalLM(eqx.Module):
         self.dense_blocks = parts["dense_blocks"]
         self.linear_blocks = parts["linear_blocks"]
         self.global_blocks = parts["global_blocks"]
+        self.ffn_blocks = parts["ffn_blocks"]
 
     def with_config(self, **changes) -> CausalLM:
         """The same weights under changed execution settings (EXECUTION_FIELDS, as dotted keys
@@ -223,8 +228,9 @@ class CausalLM(eqx.Module):
         `min(length, max_seq_len)` slots of kv heads in the compute dtype (a ring of just the
         window in a windowed or chunked layer), or a linear-attention or Mamba-2 layer's
         fixed-size state (its convolution's last inputs in the compute dtype; its recurrent
-        state in fp32, or a Mamba-2 layer's `state_dtype`). A layer that runs a mixer beside
-        attention (`linear.parallel`) holds both: the pair (its KV cache, its mixer's state).
+        state in fp32, or a Mamba-2 layer's `state_dtype`); None for a feed-forward layer alone
+        (kind "ffn"), which keeps nothing. A layer that runs a mixer beside attention
+        (`linear.parallel`) holds both: the pair (its KV cache, its mixer's state).
         """
         cfg = self.config
         dtype = dtype_of(cfg.compute_dtype)
@@ -247,10 +253,11 @@ class CausalLM(eqx.Module):
         if cfg.linear.parallel:  # every layer: attention and its mixer's state (Falcon-H1)
             state = self.blocks.ssm.init_state(dtype=dtype)
             return tuple((c, state) for c in caches)
-        mixers = self.blocks if cfg.linear.pure else self.linear_blocks  # pure: no attention
-        state = mixers.attn.init_state(dtype=dtype)  # conv inputs in dtype, S in its own
-        kinds = cfg.layer_kinds()
-        return tuple(state if k == "linear" else c for k, c in zip(kinds, caches, strict=True))
+        kinds, entries = cfg.layer_kinds(), {"ffn": None}  # a feed-forward layer keeps nothing
+        if "linear" in kinds:
+            mixers = getattr(self, stack_field(cfg, "linear"))  # `blocks` without attention
+            entries["linear"] = mixers.attn.init_state(dtype=dtype)  # conv inputs, S in its own
+        return tuple(entries.get(k, c) for k, c in zip(kinds, caches, strict=True))
 
     def layers(self) -> tuple[Block, ...]:
         """The stacked blocks sliced apart, one Block per layer, in the compute dtype.

@@ -485,6 +485,22 @@ FAMILIES = [
         lora=("in_proj",),
         atol=1e-4,
     ),
+    # Nemotron-H: one sublayer per layer, Mamba-2 (tests/tiny.py's mixer), MLP, attention (2
+    # kv heads of 8, no rotary), MLP, Mamba-2: an irregular pattern cut into runs. peft's
+    # default targets for it are the attention projections; in_proj and the MLP's are nn.Linear.
+    Tiny(
+        "nemotron_h",
+        _zoo(
+            "nemotron_h-nano",
+            n_layers=5,
+            attention={"n_heads": 4, "n_kv_heads": 2, "head_dim": 8},
+            mlp={"d_ff": 64},
+            linear={**tiny.FALCON_MIXER, "pattern": ("linear", "ffn", "full", "ffn", "linear")},
+        ),
+        lora=("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "up_proj", "down_proj"),
+        published={"nemotron-h-8b": "8", "nemotron-h-56b": "56"},
+        atol=1e-4,
+    ),
     # Falcon-H1: attention (2 kv heads of 8) and Mamba-2 (tests/tiny.py) in parallel in every
     # layer, its releases' norm-free gate, every muP multiplier away from 1.
     Tiny(

@@ -347,8 +347,7 @@ class ModelConfig:
             expand = a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim)
             attn = query + latent + expand + h * a.v_head_dim * d
         mlp = dense = (3 if self.mlp.kind in ("swiglu", "geglu") else 2) * d * self.mlp.d_ff
-        kinds = self.layer_kinds()
-        dense_layers = kinds.count("dense")
+        dense_layers = (kinds := self.layer_kinds()).count("dense")
         if (moe := self.moe) is not None:
             gate = d if moe.shared_gated else 0
             shared = 3 * d * moe.shared_d_ff + gate if moe.shared_d_ff else 0
@@ -357,7 +356,7 @@ class ModelConfig:
             attn += d * h * q
         head = d * self.vocab_size
         sparse_layers = self.n_layers - dense_layers
-        full = self.n_layers - kinds.count("linear")  # the layers with softmax attention
+        linears, full = kinds.count("linear"), sum(k in ("full", "dense") for k in kinds)
         matmul_params = full * attn + sparse_layers * mlp + dense_layers * dense + head
         if (lin := self.linear) is not None:  # q, k, v, z, b, a and out of each linear layer
             keys, values = (
@@ -367,9 +366,10 @@ class ModelConfig:
             linear = d * (2 * keys + 3 * values + 2 * lin.n_value_heads)
             if lin.kind == "mamba2":  # z, x, B, C, dt and out
                 linear = d * (2 * keys + 3 * values + lin.n_value_heads)
-            matmul_params += (self.n_layers if lin.parallel else self.n_layers - full) * linear
+            matmul_params += (self.n_layers if lin.parallel else linears) * linear
             if not lin.mlp:  # linear layers without an MLP
-                matmul_params -= (self.n_layers - full) * mlp
+                matmul_params -= linears * mlp
+            matmul_params -= 0 if lin.full_mlp else full * mlp  # attention alone: Nemotron-H
         return 6.0 * matmul_params + self.attention_flops_per_token(seq_len)
 
     def attention_flops_per_token(self, seq_len: int | None = None) -> float:
@@ -381,7 +381,7 @@ class ModelConfig:
         window = self.attention.sliding_window or self.attention.chunk_size
         t = sum(min(full, window) if w else full for w in self.local_layers()) / self.n_layers
         values = self.attention.v_head_dim if self.attention.kind == "mla" else self.head_dim
-        layers = self.n_layers - self.layer_kinds().count("linear")  # none: no T-long scores
+        layers = sum(k not in ("linear", "ffn") for k in self.layer_kinds())  # T-long scores
         return 6.0 * layers * self.attention.n_heads * (self.head_dim + values) * t
 
 

@@ -24,7 +24,7 @@ from eqllm.config.validation import (
 )
 
 NormKind = Literal["rmsnorm", "layernorm"]
-MLPKind = Literal["gelu", "swiglu", "geglu"]
+MLPKind = Literal["gelu", "swiglu", "geglu", "relu2"]
 GeluForm = Literal["tanh", "exact"]
 PositionKind = Literal["learned", "rope", "none"]
 RopeScalingKind = Literal["linear", "llama3", "yarn", "longrope", "dynamic"]
@@ -346,7 +346,8 @@ class PositionsConfig:
 @typing.no_type_check
 @_group
 class MLPConfig:
-    """The feed-forward layer: `kind` (gelu: GPT-2's; swiglu / geglu: gated), `d_ff` hidden
+    """The feed-forward layer: `kind` (gelu: GPT-2's; swiglu / geglu: gated; relu2: squared ReLU,
+    ungated, Nemotron-H's), `d_ff` hidden
     units, `bias` on its projections, `gelu` the form of kind 'gelu''s activation ("tanh": the
     tanh approximation, GPT-2's gelu_new; "exact": the erf form, GPT-NeoX's gelu)."""
 

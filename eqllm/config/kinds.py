@@ -1,13 +1,15 @@
 """Which stack each layer belongs to, and the segments the stack runs them in.
 
-A model's layers are of up to four kinds (`ModelConfig.layer_kinds`), each held by one stacked
+A model's layers are of up to five kinds (`ModelConfig.layer_kinds`), each held by one stacked
 Block of `CausalLM`: "dense" (a mixture of experts' layers with the dense MLP: DeepSeek's
 first `moe.dense_layers`, Llama 4 Maverick's layers between each `moe.sparse_every`-th;
 `dense_blocks`), "full" (softmax attention, the main stack: `blocks`), "linear" (a hybrid's
-Gated DeltaNet or Mamba-2 layers: `linear_blocks`; `blocks` when every layer is linear) and
-"global" (the layers without the window where they have another shape than the windowed ones:
-Gemma 4's head size, kv heads, keys as values and proportional RoPE, `attention.global_shape`
-or `positions.global_fraction`; `global_blocks`, `blocks` when every layer is global).
+Gated DeltaNet or Mamba-2 layers: `linear_blocks`; `blocks` when no layer has attention),
+"ffn" (a feed-forward layer without a token mixer, the MLP or the experts: Nemotron-H's,
+`ffn_blocks`) and "global" (the layers without the window where they have another shape than
+the windowed ones: Gemma 4's head size, kv heads, keys as values and proportional RoPE,
+`attention.global_shape` or `positions.global_fraction`; `global_blocks`, `blocks` when every
+layer is global).
 
 Everything that walks layers (the forward pass, the sliced layers of generation, the hub's key
 tables, sharding, the per-layer gradient norms) maps a layer to (stack, index in the stack)
@@ -24,13 +26,14 @@ STACKS = {
     "dense": "dense_blocks",
     "full": "blocks",
     "linear": "linear_blocks",
+    "ffn": "ffn_blocks",
     "global": "global_blocks",
 }
 
 
 def layer_kinds(config) -> tuple[str, ...]:
-    """Per layer of `config` (a ModelConfig): "dense", "full", "linear" or "global" (see the
-    module)."""
+    """Per layer of `config` (a ModelConfig): "dense", "full", "linear", "ffn" or "global" (see
+    the module)."""
     n = config.n_layers
     kinds = ["full"] * n if config.linear is None else list(config.linear.kinds(n))
     if config.attention.global_shape or config.positions.global_fraction is not None:

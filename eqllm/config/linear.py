@@ -5,7 +5,7 @@ attention layers, and stacks of Mamba-2 layers alone."""
 from __future__ import annotations
 
 import typing
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from eqllm.config.validation import (
     STRICT,
@@ -30,7 +30,9 @@ class LinearAttentionConfig:
     """Linear-attention layers (`kind`) in place of attention in all but every
     `full_every`-th layer, or in every layer (`full_every` unset, Mamba-2 only), or as
     `pattern` says: "linear" and "full" layers in any order, repeated from the first layer and
-    cut at n_layers (Nemotron-H's and Granite-4.0-H's attention layers sit mid-group).
+    cut at n_layers (Nemotron-H's and Granite-4.0-H's attention layers sit mid-group), and
+    "ffn" layers: a feed-forward layer alone, no token mixer (the MLP, or the experts with
+    `moe`: Nemotron-H's "-" and "E" layers).
 
     The layers repeat in groups of `full_every`: `full_every - 1` linear-attention layers, then
     one softmax attention layer (Qwen3.5 and Qwen3-Next: `full_attention_interval` = 4). Their
@@ -53,6 +55,9 @@ class LinearAttentionConfig:
     `attention` nor the `mlp` group. `gate_norm`: where Mamba-2's gated RMSNorm sits (see
     `GateNorm`).
 
+    `full_mlp` False leaves the MLP out of the attention layers too (Nemotron-H: every layer is
+    one sublayer, its feed-forward layers are "ffn" layers of their own).
+
     `parallel`: every layer is an attention layer with this mixer beside it, both reading the
     block's normed input, their outputs summed before the residual add, then the MLP
     (Falcon-H1); `full_every` stays unset and the layers are one stack, `blocks`.
@@ -65,7 +70,7 @@ class LinearAttentionConfig:
     key_head_dim: Positive
     value_head_dim: Positive
     full_every: Positive | None = None
-    pattern: tuple[Literal["linear", "full"], ...] | None = None
+    pattern: tuple[Literal["linear", "full", "ffn"], ...] | None = None
     conv_kernel: Positive = 4
     chunk_size: Positive = 64
     kind: LinearKind = "gated_deltanet"
@@ -77,6 +82,14 @@ class LinearAttentionConfig:
     dt_max: PositiveFloat | None = None
     gate_norm: GateNorm = "after_gate"
     parallel: bool = False
+    full_mlp: bool = True
+
+    @staticmethod
+    def _prepare(values: dict[str, Any]) -> dict[str, Any]:
+        # TOML and JSON give the pattern as a list; the config keeps a tuple (hashable).
+        if isinstance(values.get("pattern"), list):
+            values = {**values, "pattern": tuple(values["pattern"])}
+        return values
 
     def __post_init__(self) -> None:
         require(
@@ -102,7 +115,8 @@ class LinearAttentionConfig:
             or (self.full_every is None and not self.parallel and len(self.pattern) > 0),
             f"{self.PATH}.pattern",
             self.pattern,
-            "must be a non-empty list of 'linear' and 'full', with full_every and parallel unset",
+            "must be a non-empty list of 'linear', 'full' and 'ffn', with full_every and parallel "
+            "unset",
         )
         require(
             self.full_every is not None
@@ -137,7 +151,7 @@ class LinearAttentionConfig:
         )
 
     def kinds(self, n_layers: int) -> tuple[str, ...]:
-        """Per layer: "linear" or "full" (`pattern` repeated, or every full_every-th layer,
+        """Per layer: "linear", "full" or "ffn" (`pattern` repeated, or every full_every-th layer,
         counting from 1; none when both are unset; every layer when `parallel`, the mixer
         inside the block)."""
         if self.parallel:

@@ -31,7 +31,9 @@ from eqllm.errors import EqllmError
 from eqllm.model import CausalLM
 from eqllm.nn import GatedDeltaNetState, Mamba2State
 
-State = GatedDeltaNetState | Mamba2State  # what a recurrent layer carries from call to call
+# What a recurrent layer carries from call to call; None for a feed-forward layer alone (kind
+# "ffn"), which keeps nothing: a state without arrays, carried through as it is.
+State = GatedDeltaNetState | Mamba2State | None
 
 
 def is_state(entry) -> bool:

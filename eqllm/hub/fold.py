@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from eqllm.errors import EqllmError
 from eqllm.model import CausalLM
+from eqllm.nn import GatedDeltaNet, Mamba2
 from eqllm.parametrization import scales
 
 
@@ -48,11 +49,7 @@ def fold_multipliers(model: CausalLM) -> CausalLM:
                 "CompleteP's branch multiplier sits after the post-norms of this family, where "
                 "no weight can hold it; export at base_n_layers == n_layers"
             )
-        blocks = eqx.tree_at(lambda b: b.attn.o_proj, blocks, _times(blocks.attn.o_proj, s.branch))
-        blocks = eqx.tree_at(lambda b: b.mlp.down, blocks, _times(blocks.mlp.down, s.branch))
-        if blocks.ssm is not None:  # a parallel mixer's output joins attention's branch
-            ssm_out = _times(blocks.ssm.out_proj, s.branch)
-            blocks = eqx.tree_at(lambda b: b.ssm.out_proj, blocks, ssm_out)
+        blocks = _branch_folded(blocks, s.branch)
     if s.attention != 1.0:
         if cfg.attention.qk_norm is not None:
             raise EqllmError(
@@ -63,14 +60,27 @@ def fold_multipliers(model: CausalLM) -> CausalLM:
             lambda b: b.attn.q_proj, blocks, _times(blocks.attn.q_proj, s.attention)
         )
     model = eqx.tree_at(lambda m: m.blocks, model, blocks)
-    if (linear := model.linear_blocks) is not None and s.branch != 1.0:  # a hybrid's other stack
-        linear = eqx.tree_at(
-            lambda b: b.attn.out_proj, linear, _times(linear.attn.out_proj, s.branch)
-        )
-        linear = eqx.tree_at(lambda b: b.mlp.down, linear, _times(linear.mlp.down, s.branch))
-        model = eqx.tree_at(lambda m: m.linear_blocks, model, linear)
+    for field in ("linear_blocks", "ffn_blocks"):  # a hybrid's other stacks
+        if (stack := getattr(model, field)) is not None and s.branch != 1.0:
+            stack = _branch_folded(stack, s.branch)
+            model = eqx.tree_at(lambda m, f=field: getattr(m, f), model, stack)
     sp = cfg.replace(parametrization="sp", base_d_model=None, base_n_layers=None, output_mult=1.0)
     # Rebuild the static parts (the blocks' branch scale, attention scale) for the SP config.
     skeleton = eqx.filter_eval_shape(CausalLM, sp, key=jax.random.key(0))
     leaves = [jnp.asarray(x) for x in jax.tree.leaves(model)]
     return jax.tree.unflatten(jax.tree.structure(skeleton), leaves)
+
+
+def _branch_folded(blocks, branch: float):
+    """A stack with CompleteP's branch multiplier folded into the output projection of each
+    sublayer it has: attention's o_proj (a recurrent mixer's out_proj), the MLP's down, a
+    parallel mixer's out_proj."""
+    out = "out_proj" if isinstance(blocks.attn, GatedDeltaNet | Mamba2) else "o_proj"
+    parts = [lambda b: getattr(b.attn, out)] if blocks.attn is not None else []
+    if blocks.mlp is not None:
+        parts.append(lambda b: b.mlp.down)
+    if blocks.ssm is not None:  # a parallel mixer's output joins attention's branch
+        parts.append(lambda b: b.ssm.out_proj)
+    for where in parts:
+        blocks = eqx.tree_at(where, blocks, _times(where(blocks), branch))
+    return blocks

@@ -20,8 +20,9 @@ from eqllm.nn.ssd import Mamba2State
 
 Norm = RMSNorm | LayerNorm
 State = GatedDeltaNetState | Mamba2State
-# One layer's cache: keys and values (or latents), a recurrent state, or both (with `ssm`).
-Cache = KVCache | LatentCache | State | tuple[KVCache, State]
+# One layer's cache: keys and values (or latents), a recurrent state, both (with `ssm`), or
+# nothing (a feed-forward layer alone).
+Cache = KVCache | LatentCache | State | tuple[KVCache, State] | None
 
 
 def _apply(norm: Norm | None, x):
@@ -40,7 +41,8 @@ class Block(eqx.Module):
         attn_norm: the norm applied before attention (None: none).
         attn: the token mixer: self-attention (grouped-query or latent), or a Gated DeltaNet or
             Mamba-2 (a linear-attention or state-space layer; it takes no positions, and
-            segment ids reset its state).
+            segment ids reset its state); None: none, the block is norm -> feed-forward ->
+            residual (Nemotron-H's MLP and expert layers).
         mlp_norm: the norm applied before the feed-forward layer (None: none).
         mlp: the feed-forward layer (a mixture of experts in a sparse model; None: none, the
             block is norm -> mixer -> residual, as Mamba-2's).
@@ -61,7 +63,7 @@ class Block(eqx.Module):
     """
 
     attn_norm: Norm | None
-    attn: Attention | MultiHeadLatentAttention | GatedDeltaNet | Mamba2
+    attn: Attention | MultiHeadLatentAttention | GatedDeltaNet | Mamba2 | None
     mlp_norm: Norm | None
     mlp: MLP | GatedMLP | MoE | None
     attn_post_norm: Norm | None = None
@@ -91,12 +93,16 @@ class Block(eqx.Module):
         after_attn = x + _scaled(_apply(self.attn_post_norm, attended), self.branch_scale)
         if self.mlp is None:
             return after_attn, None
-        h = _apply(self.mlp_norm, x if self.parallel else after_attn)
+        return self._feed_forward(after_attn, x if self.parallel else after_attn, moe_impl)
+
+    def _feed_forward(self, x, h=None, moe_impl=None):
+        """x plus the feed-forward layer's output on `h` (None: on x itself), and its Routing."""
+        h = _apply(self.mlp_norm, x if h is None else h)
         if isinstance(self.mlp, MoE):
             out, routing = self.mlp.routed(h, moe_impl)
         else:
             out, routing = self.mlp(h), None
-        return after_attn + _scaled(_apply(self.mlp_post_norm, out), self.branch_scale), routing
+        return x + _scaled(_apply(self.mlp_post_norm, out), self.branch_scale), routing
 
     @jax.named_scope("eqllm.Block")
     def __call__(
@@ -121,6 +127,8 @@ class Block(eqx.Module):
     ) -> tuple[Float[Array, "*batch seq d_model"], Routing | None]:
         """The block's output and its `Routing` (router logits, dropped copies; None unless
         `mlp` is a mixture of experts)."""
+        if self.attn is None:  # a feed-forward layer alone
+            return self._feed_forward(x)
         h = _apply(self.attn_norm, x)
         h_in = _scaled(h, self.multipliers[0])
         if isinstance(self.attn, GatedDeltaNet | Mamba2):  # recurrent: order is position
@@ -142,11 +150,13 @@ class Block(eqx.Module):
         a Gated DeltaNet or Mamba-2 layer continues its recurrent state instead (its `cache`),
         skipping the chunk's left padding (negative positions). A block with a mixer beside
         attention (`ssm`) takes the pair (attention's cache, the mixer's state) and returns
-        both continued.
+        both continued; a feed-forward layer alone keeps nothing (its `cache` is None).
 
         Experts are computed densely here: generation runs this under `jax.vmap`, which the
         grouped ("ragged") product does not support, and a decode step has one token anyway.
         """
+        if self.attn is None:  # a feed-forward layer alone keeps nothing: its cache is as given
+            return self._feed_forward(x, None, "dense")[0], cache
         h = _apply(self.attn_norm, x)
         h_in = _scaled(h, self.multipliers[0])
         valid = positions >= 0

@@ -1,7 +1,7 @@
 """Position-wise feed-forward layers: the GPT-2 MLP and the gated variants.
 
 GELU MLP (Hendrycks & Gimpel, 2016; GPT-2 uses the tanh approximation, GPT-NeoX the exact erf
-form); SwiGLU and GeGLU
+form), or with squared ReLU (So et al., 2021, "Primer"; Nemotron-H); SwiGLU and GeGLU
 (Shazeer, 2020, "GLU Variants Improve Transformer").
 """
 
@@ -78,18 +78,21 @@ def _gated_jvp(activation, primals, tangents):
 
 
 class MLP(eqx.Module):
-    """down(gelu(up(x))), GELU with the tanh approximation (GPT-2's `gelu_new`) or exact.
+    """down(gelu(up(x))), GELU with the tanh approximation (GPT-2's `gelu_new`) or exact; or
+    down(relu(up(x))^2) (`relu2`).
 
     Arguments:
         d_model: input and output size.
         d_ff: hidden size.
         use_bias: biases on both projections.
         approximate: the tanh approximation (True) or the exact erf form (False: GPT-NeoX).
+        relu2: squared ReLU in place of GELU (Nemotron-H's `relu2`).
     """
 
     up: Linear
     down: Linear
     approximate: bool = eqx.field(static=True, default=True)
+    relu2: bool = eqx.field(static=True, default=False)
 
     def __init__(
         self,
@@ -98,10 +101,12 @@ class MLP(eqx.Module):
         *,
         use_bias: bool = True,
         approximate: bool = True,
+        relu2: bool = False,
         key: PRNGKeyArray,
         dtype=jnp.float32,
     ):
         self.approximate = approximate
+        self.relu2 = relu2
         k1, k2 = jax.random.split(key)
         self.up = Linear(
             d_model, d_ff, axes=("d_ff", "d_model"), use_bias=use_bias, key=k1, dtype=dtype
@@ -118,8 +123,11 @@ class MLP(eqx.Module):
 
     @jax.named_scope("eqllm.MLP")
     def __call__(self, x: Float[Array, "*rows d_model"]) -> Float[Array, "*rows d_model"]:
-        act = gelu_tanh if self.approximate else gelu_exact
-        hidden = act(self.up(x))  # (..., d_ff)
+        if self.relu2:
+            hidden = jnp.square(jax.nn.relu(self.up(x)))  # (..., d_ff)
+        else:
+            act = gelu_tanh if self.approximate else gelu_exact
+            hidden = act(self.up(x))  # (..., d_ff)
         return self.down(hidden)
 
 

@@ -33,6 +33,7 @@ import equinox as eqx
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from eqllm.config.kinds import STACKS
 from eqllm.model import CausalLM
 from eqllm.nn import MoE, param_info
 from eqllm.nn.dispatch import dispatch_experts, place_experts
@@ -132,9 +133,9 @@ class FsdpGather:
             # No stack whose loop gathers layer by layer: the partitioner places the gathers.
             return model
         # every stack is gathered layer by layer, in the loop
-        where = lambda m: (m.blocks, m.dense_blocks, m.linear_blocks)  # noqa: E731
+        where = lambda m: tuple(getattr(m, f) for f in STACKS.values())  # noqa: E731
         stacks = where(model)
-        rest = self.gather(eqx.tree_at(where, model, replace=(None,) * 3, is_leaf=_none))
+        rest = self.gather(eqx.tree_at(where, model, replace=(None,) * len(STACKS), is_leaf=_none))
         return eqx.tree_at(where, rest, stacks, is_leaf=_none)
 
 

@@ -18,6 +18,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eqllm.config import ModelConfig
+from eqllm.config.kinds import STACKS
 from eqllm.model import CausalLM
 from eqllm.nn import Attention, MultiHeadLatentAttention, param_info
 from eqllm.nn.linear import is_param_info
@@ -51,7 +52,7 @@ def model_param_info(model):
     def named(info):
         return dataclasses.replace(info, axes=("layers", *info.axes[1:]))
 
-    for name in ("blocks", "dense_blocks", "linear_blocks"):  # every stack of layers
+    for name in STACKS.values():  # every stack of layers
         stack = getattr(infos, name)
         if stack is not None:
             stack = jax.tree.map(named, stack, is_leaf=is_param_info)

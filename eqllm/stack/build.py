@@ -201,29 +201,33 @@ def make_block(
     *,
     dense: bool = False,
     linear: bool = False,
+    ffn: bool = False,
     global_layer: bool = False,
 ) -> Block:
     """One Transformer block as `config` describes it (`dense`: with the dense MLP even in a
     mixture of experts, a layer of kind "dense" (`ModelConfig.layer_kinds`); `linear`: a Gated
     DeltaNet or Mamba-2 in place of attention, a linear-attention layer of a hybrid stack,
     without an MLP where `linear.mlp` is False; with `linear.parallel`, attention with that
-    mixer beside it; `global_layer`: a layer of kind "global", shaped as
-    `attention.global_shape` says)."""
+    mixer beside it; `ffn`: the feed-forward layer alone, no token mixer, a layer of kind
+    "ffn"; an attention layer has no MLP where `linear.full_mlp` is False; `global_layer`: a
+    layer of kind "global", shaped as `attention.global_shape` says)."""
     dtype = dtype_of(config.param_dtype)
     k_attn, k_mlp = jax.random.split(key)
     norms = config.norms
     s, m = scales(config), multipliers_of(config)
-    ssm = None
+    ssm, attn, mixer = None, None, (1.0, 1.0)  # a feed-forward layer alone: no mixer
     if linear:
         attn = make_linear_attention(config, k_attn, dtype)
         mixer = (1.0, m.ssm_out)  # the mixer's input multiplier is its own (ssm_in)
-    else:
+    elif not ffn:
         attn = make_attention(config, k_attn, dtype, global_layer)
         mixer = (m.attention_in, m.attention_out)
         if config.linear is not None and config.linear.parallel:  # Falcon-H1
             ssm = make_linear_attention(config, jax.random.fold_in(key, 2), dtype)
     if linear and not config.linear.mlp:
         mlp = None
+    elif attn is not None and config.linear is not None and not config.linear.full_mlp:
+        mlp = None  # Nemotron-H's attention layers: attention alone
     elif (moe := config.moe) is not None and not dense:
         mlp = MoE(
             config.d_model,
@@ -251,12 +255,13 @@ def make_block(
             key=k_mlp,
             dtype=dtype,
         )
-    elif config.mlp.kind == "gelu":
+    elif config.mlp.kind in ("gelu", "relu2"):
         mlp = MLP(
             config.d_model,
             config.mlp.d_ff,
             use_bias=config.mlp.bias,
             approximate=config.mlp.gelu == "tanh",
+            relu2=config.mlp.kind == "relu2",
             key=k_mlp,
             dtype=dtype,
         )
@@ -280,7 +285,7 @@ def make_block(
         pre, post = True, False
     has_mlp = mlp is not None
     return Block(
-        norm(pre),
+        norm(pre and attn is not None),
         attn,
         norm(pre and has_mlp),
         mlp,
@@ -314,6 +319,7 @@ def initial_parts(config: ModelConfig, key: PRNGKeyArray) -> dict:
                 config,
                 dense=kind == "dense",
                 linear=kind == "linear",
+                ffn=kind == "ffn",
                 global_layer=kind == "global",
             )
             stacks[stack_field(config, kind)] = eqx.filter_vmap(make)(block_keys[kinds == kind])
