@@ -30,7 +30,8 @@ class LinearAttentionConfig:
     """Linear-attention layers (`kind`) in place of attention in all but every
     `full_every`-th layer, or in every layer (`full_every` unset, Mamba-2 only), or as
     `pattern` says: "linear" and "full" layers in any order, repeated from the first layer and
-    cut at n_layers (Nemotron-H's and Granite-4.0-H's attention layers sit mid-group).
+    cut at n_layers (Nemotron-H's and Granite-4.0-H's attention layers sit mid-group; a
+    pattern as long as the model is its per-layer list, any config.json `layer_types`).
 
     The layers repeat in groups of `full_every`: `full_every - 1` linear-attention layers, then
     one softmax attention layer (Qwen3.5 and Qwen3-Next: `full_attention_interval` = 4). Their
