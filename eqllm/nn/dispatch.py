@@ -17,7 +17,12 @@ rows; copies past that are dropped (they add nothing to their token's output, as
 Switch Transformer) and counted.
 
 The dense product's own expert parallelism (`place_experts`) lives here too: both are hooks
-that a caller who knows the mesh sets while tracing, so that `eqllm.nn` knows no devices.
+that a caller who knows the mesh sets while tracing, so that `eqllm.nn` knows no devices. They
+are set only inside the FSDP layer hook (`eqllm.sharding.FsdpGather.layer`, itself the
+trace-time hook `eqllm.stack.each_layer`), around one layer's call, and change where the
+arrays are placed, not their values: as arguments they would add a mesh callable to
+`Block.routed` and `MoE.routed` and to every model entry point above them (see
+`eqllm.stack.run` for why the layer hook stays a trace-time hook too).
 
 Outside `dispatch_experts` (one device, or a mesh that does not split the experts) the same
 computation runs with one shard and no exchange: a grouped matmul over the sorted copies.
