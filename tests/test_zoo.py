@@ -32,6 +32,7 @@ RESEARCH = [
     "qwen3_next-nano",
     "olmo_hybrid-nano",
     "llama4-nano",
+    "llama4-maverick-nano",
     "mamba2-nano",
     "falcon_h1-nano",
 ]
@@ -131,6 +132,7 @@ NANOS = [
     "qwen3_next-nano",
     "olmo_hybrid-nano",
     "llama4-nano",
+    "llama4-maverick-nano",
     "mamba2-nano",
     "falcon_h1-nano",
 ]
