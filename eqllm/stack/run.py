@@ -10,8 +10,9 @@ reaches this loop by its own road: the objective's model, called directly or thr
 through `CausalLM.__call__`, `routed`, `routing` or `hidden`. An argument would be threaded
 through all of those and every objective; a field of `CausalLM` would change its tree structure
 (checkpoints, `with_config`, compiled-function caches). The hook changes where XLA places the
-gathers, never the values; it is set in one place (`eqllm.train.step`), and `eqllm.nn.dispatch`'s
-two expert hooks are set inside it, per layer.
+gathers, never the values; it is set in one place (`eqllm.train.step`). What a layer's mixture of
+experts needs from the mesh is no hook: the FSDP layer hook passes it to the layer's call
+(`Block.routed(..., experts=...)`, `eqllm.nn.dispatch.ExpertHooks`).
 """
 
 from __future__ import annotations
