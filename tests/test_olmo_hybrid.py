@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 import eqllm
-from eqllm.config import ConfigError
 from tests.families import TINY_CONFIGS
 from tests.hf_parity import TOKENS, hf_logits, logits
 from tests.test_segments import assert_each_document_alone, forward, packed_row
@@ -74,10 +73,12 @@ def test_rope_or_none_as_transformers_reads_it():
         ["linear_attention", "linear_attention", "full_attention", "full_attention"],
     ],
 )
-def test_layer_types_that_are_not_whole_groups_are_refused(types):
-    raw = {**BASE, "num_hidden_layers": len(types), "layer_types": types}
-    with pytest.raises(ConfigError, match="layer_types"):
-        eqllm.hub.from_hf_config(raw)
+def test_layer_types_in_any_order_read_as_transformers_reads_them(types):
+    """Not whole groups closed by an attention layer: read as `linear.pattern`
+    (tests/test_layer_types.py), written back as they were."""
+    ours, theirs = _both(num_hidden_layers=len(types), layer_types=types)
+    assert [f"{k}_attention" for k in ours.layer_kinds()] == theirs.layer_types == types
+    assert eqllm.hub.to_hf_config(ours)["layer_types"] == types
 
 
 @pytest.mark.parametrize("conv", ["one", "qkv"])

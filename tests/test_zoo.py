@@ -33,6 +33,7 @@ RESEARCH = [
     "qwen3_next-nano",
     "olmo_hybrid-nano",
     "llama4-nano",
+    "llama4-maverick-nano",
     "mamba2-nano",
     "falcon_h1-nano",
 ]
@@ -133,6 +134,7 @@ NANOS = [
     "qwen3_next-nano",
     "olmo_hybrid-nano",
     "llama4-nano",
+    "llama4-maverick-nano",
     "mamba2-nano",
     "falcon_h1-nano",
 ]

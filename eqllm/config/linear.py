@@ -30,7 +30,8 @@ class LinearAttentionConfig:
     """Linear-attention layers (`kind`) in place of attention in all but every
     `full_every`-th layer, or in every layer (`full_every` unset, Mamba-2 only), or as
     `pattern` says: "linear" and "full" layers in any order, repeated from the first layer and
-    cut at n_layers (Nemotron-H's and Granite-4.0-H's attention layers sit mid-group), and
+    cut at n_layers (Nemotron-H's and Granite-4.0-H's attention layers sit mid-group; a
+    pattern as long as the model is its per-layer list, any config.json `layer_types`), and
     "ffn" layers: a feed-forward layer alone, no token mixer (the MLP, or the experts with
     `moe`: Nemotron-H's "-" and "E" layers).
 

@@ -1,6 +1,7 @@
 """OLMo Hybrid (Team OLMo, 2026): OLMo 3's attention layers (post-norm: RMSNorm on the outputs
 of attention and MLP; QK-norm over the whole q and k projections) with three Gated DeltaNet
-layers (Yang, Kautz & Hatamizadeh, 2025) before each of them.
+layers (Yang, Kautz & Hatamizadeh, 2025) before each of them; config.json's `layer_types` reads
+in any order of the two kinds (`eqllm.families._hybrid`).
 
 The Gated DeltaNet layers differ from Qwen3.5's: they are pre-norm (RMSNorm before the mixer and
 before the MLP, as Llama), key heads as many as value heads by default, the write strength is
@@ -24,6 +25,7 @@ Import reads all three, and any cut of the convolution (the parts are concatenat
 from typing import Any
 
 from eqllm.config import ConfigError, ModelConfig
+from eqllm.families._hybrid import from_layer_types, to_layer_types
 from eqllm.families._rope import rope_params
 from eqllm.families.base import (
     LLAMA_BLOCK,
@@ -103,24 +105,6 @@ def _layer_types(n_layers: int) -> list[str]:
     return types
 
 
-def _full_every(hf: dict[str, Any]) -> int:
-    """The length of the repeating group of `layer_types`: linear-attention layers closed by
-    one full-attention layer (the only pattern eqllm's stack scans)."""
-    n_layers = need(hf, "num_hidden_layers")
-    types = hf.get("layer_types") or _layer_types(n_layers)
-    every = types.index("full_attention") + 1 if "full_attention" in types else 0
-    expected = [
-        "full_attention" if (i + 1) % max(every, 1) == 0 else "linear_attention"
-        for i in range(n_layers)
-    ]
-    if every < 2 or types != expected or n_layers % every:
-        raise ConfigError(
-            f"config.json layer_types={types} is not whole groups of linear_attention layers "
-            "each closed by one full_attention layer, the only pattern eqllm's OLMo hybrid reads"
-        )
-    return every
-
-
 def _rope(hf: dict[str, Any]) -> dict[str, Any]:
     """RoPE on the attention layers, or none where `rope_theta` is null (the 7B release)."""
     rope = rope_params(hf)
@@ -146,7 +130,7 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
         **hf,
         "hidden_act": "silu",
         "attention_bias": False,
-        "layer_types": [f"{kind}_attention" for kind in cfg.layer_kinds()],
+        "layer_types": to_layer_types(cfg),
         "linear_conv_kernel_dim": lin.conv_kernel,
         "linear_key_head_dim": lin.key_head_dim,
         "linear_value_head_dim": lin.value_head_dim,
@@ -161,6 +145,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     refuse(hf, "hidden_act", ("silu",))
     refuse(hf, "attention_bias", (False,))
     d, n_heads = need(hf, "hidden_size"), need(hf, "num_attention_heads")
+    n_layers = need(hf, "num_hidden_layers")
     key_heads = hf.get("linear_num_key_heads") or n_heads
     key_dim = hf.get("linear_key_head_dim") or int(0.75 * d / key_heads)
     plain = {k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_scaling")}
@@ -169,7 +154,12 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         **_rope(hf),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "linear": {
-            "full_every": _full_every(hf),
+            **from_layer_types(
+                hf.get("layer_types") or _layer_types(n_layers),
+                n_layers,
+                "OLMo hybrid",
+                needs_linear=True,
+            ),
             "n_key_heads": key_heads,
             "n_value_heads": hf.get("linear_num_value_heads") or n_heads,
             "key_head_dim": key_dim,
@@ -190,7 +180,6 @@ FAMILY = Family(
     fixed={
         **{k: v for k, v in LLAMA_BLOCK.items() if k not in ("positions.kind", "linear")},
         "linear.kind": "gated_deltanet",
-        "linear.pattern": None,
         "linear.norm_eps": _GATED_NORM_EPS,
         "linear.pre_norm": True,
         "attention.qk_norm": "whole",

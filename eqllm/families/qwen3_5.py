@@ -7,6 +7,10 @@ except the Gated DeltaNet's own gated output norm, which scales by w. Published 
 vision-language models (`qwen3_5`, `Qwen3_5ForConditionalGeneration`): eqllm reads their
 language model (`text_config`, `model.language_model.*`) and leaves the vision tower out.
 
+The published files repeat three linear layers and one attention layer; config.json's
+`layer_types` reads in any order of the two (`eqllm.families._hybrid`) and is written back as
+it was.
+
 The hybrid's key table and config translation (`hybrid_table`, `hybrid_to_hf`,
 `hybrid_from_hf`) take the MLP's rows and the Gated DeltaNet's projection rows as arguments:
 Qwen3.5-MoE and Qwen3-Next (`qwen3_5_moe`, `qwen3_next`) reuse them with their experts.
@@ -14,7 +18,8 @@ Qwen3.5-MoE and Qwen3-Next (`qwen3_5_moe`, `qwen3_next`) reuse them with their e
 
 from typing import Any
 
-from eqllm.config import ConfigError, ModelConfig
+from eqllm.config import ModelConfig
+from eqllm.families._hybrid import from_layer_types, to_layer_types
 from eqllm.families._rope import rope_from_hf
 from eqllm.families.base import (
     LLAMA_BLOCK,
@@ -103,10 +108,6 @@ TABLE = hybrid_table(LLAMA_PREFIX)
 VISION_LANGUAGE_TABLE = hybrid_table("model.language_model.")
 
 
-def _layer_types(cfg: ModelConfig) -> list[str]:
-    return [f"{kind}_attention" for kind in cfg.layer_kinds()]
-
-
 def hybrid_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The config.json fields of a Qwen3.5-style hybrid: Llama's, without the MLP size, the
     layer pattern, the Gated DeltaNet's sizes and partial rotary in `rope_parameters`."""
@@ -117,7 +118,7 @@ def hybrid_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         **hf,
         "hidden_act": "silu",
         "attention_bias": False,
-        "layer_types": _layer_types(cfg),
+        "layer_types": to_layer_types(cfg),
         "linear_conv_kernel_dim": lin.conv_kernel,
         "linear_key_head_dim": lin.key_head_dim,
         "linear_value_head_dim": lin.value_head_dim,
@@ -151,20 +152,10 @@ def hybrid_from_hf(hf: dict[str, Any], published: dict[str, Any] = PUBLISHED) ->
     for key, plain in published.items():
         refuse(hf, key, (plain,))
     n_layers = need(hf, "num_hidden_layers")
-    every = hf.get("full_attention_interval", 4)
+    every = hf.get("full_attention_interval", 4)  # transformers' default, without layer_types
     types = hf.get("layer_types") or [
         "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n_layers)
     ]
-    if "full_attention" in types:
-        every = types.index("full_attention") + 1
-    expected = [
-        "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n_layers)
-    ]
-    if types != expected or n_layers % every:
-        raise ConfigError(
-            f"config.json layer_types={types} is not whole groups of linear_attention layers "
-            "each closed by one full_attention layer, the only pattern eqllm's Qwen3.5 reads"
-        )
     # Multimodal RoPE (mrope_section) gives a text token the same position on each of its
     # three axes, where it equals plain RoPE; eqllm reads text only.
     rope = {
@@ -180,7 +171,7 @@ def hybrid_from_hf(hf: dict[str, Any], published: dict[str, Any] = PUBLISHED) ->
         "positions.fraction": float(fraction),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "linear": {
-            "full_every": every,
+            **from_layer_types(types, n_layers, "Qwen3.5-style hybrid"),
             "n_key_heads": hf.get("linear_num_key_heads", 16),
             "n_value_heads": hf.get("linear_num_value_heads", 32),
             "key_head_dim": hf.get("linear_key_head_dim", 128),
@@ -194,7 +185,6 @@ def hybrid_from_hf(hf: dict[str, Any], published: dict[str, Any] = PUBLISHED) ->
 HYBRID_FIXED = {
     **{k: v for k, v in LLAMA_BLOCK.items() if k not in ("positions.fraction", "linear")},
     "linear.kind": "gated_deltanet",
-    "linear.pattern": None,
     "linear.norm_eps": None,  # the gated norm uses rms_norm_eps
     "linear.allow_neg_eigval": False,
     "linear.pre_norm": False,

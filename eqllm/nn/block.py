@@ -9,6 +9,7 @@ import jax
 from jaxtyping import Array, Bool, Float, Int
 
 from eqllm.nn.attention import Attention
+from eqllm.nn.dispatch import ExpertHooks
 from eqllm.nn.gated_deltanet import GatedDeltaNet, GatedDeltaNetState
 from eqllm.nn.kv_cache import KVCache
 from eqllm.nn.mamba2 import Mamba2
@@ -81,25 +82,25 @@ class Block(eqx.Module):
             return attended
         return attended + _scaled(self.ssm(h, None, segment_ids)[0], self.multipliers[2])
 
-    def _residual(self, x, attended, moe_impl=None):
+    def _residual(self, x, attended, moe_impl=None, experts: ExpertHooks | None = None):
         """The block's output from its input `x` and attention's output `attended` (times
         `layer_scalar`, where the block has one)."""
-        out, routing = self._sublayers(x, attended, moe_impl)
+        out, routing = self._sublayers(x, attended, moe_impl, experts)
         if self.layer_scalar is not None:
             out = out * self.layer_scalar.astype(out.dtype)
         return out, routing
 
-    def _sublayers(self, x, attended, moe_impl=None):
+    def _sublayers(self, x, attended, moe_impl=None, experts=None):
         after_attn = x + _scaled(_apply(self.attn_post_norm, attended), self.branch_scale)
         if self.mlp is None:
             return after_attn, None
-        return self._feed_forward(after_attn, x if self.parallel else after_attn, moe_impl)
+        return self._feed_forward(after_attn, x if self.parallel else after_attn, moe_impl, experts)
 
-    def _feed_forward(self, x, h=None, moe_impl=None):
+    def _feed_forward(self, x, h=None, moe_impl=None, experts=None):
         """x plus the feed-forward layer's output on `h` (None: on x itself), and its Routing."""
         h = _apply(self.mlp_norm, x if h is None else h)
         if isinstance(self.mlp, MoE):
-            out, routing = self.mlp.routed(h, moe_impl)
+            out, routing = self.mlp.routed(h, moe_impl, experts)
         else:
             out, routing = self.mlp(h), None
         return x + _scaled(_apply(self.mlp_post_norm, out), self.branch_scale), routing
@@ -124,18 +125,20 @@ class Block(eqx.Module):
         local: Bool[Array, ""] | bool | None = None,
         segment_ids: Int[Array, "*batch seq"] | None = None,
         rotate: Bool[Array, ""] | bool | None = None,
+        experts: ExpertHooks | None = None,
     ) -> tuple[Float[Array, "*batch seq d_model"], Routing | None]:
         """The block's output and its `Routing` (router logits, dropped copies; None unless
-        `mlp` is a mixture of experts)."""
+        `mlp` is a mixture of experts). `experts`: how a mesh places or dispatches a mixture
+        of experts' experts (`eqllm.nn.dispatch.ExpertHooks`, from the FSDP layer hook)."""
         if self.attn is None:  # a feed-forward layer alone
-            return self._feed_forward(x)
+            return self._feed_forward(x, experts=experts)
         h = _apply(self.attn_norm, x)
         h_in = _scaled(h, self.multipliers[0])
         if isinstance(self.attn, GatedDeltaNet | Mamba2):  # recurrent: order is position
             attended = self.attn(h_in, None, segment_ids)[0]
         else:
             attended = self.attn(h_in, positions, local, segment_ids, rotate)
-        return self._residual(x, self._mixed(h, attended, segment_ids))
+        return self._residual(x, self._mixed(h, attended, segment_ids), experts=experts)
 
     @jax.named_scope("eqllm.Block.cached")
     def cached(

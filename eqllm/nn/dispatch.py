@@ -16,19 +16,21 @@ perfectly balanced exchange). With a capacity factor c a slot holds ceil(c x n /
 rows; copies past that are dropped (they add nothing to their token's output, as in the
 Switch Transformer) and counted.
 
-The dense product's own expert parallelism (`place_experts`) lives here too: both are hooks
-that a caller who knows the mesh sets while tracing, so that `eqllm.nn` knows no devices.
+The dense product's own expert parallelism lives here too: an `ExpertHooks` holds both, the
+dense product's placement (`place`) and the dispatcher (`dispatch`), and a caller who knows the
+mesh passes it to the layer's call (`Block.routed(..., experts=hooks)`, `MoE.routed`), so that
+`eqllm.nn` knows no devices. The FSDP layer hook (`eqllm.sharding.FsdpGather.layer`) builds it
+per layer; it changes where the arrays are placed, never their values.
 
-Outside `dispatch_experts` (one device, or a mesh that does not split the experts) the same
+Without a dispatcher (one device, or a mesh that does not split the experts) the same
 computation runs with one shard and no exchange: a grouped matmul over the sorted copies.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -37,64 +39,52 @@ from jaxtyping import Array, Float, Int
 
 from eqllm.nn.linear import ExpertLinear
 
-# (array, logical axes of its dimensions) -> the same values, placed (see `place_experts`).
+# (array, logical axes of its dimensions) -> the same values, placed (see `ExpertHooks`).
 ExpertPlacement = Callable[[Array, tuple[str, ...]], Array]
-_PLACEMENT: contextvars.ContextVar[ExpertPlacement | None] = contextvars.ContextVar(
-    "eqllm_expert_placement", default=None
-)
-
-
-@contextlib.contextmanager
-def place_experts(fn: ExpertPlacement) -> Iterator[None]:
-    """While tracing inside this context, the dense expert product calls `fn(array, axes)` on
-    the tokens it gives every expert ("expert", "tokens", "d_model"), the experts' hidden
-    units ("expert", "tokens", "d_ff") and outputs ("expert", "tokens", "d_model"), the combine
-    weights ("tokens", "expert") and the combined output ("tokens", "d_model"), and uses what
-    `fn` returns (the same values: a sharding constraint, say, which also places their
-    gradients)."""
-    token = _PLACEMENT.set(fn)
-    try:
-        yield
-    finally:
-        _PLACEMENT.reset(token)
-
-
-def placement() -> ExpertPlacement:
-    """The placement in force (`place_experts`); outside one, the identity."""
-    return _PLACEMENT.get() or (lambda x, axes: x)
-
-
 Experts = tuple[ExpertLinear, ExpertLinear, ExpertLinear]  # gate, up, down
 Activation = Callable[[Array, Array], Array]
 # (experts, activation, rows, weights, expert ids, capacity factor) -> (output, dropped copies)
 Dispatcher = Callable[..., tuple[Array, Array]]
-_DISPATCHER: contextvars.ContextVar[Dispatcher | None] = contextvars.ContextVar(
-    "eqllm_expert_dispatcher", default=None
-)
 
 
-@contextlib.contextmanager
-def dispatch_experts(fn: Dispatcher) -> Iterator[None]:
-    """While tracing inside this context, `MoE(impl="dispatch")` computes its routed experts
-    with `fn(experts, act, x, weights, ids, capacity_factor)` in place of `dispatch` on one
-    shard: a caller that knows the mesh (`eqllm.sharding.FsdpGather`) runs `dispatch` on every
-    shard of it (`shard_map`), with the all-to-alls over the experts' mesh axis."""
-    token = _DISPATCHER.set(fn)
-    try:
-        yield
-    finally:
-        _DISPATCHER.reset(token)
+class ExpertHooks(NamedTuple):
+    """How a mesh runs one mixture-of-experts layer, passed to its call by a caller that knows
+    the mesh (`eqllm.sharding.FsdpGather`); None fields leave the one-device computation.
+
+    `place(array, axes)`: the dense expert product passes the tokens it gives every expert
+    ("expert", "tokens", "d_model"), the experts' hidden units ("expert", "tokens", "d_ff") and
+    outputs ("expert", "tokens", "d_model"), the combine weights ("tokens", "expert") and the
+    combined output ("tokens", "d_model") through it and uses what it returns (the same values:
+    a sharding constraint, say, which also places their gradients).
+    `dispatch(experts, act, x, weights, ids, capacity_factor)`: `MoE(impl="dispatch")`
+    computes its routed experts with it in place of `dispatch` on one shard (the caller runs
+    `dispatch` on every shard of the mesh, `shard_map`, with the all-to-alls over the experts'
+    mesh axis).
+    """
+
+    place: ExpertPlacement | None = None
+    dispatch: Dispatcher | None = None
+
+
+def placement(hooks: ExpertHooks | None) -> ExpertPlacement:
+    """The dense product's placement of `hooks`; without one, the identity."""
+    return (hooks and hooks.place) or (lambda x, axes: x)
 
 
 def dispatched(
-    experts: Experts, act: Activation, x, weights, ids, capacity_factor: float | None = None
+    experts: Experts,
+    act: Activation,
+    x,
+    weights,
+    ids,
+    capacity_factor: float | None = None,
+    hooks: ExpertHooks | None = None,
 ) -> tuple[Float[Array, "rows d_model"], Int[Array, ""]]:
     """The routed experts' combined output and the number of dropped copies, through the
-    dispatcher in place (`dispatch_experts`), else on one shard."""
-    fn = _DISPATCHER.get()
-    if fn is None:
+    dispatcher of `hooks`, else on one shard."""
+    if hooks is None or hooks.dispatch is None:
         return dispatch(experts, act, x, weights, ids, n_shards=1, capacity_factor=capacity_factor)
-    return fn(experts, act, x, weights, ids, capacity_factor)
+    return hooks.dispatch(experts, act, x, weights, ids, capacity_factor)
 
 
 def slot_rows(copies: int, n_shards: int, capacity_factor: float | None) -> int:

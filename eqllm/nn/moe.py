@@ -15,11 +15,11 @@ that holds its expert and back (all-to-all) and runs the local experts as one gr
 (`eqllm.nn.dispatch`: expert parallelism by token dispatch; on one device, "ragged" by
 another road), optionally with a capacity factor that drops copies past it.
 
-Expert parallelism of the dense product: while tracing inside `place_experts(fn)`, the dense
-product passes its intermediates through `fn(array, logical_axes)`, so a caller that knows the
-mesh (the FSDP layer hook, `eqllm.sharding.FsdpGather`) can place them: the
-[experts, tokens, ...] arrays split over experts, so that each device runs only its own
-experts, on every token.
+Expert parallelism of the dense product: given `ExpertHooks` with a placement `place`
+(`MoE.routed(x, hooks=...)`), the dense product passes its intermediates through
+`place(array, logical_axes)`, so a caller that knows the mesh (the FSDP layer hook,
+`eqllm.sharding.FsdpGather`) can place them: the [experts, tokens, ...] arrays split over
+experts, so that each device runs only its own experts, on every token.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from eqllm.nn.dispatch import dispatched, placement
+from eqllm.nn.dispatch import ExpertHooks, dispatched, placement
 from eqllm.nn.linear import ExpertLinear, Linear
 from eqllm.nn.mlp import GatedMLP, gated
 
@@ -260,8 +260,8 @@ class MoE(eqx.Module):
             weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
         return weights, experts
 
-    def _dense(self, x, weights, experts):
-        place = placement()
+    def _dense(self, x, weights, experts, hooks: ExpertHooks | None = None):
+        place = placement(hooks)
         # combine[t, e]: token t's weight for expert e, zero unless e is among its top k.
         combine = jnp.einsum(
             "tk,tke->te", weights, jax.nn.one_hot(experts, self.n_experts, dtype=x.dtype)
@@ -292,12 +292,17 @@ class MoE(eqx.Module):
 
     @jax.named_scope("eqllm.MoE")
     def routed(
-        self, x: Float[Array, "*rows d_model"], impl: MoEImpl | None = None
+        self,
+        x: Float[Array, "*rows d_model"],
+        impl: MoEImpl | None = None,
+        hooks: ExpertHooks | None = None,
     ) -> tuple[Float[Array, "*rows d_model"], Routing]:
         """The layer's output and its `Routing` (router logits, expert load, dropped copies).
 
-        `impl` overrides `self.impl`. "ragged" and "dispatch" cannot run under `jax.vmap` (JAX's
-        ragged_dot has no batching rule): call the layer on the whole batch instead.
+        `impl` overrides `self.impl`; `hooks`: how a mesh places or dispatches the experts
+        (`eqllm.nn.dispatch.ExpertHooks`; None: one device). "ragged" and "dispatch" cannot run
+        under `jax.vmap` (JAX's ragged_dot has no batching rule): call the layer on the whole
+        batch instead.
         """
         flat = x.reshape(-1, x.shape[-1])  # every leading axis folded into tokens
         logits, weights, experts = self.route(flat)
@@ -310,9 +315,11 @@ class MoE(eqx.Module):
                 if self.top_k != 1:
                     raise ValueError(f"MoE score_input with 'dispatch' needs top_k=1: {self.top_k}")
                 inputs, weights = flat * weights, jnp.ones_like(weights)
-            out, dropped = dispatched(layers, self._act, inputs, weights, experts, cf)
+            out, dropped = dispatched(layers, self._act, inputs, weights, experts, cf, hooks)
+        elif impl == "dense":
+            out = self._dense(flat, weights, experts, hooks)
         else:
-            out = (self._dense if impl == "dense" else self._ragged)(flat, weights, experts)
+            out = self._ragged(flat, weights, experts)
         if self.shared is not None and self.shared_gate is None:
             out = out + self.shared(flat)
         elif self.shared is not None:

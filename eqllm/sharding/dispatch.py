@@ -9,8 +9,8 @@ whose gradient sum `shard_map` inserts. Where the rules split the experts' hidde
 `tensor`, each device runs its slice of every local expert and the down projection's partial
 sums are summed over `tensor` (every tensor device sends the same tokens).
 
-`eqllm.sharding.FsdpGather.layer` installs an `ExpertDispatch` (`eqllm.nn.dispatch_experts`)
-around each layer whose experts it splits, and keeps those experts' weights split.
+`eqllm.sharding.FsdpGather.layer` passes an `ExpertDispatch` to each layer whose experts it
+splits (`eqllm.nn.dispatch.ExpertHooks.dispatch`), and keeps those experts' weights split.
 """
 
 from __future__ import annotations

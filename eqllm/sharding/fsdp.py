@@ -17,15 +17,14 @@ expert weights (`FsdpGather.expert_parallel`), those weights are not gathered. E
 keeps and runs its own experts: the layer's tokens are all-gathered over fsdp instead (the
 [experts, tokens, d_model] input of the expert product placed split over experts and whole over
 the fsdp group's tokens), and the combined output, a partial sum over each device's experts, is
-reduce-scattered back to the batch split (`eqllm.nn.dispatch.place_experts`). Tokens move, weights
-stay; each expert's gradient stays on its device (all-reduced over `data` only). A mixture of
-experts with `impl="dispatch"` whose experts the mesh splits keeps them split too and sends
-each token copy to its expert's device and back (`eqllm.sharding.dispatch`).
+reduce-scattered back to the batch split (`eqllm.nn.dispatch.ExpertHooks.place`). Tokens move,
+weights stay; each expert's gradient stays on its device (all-reduced over `data` only). A
+mixture of experts with `impl="dispatch"` whose experts the mesh splits keeps them split too and
+sends each token copy to its expert's device and back (`eqllm.sharding.dispatch`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 
@@ -36,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from eqllm.config.kinds import STACKS
 from eqllm.model import CausalLM
 from eqllm.nn import MoE, param_info
-from eqllm.nn.dispatch import dispatch_experts, place_experts
+from eqllm.nn.dispatch import ExpertHooks
 from eqllm.nn.linear import is_param_info
 from eqllm.sharding.dispatch import ExpertDispatch
 from eqllm.sharding.rules import RULES, sizes_of, spec_for
@@ -98,13 +97,13 @@ class FsdpGather:
             parallel = self.expert_parallel(block, x)
             dispatched = self.dispatch.splits(block.mlp, x)
             gathered = self.gather(block, keep_experts=parallel or dispatched)
-            context = contextlib.nullcontext()
-            if parallel:
-                context = place_experts(self._place)
-            elif dispatched:
-                context = dispatch_experts(self.dispatch)
-            with context:
-                out, routing = gathered.routed(self._pin(x), positions, local, segment_ids, rotate)
+            experts = ExpertHooks(
+                place=self._place if parallel else None,
+                dispatch=self.dispatch if dispatched and not parallel else None,
+            )
+            out, routing = gathered.routed(
+                self._pin(x), positions, local, segment_ids, rotate, experts=experts
+            )
             return self._pin(out), routing
 
         return run

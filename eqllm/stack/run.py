@@ -1,7 +1,19 @@
 """Running the stacked blocks in order with `lax.scan`: the layers' kinds cut into segments
 (`eqllm.config.kinds.segments`), a run of one kind through `run_blocks` (with its per-layer
 flags), a repeated pattern of kinds through `run_groups`; remat policies and the per-layer hook
-(`each_layer`) of FSDP."""
+(`each_layer`) of FSDP.
+
+Why `each_layer` is a trace-time hook (a ContextVar read while tracing) and not an argument: the
+training step sets it once around everything it differentiates, and every model traced inside
+reaches this loop by its own road: the objective's model, called directly or through
+`routed_logps` (preference, GRPO), and the distillation teacher, gathered layer by layer too,
+through `CausalLM.__call__`, `routed`, `routing` or `hidden`. An argument would be threaded
+through all of those and every objective; a field of `CausalLM` would change its tree structure
+(checkpoints, `with_config`, compiled-function caches). The hook changes where XLA places the
+gathers, never the values; it is set in one place (`eqllm.train.step`). What a layer's mixture of
+experts needs from the mesh is no hook: the FSDP layer hook passes it to the layer's call
+(`Block.routed(..., experts=...)`, `eqllm.nn.dispatch.ExpertHooks`).
+"""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import pytest
 
 from eqllm.bench.mesh import mesh_bench
 from eqllm.nn import MoE
-from eqllm.nn.dispatch import dispatch_experts, dispatched
+from eqllm.nn.dispatch import ExpertHooks, dispatched
 from eqllm.recipe import OptimSpec
 from eqllm.sharding import (
     MeshConfig,
@@ -114,8 +114,8 @@ def test_dispatched_layer_equals_dense_and_counts_capacity_drops():
     @jax.jit
     def both(moe, x):
         experts = (moe.gate, moe.up, moe.down)
-        with dispatch_experts(run):
-            return dispatched(experts, moe._act, x, weights, ids, moe.capacity_factor)
+        hooks = ExpertHooks(dispatch=run)
+        return dispatched(experts, moe._act, x, weights, ids, moe.capacity_factor, hooks)
 
     out, dropped = both(moe, x)
     np.testing.assert_allclose(out, moe._dense(x, weights, ids), atol=1e-6)
