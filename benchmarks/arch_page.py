@@ -249,20 +249,23 @@ def _limits(widths, sizes) -> list[str]:
         f"The models hold {low / 1e6:.2f}M to {high / 1e6:.2f}M parameters and train for about "
         f"{xstudy.STEPS} steps ({xstudy.STEPS * 8 * xstudy.SEQ_LEN:,} tokens) on one seed.",
         "",
-        "- **Can:** that the three architectures train stably under muP on the same recipe, "
-        "whether each one's best learning rate stays put as the width grows (the transfer "
-        "muP promises, per architecture), the exact parameter, FLOP and cache-byte "
-        "arithmetic (the cache's growth with context is the hybrids' reason to exist: a "
-        "quarter of the attention layers keep a quarter of the KV bytes, plus a state that "
-        "does not grow), and the relative step and decode costs of the implementations on a "
-        "CPU.",
-        f"- **Cannot:** rank the architectures by quality. One seed moved a loss near the "
-        f"optimum by up to {SEED_NOISE} in the same setup (docs/experiments/mutransfer.md), "
-        "so loss differences below about 0.1 are noise; ~100 steps at seq 128 is far from "
-        "convergence and far shorter than the contexts where linear layers' memory would "
-        "matter; the published comparisons (Gated DeltaNet, Mamba-2, their hybrids) train "
-        "1B+ parameters on billions of tokens. Nor can CPU tokens/s predict an accelerator's: "
-        "the chunked scans of the linear layers and the attention core have different costs "
-        "there, and these timings were taken under other people's load.",
+        "- **Can:** that the three architectures train on the same recipe under muP, whether "
+        "each one's best learning rate stays put as the width grows (the transfer muP "
+        "promises, per architecture), which one reaches the lower loss at equal parameters "
+        "and FLOPs in this short budget when the gap is well above the seed noise, the exact "
+        "parameter, FLOP and cache-byte arithmetic (the cache's growth with context is the "
+        "hybrids' reason to exist: one attention layer in four keeps a quarter of the KV "
+        "bytes, plus a state that does not grow), and the relative step and decode costs of "
+        "eqllm's implementations on a CPU.",
+        f"- **Cannot:** rank the architectures at scale. One seed moved a loss near the "
+        f"optimum by up to {SEED_NOISE} in the same setup (docs/experiments/mutransfer.md, a "
+        "second seed), so loss differences below about 0.1 are noise; a gap measured after "
+        "~100 steps at seq 128 says how fast each one learns early on short contexts, not "
+        "where it converges nor how it uses long contexts (where a linear layer's fixed state "
+        "and attention's growing cache differ most); the published comparisons (Gated "
+        "DeltaNet, Mamba-2 and their hybrids) train 1B+ parameters on billions of tokens. Nor "
+        "can CPU tokens/s predict an accelerator's: the linear layers' chunked scans and the "
+        "attention core cost differently there, and these timings were taken under other "
+        "people's load.",
         "",
     ]

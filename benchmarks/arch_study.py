@@ -146,12 +146,9 @@ def base_points(archs: list[str], width: int) -> list[dict]:
 
 
 def transfer_points(archs: list[str], widths: list[int], base: int, best: dict) -> list[dict]:
-    """The wider widths' points: each architecture's best base exponent at every width first
-    (a sweep stopped early still has them), then an octave either side, narrowest first (the
-    cheaper points first)."""
-    first = [point(a, w, best[a], base) for w in widths for a in archs]
-    rest = [point(a, w, best[a] + d, base) for w in widths for d in (-1, 1) for a in archs]
-    return first + rest
+    """The wider widths' points, narrowest width first (a sweep stopped early then has whole
+    widths): each architecture's best base exponent, then an octave either side."""
+    return [point(a, w, best[a] + d, base) for w in widths for d in (0, -1, 1) for a in archs]
 
 
 def study_row(row: dict, summary: dict) -> dict:
