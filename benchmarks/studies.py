@@ -4,6 +4,8 @@
     PYTHONPATH=. python benchmarks/studies.py scaling [--jobs 2]
     PYTHONPATH=. python benchmarks/studies.py optimizers [--jobs 2] [--widths 64,128,256]
         [--optimizers adamw,muon,lion] [--set KEY=VALUE ...] [--out DIR] [--page FILE] [--no-run]
+    PYTHONPATH=. python benchmarks/studies.py architectures [--jobs 1] [--widths 64,128,256]
+        [--no-run] [--retime]
 
 `mutransfer` runs recipes/sweeps/mutransfer.toml into runs/mutransfer (SP and muP, widths 64-512,
 learning rates 2^-14 to 2^-4) and writes docs/experiments/mutransfer.md: each width's best
@@ -16,8 +18,13 @@ largest with the prediction of the largest. `optimizers` runs the optimizer stud
 benchmarks/optimizer_study.py (a learning-rate sweep per optimizer at the base width, then a few
 octaves around each one's best under muP and SP at the wider widths; recipes/sweeps/optimizers.toml
 holds both stages) into runs/optimizers and writes docs/experiments/optimizers.md; `--no-run` only
-writes the page from the points that finished. Finished points are not run again, so a rerun after
-an interruption resumes, and a rerun of a finished study only rewrites its page.
+writes the page from the points that finished. `architectures` runs the cross-architecture study
+of benchmarks/arch_study.py (all attention, a Gated DeltaNet hybrid and a Mamba-2 hybrid at equal
+parameters and training FLOPs; the same two stages) into runs/architectures and writes
+docs/experiments/architectures.md with architectures.json beside it (its rows, timings and
+sizes); `--retime` measures the timings again, the training step included. Finished points are
+not run again, so a rerun after an interruption resumes, and a rerun of a finished study only
+rewrites its page.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import arch_page
+import arch_study as xstudy
+import arch_timing
 import jax
 import optimizer_page
 import optimizer_study as study
@@ -242,7 +252,7 @@ def _run_stage(spec: Path, out: Path, jobs: int) -> int:
     before = sum((out / p.name / "result.json").is_file() for p in sweep.points)
     stopped = run_sweep(sweep, out, jobs=jobs)
     if stopped:
-        raise SystemExit(f"the optimizer sweep stopped: {stopped}; run the same command again")
+        raise SystemExit(f"the sweep stopped: {stopped}; run the same command again")
     return sum((out / p.name / "result.json").is_file() for p in sweep.points) - before
 
 
@@ -276,12 +286,87 @@ def _command(args: argparse.Namespace) -> str:
     return " ".join(parts)
 
 
+def architectures(args: argparse.Namespace) -> None:
+    """Stage one (each architecture's learning rates at the base width), stage two (the wider
+    widths around each one's best), the timings, then the page; `--no-run` writes the page
+    from what finished, `--retime` measures the timings again (on an idle machine)."""
+    widths = [int(w) for w in args.widths.split(",")]
+    archs = list(xstudy.ARCHITECTURES)
+    out = Path(args.out or "runs/architectures")
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / "architectures.toml"
+    fixed = {**xstudy.FIXED, "model.overrides.base_d_model": widths[0]}
+    header = "The cross-architecture study (benchmarks/arch_study.py), written by\n  "
+    header += xstudy.command(args, WIDTHS)
+    base = xstudy.base_points(archs, widths[0])
+    start, ran = time.perf_counter(), 0
+    for _ in range(2):  # stage one until its points are done, then both stages
+        rows = xstudy.rows_of(out)
+        done = {json.dumps(r["settings"], sort_keys=True) for r in rows}
+        if all(json.dumps(p, sort_keys=True) in done for p in base):
+            best = xstudy.best_exponents(rows, widths[0])
+            points = base + xstudy.transfer_points(archs, widths[1:], widths[0], best)
+            spec.write_text(xstudy.sweep_toml(fixed, points, header + "\nboth stages"))
+            if out.resolve() == (ROOT / "runs" / "architectures").resolve():
+                shutil.copy(spec, ROOT / "recipes" / "sweeps" / "architectures.toml")
+            if not args.no_run:
+                ran += _run_stage(spec, out, args.jobs)
+                rows = xstudy.rows_of(out)
+            break
+        spec.write_text(xstudy.sweep_toml(fixed, base, header + "\nstage one only"))
+        if args.no_run:
+            break
+        ran += _run_stage(spec, out, args.jobs)
+    wall = time.perf_counter() - start
+    total = len(base) + 3 * len(archs) * (len(widths) - 1)
+    results = Path(args.page).with_suffix(".json")
+    saved = json.loads(results.read_text()) if results.is_file() else {}
+    if not rows:
+        rows = saved.get("rows", [])
+    configs = {(a, w): xstudy.config(a, w, widths[0]) for w in widths for a in archs}
+    timings = saved.get("timings") if not args.retime else None
+    if timings is None or set(timings["values"]) != {f"{a}/{w}" for a, w in configs}:
+        timings = {
+            "values": arch_timing.measure(
+                configs,
+                xstudy.SEQ_LEN,
+                train=args.retime,
+                decode_widths=widths if args.retime else widths[-1:],
+            ),
+            "machine": machine(),
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "loaded": not args.retime,
+        }
+    sizes = {
+        f"{a}/{w}": {**xstudy.sizes(cfg, configs["attention", w]), **arch_timing.cache_bytes(cfg)}
+        for (a, w), cfg in configs.items()
+    }
+    results.write_text(
+        json.dumps({"rows": rows, "timings": timings, "sizes": sizes}, indent=1) + "\n"
+    )
+    lines = [f"- machine: {machine()}"]
+    if rows:
+        lines.append(f"- {timing(rows, wall, ran, args.jobs)}")
+    page = arch_page.page(
+        rows,
+        widths,
+        archs,
+        timings,
+        sizes,
+        total=total,
+        command=xstudy.command(args, WIDTHS),
+        machine=lines,
+    )
+    Path(args.page).write_text(page)
+    print(f"wrote {args.page} ({len(rows)} of {total} points)")
+
+
 WIDTHS, OPTIMIZERS, DEFAULT_OUT = "64,128,256", "adamw,muon,lion", "runs/optimizers"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("study", choices=("mutransfer", "scaling", "optimizers"))
+    parser.add_argument("study", choices=("mutransfer", "scaling", "optimizers", "architectures"))
     parser.add_argument("--jobs", type=int, default=2, help="points at once (default 2)")
     group = parser.add_argument_group("optimizers")
     group.add_argument("--widths", default=WIDTHS, help="d_model values, the first the base")
@@ -289,12 +374,20 @@ def main() -> None:
     group.add_argument(
         "--set", action="append", default=[], help="a fixed override KEY=VALUE (repeatable)"
     )
-    group.add_argument("--out", default=DEFAULT_OUT, help="the sweep folder")
-    group.add_argument("--page", default=str(DOCS / "optimizers.md"), help="the page written")
+    group.add_argument("--out", default=None, help="the sweep folder (default runs/STUDY)")
+    group.add_argument("--page", default=None, help="the page written (docs/experiments/...)")
     group.add_argument("--no-run", action="store_true", help="write the page from what finished")
+    group.add_argument(
+        "--retime", action="store_true", help="architectures: measure the timings again"
+    )
     args = parser.parse_args()
     if args.study == "optimizers":
+        args.out = args.out or DEFAULT_OUT
+        args.page = args.page or str(DOCS / "optimizers.md")
         optimizers(args)
+    elif args.study == "architectures":
+        args.page = args.page or str(DOCS / "architectures.md")
+        architectures(args)
     else:
         {"mutransfer": mutransfer, "scaling": scaling}[args.study](args.jobs)
 
