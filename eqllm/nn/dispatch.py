@@ -66,7 +66,8 @@ def placement() -> ExpertPlacement:
 
 Experts = tuple[ExpertLinear, ExpertLinear, ExpertLinear]  # gate, up, down
 Activation = Callable[[Array, Array], Array]
-# (experts, activation, rows, weights, expert ids, capacity factor) -> (output, dropped copies)
+# (experts, activation, rows, weights, expert ids, capacity factor, grouped-matmul kernel)
+# -> (output, dropped copies)
 Dispatcher = Callable[..., tuple[Array, Array]]
 _DISPATCHER: contextvars.ContextVar[Dispatcher | None] = contextvars.ContextVar(
     "eqllm_expert_dispatcher", default=None
@@ -76,7 +77,7 @@ _DISPATCHER: contextvars.ContextVar[Dispatcher | None] = contextvars.ContextVar(
 @contextlib.contextmanager
 def dispatch_experts(fn: Dispatcher) -> Iterator[None]:
     """While tracing inside this context, `MoE(impl="dispatch")` computes its routed experts
-    with `fn(experts, act, x, weights, ids, capacity_factor)` in place of `dispatch` on one
+    with `fn(experts, act, x, weights, ids, capacity_factor, kernel)` in place of `dispatch` on one
     shard: a caller that knows the mesh (`eqllm.sharding.FsdpGather`) runs `dispatch` on every
     shard of it (`shard_map`), with the all-to-alls over the experts' mesh axis."""
     token = _DISPATCHER.set(fn)
@@ -87,22 +88,43 @@ def dispatch_experts(fn: Dispatcher) -> Iterator[None]:
 
 
 def dispatched(
-    experts: Experts, act: Activation, x, weights, ids, capacity_factor: float | None = None
+    experts: Experts,
+    act: Activation,
+    x,
+    weights,
+    ids,
+    capacity_factor: float | None = None,
+    kernel: str = "xla",
 ) -> tuple[Float[Array, "rows d_model"], Int[Array, ""]]:
     """The routed experts' combined output and the number of dropped copies, through the
     dispatcher in place (`dispatch_experts`), else on one shard."""
     fn = _DISPATCHER.get()
     if fn is None:
-        return dispatch(experts, act, x, weights, ids, n_shards=1, capacity_factor=capacity_factor)
-    return fn(experts, act, x, weights, ids, capacity_factor)
+        return dispatch(
+            experts,
+            act,
+            x,
+            weights,
+            ids,
+            n_shards=1,
+            capacity_factor=capacity_factor,
+            kernel=kernel,
+        )
+    return fn(experts, act, x, weights, ids, capacity_factor, kernel)
 
 
-def slot_rows(copies: int, n_shards: int, capacity_factor: float | None) -> int:
-    """Rows one shard sends another: all its copies (dropless), or its fair share of them
-    times the capacity factor, rounded up."""
+def slot_rows(rows: int, k: int, local: int, n_shards: int, capacity_factor: float | None) -> int:
+    """Rows one shard sends another: the most it can ever send (dropless), or its fair share
+    of its copies times the capacity factor, rounded up (never more than the most).
+
+    A row's k copies go to k different experts, so at most min(k, local) of them to one shard:
+    dropless needs rows * min(k, local) per destination, n_shards * min(k, local) / k times
+    the copies in all (min(n_shards, experts / k): DeepSeek-V3's 256 experts, top 8, over 128
+    shards: 32x), where a fair share needs 1x."""
+    most = rows * min(k, local)
     if capacity_factor is None:
-        return copies
-    return max(1, math.ceil(capacity_factor * copies / n_shards))
+        return most
+    return min(most, max(1, math.ceil(capacity_factor * rows * k / n_shards)))
 
 
 def dispatch(
@@ -116,6 +138,7 @@ def dispatch(
     axis: str | None = None,
     partial_axis: str | None = None,
     capacity_factor: float | None = None,
+    kernel: str = "xla",
 ) -> tuple[Float[Array, "rows d_model"], Int[Array, ""]]:
     """One shard's part of the dispatch (module docstring): its rows and their routing in,
     their combined expert outputs and its dropped copies out.
@@ -130,12 +153,13 @@ def dispatch(
         partial_axis: a mesh axis over which the experts' hidden units are split (tensor
             parallelism): each shard's down projection is then a partial sum, summed over it.
         capacity_factor: None for dropless, else the slot size's multiple of a fair share.
+        kernel: the grouped matmul (`eqllm.nn.ExpertLinear.grouped`).
     """
     gate, up, down = experts
     local = gate.weight.shape[0]
     rows, k = ids.shape
     copies, d_model = rows * k, x.shape[-1]
-    slot = slot_rows(copies, n_shards, capacity_factor)
+    slot = slot_rows(rows, k, local, n_shards, capacity_factor)
 
     # Sender: copies sorted by expert, so each destination's copies are one contiguous run.
     flat = ids.reshape(-1)
@@ -159,8 +183,9 @@ def dispatch(
     by_expert = jnp.argsort(local_ids.reshape(-1), stable=True)
     sizes = recv_counts.sum(0)  # (local,): rows per local expert; the rest is padding
     h_in = recv.reshape(-1, d_model)[by_expert]
-    h = act(gate.grouped(h_in, sizes), up.grouped(h_in, sizes))
-    y = eqx.tree_at(lambda m: m.bias, down, None, is_leaf=lambda b: b is None).grouped(h, sizes)
+    h = act(gate.grouped(h_in, sizes, kernel), up.grouped(h_in, sizes, kernel))
+    unbiased = eqx.tree_at(lambda m: m.bias, down, None, is_leaf=lambda b: b is None)
+    y = unbiased.grouped(h, sizes, kernel)
     if partial_axis is not None:
         y = jax.lax.psum(y, partial_axis)
     if down.bias is not None:  # added once, after the partial sums
