@@ -55,6 +55,7 @@ EXECUTION_FIELDS = (
     "compute_dtype",
     "attention.kernel",
     "moe.impl",
+    "moe.kernel",
     "linear.chunk_size",
 )
 
@@ -115,6 +116,7 @@ class CausalLM(eqx.Module):
         changes = dotted(changes)
         if self.config.moe is None:
             changes.pop("moe.impl", None)
+            changes.pop("moe.kernel", None)
         if self.config.linear is None:
             changes.pop("linear.chunk_size", None)
         not_allowed = sorted(set(changes) - set(EXECUTION_FIELDS))

@@ -86,3 +86,17 @@ def test_the_report_records_the_experts_impl_and_drops(tmp_path):
         "experts: moe.impl dispatch (auto on tpu: the mesh splits the experts); "
         "1.25% of token copies dropped"
     ]
+
+
+def test_the_tpu_kernel_is_refused_by_name_off_tpu():
+    from eqllm.recipe import Recipe, RecipeError
+    from eqllm.train.setup import with_experts_impl
+
+    cfg = TINY_CONFIGS["mixtral"].replace(moe={"kernel": "megablox"})
+    model = eqllm.CausalLM(cfg, key=jax.random.key(0))
+    assert model.blocks.mlp.kernel == "megablox"
+    recipe = Recipe.from_dict({"model": {"variant": "mixtral-nano"}, "train": {"steps": 1}})
+    with pytest.raises(RecipeError, match="moe.kernel='megablox' is a TPU kernel and this proce"):
+        with_experts_impl(recipe, model)
+    auto = eqllm.CausalLM(TINY_CONFIGS["mixtral"], key=jax.random.key(0))
+    assert auto.blocks.mlp.kernel == "xla"  # "auto" off TPU

@@ -241,8 +241,10 @@ def expert_gathers(plan) -> set:
 def test_the_plan_dispatches_tokens_with_all_to_alls_in_tpu_hlo(plans):
     """moe.impl "auto" planned for 4 TPU chips with fsdp=4 (the 4 experts split over them) is
     the token dispatch: per layer, two all-to-alls of token copies forward and their two
-    transposes backward, each of (fsdp, slot, d_model) with a dropless slot of all of a chip's
-    copies (tokens per chip x k); the expert weights are never gathered whole. The plan says
+    transposes backward, each of (fsdp, slot, d_model) with a dropless slot of the most a chip
+    can send another (tokens per chip x min(k, local experts)); the expert weights are never
+    gathered whole; the grouped matmuls are TPU kernels (megablox), whose weight gradient is
+    grouped too: no dense product over every expert (a convolution in TPU HLO). The plan says
     so in its text and --json, as a run's report does."""
     plan = plans["experts"]
     config = plan.recipe.model_config()
@@ -252,12 +254,16 @@ def test_the_plan_dispatches_tokens_with_all_to_alls_in_tpu_hlo(plans):
     )
     assert not expert_gathers(plan)
     rows = plan.recipe.train.batch_size * plan.recipe.data.seq_len // 4  # tokens per chip
-    block = (4, rows * config.moe.experts_per_token, config.d_model)
+    # a token's k copies reach at most min(k, local experts) experts of one chip: 1 here
+    local = config.moe.n_experts // 4
+    block = (4, rows * min(config.moe.experts_per_token, local), config.d_model)
     exchanges = [c for c in plan.step.collectives if c.kind == "all-to-all" and c.calls]
     tokens = [c for c in exchanges if c.shapes == (("bf16", block),)]
     assert len(tokens) == 4 and all(c.runs == config.n_layers for c in tokens)
     per_layer, _ = tally(plan.step.collectives, lambda c: c.result_bytes)
     assert per_layer["all-to-all"] >= 4 * 4 * block[1] * block[2] * 2  # bf16 copies
+    assert plan.step.experts["kernel"] == "megablox"
+    assert " convolution(" not in plan.step.hlo and "tpu_custom_call" in plan.step.hlo
 
 
 @needs_libtpu

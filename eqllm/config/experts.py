@@ -17,6 +17,7 @@ from eqllm.config.validation import (
 )
 
 MoEImpl = Literal["auto", "dense", "ragged", "dispatch"]
+MoEKernel = Literal["auto", "xla", "megablox"]
 ExpertActivation = Literal["swiglu", "clamped_swiglu"]
 Scoring = Literal["softmax", "sigmoid"]
 GroupScore = Literal["max", "top2_sum"]
@@ -37,7 +38,9 @@ class MoEConfig:
     token, fastest on CPU; "ragged": grouped matmul; "dispatch": expert parallelism by token
     dispatch, each token copy sent to the device holding its expert and back, eqllm.nn.dispatch;
     "auto", the default: chosen per backend and mesh by `choose_impl`), same values;
-    `capacity_factor` ("dispatch" only; None: dropless) bounds the copies one
+    `kernel`: the grouped matmul of "ragged" and "dispatch" ("xla": `jax.lax.ragged_dot`;
+    "megablox": the TPU grouped-matmul kernels, whose weight gradient is grouped too; "auto":
+    `choose_kernel`). `capacity_factor` ("dispatch" only; None: dropless) bounds the copies one
     device receives from another at that multiple of a fair share and drops the rest. `bias`:
     biases on the router and every expert's projections (gpt-oss). `activation`: "swiglu"
     (silu(gate) * up) or "clamped_swiglu" (gpt-oss: g = min(gate, swiglu_limit),
@@ -70,6 +73,7 @@ class MoEConfig:
     shared_d_ff: Positive | None = None
     aux_loss_coef: Annotated[float, Field(ge=0)] = 0.0
     impl: MoEImpl = "auto"
+    kernel: MoEKernel = "auto"
     capacity_factor: PositiveFloat | None = None
     bias: bool = False
     activation: ExpertActivation = "swiglu"
@@ -162,3 +166,13 @@ def choose_impl(
             f"auto on {backend}: the mesh splits the experts over {expert_shards} devices"
         )
     return "ragged", f"auto on {backend}: grouped matmul over the routed rows only"
+
+
+def choose_kernel(requested: str, *, backend: str) -> str:
+    """The grouped matmul for `moe.kernel = requested` on `backend`: an explicit one is kept;
+    "auto" is "megablox" on TPU (the TPU compiler lowers the weight gradient of
+    `jax.lax.ragged_dot` to a dense product over every local expert and row: docs/moe.md), else
+    "xla"."""
+    if requested != "auto":
+        return requested
+    return "megablox" if backend == "tpu" else "xla"

@@ -43,7 +43,8 @@ from eqllm.nn.linear import ExpertLinear
 ExpertPlacement = Callable[[Array, tuple[str, ...]], Array]
 Experts = tuple[ExpertLinear, ExpertLinear, ExpertLinear]  # gate, up, down
 Activation = Callable[[Array, Array], Array]
-# (experts, activation, rows, weights, expert ids, capacity factor) -> (output, dropped copies)
+# (experts, activation, rows, weights, expert ids, capacity factor, grouped-matmul kernel)
+# -> (output, dropped copies)
 Dispatcher = Callable[..., tuple[Array, Array]]
 
 
@@ -56,7 +57,7 @@ class ExpertHooks(NamedTuple):
     outputs ("expert", "tokens", "d_model"), the combine weights ("tokens", "expert") and the
     combined output ("tokens", "d_model") through it and uses what it returns (the same values:
     a sharding constraint, say, which also places their gradients).
-    `dispatch(experts, act, x, weights, ids, capacity_factor)`: `MoE(impl="dispatch")`
+    `dispatch(experts, act, x, weights, ids, capacity_factor, kernel)`: `MoE(impl="dispatch")`
     computes its routed experts with it in place of `dispatch` on one shard (the caller runs
     `dispatch` on every shard of the mesh, `shard_map`, with the all-to-alls over the experts'
     mesh axis).
@@ -78,21 +79,30 @@ def dispatched(
     weights,
     ids,
     capacity_factor: float | None = None,
+    kernel: str = "xla",
     hooks: ExpertHooks | None = None,
 ) -> tuple[Float[Array, "rows d_model"], Int[Array, ""]]:
     """The routed experts' combined output and the number of dropped copies, through the
-    dispatcher of `hooks`, else on one shard."""
+    dispatcher of `hooks`, else on one shard; `kernel`: the grouped matmul
+    (`eqllm.nn.ExpertLinear.grouped`)."""
     if hooks is None or hooks.dispatch is None:
-        return dispatch(experts, act, x, weights, ids, n_shards=1, capacity_factor=capacity_factor)
-    return hooks.dispatch(experts, act, x, weights, ids, capacity_factor)
+        one = dict(n_shards=1, capacity_factor=capacity_factor, kernel=kernel)
+        return dispatch(experts, act, x, weights, ids, **one)
+    return hooks.dispatch(experts, act, x, weights, ids, capacity_factor, kernel)
 
 
-def slot_rows(copies: int, n_shards: int, capacity_factor: float | None) -> int:
-    """Rows one shard sends another: all its copies (dropless), or its fair share of them
-    times the capacity factor, rounded up."""
+def slot_rows(rows: int, k: int, local: int, n_shards: int, capacity_factor: float | None) -> int:
+    """Rows one shard sends another: the most it can ever send (dropless), or its fair share
+    of its copies times the capacity factor, rounded up (never more than the most).
+
+    A row's k copies go to k different experts, so at most min(k, local) of them to one shard:
+    dropless needs rows * min(k, local) per destination, n_shards * min(k, local) / k times
+    the copies in all (min(n_shards, experts / k): DeepSeek-V3's 256 experts, top 8, over 128
+    shards: 32x), where a fair share needs 1x."""
+    most = rows * min(k, local)
     if capacity_factor is None:
-        return copies
-    return max(1, math.ceil(capacity_factor * copies / n_shards))
+        return most
+    return min(most, max(1, math.ceil(capacity_factor * rows * k / n_shards)))
 
 
 def dispatch(
@@ -106,6 +116,7 @@ def dispatch(
     axis: str | None = None,
     partial_axis: str | None = None,
     capacity_factor: float | None = None,
+    kernel: str = "xla",
 ) -> tuple[Float[Array, "rows d_model"], Int[Array, ""]]:
     """One shard's part of the dispatch (module docstring): its rows and their routing in,
     their combined expert outputs and its dropped copies out.
@@ -120,12 +131,13 @@ def dispatch(
         partial_axis: a mesh axis over which the experts' hidden units are split (tensor
             parallelism): each shard's down projection is then a partial sum, summed over it.
         capacity_factor: None for dropless, else the slot size's multiple of a fair share.
+        kernel: the grouped matmul (`eqllm.nn.ExpertLinear.grouped`).
     """
     gate, up, down = experts
     local = gate.weight.shape[0]
     rows, k = ids.shape
     copies, d_model = rows * k, x.shape[-1]
-    slot = slot_rows(copies, n_shards, capacity_factor)
+    slot = slot_rows(rows, k, local, n_shards, capacity_factor)
 
     # Sender: copies sorted by expert, so each destination's copies are one contiguous run.
     flat = ids.reshape(-1)
@@ -149,8 +161,9 @@ def dispatch(
     by_expert = jnp.argsort(local_ids.reshape(-1), stable=True)
     sizes = recv_counts.sum(0)  # (local,): rows per local expert; the rest is padding
     h_in = recv.reshape(-1, d_model)[by_expert]
-    h = act(gate.grouped(h_in, sizes), up.grouped(h_in, sizes))
-    y = eqx.tree_at(lambda m: m.bias, down, None, is_leaf=lambda b: b is None).grouped(h, sizes)
+    h = act(gate.grouped(h_in, sizes, kernel), up.grouped(h_in, sizes, kernel))
+    unbiased = eqx.tree_at(lambda m: m.bias, down, None, is_leaf=lambda b: b is None)
+    y = unbiased.grouped(h, sizes, kernel)
     if partial_axis is not None:
         y = jax.lax.psum(y, partial_axis)
     if down.bias is not None:  # added once, after the partial sums

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Int8, PRNGKeyArray
 
 from eqllm.errors import EqllmError
+from eqllm.nn.grouped import megablox_matmul
 
 # The logical axis names of eqllm's layers; `eqllm.sharding` maps each to mesh axes.
 Axis = Literal["vocab", "d_model", "heads", "kv_heads", "d_ff", "positions", "expert"]
@@ -303,14 +304,28 @@ class ExpertLinear(eqx.Module):
 
     @jax.named_scope("eqllm.ExpertLinear.grouped")
     def grouped(
-        self, x: Float[Array, "rows d_in"], group_sizes: Int[Array, " n"]
+        self,
+        x: Float[Array, "rows d_in"],
+        group_sizes: Int[Array, " n"],
+        kernel: str = "xla",
+        *,
+        interpret: bool = False,
     ) -> Float[Array, "rows d_out"]:
-        """Rows sorted by expert, `group_sizes[e]` of them for expert e (`jax.lax.ragged_dot`)."""
-        # 16-bit operands multiply exactly at any precision, and TPU's grouped-matmul kernel
-        # refuses them at "highest" (Mosaic: "Bad lhs type"), which a global
-        # jax_default_matmul_precision may ask for: ask for the default there.
-        precision = jax.lax.Precision.DEFAULT if x.dtype.itemsize < 4 else None
-        y = jax.lax.ragged_dot(x, jnp.swapaxes(self.weight, 1, 2), group_sizes, precision=precision)
+        """Rows sorted by expert, `group_sizes[e]` of them for expert e (rows past the groups
+        are padding: zeros, plus the last expert's bias if it has one, as ragged_dot gives).
+
+        `kernel` "xla" is `jax.lax.ragged_dot`; "megablox" is TPU's grouped-matmul kernels,
+        the weights' gradient grouped too (`eqllm.nn.grouped`). `interpret` runs them in
+        Pallas' interpreter (any backend: tests)."""
+        if kernel == "megablox":
+            y = megablox_matmul(x, self.weight, group_sizes, interpret=interpret)
+        else:
+            # 16-bit operands multiply exactly at any precision, and TPU's grouped-matmul kernel
+            # refuses them at "highest" (Mosaic: "Bad lhs type"), which a global
+            # jax_default_matmul_precision may ask for: ask for the default there.
+            precision = jax.lax.Precision.DEFAULT if x.dtype.itemsize < 4 else None
+            w = jnp.swapaxes(self.weight, 1, 2)
+            y = jax.lax.ragged_dot(x, w, group_sizes, precision=precision)
         if self.bias is None:
             return y
         # Row r belongs to the expert whose group covers it: each bias repeated over its group.

@@ -86,6 +86,8 @@ class MoE(eqx.Module):
         shared_d_ff: hidden size of the always-on shared expert (None: none).
         impl: "dense", "ragged" or "dispatch" (see the module docstring); the values are the
             same (dropless).
+        kernel: the grouped matmul of "ragged" and "dispatch", "xla" (`jax.lax.ragged_dot`) or
+            "megablox" (TPU kernels; `eqllm.nn.ExpertLinear.grouped`).
         capacity_factor: "dispatch" only: each device receives at most this multiple of a
             fair share of another's token copies (None: dropless).
         bias: biases on the router and on every expert's projections (gpt-oss).
@@ -114,6 +116,7 @@ class MoE(eqx.Module):
     top_k: int = eqx.field(static=True)
     normalize: bool = eqx.field(static=True)
     impl: MoEImpl = eqx.field(static=True)
+    kernel: str = eqx.field(static=True)
     capacity_factor: float | None = eqx.field(static=True)
     activation: ExpertActivation = eqx.field(static=True)
     swiglu_alpha: float | None = eqx.field(static=True)
@@ -135,6 +138,7 @@ class MoE(eqx.Module):
         normalize: bool = True,
         shared_d_ff: int | None = None,
         impl: MoEImpl = "dense",
+        kernel: str = "xla",
         capacity_factor: float | None = None,
         bias: bool = False,
         activation: ExpertActivation = "swiglu",
@@ -155,6 +159,8 @@ class MoE(eqx.Module):
             raise ValueError(f"MoE top_k={top_k} must be in [1, n_experts={n_experts}]")
         if impl not in ("dense", "ragged", "dispatch"):
             raise ValueError(f"MoE impl must be 'dense', 'ragged' or 'dispatch', got {impl!r}")
+        if kernel not in ("xla", "megablox"):
+            raise ValueError(f"MoE kernel must be 'xla' or 'megablox', got {kernel!r}")
         if capacity_factor is not None and (impl != "dispatch" or not capacity_factor > 0):
             raise ValueError(f"MoE capacity_factor={capacity_factor} needs impl='dispatch', > 0")
         clamped = (swiglu_alpha, swiglu_limit)
@@ -190,7 +196,7 @@ class MoE(eqx.Module):
             if shared_gated:
                 self.shared_gate = Linear(d_model, 1, axes=(None, "d_model"), key=kz, dtype=dtype)
         self.score_bias = jnp.zeros(n_experts, jnp.float32) if score_bias else None
-        self.top_k, self.normalize, self.impl = top_k, normalize, impl
+        self.top_k, self.normalize, self.impl, self.kernel = top_k, normalize, impl, kernel
         self.capacity_factor = capacity_factor
         self.activation, self.swiglu_alpha, self.swiglu_limit = activation, *clamped
         self.scoring, self.n_groups, self.topk_groups = scoring, n_groups, topk_groups
@@ -285,8 +291,11 @@ class MoE(eqx.Module):
         if self.score_input:  # each copy scaled by its weight on the way in, not out
             copies = copies * weights.reshape(-1)[order][:, None]
             weights = jnp.ones_like(weights)
-        h = self._act(self.gate.grouped(copies, sizes), self.up.grouped(copies, sizes))
-        y = self.down.grouped(h, sizes)  # (T k, d_model)
+        kernel = self.kernel
+        h = self._act(
+            self.gate.grouped(copies, sizes, kernel), self.up.grouped(copies, sizes, kernel)
+        )
+        y = self.down.grouped(h, sizes, kernel)  # (T k, d_model)
         y = jnp.zeros_like(y).at[order].set(y)  # back to token-major order: (T k, d_model)
         return jnp.einsum("tkd,tk->td", y.reshape(rows, k, -1), weights)
 
@@ -315,7 +324,9 @@ class MoE(eqx.Module):
                 if self.top_k != 1:
                     raise ValueError(f"MoE score_input with 'dispatch' needs top_k=1: {self.top_k}")
                 inputs, weights = flat * weights, jnp.ones_like(weights)
-            out, dropped = dispatched(layers, self._act, inputs, weights, experts, cf, hooks)
+            out, dropped = dispatched(
+                layers, self._act, inputs, weights, experts, cf, self.kernel, hooks
+            )
         elif impl == "dense":
             out = self._dense(flat, weights, experts, hooks)
         else:

@@ -16,7 +16,7 @@ from eqllm.bench.collectives import tally
 from eqllm.config import ConfigError
 from eqllm.plan.devices import PlanError
 from eqllm.plan.roofline import Roofline, estimate
-from eqllm.plan.step import CompiledStep, compile_recipe, model_config
+from eqllm.plan.step import TARGET_BACKEND, CompiledStep, compile_recipe, model_config
 from eqllm.recipe import Recipe, RecipeError, load_recipe, recipe_path
 from eqllm.sharding import MESH_AXES, MeshConfig, MeshError, estimate_memory
 from eqllm.sharding.tpu import TpuSlice
@@ -139,6 +139,7 @@ def plan_recipe(recipe: Recipe, tpu: TpuSlice, devices: list) -> Plan:
         seq_len=recipe.data.seq_len,
         grad_accum=t.grad_accum,
         microbatches=t.microbatches,
+        backend=TARGET_BACKEND,
     ).total
     roofline = None
     if step.memory is not None:

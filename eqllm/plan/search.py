@@ -28,7 +28,7 @@ from eqllm.config import ModelConfig
 from eqllm.model import CausalLM
 from eqllm.plan.devices import PlanError
 from eqllm.plan.plan import HEADROOM, Plan, plan_recipe, with_settings
-from eqllm.plan.step import model_config
+from eqllm.plan.step import TARGET_BACKEND, model_config
 from eqllm.recipe import Recipe
 from eqllm.sharding import MeshConfig, MeshError, check_divisible, estimate_memory
 from eqllm.sharding.tpu import TpuSlice, parse_slice
@@ -92,6 +92,7 @@ def candidates(recipe: Recipe, tpu: TpuSlice) -> tuple[int, list[Candidate]]:
                     seq_len=seq,
                     grad_accum=grad_accum,
                     microbatches=microbatches,
+                    backend=TARGET_BACKEND,
                 ).total
                 if total > limit:
                     continue

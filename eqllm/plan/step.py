@@ -24,6 +24,7 @@ from eqllm.bench.collectives import Collective, collectives
 from eqllm.bench.hlo import Program
 from eqllm.bench.mesh import AbstractState, abstract_state
 from eqllm.config import ConfigError, ModelConfig
+from eqllm.config.experts import choose_kernel
 from eqllm.data import Tokenizer
 from eqllm.model import CausalLM
 from eqllm.recipe import Recipe, RecipeError
@@ -100,15 +101,20 @@ def planned_config(recipe: Recipe, mesh) -> tuple[ModelConfig, dict | None]:
     """`model_config(recipe)` with its experts computed as `eqllm run` on the slice would
     compute them: moe.impl "auto" chosen for the TPU and `mesh` (the size of the axis that
     splits the experts, `eqllm.sharding.dispatch.experts_impl`), not for the host planning it,
-    where it would choose dense experts on one device; an explicit moe.impl is kept. With
-    {"impl", "why", "requested"} for the plan's report (None without experts)."""
+    where it would choose dense experts on one device; an explicit moe.impl is kept; the
+    grouped matmul is TPU's ("auto" `moe.kernel`: `choose_kernel`). With
+    {"impl", "why", "requested", "kernel" (grouped impls)} for the plan's report (None without
+    experts)."""
     config = model_config(recipe)
     choice = experts_impl(config, TARGET_BACKEND, mesh)
     if choice is None:
         return config, None
     impl, why = choice
+    kernel = choose_kernel(config.moe.kernel, backend=TARGET_BACKEND)
     experts = {"impl": impl, "why": why, "requested": config.moe.impl}
-    return config.replace(**{"moe.impl": impl}), experts
+    if impl != "dense":  # the grouped matmul's kernel
+        experts["kernel"] = kernel
+    return config.replace(**{"moe.impl": impl, "moe.kernel": kernel}), experts
 
 
 def lower_train_step(recipe: Recipe, mesh) -> tuple[jax.stages.Lowered, AbstractState, CausalLM]:

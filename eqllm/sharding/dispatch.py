@@ -62,7 +62,7 @@ class ExpertDispatch:
         rows = x.shape[0] if x.ndim > 2 else x.size // x.shape[-1]
         return moe.n_experts % self.shards == 0 and rows % self.batch_split == 0
 
-    def __call__(self, experts, act, x, weights, ids, capacity_factor):
+    def __call__(self, experts, act, x, weights, ids, capacity_factor, kernel):
         specs = jax.tree.map(
             lambda info, a: spec_for(info.axes, a.shape, self.sizes),
             param_info(experts),
@@ -76,13 +76,20 @@ class ExpertDispatch:
             act=act,
             partial_axis=partial,
             capacity_factor=capacity_factor,
+            kernel=kernel,
         )
         tok = self.tokens
         return jax.shard_map(
-            body, mesh=self.mesh, in_specs=(specs, tok, tok, tok), out_specs=(tok, PartitionSpec())
+            body,
+            mesh=self.mesh,
+            in_specs=(specs, tok, tok, tok),
+            out_specs=(tok, PartitionSpec()),
+            # Pallas kernels (megablox) do not say how their outputs vary over the mesh axes,
+            # which the check needs; without it the transposes are the plain ones (same values).
+            check_vma=kernel != "megablox",
         )(experts, x, weights, ids)
 
-    def _body(self, experts, x, weights, ids, *, act, partial_axis, capacity_factor):
+    def _body(self, experts, x, weights, ids, *, act, partial_axis, capacity_factor, kernel):
         out, dropped = dispatch(
             experts,
             act,
@@ -93,5 +100,6 @@ class ExpertDispatch:
             axis=self.axis,
             partial_axis=partial_axis,
             capacity_factor=capacity_factor,
+            kernel=kernel,
         )
         return out, jax.lax.psum(dropped, RULES["batch"])

@@ -13,9 +13,13 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from eqllm.config import ModelConfig
+from eqllm.config.experts import choose_impl
+from eqllm.config.kinds import layer_kinds
 from eqllm.model import CausalLM
+from eqllm.nn.dispatch import slot_rows
 from eqllm.sharding.mesh import MeshError
 from eqllm.sharding.rules import (
+    RULES,
     AxisSizes,
     check_divisible,
     check_mesh,
@@ -77,6 +81,7 @@ def estimate_memory(
     grad_accum: int = 1,
     microbatches: int = 1,
     optimizer_states: int = 2,
+    backend: str | None = None,
 ) -> MemoryEstimate:
     """Per-device memory of a training step, from shapes alone (nothing is allocated).
 
@@ -86,7 +91,9 @@ def estimate_memory(
     compute dtype's width, plus the fp32 logits and their gradient; with remat each layer keeps
     what its policy saves (`_kept`: its input under "full"), plus one layer's working set. A
     pipeline stage counts its own layers, scaled by the bubble's idle ticks (see the comment
-    below). It is an estimate: XLA may fuse or keep more.
+    below). A mixture of experts computed by token dispatch on `backend` (default: this
+    process's; `moe.impl` "auto" chosen as a run there would) adds its exchange buffers
+    (`_dispatch_bytes`). It is an estimate: XLA may fuse or keep more.
     """
     params, fp32 = _parameter_bytes(config.replace(remat="none"), tuple(sizes_of(mesh).items()))
     opt = optimizer_states * fp32
@@ -107,7 +114,30 @@ def estimate_memory(
     else:
         layers = n_layers * _kept(config, s, b, t) * width + per_layer
     logits = 2 * s * b * config.vocab_size * 4 / (t if config.vocab_size % t == 0 else 1)
-    return MemoryEstimate(params, params, opt, int(layers + logits))
+    buffers = _dispatch_bytes(config, sizes, s * b, backend or jax.default_backend())
+    n_moe = sum(kind != "dense" for kind in layer_kinds(config)) / stages
+    buffers *= 2 if config.remat != "none" else n_moe + 1  # kept for the backward pass, or not
+    return MemoryEstimate(params, params, opt, int(layers + logits + buffers * width))
+
+
+def _dispatch_bytes(config: ModelConfig, sizes: dict[str, int], rows: int, backend: str) -> float:
+    """Bytes (at 16 bits) of one dispatched expert layer's forward pass on a device holding
+    `rows` tokens: the received copies, their outputs and the returned block (each n_shards x
+    slot rows of d_model, `eqllm.nn.dispatch.slot_rows`) and the experts' hidden units (gate,
+    up, their product) over the same rows. 0 unless the experts are dispatched."""
+    moe = config.moe
+    if moe is None:
+        return 0.0
+    shards = sizes[RULES["expert"]]
+    impl, _ = choose_impl(moe.impl, backend=backend, expert_shards=shards, n_experts=moe.n_experts)
+    if impl != "dispatch" or shards == 1 or moe.n_experts % shards:
+        return 0.0
+    k, local = moe.experts_per_token, moe.n_experts // shards
+    buffer = shards * slot_rows(rows, k, local, shards, moe.capacity_factor)
+    d_ff = config.expert_d_ff / (
+        sizes["tensor"] if config.expert_d_ff % sizes["tensor"] == 0 else 1
+    )
+    return 2.0 * buffer * (3 * config.d_model + 3 * d_ff)
 
 
 def _kept(config: ModelConfig, s: int, b: int, t: int) -> float:

@@ -16,7 +16,7 @@ from jaxtyping import PRNGKeyArray
 
 from eqllm.attention_backend import attention_kernel
 from eqllm.config import ModelConfig
-from eqllm.config.experts import choose_impl
+from eqllm.config.experts import choose_impl, choose_kernel
 from eqllm.config.kinds import STACKS, stack_field
 from eqllm.config.multipliers import MultipliersConfig
 from eqllm.nn import (
@@ -239,6 +239,7 @@ def make_block(
             impl=choose_impl(  # "auto" without a mesh; a run chooses again with its mesh
                 moe.impl, backend=jax.default_backend(), expert_shards=1, n_experts=moe.n_experts
             )[0],
+            kernel=choose_kernel(moe.kernel, backend=jax.default_backend()),
             capacity_factor=moe.capacity_factor,
             bias=moe.bias,
             activation=moe.activation,

@@ -111,8 +111,14 @@ def with_experts_impl(recipe: Recipe, model: CausalLM) -> tuple[CausalLM, dict |
     run's summary (None without experts)."""
     if model.config.moe is None:
         return model, None
+    backend = jax.default_backend()
+    if model.config.moe.kernel == "megablox" and backend != "tpu":
+        raise RecipeError(
+            f"model.overrides.moe.kernel='megablox' is a TPU kernel and this process runs on "
+            f"{backend}; set it to 'auto' or 'xla'"
+        )
     sizes = dict(zip(MESH_AXES, recipe.mesh.resolve(len(jax.devices())), strict=True))
-    impl, why = experts_impl(model.config, jax.default_backend(), sizes)
+    impl, why = experts_impl(model.config, backend, sizes)
     requested = model.config.moe.impl
     return model.with_config(moe={"impl": impl}), {"impl": impl, "why": why, "requested": requested}
 

@@ -115,7 +115,7 @@ def test_dispatched_layer_equals_dense_and_counts_capacity_drops():
     def both(moe, x):
         experts = (moe.gate, moe.up, moe.down)
         hooks = ExpertHooks(dispatch=run)
-        return dispatched(experts, moe._act, x, weights, ids, moe.capacity_factor, hooks)
+        return dispatched(experts, moe._act, x, weights, ids, moe.capacity_factor, hooks=hooks)
 
     out, dropped = both(moe, x)
     np.testing.assert_allclose(out, moe._dense(x, weights, ids), atol=1e-6)
@@ -135,6 +135,35 @@ def test_dispatched_layer_equals_dense_and_counts_capacity_drops():
     assert int(dropped) == hand > 0
     kept_weights = jnp.where(keep.reshape(64, 2), weights, 0)
     np.testing.assert_allclose(out, moe._dense(x, kept_weights, ids), atol=1e-6)
+
+
+def test_dropless_layer_blocks_hold_the_most_a_shard_can_receive():
+    """Top 4 of 8 experts on fsdp=4 (2 per device): a token sends at most 2 of its 4 copies to
+    one device, so each dropless block holds 2 rows per token, not 4. Every token choosing
+    experts 0-3 (devices 0 and 1 get two copies of each token, the most possible) still
+    equals the dense product, with nothing dropped."""
+    mesh = make_mesh(MeshConfig.parse("data=2,fsdp=4"))
+    moe = jax.tree.map(
+        lambda a: a + 0.05 * jax.random.normal(jax.random.key(2), a.shape),
+        MoE(16, 8, 8, 4, impl="dispatch", key=jax.random.key(1)),
+    )
+    x = jax.random.normal(jax.random.key(3), (64, 16))
+    _, weights, _ = moe.route(x)
+    order = jax.vmap(lambda k: jax.random.permutation(k, 4))(
+        jax.random.split(jax.random.key(4), 64)
+    )
+
+    @jax.jit
+    def run(moe, x, ids):
+        hooks = ExpertHooks(dispatch=ExpertDispatch(mesh))
+        return dispatched((moe.gate, moe.up, moe.down), moe._act, x, weights, ids, hooks=hooks)
+
+    for ids in (order, moe.route(x)[2]):  # the worst case, and the router's own choice
+        out, dropped = run(moe, x, ids)
+        np.testing.assert_allclose(out, moe._dense(x, weights, ids), atol=1e-6)
+        assert int(dropped) == 0
+    text = run.lower(moe, x, order).compile().as_text()
+    assert "f32[4,16,16]" in text and "f32[4,32,16]" not in text  # 8 tokens x 2 per block
 
 
 @pytest.mark.slow  # three runs of a tiny mixture of experts on 8 devices: about a minute or two
