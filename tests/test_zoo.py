@@ -35,6 +35,7 @@ RESEARCH = [
     "llama4-nano",
     "mamba2-nano",
     "falcon_h1-nano",
+    "granitemoehybrid-nano",
 ]
 PUBLISHED = [
     "gpt2-small",
@@ -135,6 +136,7 @@ NANOS = [
     "llama4-nano",
     "mamba2-nano",
     "falcon_h1-nano",
+    "granitemoehybrid-nano",
 ]
 
 

@@ -203,6 +203,19 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return hf
 
 
+def _multipliers(hf: dict[str, Any], head_dim: int) -> dict[str, float] | None:
+    """The `multipliers` group of config.json's four (None where each is plain: 1.0, and the
+    attention scale 1 / sqrt(head_dim), as eqllm exports a config without them)."""
+    m = {
+        "embedding": float(hf.get("embedding_multiplier", 1.0)),
+        "residual": float(hf.get("residual_multiplier", 1.0)),
+        "logits_divisor": float(hf.get("logits_scaling", 1.0)),
+        "attention_scale": float(hf.get("attention_multiplier", 1.0)),
+    }
+    plain = m["attention_scale"] == head_dim**-0.5
+    return None if plain and {m[k] for k in m if k != "attention_scale"} == {1.0} else m
+
+
 def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     refuse(hf, "hidden_act", ("silu",))
     refuse(hf, "mamba_proj_bias", (False,))
@@ -217,12 +230,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         **attention_bias_from_hf(hf),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "positions.kind": "rope" if hf.get("position_embedding_type") == "rope" else "none",
-        "multipliers": {
-            "embedding": float(hf.get("embedding_multiplier", 1.0)),
-            "residual": float(hf.get("residual_multiplier", 1.0)),
-            "logits_divisor": float(hf.get("logits_scaling", 1.0)),
-            "attention_scale": float(hf.get("attention_multiplier", 1.0)),
-        },
+        "multipliers": _multipliers(hf, d["attention.head_dim"]),
     }
     shared = hf.get("shared_intermediate_size", 1024)
     if hf.get("num_local_experts", 8):
