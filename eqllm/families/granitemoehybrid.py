@@ -57,15 +57,10 @@ def _mlp_rows(stack: str, experts_layout: str) -> tuple:
     """One stack's MLP rows: the dense SwiGLU (no experts), or the shared MLP, router and fused
     experts (`experts_layout`: "published" names or transformers 5's)."""
     shared, moe = f"{LAYER}shared_mlp.", f"{LAYER}block_sparse_moe."
-    dense = (
-        *rows(
-            (
-                f"{shared}input_linear.weight",
-                (f"{stack}.mlp.gate.weight", f"{stack}.mlp.up.weight"),
-            ),
-            (f"{shared}output_linear.weight", f"{stack}.mlp.down.weight"),
-            experts=False,
-        ),
+    dense = rows(
+        (f"{shared}input_linear.weight", (f"{stack}.mlp.gate.weight", f"{stack}.mlp.up.weight")),
+        (f"{shared}output_linear.weight", f"{stack}.mlp.down.weight"),
+        experts=False,
     )
     shared_rows = rows(
         (
