@@ -108,16 +108,19 @@ def is_lora(node) -> bool:
     return isinstance(node, LoraLinear)
 
 
-def module_names(family: str) -> dict[str, list[tuple[str, ...]]]:
+def module_names(family: str, experts: bool | None = None) -> dict[str, list[tuple[str, ...]]]:
     """Hugging Face module name -> the eqllm paths of its linear layers, one tuple per module.
 
     Read from the family's key table: a row `...{i}.self_attn.q_proj.weight ->
     blocks.attn.q_proj.weight` names module `q_proj` at eqllm path `blocks.attn.q_proj`. A fused
     row (GPT-2's `c_attn`) gives a tuple of several paths; a name used twice (GPT-2's `c_proj` in
-    attention and in the MLP) gives several tuples.
+    attention and in the MLP) gives several tuples. `experts`: whether the model has experts
+    (leaves out the rows of the other kind, `Row.experts`; None: every row).
     """
     names: dict[str, list[tuple[str, ...]]] = {}
     for row in families.get(family).table:
+        if not row.module or (experts is not None and row.experts not in (None, experts)):
+            continue
         if not row.hf.endswith(".weight") or not all(p.endswith(".weight") for p in row.eqllm):
             continue
         short = row.hf.removesuffix(".weight").rsplit(".", 1)[-1]
@@ -146,11 +149,12 @@ def _names(model) -> tuple[dict[str, list[tuple[str, ...]]], str]:
     """(target name -> module paths, what to call the model in messages): Hugging Face names
     for eqllm's model, attribute names for any other tree."""
     if isinstance(model, CausalLM):  # the modules this model has (a stack may be absent)
+        cfg = model.config
         names = {
             name: [m for m in modules if all(get_path(model, p) is not None for p in m)]
-            for name, modules in module_names(model.config.family).items()
+            for name, modules in module_names(cfg.family, cfg.moe is not None).items()
         }
-        return {k: v for k, v in names.items() if v}, f"{model.config.family} model"
+        return {k: v for k, v in names.items() if v}, f"{cfg.family} model"
     return tree_module_names(model), "model"
 
 

@@ -216,6 +216,8 @@ class CausalLM(eqx.Module):
         readout = scales(self.config).readout  # muP's output_mult / width ratio; SP: 1
         if (m := multipliers_of(self.config).logits) != 1.0:  # Falcon-H1's lm_head_multiplier
             logits = logits * m
+        if (d := multipliers_of(self.config).logits_divisor) != 1.0:  # Granite's logits_scaling
+            logits = logits / d
         if readout != 1.0:
             logits = logits * readout
         cap = self.config.final_softcap

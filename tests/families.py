@@ -552,6 +552,32 @@ FAMILIES = [
         lora=tiny.FALCON_LORA[:-1],  # tied: no lm_head of its own
         atol=1e-4,
     ),
+    # Granite 4.0-H: Mamba-2 and attention layers in a pattern with a remainder, every layer's
+    # experts beside the shared MLP, rotary positions, each of Granite's multipliers away from 1.
+    Tiny(
+        "granitemoehybrid",
+        _zoo(
+            "granitemoehybrid-nano",
+            **tiny.GRANITE,
+            moe=tiny.GRANITE_MOE,
+            mlp={"d_ff": 16},
+            positions={"kind": "rope"},
+            tie_embeddings=False,
+        ),
+        lora=tiny.GRANITE_LORA,
+        published={"granite-4.0-h-tiny": ("7", "1"), "granite-4.0-h-1b": "1.5"},
+        atol=1e-4,
+        cached_atol=3e-5,
+    ),
+    # The dense sizes (num_local_experts 0: the shared MLP alone), no positions, a tied head.
+    Tiny(
+        "granitemoehybrid_dense",
+        _zoo("granitemoehybrid-nano", **tiny.GRANITE, moe=None),
+        variant=True,
+        lora=tiny.GRANITE_LORA[:-1],
+        atol=1e-4,
+        cached_atol=3e-5,
+    ),
 ]
 # tests/conftest.py records here the parametrised tests none of whose cases runs by default;
 # tests/test_suite.py fails naming them.

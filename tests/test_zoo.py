@@ -36,6 +36,7 @@ RESEARCH = [
     "llama4-maverick-nano",
     "mamba2-nano",
     "falcon_h1-nano",
+    "granitemoehybrid-nano",
 ]
 PUBLISHED = [
     "gpt2-small",
@@ -137,6 +138,7 @@ NANOS = [
     "llama4-maverick-nano",
     "mamba2-nano",
     "falcon_h1-nano",
+    "granitemoehybrid-nano",
 ]
 
 

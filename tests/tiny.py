@@ -85,6 +85,27 @@ FALCON_LORA = (
     *("gate_proj", "up_proj", "down_proj", "lm_head"),
 )
 
+# Granite 4.0-H's tiny stack: Mamba-2, attention, then Mamba-2 twice (the pattern L F L cut at
+# 4 layers), Falcon-H1's tiny mixer, each of Granite's multipliers away from 1, experts with the
+# shared MLP; the modules peft adapts (its routers are not nn.Linear, and peft refuses out_proj
+# in Mamba models).
+GRANITE = {
+    "n_layers": 4,
+    "attention": {"n_kv_heads": 2},
+    "linear": {**FALCON_MIXER, "pattern": ("linear", "full", "linear")},
+    "multipliers": {
+        "embedding": 2.0,
+        "residual": 0.6,
+        "logits_divisor": 3.0,
+        "attention_scale": 0.3,
+    },
+}
+GRANITE_MOE = {"n_experts": 4, "experts_per_token": 2, "shared_d_ff": 24}  # of mlp.d_ff 16
+GRANITE_LORA = (
+    *("q_proj", "k_proj", "v_proj", "o_proj", "in_proj"),
+    *("input_linear", "output_linear", "lm_head"),
+)
+
 Count = int | str  # exact, or in billions as a model card rounds it ("46.7")
 
 

@@ -92,6 +92,13 @@ class LinearAttentionConfig:
             values = {**values, "pattern": tuple(values["pattern"])}
         return values
 
+    @staticmethod
+    def _prepare(values: dict) -> dict:
+        # TOML and JSON give a list; the config keeps a tuple (hashable).
+        if isinstance(values.get("pattern"), list):
+            values = {**values, "pattern": tuple(values["pattern"])}
+        return values
+
     def __post_init__(self) -> None:
         require(
             self.n_value_heads % self.n_key_heads == 0,

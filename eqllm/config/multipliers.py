@@ -21,7 +21,11 @@ class MultipliersConfig:
     `key`: the keys (applied as a factor on the softmax scale, the same scores); `ssm_in` /
     `ssm_out`: a Mamba-2 mixer's input and output; `ssm`: its five input projections' outputs,
     in the order z, x, B, C, dt (Falcon-H1's `mup_vector`); `mlp_gate` / `mlp_down`: a gated
-    MLP's gate projection (before its activation) and its down projection's output.
+    MLP's gate projection (before its activation) and its down projection's output;
+    `residual`: each sublayer's output before its residual add (Granite's residual_multiplier);
+    `logits_divisor`: the LM head's output divided by it (Granite's logits_scaling, divided as
+    transformers divides); `attention_scale`: the softmax scale in place of 1 / sqrt(head_dim)
+    (Granite's attention_multiplier; None: 1 / sqrt(head_dim)).
 
     They are applied in the forward pass, not folded into weights, so a checkpoint imports and
     exports bit for bit and training sees the same parametrization the model was trained in.
@@ -39,6 +43,9 @@ class MultipliersConfig:
     ssm: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 1.0)
     mlp_gate: float = 1.0
     mlp_down: float = 1.0
+    residual: float = 1.0
+    logits_divisor: float = 1.0
+    attention_scale: float | None = None
 
     @staticmethod
     def _prepare(values: dict[str, Any]) -> dict[str, Any]:
@@ -51,6 +58,18 @@ class MultipliersConfig:
         return {k: plain(v) for k, v in values.items()}
 
     def __post_init__(self) -> None:
+        require(
+            self.logits_divisor > 0,
+            f"{self.PATH}.logits_divisor",
+            self.logits_divisor,
+            "must be > 0 (1.0: logits as the head gives them)",
+        )
+        require(
+            self.attention_scale is None or self.attention_scale > 0,
+            f"{self.PATH}.attention_scale",
+            self.attention_scale,
+            "must be > 0, or unset for 1 / sqrt(head_dim)",
+        )
         require(
             len(self.ssm) == 5,
             f"{self.PATH}.ssm",

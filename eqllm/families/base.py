@@ -37,7 +37,11 @@ class Row:
     long along `axis` as the eqllm array at `path` (OLMo hybrid's q_conv1d, k_conv1d and
     v_conv1d, as many channels as q_proj, k_proj and v_proj have rows). `heads`: the
     ModelConfig path of a `per_head` row's head count (Qwen3-Next's Gated DeltaNet groups its
-    fused projections by key head: "linear.n_key_heads").
+    fused projections by key head: "linear.n_key_heads"). `experts`: the row belongs only to a
+    model with (True) or without (False) experts, where both hold arrays at its eqllm paths
+    (Granite's dense MLP and its experts; None: any model). `module` False: the tensor is not
+    a linear module of its own in transformers' model, so PEFT cannot name it (Granite's fused
+    experts, whose checkpoint names end in ".weight").
     """
 
     hf: str
@@ -50,6 +54,8 @@ class Row:
     depthwise: bool = False
     parts: tuple[tuple[str, str], ...] = ()
     heads: str = "attention.n_heads"
+    experts: bool | None = None
+    module: bool = True
 
     @property
     def layered(self) -> bool:

@@ -40,15 +40,16 @@ _PREFIX = "base_model.model."
 ADAPTER_FILES = [CONFIG_FILE, WEIGHTS_FILE]
 
 
-def _module_rows(family: str) -> list[Row]:
+def _module_rows(family: str, experts: bool | None = None) -> list[Row]:
     """The key-table rows of linear weights (those `eqllm.lora` can adapt) that are modules of
     their own in transformers: one expert's weight (`experts.{j}.w1`) is a slice of a stacked
     parameter there, which PEFT's LoRA does not adapt."""
-    names = module_names(family)
+    names = module_names(family, experts)
     return [
         r
         for r in families.get(family).table
-        if r.hf.endswith(".weight")
+        if (experts is None or r.experts in (None, experts))
+        and r.hf.endswith(".weight")
         and "{j}" not in r.hf
         and tuple(p.removesuffix(".weight") for p in r.eqllm)
         in names.get(r.hf.removesuffix(".weight").rsplit(".", 1)[-1], [])
@@ -90,7 +91,7 @@ def save_adapter(
     tensors: dict[str, np.ndarray] = {}
     ranks: dict[str, tuple[int, float]] = {}  # module name -> (rank, alpha)
     covered: set[str] = set()
-    for row in _module_rows(cfg.family):
+    for row in _module_rows(cfg.family, cfg.moe is not None):
         paths = [p.removesuffix(".weight") for p in row.eqllm]
         parts = [found.get(p) for p in paths]
         if all(a is None for a in parts):
@@ -138,7 +139,7 @@ def save_adapter(
         "alpha_pattern": {k: a for k, (_, a) in ranks.items() if a != alpha},
         "lora_dropout": next(iter(found.values())).dropout,
         "bias": "none",
-        "fan_in_fan_out": any(r.conv1d for r in _module_rows(cfg.family)),
+        "fan_in_fan_out": any(r.conv1d for r in _module_rows(cfg.family, cfg.moe is not None)),
         "modules_to_save": None,
         "use_rslora": False,
         "use_dora": False,
@@ -217,7 +218,7 @@ def load_adapter(model: CausalLM, directory: str | os.PathLike) -> CausalLM:
         tensors = {was.sub(f"{_PREFIX}{new}.", k, count=1): v for k, v in tensors.items()}
     used: set[str] = set()
     replace: dict[str, LoraLinear] = {}
-    for row in _module_rows(cfg.family):
+    for row in _module_rows(cfg.family, cfg.moe is not None):
         instances = _instances(row, cfg)
         present = [f"{m}.lora_A.weight" in tensors for _, m in instances]
         if not any(present):

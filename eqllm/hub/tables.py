@@ -24,6 +24,8 @@ def rows_for(family: str, leaves: set[str], table: tuple[Row, ...] | None = None
     held by no row (a table out of step with the model code).
     """
     table = families.get(family).table if table is None else table
+    experts = any(p.endswith(".mlp.router.weight") for p in leaves)
+    table = [r for r in table if r.experts in (None, experts)]  # see `Row.experts`
     rows = [r for r in table if all(p in leaves for p in r.eqllm)]
     partial = [r for r in table if r not in rows and any(p in leaves for p in r.eqllm)]
     covered = {p for r in rows for p in r.eqllm}

@@ -121,6 +121,8 @@ def make_attention(config: ModelConfig, key: PRNGKeyArray, dtype, global_layer: 
     scalar = a.query_pre_attn_scalar
     s = scales(config)
     scale = None if scalar is None else scalar**-0.5
+    if (fixed := multipliers_of(config).attention_scale) is not None:  # Granite's
+        scale = fixed
     if s.attention != 1.0:  # muP: scores ~ 1 / head_dim when head_dim grows with width
         scale = (config.head_dim**-0.5 if scale is None else scale) * s.attention
     if (key_m := multipliers_of(config).key) != 1.0:  # q . (m k) = m (q . k): the same scores
@@ -292,12 +294,18 @@ def make_block(
         mlp,
         norm(post),
         norm(post and has_mlp),
-        s.branch,
+        _residual_scale(s.branch, m.residual),
         config.parallel_residual,
         ssm,
         (*mixer, m.ssm_out),
         jnp.ones((1,), dtype) if norms.layer_scalar else None,  # Gemma 4: 1 until trained
     )
+
+
+def _residual_scale(branch: float, residual: float) -> float:
+    """The factor on each sublayer's output before the residual add: CompleteP's branch scale
+    times a published model's residual multiplier (Granite's; either alone exactly as given)."""
+    return residual if branch == 1.0 else branch if residual == 1.0 else branch * residual
 
 
 @eqx.filter_jit
