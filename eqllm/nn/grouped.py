@@ -17,7 +17,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox
+from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm, tgmm
 from jaxtyping import Array, Float, Int
 
 
@@ -30,7 +30,7 @@ def _gmm(x, w, sizes, interpret: bool):
     """x (rows, d_in) times w[e].T (w: (n, d_out, d_in)) for each group's rows."""
     tiling = (math.gcd(x.shape[0], 128), 128, 128)  # row tiles must divide the rows
     with _precision(x.dtype):
-        return megablox.gmm(x, w, sizes, x.dtype, tiling, transpose_rhs=True, interpret=interpret)
+        return gmm(x, w, sizes, x.dtype, tiling, transpose_rhs=True, interpret=interpret)
 
 
 def _gmm_fwd(x, w, sizes, interpret):
@@ -41,8 +41,8 @@ def _gmm_bwd(interpret, residual, dy):
     x, w, sizes = residual
     tiling = (math.gcd(x.shape[0], 128), 128, 128)
     with _precision(x.dtype):
-        dx = megablox.gmm(dy, w, sizes, x.dtype, tiling, interpret=interpret)
-        dw = megablox.tgmm(x.T, dy, sizes, w.dtype, tiling, interpret=interpret)  # (n, in, out)
+        dx = gmm(dy, w, sizes, x.dtype, tiling, interpret=interpret)
+        dw = tgmm(x.T, dy, sizes, w.dtype, tiling, interpret=interpret)  # (n, in, out)
     return dx, jnp.swapaxes(dw, 1, 2), None
 
 
