@@ -16,7 +16,6 @@ rebuilds from the config, never in a checkpoint. In cached generation each layer
 is the pair (its KV cache, its Mamba-2 state) (`CausalLM.init_cache`).
 """
 
-import math
 from typing import Any
 
 from eqllm.config import ConfigError, ModelConfig
@@ -29,7 +28,7 @@ from eqllm.families.base import (
     refuse,
     rows,
 )
-from eqllm.families.mamba2 import gguf_refuses_mamba2, step_limit
+from eqllm.families.mamba2 import gguf_refuses_mamba2, mamba_keys_from_hf, mamba_keys_to_hf
 
 LAYER = "model.layers.{i}."
 MIXER = LAYER + "mamba."
@@ -85,18 +84,10 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "attention_bias": False,
         "mlp_bias": False,
         "projectors_bias": False,
-        "mamba_proj_bias": False,
-        "mamba_conv_bias": True,
+        **mamba_keys_to_hf(lin),
         "mamba_d_ssm": lin.n_value_heads * lin.value_head_dim,
-        "mamba_n_heads": lin.n_value_heads,
-        "mamba_d_head": lin.value_head_dim,
-        "mamba_n_groups": lin.n_key_heads,
-        "mamba_d_state": lin.key_head_dim,
-        "mamba_d_conv": lin.conv_kernel,
-        "mamba_chunk_size": lin.chunk_size,
         "mamba_rms_norm": lin.gate_norm != "none",
         "mamba_norm_before_gate": lin.gate_norm == "before_gate",
-        "time_step_limit": [lin.dt_min, math.inf if lin.dt_max is None else lin.dt_max],
     }
     if m is not None:
         hf |= {key: getattr(m, name) for key, name in MULTIPLIERS.items()}
@@ -132,7 +123,6 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
             f"config.json mamba_n_heads * mamba_d_head = {heads * head_dim} must equal the "
             f"mamba inner size {inner} (mamba_d_ssm; transformers' FalconH1Config requires it)"
         )
-    low, high = (step_limit(v) for v in hf.get("time_step_limit") or (0.0, math.inf))
     multipliers = {name: float(hf.get(key, 1.0)) for key, name in MULTIPLIERS.items()}
     gate, down = hf.get("mlp_multipliers") or (1.0, 1.0)
     multipliers |= {"mlp_gate": float(gate), "mlp_down": float(down)}
@@ -148,14 +138,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "multipliers": None if plain and set(multipliers["ssm"]) == {1.0} else multipliers,
         "linear": {
-            "n_key_heads": hf.get("mamba_n_groups", 1),
-            "n_value_heads": heads,
-            "key_head_dim": hf.get("mamba_d_state", 256),
-            "value_head_dim": head_dim,
-            "conv_kernel": hf.get("mamba_d_conv", 4),
-            "chunk_size": hf.get("mamba_chunk_size", 256),
-            "dt_min": low,
-            "dt_max": None if math.isinf(high) else high,
+            **mamba_keys_from_hf(hf, heads, head_dim),
             "gate_norm": _gate_norm(hf),
         },
     }

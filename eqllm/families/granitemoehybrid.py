@@ -45,7 +45,7 @@ from eqllm.families.base import (
     refuse,
     rows,
 )
-from eqllm.families.mamba2 import step_limit
+from eqllm.families.mamba2 import mamba_keys_from_hf, mamba_keys_to_hf
 
 LAYER = "model.layers.{i}."
 MIXER = LAYER + "mamba."
@@ -184,16 +184,8 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
         hf |= {**moe_to_hf(cfg), "intermediate_size": cfg.expert_d_ff}
     if lin is not None:
         hf |= {
-            "mamba_n_heads": lin.n_value_heads,
-            "mamba_d_head": lin.value_head_dim,
+            **mamba_keys_to_hf(lin),
             "mamba_expand": lin.n_value_heads * lin.value_head_dim // cfg.d_model,
-            "mamba_n_groups": lin.n_key_heads,
-            "mamba_d_state": lin.key_head_dim,
-            "mamba_d_conv": lin.conv_kernel,
-            "mamba_chunk_size": lin.chunk_size,
-            "mamba_conv_bias": True,
-            "mamba_proj_bias": False,
-            "time_step_limit": [lin.dt_min, float("inf") if lin.dt_max is None else lin.dt_max],
         }
     return hf
 
@@ -249,18 +241,10 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
             f"config.json mamba_n_heads * mamba_d_head = {heads * head_dim} must equal "
             f"mamba_expand * hidden_size = {expand * d['d_model']} (transformers requires it)"
         )
-    low, high = (step_limit(v) for v in hf.get("time_step_limit") or (0.0, float("inf")))
     out["linear"] = {
         **MIXER_FIXED,
         "pattern": period(kinds),
-        "n_key_heads": hf.get("mamba_n_groups", 1),
-        "n_value_heads": heads,
-        "key_head_dim": hf.get("mamba_d_state", 256),
-        "value_head_dim": head_dim,
-        "conv_kernel": hf.get("mamba_d_conv", 4),
-        "chunk_size": hf.get("mamba_chunk_size", 256),
-        "dt_min": low,
-        "dt_max": None if high == float("inf") else high,
+        **mamba_keys_from_hf(hf, heads, head_dim),
     }
     return out
 

@@ -62,6 +62,37 @@ def step_limit(value: Any) -> float:
     return float(value)
 
 
+def mamba_keys_from_hf(hf: dict[str, Any], heads: int, head_dim: int) -> dict[str, Any]:
+    """`ModelConfig.linear`'s Mamba-2 sizes from the `mamba_*` keys Falcon-H1 and Granite
+    4.0-H share (with `heads` x `head_dim` already checked against the inner size)."""
+    low, high = (step_limit(v) for v in hf.get("time_step_limit") or (0.0, math.inf))
+    return {
+        "n_key_heads": hf.get("mamba_n_groups", 1),
+        "n_value_heads": heads,
+        "key_head_dim": hf.get("mamba_d_state", 256),
+        "value_head_dim": head_dim,
+        "conv_kernel": hf.get("mamba_d_conv", 4),
+        "chunk_size": hf.get("mamba_chunk_size", 256),
+        "dt_min": low,
+        "dt_max": None if math.isinf(high) else high,
+    }
+
+
+def mamba_keys_to_hf(lin) -> dict[str, Any]:
+    """The inverse of `mamba_keys_from_hf` for `lin` (a Mamba-2 `LinearConfig`)."""
+    return {
+        "mamba_n_heads": lin.n_value_heads,
+        "mamba_d_head": lin.value_head_dim,
+        "mamba_n_groups": lin.n_key_heads,
+        "mamba_d_state": lin.key_head_dim,
+        "mamba_d_conv": lin.conv_kernel,
+        "mamba_chunk_size": lin.chunk_size,
+        "mamba_conv_bias": True,
+        "mamba_proj_bias": False,
+        "time_step_limit": [lin.dt_min, math.inf if lin.dt_max is None else lin.dt_max],
+    }
+
+
 def to_hf(cfg: ModelConfig) -> dict[str, Any]:
     lin = cfg.linear
     return {
