@@ -38,7 +38,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 from eqllm.config import ModelConfig, Parametrization
 from eqllm.errors import EqllmError
 from eqllm.nn import param_info
-from eqllm.nn.linear import is_param_info
+from eqllm.nn.params import is_param_info
 
 
 @dataclass(frozen=True)

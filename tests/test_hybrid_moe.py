@@ -21,7 +21,7 @@ from safetensors.numpy import save_file
 
 import eqllm
 from eqllm.config import ConfigError
-from eqllm.nn.linear import is_param_info
+from eqllm.nn.params import is_param_info
 from eqllm.parametrization import roles
 from eqllm.sharding.rules import logical_axes, model_param_info
 from eqllm.train.balance import balance_terms

@@ -14,7 +14,7 @@ import eqllm
 from eqllm import lora
 from eqllm.lora import LoraError
 from eqllm.nn import param_info
-from eqllm.nn.linear import is_param_info
+from eqllm.nn.params import is_param_info
 
 
 @pytest.mark.parametrize("scan", [True, False])

@@ -88,7 +88,7 @@ def test_every_linear_is_quantized_and_equals_its_dequantized_weights(family):
     reference = _dequantized(q)
     np.testing.assert_allclose(_logits(q), _logits(reference), atol=1e-4, rtol=1e-4)
     # every array, the scales included, carries its metadata (sharding walks it)
-    infos = jax.tree.leaves(eqllm.nn.param_info(q), is_leaf=eqllm.nn.linear.is_param_info)
+    infos = jax.tree.leaves(eqllm.nn.param_info(q), is_leaf=eqllm.nn.params.is_param_info)
     assert len(infos) == len(jax.tree.leaves(q))
     assert all(isinstance(i, eqllm.nn.ParamInfo) for i in infos)
 

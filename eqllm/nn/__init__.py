@@ -11,8 +11,6 @@ from eqllm.nn.linear import (
     Int8Embedding,
     Int8Linear,
     Linear,
-    ParamInfo,
-    param_info,
     quantize,
 )
 from eqllm.nn.mamba2 import Mamba2
@@ -29,6 +27,7 @@ from eqllm.nn.moe import (
     sequence_balance_loss,
 )
 from eqllm.nn.norm import LayerNorm, RMSNorm
+from eqllm.nn.params import ParamInfo, param_info
 from eqllm.nn.rope import RopeScaling, RotaryEmbedding, rope_frequencies, rope_inv_freq
 from eqllm.nn.ssd import Mamba2State
 

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, PartitionSpec
 from eqllm.config.experts import choose_impl
 from eqllm.nn import MoE, param_info
 from eqllm.nn.dispatch import dispatch
-from eqllm.nn.linear import is_param_info
+from eqllm.nn.params import is_param_info
 from eqllm.sharding.rules import RULES, AxisSizes, sizes_of, spec_for
 
 

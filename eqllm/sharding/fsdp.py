@@ -36,7 +36,7 @@ from eqllm.config.kinds import STACKS
 from eqllm.model import CausalLM
 from eqllm.nn import MoE, param_info
 from eqllm.nn.dispatch import ExpertHooks
-from eqllm.nn.linear import is_param_info
+from eqllm.nn.params import is_param_info
 from eqllm.sharding.dispatch import ExpertDispatch
 from eqllm.sharding.rules import RULES, sizes_of, spec_for
 

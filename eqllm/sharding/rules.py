@@ -21,7 +21,7 @@ from eqllm.config import ModelConfig
 from eqllm.config.kinds import STACKS
 from eqllm.model import CausalLM
 from eqllm.nn import Attention, MultiHeadLatentAttention, param_info
-from eqllm.nn.linear import is_param_info
+from eqllm.nn.params import is_param_info
 from eqllm.sharding.mesh import MESH_AXES, MeshError
 
 # Logical axis -> mesh axes it is split over (None or absent: replicated).

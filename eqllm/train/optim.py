@@ -13,7 +13,7 @@ from eqllm import parametrization
 from eqllm.lora import trainable
 from eqllm.model import CausalLM
 from eqllm.nn import param_info
-from eqllm.nn.linear import ParamInfo, is_param_info
+from eqllm.nn.params import ParamInfo, is_param_info
 from eqllm.parametrization import Multipliers, Scales, role_multipliers, roles
 from eqllm.recipe import OptimSpec
 from eqllm.train.soap import soap
