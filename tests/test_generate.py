@@ -115,7 +115,8 @@ def test_each_layer_caches_its_window_or_the_whole_context(family):
     """A windowed layer's cache is a ring of just its window (a chunked layer's, of one chunk);
     a global layer's holds LENGTH; a hybrid's linear-attention layer and a Mamba-2 layer hold
     their recurrent state, the same at any length; a layer with Mamba-2 beside attention
-    (Falcon-H1's) holds both, the pair (its keys and values, its state)."""
+    (Falcon-H1's) holds both, the pair (its keys and values, its state); a global layer of
+    its own shape (Gemma 4's) holds its own heads; a feed-forward layer alone keeps nothing."""
     config = TINY_CONFIGS[family]
     shapes = eqx.filter_eval_shape(eqllm.CausalLM, config, key=jax.random.key(0))
     cache = eqx.filter_eval_shape(lambda m: m.init_cache(LENGTH), shapes)
@@ -135,8 +136,15 @@ def test_each_layer_caches_its_window_or_the_whole_context(family):
             heads = (lin.n_value_heads, lin.key_head_dim, lin.value_head_dim)
             assert layer_cache.recurrent.shape == heads
             continue
+        if kind == "ffn":
+            assert layer_cache is None
+            continue
         slots = (attention.sliding_window or attention.chunk_size) if local else LENGTH
-        assert layer_cache.k.shape == (slots, attention.n_kv_heads, config.head_dim)
+        kv_heads, head_dim = attention.n_kv_heads, config.head_dim
+        if kind == "global":
+            kv_heads = attention.global_kv_heads or kv_heads
+            head_dim = attention.global_head_dim or head_dim
+        assert layer_cache.k.shape == (slots, kv_heads, head_dim)
 
 
 def test_left_padding_is_invisible(models, reference):

@@ -243,8 +243,9 @@ def test_the_plan_dispatches_tokens_with_all_to_alls_in_tpu_hlo(plans):
     the token dispatch: per layer, two all-to-alls of token copies forward and their two
     transposes backward, each of (fsdp, slot, d_model) with a dropless slot of the most a chip
     can send another (tokens per chip x min(k, local experts)); the expert weights are never
-    gathered whole; the grouped matmuls are TPU kernels (megablox), whose weight gradient is
-    grouped too: no dense product over every expert (a convolution in TPU HLO). The plan says
+    gathered whole; the grouped matmuls are TPU's megablox kernels, whose weight gradient is a
+    grouped kernel too (tgmm), where XLA's ragged_dot has a dense product over every local
+    expert (a convolution in TPU HLO, docs/moe.md). The plan says
     so in its text and --json, as a run's report does."""
     plan = plans["experts"]
     config = plan.recipe.model_config()
@@ -263,7 +264,9 @@ def test_the_plan_dispatches_tokens_with_all_to_alls_in_tpu_hlo(plans):
     per_layer, _ = tally(plan.step.collectives, lambda c: c.result_bytes)
     assert per_layer["all-to-all"] >= 4 * 4 * block[1] * block[2] * 2  # bf16 copies
     assert plan.step.experts["kernel"] == "megablox"
-    assert " convolution(" not in plan.step.hlo and "tpu_custom_call" in plan.step.hlo
+    kernels = [line for line in plan.step.hlo.splitlines() if "tpu_custom_call" in line]
+    assert not [line for line in kernels if "ragged-dot" in line]  # XLA's own ragged_dot
+    assert sum("tgmm" in line for line in kernels) == 3  # gate, up and down's weight gradients
 
 
 @needs_libtpu

@@ -217,13 +217,19 @@ IGNORED = r"^(mtp\.|model\.visual\.)"
 
 def gguf_refuses(cfg: ModelConfig) -> dict[str, Any]:
     """llama.cpp's Gated DeltaNet (qwen35, qwen35moe, qwen3next) sizes a value head as a key
-    head (`ssm.state_size`): the two must be equal."""
+    head (`ssm.state_size`): the two must be equal; and it places the attention layers by
+    `full_attention_interval` alone (every k-th layer), so another order cannot be written."""
     lin = cfg.linear
-    return (
-        {}
-        if lin.value_head_dim == lin.key_head_dim
-        else {"linear.value_head_dim": lin.value_head_dim}
-    )
+    wrong = {}
+    if lin.value_head_dim != lin.key_head_dim:
+        wrong["linear.value_head_dim"] = lin.value_head_dim
+    kinds = cfg.layer_kinds()
+    every = kinds.index("full") + 1 if "full" in kinds else 0
+    if kinds != tuple(
+        "full" if every and (i + 1) % every == 0 else "linear" for i in range(len(kinds))
+    ):
+        wrong["linear.pattern"] = lin.pattern
+    return wrong
 
 
 FAMILY = Family(
