@@ -63,3 +63,20 @@ def counted(prefill, calls: list, tag):
 def random_prompts(lengths, seed=0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 97, n).tolist() for n in lengths]
+
+
+def check_chunked_prefill(model, engine, length: int) -> None:
+    """50 prompt tokens as four chunks of 16 (the last one left-padded) and as one chunk of 64,
+    on `engine(prefill_chunk=...)`s: the same tokens and log-probabilities, and those of the
+    full forward."""
+    [prompt] = random_prompts([50], seed=1)
+    calls, out = [], []
+    for chunk in (16, 64):
+        e = engine(prefill_chunk=chunk)
+        e.runner.prefill = counted(e.runner.prefill, calls, chunk)
+        out.append(run_requests(e, [(prompt, 8, 7)])[0])
+    assert calls.count(16) == 4 and calls.count(64) == 1
+    assert out[0][0] == out[1][0]
+    np.testing.assert_allclose(out[0][1], out[1][1], atol=1e-5, rtol=0)
+    [full] = full_forward_logprobs(model, [prompt], [out[0][0]], length)
+    np.testing.assert_allclose(out[0][1], full, atol=1e-4, rtol=0)

@@ -11,6 +11,8 @@ over every token) and `eqllm.generate` on a fresh engine per request. The family
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
 import jax
 import numpy as np
@@ -22,7 +24,12 @@ from eqllm.generation.paged import Pool, bytes_per_token, state_bytes
 from eqllm.generation.sizing import request_bytes
 from eqllm.nn import KVCache, Mamba2State
 from eqllm.serve import Engine
-from tests.engine_runs import counted, full_forward_logprobs, random_prompts, run_requests
+from tests.engine_runs import (
+    check_chunked_prefill,
+    full_forward_logprobs,
+    random_prompts,
+    run_requests,
+)
 from tests.families import TINY_CONFIGS
 
 LENGTH, SLOTS, CHUNK = 64, 2, 16  # every engine here but two has these sizes: shared shapes
@@ -85,17 +92,7 @@ def test_a_prompt_in_several_chunks_equals_one_prefill(model):
     """50 prompt tokens as four chunks of 16 (the KV blocks and the state carried from chunk to
     chunk, the last one left-padded) and as one chunk of 64: the same tokens and
     log-probabilities, and those the full forward's."""
-    [prompt] = random_prompts([50], seed=1)
-    calls, out = [], []
-    for chunk in (16, 64):
-        engine = _engine(model, prefill_chunk=chunk)
-        engine.runner.prefill = counted(engine.runner.prefill, calls, chunk)
-        out.append(run_requests(engine, [(prompt, 8, 7)])[0])
-    assert calls.count(16) == 4 and calls.count(64) == 1
-    assert out[0][0] == out[1][0]
-    np.testing.assert_allclose(out[0][1], out[1][1], atol=1e-5, rtol=0)
-    [full] = full_forward_logprobs(model, [prompt], [out[0][0]], LENGTH)
-    np.testing.assert_allclose(out[0][1], full, atol=1e-4, rtol=0)
+    check_chunked_prefill(model, functools.partial(_engine, model), LENGTH)
 
 
 def test_a_reused_slot_starts_from_a_cleared_state(model):

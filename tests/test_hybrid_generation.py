@@ -10,6 +10,8 @@ and greedy `eqllm.generate` against transformers' `generate`.
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
 import jax
 import numpy as np
@@ -19,7 +21,12 @@ import eqllm
 from eqllm.generation.paged import bytes_per_token, state_bytes
 from eqllm.generation.sizing import request_bytes
 from eqllm.serve import Engine
-from tests.engine_runs import counted, full_forward_logprobs, random_prompts, run_requests
+from tests.engine_runs import (
+    check_chunked_prefill,
+    full_forward_logprobs,
+    random_prompts,
+    run_requests,
+)
 from tests.families import TINY_CONFIGS
 
 LENGTH, SLOTS = 64, 2  # every engine here but one has these sizes: they share compiled shapes
@@ -56,17 +63,8 @@ def test_slots_joining_and_leaving_equal_generate_and_the_full_forward(model):
 def test_a_prompt_in_several_chunks_equals_one_prefill(model):
     """50 prompt tokens as four chunks of 16 (the state carried from chunk to chunk, the last
     one left-padded) and as one chunk of 64: the same tokens and log-probabilities."""
-    [prompt] = random_prompts([50], seed=1)
-    calls, out = [], []
-    for chunk in (16, 64):
-        engine = Engine(model, max_batch=SLOTS, max_len=LENGTH, prefill_chunk=chunk)
-        engine.runner.prefill = counted(engine.runner.prefill, calls, chunk)
-        out.append(run_requests(engine, [(prompt, 8, 7)])[0])
-    assert calls.count(16) == 4 and calls.count(64) == 1
-    assert out[0][0] == out[1][0]
-    np.testing.assert_allclose(out[0][1], out[1][1], atol=1e-5, rtol=0)
-    [full] = full_forward_logprobs(model, [prompt], [out[0][0]], LENGTH)
-    np.testing.assert_allclose(out[0][1], full, atol=1e-4, rtol=0)
+    engine = functools.partial(Engine, model, max_batch=SLOTS, max_len=LENGTH)
+    check_chunked_prefill(model, engine, LENGTH)
 
 
 def test_a_reused_slot_starts_from_a_cleared_state(model):
