@@ -96,7 +96,7 @@ def points() -> list[dict]:
 
         chips = parse_slice(topology).chips
         args = [f"zoo:{name}", "--topology", topology, "--mesh", "auto", "--batch"]
-        args += [str(per_chip * chips), "--seq", str(seq), "--max-compiles", "1"]
+        args += [str(per_chip * chips), "--seq", str(seq), "--max-compiles", "3"]
         found.append({"id": f"maxtext:{key}", "section": "maxtext", "args": args})
     # One model against chips first, then the largest recipe (whether it compiles here at all),
     # the other recipes largest first (those most likely to need a fix), MaxText's

@@ -366,7 +366,7 @@ def _maxtext(points: dict, maxtext: list) -> list[str]:
         "MaxText publishes measured MFU for named configurations (docs/reference/models/"
         "tiering.md of AI-Hypercomputer/maxtext; the tuning in benchmarks/maxtext_*_model_"
         "configs.py). For each one the zoo can express, `eqllm plan zoo:MODEL --topology SLICE "
-        "--mesh auto --batch B --seq T --max-compiles 1` plans the same model, chips, global "
+        "--mesh auto --batch B --seq T --max-compiles 3` plans the same model, chips, global "
         "batch and sequence with eqllm's own step. The estimate is eqllm's roofline, not tuned "
         "to these figures; MaxText's is measured.",
         "",

@@ -103,10 +103,20 @@ def test_megablox_grouped_matmul_equals_ragged_dot_with_its_gradients():
     assert np.abs(np.asarray(grads[0].weight[1])).max() == 0  # no rows, no gradient
 
 
-def test_moe_kernel_auto_is_megablox_on_tpu_only():
-    assert choose_kernel("auto", backend="tpu") == "megablox"
-    assert choose_kernel("auto", backend="cpu") == choose_kernel("auto", backend="gpu") == "xla"
-    assert choose_kernel("xla", backend="tpu") == "xla"
+def test_moe_kernel_auto_is_megablox_on_tpu_only_where_nothing_partitions_it():
+    """megablox (a Pallas kernel) runs inside the dispatch's shard_map or on one device: the
+    compiler cannot split it over a mesh."""
+    assert choose_kernel("auto", backend="tpu", impl="ragged") == "megablox"  # one device
+    assert choose_kernel("auto", backend="tpu", impl="dispatch", devices=8, expert_shards=4) == (
+        "megablox"
+    )
+    assert choose_kernel("auto", backend="tpu", impl="ragged", devices=8) == "xla"
+    assert choose_kernel("auto", backend="tpu", impl="dispatch", devices=8) == "xla"  # 1 shard
+    cpu, gpu = (choose_kernel("auto", backend=b, impl="ragged") for b in ("cpu", "gpu"))
+    assert cpu == gpu == "xla"
+    assert choose_kernel("xla", backend="tpu", impl="ragged") == "xla"
+    with pytest.raises(ConfigError, match="moe.kernel='megablox' with moe.impl='ragged' on 8 dev"):
+        choose_kernel("megablox", backend="tpu", impl="ragged", devices=8)
     with pytest.raises(ValueError, match="MoE kernel must be 'xla' or 'megablox'"):
         MoE(16, 24, 8, 2, impl="ragged", kernel="pallas", key=KEY)
 

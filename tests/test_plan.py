@@ -186,9 +186,16 @@ def test_the_plan_chooses_moe_impl_for_the_tpu_and_its_mesh_not_for_this_host():
     for what `eqllm run` on the slice would choose, and keeps an explicit choice."""
     recipe = nano("mixtral-nano")  # 4 experts
     assert recipe.model_config().moe.impl == "auto"
-    for fsdp, impl in [(4, "dispatch"), (2, "dispatch"), (1, "ragged"), (3, "ragged")]:
+    # megablox where nothing partitions it: inside the dispatch, or on one chip
+    for fsdp, impl, kernel in [
+        (4, "dispatch", "megablox"),
+        (2, "dispatch", "megablox"),
+        (1, "ragged", "megablox"),
+        (3, "ragged", "xla"),
+    ]:
         config, experts = planned_config(recipe, {"fsdp": fsdp})
         assert config.moe.impl == experts["impl"] == impl, fsdp
+        assert config.moe.kernel == experts["kernel"] == kernel, fsdp
         assert experts["requested"] == "auto" and "auto on tpu" in experts["why"]
     assert "over 4 devices" in planned_config(recipe, {"fsdp": 4})[1]["why"]
     config, experts = planned_config(nano("mixtral-nano", DENSE_EXPERTS), {"fsdp": 4})
@@ -267,6 +274,19 @@ def test_the_plan_dispatches_tokens_with_all_to_alls_in_tpu_hlo(plans):
     kernels = [line for line in plan.step.hlo.splitlines() if "tpu_custom_call" in line]
     assert not [line for line in kernels if "ragged-dot" in line]  # XLA's own ragged_dot
     assert sum("tgmm" in line for line in kernels) == 3  # gate, up and down's weight gradients
+
+
+@needs_libtpu
+def test_grouped_experts_that_the_partitioner_splits_compile_with_xla_ragged_dot():
+    """Four chips that do not split the experts (data=4): "auto" is the grouped matmul placed
+    by the partitioner, which cannot split a Pallas kernel, so it is XLA's ragged_dot (megablox
+    here failed to lower: "Mosaic kernels cannot be automatically partitioned")."""
+    plan = compiled(nano("mixtral-nano"), "v5p-8", "data=4")
+    assert plan.fits
+    assert plan.step.experts["impl"] == "ragged" and plan.step.experts["kernel"] == "xla"
+    kernels = [line for line in plan.step.hlo.splitlines() if "tpu_custom_call" in line]
+    assert any("ragged-dot" in line for line in kernels)  # XLA's own, on TPU
+    assert not any("gmm" in line for line in kernels)  # megablox's gmm and tgmm
 
 
 @needs_libtpu

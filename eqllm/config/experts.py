@@ -9,6 +9,7 @@ from pydantic import Field
 
 from eqllm.config.validation import (
     STRICT,
+    ConfigError,
     Positive,
     PositiveFloat,
     config_error,
@@ -168,11 +169,25 @@ def choose_impl(
     return "ragged", f"auto on {backend}: grouped matmul over the routed rows only"
 
 
-def choose_kernel(requested: str, *, backend: str) -> str:
-    """The grouped matmul for `moe.kernel = requested` on `backend`: an explicit one is kept;
-    "auto" is "megablox" on TPU (the TPU compiler lowers the weight gradient of
-    `jax.lax.ragged_dot` to a dense product over every local expert and row: docs/moe.md), else
-    "xla"."""
-    if requested != "auto":
-        return requested
-    return "megablox" if backend == "tpu" else "xla"
+def choose_kernel(
+    requested: str, *, backend: str, impl: str, devices: int = 1, expert_shards: int = 1
+) -> str:
+    """The grouped matmul for `moe.kernel = requested` on `backend`, for experts computed as
+    `impl` on `devices` devices whose experts' axis has `expert_shards`.
+
+    "megablox" is a Pallas kernel, which the compiler cannot partition over a mesh: it runs
+    inside the token dispatch's `shard_map` (impl "dispatch" over more than one expert shard),
+    where each device calls it on its own rows, or on one device. "auto" is "megablox" there on
+    TPU (the TPU compiler lowers the weight gradient of `jax.lax.ragged_dot` to a dense product
+    over every local expert and row: docs/moe.md), else "xla"; an explicit "megablox" elsewhere
+    is refused."""
+    partitioned = devices > 1 and not (impl == "dispatch" and expert_shards > 1)
+    if requested == "auto":
+        return "megablox" if backend == "tpu" and not partitioned else "xla"
+    if requested == "megablox" and partitioned:
+        raise ConfigError(
+            f"moe.kernel='megablox' with moe.impl={impl!r} on {devices} devices: the compiler "
+            "cannot split a Pallas kernel over a mesh; set moe.kernel to 'auto' or 'xla', or "
+            "moe.impl='dispatch' over an expert axis of more than one device"
+        )
+    return requested

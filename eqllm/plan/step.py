@@ -24,12 +24,11 @@ from eqllm.bench.collectives import Collective, collectives
 from eqllm.bench.hlo import Program
 from eqllm.bench.mesh import AbstractState, abstract_state
 from eqllm.config import ConfigError, ModelConfig
-from eqllm.config.experts import choose_kernel
 from eqllm.data import Tokenizer
 from eqllm.model import CausalLM
 from eqllm.recipe import Recipe, RecipeError
 from eqllm.sharding import batch_sharding, check_divisible, make_mesh
-from eqllm.sharding.dispatch import experts_impl
+from eqllm.sharding.dispatch import experts_impl, experts_kernel
 from eqllm.train.mfu import step_flops
 from eqllm.train.objectives import Instructions, LanguageModel
 from eqllm.train.optim import schedule
@@ -102,7 +101,7 @@ def planned_config(recipe: Recipe, mesh) -> tuple[ModelConfig, dict | None]:
     compute them: moe.impl "auto" chosen for the TPU and `mesh` (the size of the axis that
     splits the experts, `eqllm.sharding.dispatch.experts_impl`), not for the host planning it,
     where it would choose dense experts on one device; an explicit moe.impl is kept; the
-    grouped matmul is TPU's ("auto" `moe.kernel`: `choose_kernel`). With
+    grouped matmul is chosen for the TPU and `mesh` too (`experts_kernel`). With
     {"impl", "why", "requested", "kernel" (grouped impls)} for the plan's report (None without
     experts)."""
     config = model_config(recipe)
@@ -110,7 +109,7 @@ def planned_config(recipe: Recipe, mesh) -> tuple[ModelConfig, dict | None]:
     if choice is None:
         return config, None
     impl, why = choice
-    kernel = choose_kernel(config.moe.kernel, backend=TARGET_BACKEND)
+    kernel = experts_kernel(config, TARGET_BACKEND, impl, mesh)
     experts = {"impl": impl, "why": why, "requested": config.moe.impl}
     if impl != "dense":  # the grouped matmul's kernel
         experts["kernel"] = kernel

@@ -21,7 +21,7 @@ import math
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from eqllm.config.experts import choose_impl
+from eqllm.config.experts import choose_impl, choose_kernel
 from eqllm.nn import MoE, param_info
 from eqllm.nn.dispatch import dispatch
 from eqllm.nn.params import is_param_info
@@ -37,6 +37,19 @@ def experts_impl(config, backend: str, mesh: AxisSizes) -> tuple[str, str] | Non
         return None
     shards = sizes_of(mesh)[RULES["expert"]]
     return choose_impl(moe.impl, backend=backend, expert_shards=shards, n_experts=moe.n_experts)
+
+
+def experts_kernel(config, backend: str, impl: str, mesh: AxisSizes) -> str:
+    """The grouped matmul of `config`'s experts computed as `impl` on `backend` over `mesh`
+    (`eqllm.config.experts.choose_kernel`: a TPU kernel only where no partitioner splits it)."""
+    sizes = sizes_of(mesh)
+    return choose_kernel(
+        config.moe.kernel,
+        backend=backend,
+        impl=impl,
+        devices=math.prod(sizes.values()),
+        expert_shards=sizes[RULES["expert"]],
+    )
 
 
 class ExpertDispatch:

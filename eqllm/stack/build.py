@@ -231,6 +231,9 @@ def make_block(
     elif attn is not None and config.linear is not None and not config.linear.full_mlp:
         mlp = None  # Nemotron-H's attention layers: attention alone
     elif (moe := config.moe) is not None and not dense:
+        # "auto" without a mesh; a run chooses again with its mesh (`with_experts_impl`)
+        backend = jax.default_backend()
+        impl = choose_impl(moe.impl, backend=backend, expert_shards=1, n_experts=moe.n_experts)[0]
         mlp = MoE(
             config.d_model,
             config.expert_d_ff,
@@ -238,10 +241,8 @@ def make_block(
             moe.experts_per_token,
             normalize=moe.norm_topk_prob,
             shared_d_ff=moe.shared_d_ff,
-            impl=choose_impl(  # "auto" without a mesh; a run chooses again with its mesh
-                moe.impl, backend=jax.default_backend(), expert_shards=1, n_experts=moe.n_experts
-            )[0],
-            kernel=choose_kernel(moe.kernel, backend=jax.default_backend()),
+            impl=impl,
+            kernel=choose_kernel(moe.kernel, backend=backend, impl=impl),
             capacity_factor=moe.capacity_factor,
             bias=moe.bias,
             activation=moe.activation,

@@ -36,7 +36,7 @@ from eqllm.sharding import (
     param_shardings,
     shard_model,
 )
-from eqllm.sharding.dispatch import experts_impl
+from eqllm.sharding.dispatch import experts_impl, experts_kernel
 from eqllm.train import guards
 from eqllm.train.checkpoint import RunCheckpoints
 from eqllm.train.metrics import MetricsLog
@@ -119,8 +119,10 @@ def with_experts_impl(recipe: Recipe, model: CausalLM) -> tuple[CausalLM, dict |
         )
     sizes = dict(zip(MESH_AXES, recipe.mesh.resolve(len(jax.devices())), strict=True))
     impl, why = experts_impl(model.config, backend, sizes)
+    kernel = experts_kernel(model.config, backend, impl, sizes)
     requested = model.config.moe.impl
-    return model.with_config(moe={"impl": impl}), {"impl": impl, "why": why, "requested": requested}
+    experts = {"impl": impl, "why": why, "requested": requested, "kernel": kernel}
+    return model.with_config(moe={"impl": impl, "kernel": kernel}), experts
 
 
 def with_adapters(recipe: Recipe, model: CausalLM) -> CausalLM:
