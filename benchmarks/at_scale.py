@@ -57,6 +57,8 @@ MAXTEXT = [
     ("v5p-llama2-70b", "llama2-70b", "v5p-1024", 4, 4096, 0.654,
      "v5p llama2_70b_v5p_128 (92e59fd L156): fsdp=-1, remat save_dot_except_mlpwi"),
 ]  # fmt: skip
+# Rows whose MaxText config joins several slices over the data-center network (dcn_fsdp).
+MAXTEXT_SLICES = {"v6e-llama3.1-405b": 2}
 # The v5p Mixtral row of tiering.md (256 chips, 52.56%) links to a tpu-recipes page whose
 # tuning is not in the maxtext repository; it is left out rather than guessed.
 
@@ -94,9 +96,10 @@ def points() -> list[dict]:
     for key, name, topology, per_chip, seq, _, _ in MAXTEXT:  # noqa: B007
         from eqllm.sharding.tpu import parse_slice
 
-        chips = parse_slice(topology).chips
-        args = [f"zoo:{name}", "--topology", topology, "--mesh", "auto", "--batch"]
-        args += [str(per_chip * chips), "--seq", str(seq), "--max-compiles", "3"]
+        slices = MAXTEXT_SLICES.get(key, 1)
+        chips = parse_slice(topology).chips * slices
+        args = [f"zoo:{name}", "--topology", topology, "--slices", str(slices), "--mesh", "auto"]
+        args += ["--batch", str(per_chip * chips), "--seq", str(seq), "--max-compiles", "3"]
         found.append({"id": f"maxtext:{key}", "section": "maxtext", "args": args})
     # One model against chips first, then the largest recipe (whether it compiles here at all),
     # the other recipes largest first (those most likely to need a fix), MaxText's

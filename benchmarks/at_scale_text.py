@@ -366,9 +366,9 @@ def _maxtext(points: dict, maxtext: list) -> list[str]:
         "MaxText publishes measured MFU for named configurations (docs/reference/models/"
         "tiering.md of AI-Hypercomputer/maxtext; the tuning in benchmarks/maxtext_*_model_"
         "configs.py). For each one the zoo can express, `eqllm plan zoo:MODEL --topology SLICE "
-        "--mesh auto --batch B --seq T --max-compiles 3` plans the same model, chips, global "
-        "batch and sequence with eqllm's own step. The estimate is eqllm's roofline, not tuned "
-        "to these figures; MaxText's is measured.",
+        "[--slices N] --mesh auto --batch B --seq T --max-compiles 3` plans the same model, "
+        "chips, global batch and sequence with eqllm's own step. The estimate is eqllm's "
+        "roofline, not tuned to these figures; MaxText's is measured.",
         "",
         "| model | slice | batch x seq | MaxText: tuning | MaxText MFU (measured) | eqllm plan | "
         "fits, peak GiB | eqllm est. MFU <= |",
@@ -382,10 +382,17 @@ def _maxtext(points: dict, maxtext: list) -> list[str]:
             plan = f"{_mesh(p)}, remat {p['remat']}, accum {p['grad_accum']}"
         fits = row.get("error", "no plan") if p is None else f"{_fits(p)}, {_gib(p['peak_bytes'])}"
         out.append(
-            f"| {name} | {topology} | {per_chip}/chip x {seq} | {tuning} | {mfu:.1%} | {plan} | "
-            f"{fits} | {'-' if p is None else _mfu(p)} |"
+            f"| {name} | {_slices(row, topology)} | {per_chip}/chip x {seq} | {tuning} | "
+            f"{mfu:.1%} | {plan} | {fits} | {'-' if p is None else _mfu(p)} |"
         )
     return out + [""]
+
+
+def _slices(row: dict, topology: str) -> str:
+    """The slice column: `topology`, or "N x topology" where the point joined N slices."""
+    args = row["command"].split()
+    n = int(args[args.index("--slices") + 1]) if "--slices" in args else 1
+    return topology if n == 1 else f"{n} x {topology}"
 
 
 def _failures(points: dict) -> list[str]:
