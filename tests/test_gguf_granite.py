@@ -23,6 +23,7 @@ from test_gguf_hybrid import _array, _logits, _mapped, _model, _package_keys
 
 import eqllm
 from eqllm.config.experts import MoEConfig
+from eqllm.hub.gguf_granite import permute
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
@@ -302,3 +303,15 @@ def test_a_file_as_the_converter_writes_it_reads_back(written, name, tmp_path):
     assert back.config == _lost(model, back).replace(max_seq_len=2**20)
     for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(back), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=3e-7)
+
+
+def test_q_and_k_biases_take_the_rows_of_their_weights():
+    """Granite's attention biases (attention_bias) go through the converter's permutation as
+    the weights' rows do; reading undoes it."""
+    rng = np.random.default_rng(0)
+    for n_head, n_kv in ((4, 4), (4, 2)):
+        weight, bias = rng.standard_normal((n_kv * 8, 5)), rng.standard_normal(n_kv * 8)
+        rows = _rotary_rows(n_kv, 8)
+        for t in (weight, bias):
+            np.testing.assert_array_equal(permute(t, n_head, n_kv), t[rows])
+            np.testing.assert_array_equal(permute(t[rows], n_head, n_kv, back=True), t)
