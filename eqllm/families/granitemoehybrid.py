@@ -45,7 +45,7 @@ from eqllm.families.base import (
     refuse,
     rows,
 )
-from eqllm.families.mamba2 import mamba_keys_from_hf, mamba_keys_to_hf
+from eqllm.families.mamba2 import gguf_refuses_mamba2, mamba_keys_from_hf, mamba_keys_to_hf
 
 LAYER = "model.layers.{i}."
 MIXER = LAYER + "mamba."
@@ -296,6 +296,13 @@ def _check(cfg: ModelConfig) -> dict[str, Any]:
     return bad
 
 
+def gguf_refuses(cfg: ModelConfig) -> dict[str, Any]:
+    """llama.cpp's granitehybrid runs Mamba-2 as its mamba2 does (`gguf_refuses_mamba2`). A
+    stack of attention layers alone (no `linear` group) is its converter's granite or
+    granitemoe architecture, which eqllm does not write."""
+    return {"linear": None} if cfg.linear is None else gguf_refuses_mamba2(cfg.linear)
+
+
 FAMILY = Family(
     name="granitemoehybrid",
     released="2025-10",
@@ -324,4 +331,6 @@ FAMILY = Family(
     to_hf=to_hf,
     from_hf=from_hf,
     check=_check,
+    gguf="granitehybrid",
+    gguf_refuses=gguf_refuses,
 )

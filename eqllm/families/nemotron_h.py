@@ -20,7 +20,7 @@ from typing import Any
 
 from eqllm.config import ConfigError, ModelConfig
 from eqllm.families.base import LLAMA_BLOCK, Family, need, refuse, rows
-from eqllm.families.mamba2 import step_limit
+from eqllm.families.mamba2 import gguf_refuses_mamba2, step_limit
 
 PREFIX = "backbone."
 # config.json's layer names (transformers 5's, then the older spellings) -> eqllm's kinds.
@@ -200,6 +200,15 @@ def check(cfg: ModelConfig) -> dict[str, Any]:
     return {}
 
 
+def gguf_refuses(cfg: ModelConfig) -> dict[str, Any]:
+    """llama.cpp's nemotron_h runs Mamba-2 as its mamba2 does (`gguf_refuses_mamba2`); experts
+    are its other architecture, nemotron_h_moe, which eqllm does not write."""
+    wrong = gguf_refuses_mamba2(cfg.linear)
+    if cfg.moe is not None:
+        wrong["moe.n_experts"] = cfg.moe.n_experts
+    return wrong
+
+
 # config.json keys of the mixture-of-experts layers and multi-token prediction that transformers
 # writes for every Nemotron-H (its config class's defaults); they mean nothing without "moe"
 # layers, which `pattern_from_hf` refuses.
@@ -253,4 +262,6 @@ FAMILY = Family(
     check=check,
     ignored=r"(backbone\.)?mtp\.",
     module_renames=RENAMES,
+    gguf="nemotron_h",
+    gguf_refuses=gguf_refuses,
 )

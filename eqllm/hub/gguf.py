@@ -16,10 +16,10 @@ translation stay the one source of truth:
 Architectures: each family names the one it is written as (`eqllm.families.Family.gguf`, and
 what that architecture cannot hold, `gguf_refuses`): llama (eqllm's llama and, without a sliding
 window, mistral), qwen2 and qwen3, the Llama-layout families llama.cpp and transformers' GGUF
-loader share; and qwen35, qwen35moe, qwen3next, mamba2 and falcon-h1 (`eqllm.hub.gguf_hybrid`),
-their tensors renamed by the gguf package's own `TensorNameMap` and changed as llama.cpp's
-converter changes them. A file is read back as the family whose Hugging Face model_type is
-llama.cpp's architecture name, else the one family written as it.
+loader share; and qwen35, qwen35moe, qwen3next, mamba2, falcon-h1, nemotron_h and granitehybrid
+(`eqllm.hub.gguf_hybrid`), their tensors renamed by the gguf package's own `TensorNameMap` and
+changed as llama.cpp's converter changes them. A file is read back as the family whose Hugging
+Face model_type is llama.cpp's architecture name, else the one family written as it.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from eqllm.data.tokenizer import Tokenizer
 from eqllm.hub.config import from_hf_config
 from eqllm.hub.files import CheckpointError
 from eqllm.hub.folders import skeleton
+from eqllm.hub.gguf_granite import permute
 from eqllm.hub.gguf_hybrid import ARCHS, EXPERT, stack_experts
 from eqllm.hub.gguf_vocab import read_tokenizer, write_tokenizer
 from eqllm.hub.tables import indices, part_names, rows_for, stack_layers, tensor_name
@@ -92,17 +93,6 @@ def _package():
             "reading or writing GGUF files needs the gguf package: pip install 'eqllm[gguf]'"
         ) from None
     return gguf
-
-
-def _permute(w: np.ndarray, n_head: int, n_kv: int) -> np.ndarray:
-    """llama.cpp's q/k row order (convert_hf_to_gguf.py's LlamaModel.permute)."""
-    n = n_kv if n_kv != n_head else n_head
-    return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _unpermute(w: np.ndarray, n_head: int, n_kv: int) -> np.ndarray:
-    n = n_kv if n_kv != n_head else n_head
-    return w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 # Writing ----------------------------------------------------------------------------------
@@ -199,9 +189,9 @@ def _write_llama(writer, gguf, arch: str, cfg, hf: dict, tensors: dict, qtype) -
     for name, array in tensors.items():
         array = array.astype(np.float32)
         if arch in _PERMUTED_QK and ".self_attn.q_proj." in name:
-            array = _permute(array, n_head, n_head)
+            array = permute(array, n_head, n_head)
         elif arch in _PERMUTED_QK and ".self_attn.k_proj." in name:
-            array = _permute(array, n_head, n_kv)
+            array = permute(array, n_head, n_kv)
         target, raw = _encode(array, qtype, gguf)
         writer.add_tensor(_rename(name, _NAMES), target, raw_dtype=raw)
 
@@ -215,14 +205,17 @@ def _name_map(gguf, arch: str, n_layers: int):
 def _write_hybrid(writer, gguf, arch: str, hf: dict, tensors: dict, qtype) -> None:
     """The hybrid and state-space architectures (`eqllm.hub.gguf_hybrid`)."""
     spec, T = ARCHS[arch], gguf.MODEL_TENSOR
-    for key, value in spec.metadata(hf).items():
+    metadata = spec.metadata(hf)
+    for key, value in metadata.items():
         if isinstance(value, list):
             writer.add_array(f"{arch}.{key}", value)
+        elif isinstance(value, bool):
+            writer.add_bool(f"{arch}.{key}", value)
         elif isinstance(value, float):
             writer.add_float32(f"{arch}.{key}", value)
         else:
             writer.add_uint32(f"{arch}.{key}", int(value))
-    names = _name_map(gguf, arch, hf["num_hidden_layers"])
+    names = _name_map(gguf, arch, metadata["block_count"])
     # Kept in F32 whatever the type, as the converter keeps them.
     f32 = {T.FFN_GATE_INP, T.FFN_GATE_INP_SHEXP, T.SSM_CONV1D}
     for name, array in stack_experts(tensors).items():
@@ -306,9 +299,9 @@ def _read_llama(arch: str, family, field, stored: dict) -> tuple[dict, dict]:
     tensors: dict[str, np.ndarray] = {}
     for name, array in stored.items():
         if arch in _PERMUTED_QK and ".attn_q." in name:
-            array = _unpermute(array, n_head, n_head)
+            array = permute(array, n_head, n_head, back=True)
         elif arch in _PERMUTED_QK and ".attn_k." in name:
-            array = _unpermute(array, n_head, n_kv)
+            array = permute(array, n_head, n_kv, back=True)
         tensors[_rename(name, _FROM_GGUF)] = array
     config = {
         "architectures": [f"{arch.capitalize()}ForCausalLM"],
@@ -365,7 +358,7 @@ def _read_hybrid(gguf, arch: str, family, field, stored: dict, path) -> tuple[di
         m = EXPERT.fullmatch(name)
         whole = f"{m[1]}.{m[3]}" if m else name  # an expert's slice of its stacked tensor
         if whole not in done:
-            targets = [names.get_name(n, try_suffixes=SUFFIXES) for n in spec.names(whole)]
+            targets = [names.get_name(n, try_suffixes=SUFFIXES) for n in spec.names(whole, config)]
             missing = [t for t in targets if t not in stored]
             if missing:
                 raise CheckpointError(f"{path}: the {arch} GGUF file has no {missing[0]}")

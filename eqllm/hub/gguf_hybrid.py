@@ -1,7 +1,8 @@
 """GGUF for the hybrid and state-space architectures, as llama.cpp's converter writes them.
 
 llama.cpp's convert_hf_to_gguf.py (its `Qwen3NextModel`, `Qwen3_5TextModel`,
-`Qwen3_5MoeTextModel`, `Mamba2Model` and `FalconH1Model`) changes some tensors on the way; each
+`Qwen3_5MoeTextModel`, `Mamba2Model`, `FalconH1Model`, `GraniteHybridModel` and
+`NemotronHModel`) changes some tensors on the way; each
 architecture here does the same, and undoes it when reading:
 
 - Gated DeltaNet hybrids (qwen3next, qwen35, qwen35moe): A_log is stored as A = -exp(A_log),
@@ -12,6 +13,7 @@ architecture here does the same, and undoes it when reading:
   `attn_gate` (z). Qwen3.5's value heads, grouped by key head in transformers' layout, are
   stored tiled ([v0 of every key head, v1 of every key head, ...]) wherever they appear.
 - Mamba-2 (mamba2, falcon-h1): `eqllm.hub.gguf_mamba`.
+- Mamba-2 hybrids with attention layers (nemotron_h, granitehybrid): `eqllm.hub.gguf_granite`.
 
 Tensor names are the `gguf` package's (`gguf.TensorNameMap`), never a table of our own.
 """
@@ -25,6 +27,15 @@ from typing import Any
 
 import numpy as np
 
+from eqllm.hub.gguf_granite import (
+    granite_config,
+    granite_metadata,
+    hybrid_from_gguf,
+    hybrid_names,
+    hybrid_to_gguf,
+    nemotron_config,
+    nemotron_metadata,
+)
 from eqllm.hub.gguf_mamba import (
     mamba_config,
     mamba_from_gguf,
@@ -46,14 +57,14 @@ class Arch:
     """What one llama.cpp architecture needs beyond renaming.
 
     metadata(hf) -> {gguf key (without the "{arch}." prefix): value}; config(field, arch,
-    tensor names) -> config.json fields; names(hf name) -> the names the converter maps (after
-    its renames); to_gguf(hf name, array, hf) -> [(name, array)]; from_gguf(hf name, arrays,
+    tensor names) -> config.json fields; names(hf name, hf) -> the names the converter maps
+    (after its renames); to_gguf(hf name, array, hf) -> [(name, array)]; from_gguf(hf name, arrays,
     hf) -> array.
     """
 
     metadata: Callable[[dict], dict[str, Any]]
     config: Callable[[Callable, str, set[str]], dict[str, Any]]
-    names: Callable[[str], list[str]]
+    names: Callable[[str, dict], list[str]]
     to_gguf: Callable[[str, np.ndarray, dict], list[tuple[str, np.ndarray]]]
     from_gguf: Callable[[str, list[np.ndarray], dict], np.ndarray]
 
@@ -243,7 +254,11 @@ def _gdn_config(field: Callable, arch: str, tensors: set[str]) -> dict[str, Any]
 ARCHS = {
     **{
         arch: Arch(
-            _gdn_metadata(arch), _gdn_config, _gdn_names, _gdn_to_gguf(arch), _gdn_from_gguf(arch)
+            _gdn_metadata(arch),
+            _gdn_config,
+            lambda name, hf: _gdn_names(name),
+            _gdn_to_gguf(arch),
+            _gdn_from_gguf(arch),
         )
         for arch in GDN
     },
@@ -251,12 +266,26 @@ ARCHS = {
         arch: Arch(
             mamba_metadata(arch),
             mamba_config,
-            mamba_names,
+            lambda name, hf: mamba_names(name),
             mamba_to_gguf(arch),
             mamba_from_gguf,
         )
         for arch in ("mamba2", "falcon-h1")
     },
+    "nemotron_h": Arch(
+        nemotron_metadata,
+        nemotron_config,
+        hybrid_names,
+        hybrid_to_gguf("nemotron_h"),
+        hybrid_from_gguf,
+    ),
+    "granitehybrid": Arch(
+        granite_metadata,
+        granite_config,
+        hybrid_names,
+        hybrid_to_gguf("granitehybrid"),
+        hybrid_from_gguf,
+    ),
 }
 
 

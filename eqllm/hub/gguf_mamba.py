@@ -2,7 +2,8 @@
 writes them: A as -exp(A_log) and D as [heads, 1], `dt_bias` as `dt_proj.bias`, the conv1d
 squeezed to [channels, kernel], the gated norm as [groups, inner / groups]; Falcon-H1's muP
 multipliers folded into the weights (embedding, head, q/k/v/o, the MLP's gate and down, the
-Mamba-2 in_proj rows z, x, B, C, dt and out_proj), so a file read back has none. See
+Mamba-2 in_proj rows z, x, B, C, dt and out_proj), so a file read back has none. Nemotron-H's
+and Granite 4.0-H's Mamba-2 layers are written the same way (`eqllm.hub.gguf_granite`). See
 `eqllm.hub.gguf_hybrid` for how an architecture is described."""
 
 from __future__ import annotations
@@ -32,10 +33,17 @@ def mamba_names(name: str) -> list[str]:
     return [name]
 
 
-def _mamba_sizes(hf: dict) -> tuple[int, int, int, int]:
-    """(inner size, heads, groups, state size) of a Mamba2 or Falcon-H1 config.json."""
+def mamba_sizes(hf: dict) -> tuple[int, int, int, int]:
+    """(inner size, heads, groups, state size) of a Mamba2, Falcon-H1, Nemotron-H or Granite
+    4.0-H config.json."""
     if "mamba_d_ssm" in hf:  # Falcon-H1
         return hf["mamba_d_ssm"], hf["mamba_n_heads"], hf["mamba_n_groups"], hf["mamba_d_state"]
+    if "mamba_num_heads" in hf:  # Nemotron-H
+        heads = hf["mamba_num_heads"]
+        return heads * hf["mamba_head_dim"], heads, hf["n_groups"], hf["ssm_state_size"]
+    if "mamba_n_heads" in hf:  # Granite 4.0-H
+        heads = hf["mamba_n_heads"]
+        return heads * hf["mamba_d_head"], heads, hf["mamba_n_groups"], hf["mamba_d_state"]
     inner = hf["num_heads"] * hf["head_dim"]
     return inner, hf["num_heads"], hf["n_groups"], hf["state_size"]
 
@@ -57,7 +65,7 @@ def _falcon_scale(name: str, t: np.ndarray, hf: dict) -> np.ndarray:
     if "out_proj" in name:
         return t * get("ssm_out_multiplier")
     if "in_proj" in name:
-        inner, _, groups, state = _mamba_sizes(hf)
+        inner, _, groups, state = mamba_sizes(hf)
         gs = groups * state
         ends = np.cumsum([0, inner, inner, gs, gs])  # z, x, B, C, then dt to the end
         rows = np.searchsorted(ends, np.arange(t.shape[0]), side="right") - 1
@@ -72,7 +80,7 @@ def _falcon_scale(name: str, t: np.ndarray, hf: dict) -> np.ndarray:
 
 def mamba_to_gguf(arch: str):
     def to_gguf(name: str, t: np.ndarray, hf: dict) -> list[tuple[str, np.ndarray]]:
-        inner, _, groups, _ = _mamba_sizes(hf)
+        inner, _, groups, _ = mamba_sizes(hf)
         if name.endswith("conv1d.weight"):
             t = t.reshape(t.shape[0], -1)  # [channels, 1, kernel] -> [channels, kernel]
         elif name.endswith((".A_log", ".D")):
@@ -100,7 +108,7 @@ def mamba_from_gguf(name: str, arrays: list[np.ndarray], hf: dict) -> np.ndarray
 
 def mamba_metadata(arch: str):
     def metadata(hf: dict) -> dict[str, Any]:
-        inner, heads, groups, state = _mamba_sizes(hf)
+        inner, heads, groups, state = mamba_sizes(hf)
         falcon = arch == "falcon-h1"
         out = {
             # The converter writes 2**20 for Mamba-2 ("arbitrary"); the model's own is kept.
