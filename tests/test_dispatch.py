@@ -111,6 +111,9 @@ def test_moe_kernel_auto_is_megablox_on_tpu_only_where_nothing_partitions_it():
         "megablox"
     )
     assert choose_kernel("auto", backend="tpu", impl="ragged", devices=8) == "xla"
+    assert choose_kernel("auto", backend="tpu", impl="ragged", devices=8, expert_shards=2) == (
+        "megablox"  # each device's own rows inside shard_map
+    )
     assert choose_kernel("auto", backend="tpu", impl="dispatch", devices=8) == "xla"  # 1 shard
     cpu, gpu = (choose_kernel("auto", backend=b, impl="ragged") for b in ("cpu", "gpu"))
     assert cpu == gpu == "xla"
@@ -200,10 +203,11 @@ def _on_8_devices(*args: str) -> subprocess.CompletedProcess:
 
 def test_dispatched_layer_on_8_devices_equals_dense_and_counts_drops():
     """About 30 s: one layer's all-to-all dispatch on data=2,fsdp=4 (tests/multidevice):
-    dropless at the worst case, and with capacity drops counted."""
+    dropless at the worst case, and with capacity drops counted; a grouped layer on each
+    device's own rows."""
     result = _on_8_devices("-k", "layer")
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "2 passed" in result.stdout, result.stdout[-3000:]
+    assert "3 passed" in result.stdout, result.stdout[-3000:]
 
 
 @pytest.mark.slow  # about 10 minutes on 2 shared cores: 6 trainings on 8 devices, 3 on one,
@@ -211,4 +215,4 @@ def test_dispatched_layer_on_8_devices_equals_dense_and_counts_drops():
 def test_dispatched_training_on_8_devices_equals_one_device():
     result = _on_8_devices("-m", "slow or not slow")
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "10 passed" in result.stdout, result.stdout[-3000:]
+    assert "12 passed" in result.stdout, result.stdout[-3000:]

@@ -166,6 +166,7 @@ def compiled(recipe, topology, mesh):
 
 
 DENSE_EXPERTS = 'model.overrides.moe.impl="dense"'
+RAGGED_EXPERTS = 'model.overrides.moe.impl="ragged"'
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +192,7 @@ def test_the_plan_chooses_moe_impl_for_the_tpu_and_its_mesh_not_for_this_host():
         (4, "dispatch", "megablox"),
         (2, "dispatch", "megablox"),
         (1, "ragged", "megablox"),
-        (3, "ragged", "xla"),
+        (3, "ragged", "megablox"),  # each chip's own rows, the experts gathered whole
     ]:
         config, experts = planned_config(recipe, {"fsdp": fsdp})
         assert config.moe.impl == experts["impl"] == impl, fsdp
@@ -277,14 +278,22 @@ def test_the_plan_dispatches_tokens_with_all_to_alls_in_tpu_hlo(plans):
 
 
 @needs_libtpu
-def test_grouped_experts_that_the_partitioner_splits_compile_with_xla_ragged_dot():
-    """Four chips that do not split the experts (data=4): "auto" is the grouped matmul placed
-    by the partitioner, which cannot split a Pallas kernel, so it is XLA's ragged_dot (megablox
-    here failed to lower: "Mosaic kernels cannot be automatically partitioned")."""
-    plan = compiled(nano("mixtral-nano"), "v5p-8", "data=4")
-    assert plan.fits
-    assert plan.step.experts["impl"] == "ragged" and plan.step.experts["kernel"] == "xla"
-    kernels = [line for line in plan.step.hlo.splitlines() if "tpu_custom_call" in line]
+def test_grouped_experts_run_on_each_chips_own_rows_or_with_xla_ragged_dot():
+    """Chips that do not split the experts: with fsdp (fsdp=4, moe.impl "ragged" asked for)
+    each chip runs megablox on its own rows against the experts gathered whole, as FSDP gathers
+    every weight, and moves no tokens; without fsdp (data=4) the grouped matmul is left to the
+    partitioner, which cannot split a Pallas kernel, so it is XLA's ragged_dot (megablox there
+    failed to lower: "Mosaic kernels cannot be automatically partitioned")."""
+    own = compiled(nano("mixtral-nano", RAGGED_EXPERTS), "v5p-8", "fsdp=4")
+    assert own.fits and own.step.experts["kernel"] == "megablox"
+    kernels = [line for line in own.step.hlo.splitlines() if "tpu_custom_call" in line]
+    assert sum("tgmm" in line for line in kernels) == 3
+    assert not [c for c in own.step.collectives if c.kind == "all-to-all" and c.calls]
+    assert expert_gathers(own)  # every expert gathered whole, layer by layer
+    plain = compiled(nano("mixtral-nano"), "v5p-8", "data=4")
+    assert plain.fits
+    assert plain.step.experts["impl"] == "ragged" and plain.step.experts["kernel"] == "xla"
+    kernels = [line for line in plain.step.hlo.splitlines() if "tpu_custom_call" in line]
     assert any("ragged-dot" in line for line in kernels)  # XLA's own, on TPU
     assert not any("gmm" in line for line in kernels)  # megablox's gmm and tgmm
 

@@ -176,18 +176,19 @@ def choose_kernel(
     `impl` on `devices` devices whose experts' axis has `expert_shards`.
 
     "megablox" is a Pallas kernel, which the compiler cannot partition over a mesh: it runs
-    inside the token dispatch's `shard_map` (impl "dispatch" over more than one expert shard),
-    where each device calls it on its own rows, or on one device. "auto" is "megablox" there on
+    inside `shard_map`, where each device calls it on its own rows (impl "dispatch" or
+    "ragged" with an expert axis of more than one device, `eqllm.sharding.ExpertDispatch`), or
+    on one device. "auto" is "megablox" there on
     TPU (the TPU compiler lowers the weight gradient of `jax.lax.ragged_dot` to a dense product
     over every local expert and row: docs/moe.md), else "xla"; an explicit "megablox" elsewhere
     is refused."""
-    partitioned = devices > 1 and not (impl == "dispatch" and expert_shards > 1)
+    partitioned = devices > 1 and not (impl in ("dispatch", "ragged") and expert_shards > 1)
     if requested == "auto":
         return "megablox" if backend == "tpu" and not partitioned else "xla"
     if requested == "megablox" and partitioned:
         raise ConfigError(
             f"moe.kernel='megablox' with moe.impl={impl!r} on {devices} devices: the compiler "
             "cannot split a Pallas kernel over a mesh; set moe.kernel to 'auto' or 'xla', or "
-            "moe.impl='dispatch' over an expert axis of more than one device"
+            "split the experts' axis (fsdp) over more than one device"
         )
     return requested

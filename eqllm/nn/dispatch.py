@@ -86,10 +86,6 @@ def dispatched(
     dispatcher of `hooks`, else on one shard; `kernel`: the grouped matmul
     (`eqllm.nn.ExpertLinear.grouped`)."""
     if hooks is None or hooks.dispatch is None:
-        if hooks is not None and kernel == "megablox":
-            # on a mesh whose dispatcher declined this layer (experts or rows it cannot split):
-            # the partitioner splits this call, which it cannot do to a Pallas kernel
-            kernel = "xla"
         one = dict(n_shards=1, capacity_factor=capacity_factor, kernel=kernel)
         return dispatch(experts, act, x, weights, ids, **one)
     return hooks.dispatch(experts, act, x, weights, ids, capacity_factor, kernel)

@@ -282,7 +282,7 @@ class MoE(eqx.Module):
         y = place(self.down(h), ("expert", "tokens", "d_model"))  # (E, T, d_model)
         return place(jnp.einsum("etd,te->td", y, combine), ("tokens", "d_model"))
 
-    def _ragged(self, x, weights, experts):
+    def _ragged(self, x, weights, experts, kernel):
         rows, k = experts.shape
         flat = experts.reshape(-1)  # (T k,): the expert of each token copy
         order = jnp.argsort(flat, stable=True)  # token copies sorted by expert
@@ -291,7 +291,6 @@ class MoE(eqx.Module):
         if self.score_input:  # each copy scaled by its weight on the way in, not out
             copies = copies * weights.reshape(-1)[order][:, None]
             weights = jnp.ones_like(weights)
-        kernel = self.kernel
         h = self._act(
             self.gate.grouped(copies, sizes, kernel), self.up.grouped(copies, sizes, kernel)
         )
@@ -317,7 +316,11 @@ class MoE(eqx.Module):
         logits, weights, experts = self.route(flat)
         impl = impl or self.impl
         dropped = jnp.zeros((), jnp.int32)
-        if impl == "dispatch":
+        on_mesh = hooks is not None and hooks.dispatch is not None  # inside shard_map
+        kernel = self.kernel
+        if hooks is not None and not on_mesh and kernel == "megablox":
+            kernel = "xla"  # on a mesh, left to the partitioner, which cannot split a Pallas call
+        if impl == "dispatch" or (impl == "ragged" and on_mesh):
             layers, cf = (self.gate, self.up, self.down), self.capacity_factor
             inputs = flat
             if self.score_input:  # one copy per token: scale it before it is sent
@@ -325,12 +328,12 @@ class MoE(eqx.Module):
                     raise ValueError(f"MoE score_input with 'dispatch' needs top_k=1: {self.top_k}")
                 inputs, weights = flat * weights, jnp.ones_like(weights)
             out, dropped = dispatched(
-                layers, self._act, inputs, weights, experts, cf, self.kernel, hooks
+                layers, self._act, inputs, weights, experts, cf, kernel, hooks
             )
         elif impl == "dense":
             out = self._dense(flat, weights, experts, hooks)
         else:
-            out = self._ragged(flat, weights, experts)
+            out = self._ragged(flat, weights, experts, kernel)
         if self.shared is not None and self.shared_gate is None:
             out = out + self.shared(flat)
         elif self.shared is not None:

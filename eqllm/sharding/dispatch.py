@@ -75,9 +75,29 @@ class ExpertDispatch:
         rows = x.shape[0] if x.ndim > 2 else x.size // x.shape[-1]
         return moe.n_experts % self.shards == 0 and rows % self.batch_split == 0
 
-    def __call__(self, experts, act, x, weights, ids, capacity_factor, kernel):
+    def on_own_rows(self, moe, x) -> bool:
+        """Whether the grouped layer `moe` (impl "ragged", or "dispatch" that `splits` declines)
+        runs on each device's own rows with every expert whole, gathered over fsdp as the
+        other weights are (MaxText's sparse matmul with FSDP): one grouped matmul per device,
+        no tokens moved. Left to the partitioner, the grouped matmul's rows are gathered from
+        every device (mixtral-8x7b on 256 v6e chips: 105-183 GB of temporaries a chip)."""
+        if not isinstance(moe, MoE) or moe.impl not in ("ragged", "dispatch"):
+            return False
+        if self.splits(moe, x) or (moe.score_input and moe.top_k != 1):
+            return False
+        rows = x.shape[0] if x.ndim > 2 else x.size // x.shape[-1]
+        return rows % self.batch_split == 0
+
+    def own_rows(self, experts, act, x, weights, ids, capacity_factor, kernel):
+        """`dispatch` on each device's rows against its gathered experts (`on_own_rows`)."""
+        return self(experts, act, x, weights, ids, capacity_factor, kernel, split=False)
+
+    def __call__(self, experts, act, x, weights, ids, capacity_factor, kernel, split=True):
+        """`dispatch` inside `shard_map`: the experts split over the expert axis and the tokens
+        exchanged (`split`), or every device's experts whole and its rows its own."""
+        sizes = self.sizes if split else {**self.sizes, self.axis: 1}
         specs = jax.tree.map(
-            lambda info, a: spec_for(info.axes, a.shape, self.sizes),
+            lambda info, a: spec_for(info.axes, a.shape, sizes),
             param_info(experts),
             experts,
             is_leaf=is_param_info,
@@ -90,6 +110,7 @@ class ExpertDispatch:
             partial_axis=partial,
             capacity_factor=capacity_factor,
             kernel=kernel,
+            split=split,
         )
         tok = self.tokens
         return jax.shard_map(
@@ -102,15 +123,15 @@ class ExpertDispatch:
             check_vma=kernel != "megablox",
         )(experts, x, weights, ids)
 
-    def _body(self, experts, x, weights, ids, *, act, partial_axis, capacity_factor, kernel):
+    def _body(self, experts, x, weights, ids, *, act, partial_axis, capacity_factor, kernel, split):
         out, dropped = dispatch(
             experts,
             act,
             x,
             weights,
             ids,
-            n_shards=self.shards,
-            axis=self.axis,
+            n_shards=self.shards if split else 1,
+            axis=self.axis if split else None,
             partial_axis=partial_axis,
             capacity_factor=capacity_factor,
             kernel=kernel,

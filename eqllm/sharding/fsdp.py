@@ -96,11 +96,14 @@ class FsdpGather:
         def run(x, positions, local, segment_ids=None, rotate=None):
             parallel = self.expert_parallel(block, x)
             dispatched = self.dispatch.splits(block.mlp, x)
+            own_rows = self.dispatch.on_own_rows(block.mlp, x)
             gathered = self.gather(block, keep_experts=parallel or dispatched)
-            experts = ExpertHooks(
-                place=self._place if parallel else None,
-                dispatch=self.dispatch if dispatched and not parallel else None,
-            )
+            dispatch = None
+            if dispatched and not parallel:
+                dispatch = self.dispatch
+            elif own_rows:
+                dispatch = self.dispatch.own_rows
+            experts = ExpertHooks(place=self._place if parallel else None, dispatch=dispatch)
             out, routing = gathered.routed(
                 self._pin(x), positions, local, segment_ids, rotate, experts=experts
             )

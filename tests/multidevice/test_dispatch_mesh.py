@@ -166,6 +166,50 @@ def test_dropless_layer_blocks_hold_the_most_a_shard_can_receive():
     assert "f32[4,16,16]" in text and "f32[4,32,16]" not in text  # 8 tokens x 2 per block
 
 
+def test_ragged_layer_on_each_devices_own_rows_equals_dense():
+    """moe.impl "ragged" on data=2,fsdp=4 with 6 experts (which fsdp=4 does not split): each
+    device runs the grouped matmul on its own 8 rows against every expert
+    (`ExpertDispatch.own_rows`), with no exchange; output and gradients equal the dense
+    product on one device."""
+    mesh = make_mesh(MeshConfig.parse("data=2,fsdp=4"))
+    run = ExpertDispatch(mesh)
+    moe = jax.tree.map(
+        lambda a: a + 0.05 * jax.random.normal(jax.random.key(2), a.shape),
+        MoE(16, 8, 6, 2, impl="ragged", key=jax.random.key(1)),
+    )
+    x = jax.random.normal(jax.random.key(3), (64, 16))
+    assert run.on_own_rows(moe, x) and not run.splits(moe, x)
+
+    def loss(moe, x, impl=None, hooks=None):
+        out = moe.routed(x, impl, hooks)[0]
+        return jnp.sum(out * jnp.cos(out)), out
+
+    hooks = ExpertHooks(dispatch=run.own_rows)
+    own = jax.jit(jax.value_and_grad(lambda m, x: loss(m, x, hooks=hooks), has_aux=True))
+    (value, out), grads = own(moe, x)
+    dense = jax.value_and_grad(lambda m, x: loss(m, x, "dense"), has_aux=True)
+    (ref_value, ref_out), ref_grads = dense(moe, x)
+    np.testing.assert_allclose(out, ref_out, atol=1e-6)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    text = own.lower(moe, x).compile().as_text()
+    assert "all-to-all" not in text
+
+
+@pytest.mark.slow  # about a minute here
+def test_ragged_training_on_own_rows_equals_single_device():
+    """Mixtral-style tiny model, moe.impl "ragged" on data=2,fsdp=4: three steps equal dense
+    experts on one device."""
+    cfg = CONFIGS["mixtral"]
+    ref_model, ref_losses = reference("mixtral")
+    mesh = make_mesh(MeshConfig.parse("data=2,fsdp=4"))
+    model, losses = train(cfg.replace(**{"moe.impl": "ragged"}), mesh)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(ref_model), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.slow  # three runs of a tiny mixture of experts on 8 devices: about a minute or two
 def test_stopped_and_resumed_dispatch_run_is_bit_exact(tmp_path, monkeypatch):
     """A run with the experts dispatched over data=2,fsdp=4 (with a capacity factor, so copies
