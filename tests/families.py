@@ -583,7 +583,11 @@ FAMILIES = [
             tie_embeddings=False,
         ),
         lora=tiny.GRANITE_LORA,
-        published={"granite-4.0-h-tiny": ("7", "1"), "granite-4.0-h-1b": "1.5"},
+        published={
+            "granite-4.0-h-tiny": ("7", "1"),
+            "granite-4.0-h-1b": "1.5",
+            "granite-4.0-h-small": ("32", "9"),
+        },
         atol=1e-4,
         cached_atol=3e-5,
     ),

@@ -117,6 +117,7 @@ PUBLISHED = [
     "granite-4.0-h-350m",
     "granite-4.0-h-1b",
     "granite-4.0-h-tiny",
+    "granite-4.0-h-small",
 ]
 
 
