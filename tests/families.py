@@ -587,6 +587,7 @@ FAMILIES = [
             "granite-4.0-h-tiny": ("7", "1"),
             "granite-4.0-h-1b": "1.5",
             "granite-4.0-h-small": ("32", "9"),
+            "granite-4.0-h-micro": "3",
         },
         atol=1e-4,
         cached_atol=3e-5,

@@ -118,6 +118,7 @@ PUBLISHED = [
     "granite-4.0-h-1b",
     "granite-4.0-h-tiny",
     "granite-4.0-h-small",
+    "granite-4.0-h-micro",
 ]
 
 
