@@ -482,6 +482,16 @@ FAMILIES = [
         lora=("in_proj",),
         gguf=True,
         atol=1e-4,
+        # state-spaces' sizes as their names round them; Mistral's release post of Codestral Mamba
+        # counts 7,285,403,648.
+        published={
+            "mamba2-130m": "0.13",
+            "mamba2-370m": "0.37",
+            "mamba2-780m": "0.78",
+            "mamba2-1.3b": "1.3",
+            "mamba2-2.7b": "2.7",
+            "mamba-codestral-7b": 7_285_403_648,
+        },
     ),
     # Mamba-Codestral's layout: an untied head, one group; dt clamped to limits that the
     # perturbed twin's time steps cross at both ends (transformers' time_step_limit on its
@@ -521,7 +531,15 @@ FAMILIES = [
         ),
         lora=("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "up_proj", "down_proj"),
         gguf=True,
-        published={"nemotron-h-8b": "8", "nemotron-h-56b": "56"},
+        # As the releases name them (where each size comes from: zoo/nemotron_h.toml).
+        published={
+            "nemotron-h-4b": "4",
+            "nemotron-h-8b": "8",
+            "nemotron-h-47b": "47",
+            "nemotron-h-56b": "56",
+            "nemotron-nano-9b-v2": "9",
+            "nemotron-nano-12b-v2": "12",
+        },
         atol=1e-4,
     ),
     # Falcon-H1: attention (2 kv heads of 8) and Mamba-2 (tests/tiny.py) in parallel in every
@@ -567,7 +585,12 @@ FAMILIES = [
         ),
         lora=tiny.GRANITE_LORA,
         gguf=True,
-        published={"granite-4.0-h-tiny": ("7", "1"), "granite-4.0-h-1b": "1.5"},
+        published={
+            "granite-4.0-h-tiny": ("7", "1"),
+            "granite-4.0-h-1b": "1.5",
+            "granite-4.0-h-small": ("32", "9"),
+            "granite-4.0-h-micro": "3",
+        },
         atol=1e-4,
         cached_atol=3e-5,
     ),

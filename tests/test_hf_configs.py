@@ -56,7 +56,21 @@ def _as_transformers_reads_it(hf: dict) -> dict:
     model_type "kimi_k2" is one transformers does not know: its release names
     DeepseekV3ForCausalLM and says to read it as "deepseek_v3". Llama 4 Scout's text_config has
     attn_temperature_tuning 4, which transformers 4.51 read as true and the installed strict
-    Llama4TextConfig refuses (it takes a bool): the same switch, on."""
+    Llama4TextConfig refuses (it takes a bool): the same switch, on. state-spaces' Mamba-2
+    releases ship mamba_ssm's own config.json, which transformers reads only through its
+    conversion script: hidden_size, layers, tied head and the vocabulary padded to
+    pad_vocab_size_multiple from the file, one group, Mamba2Config's defaults for the rest."""
+    if "ssm_cfg" in hf and "model_type" not in hf:
+        vocab, multiple = hf["vocab_size"], hf["pad_vocab_size_multiple"]
+        return {
+            "model_type": "mamba2",
+            "hidden_size": hf["d_model"],
+            "num_heads": hf["d_model"] * 2 // 64,
+            "num_hidden_layers": hf["n_layer"],
+            "n_groups": 1,
+            "tie_word_embeddings": hf["tie_embeddings"],
+            "vocab_size": vocab + (multiple - vocab % multiple) % multiple,
+        }
     text = hf.get("text_config") or {}
     if not isinstance(text.get("attn_temperature_tuning", False), bool):
         text = {**text, "attn_temperature_tuning": bool(text["attn_temperature_tuning"])}
@@ -193,3 +207,29 @@ def test_interleaved_rope_is_refused():
     hf = {**_published("smollm2-135m"), "rope_interleaved": True}
     with pytest.raises(eqllm.ConfigError, match="rope_interleaved=True"):
         eqllm.hub.from_hf_config(hf)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"attn_layer_idx": [9, 18, 27]}, r"attn_layer_idx=\[9, 18, 27\] is not supported"),
+        ({"d_intermediate": 512}, "d_intermediate=512 is not supported"),
+        ({"ssm_cfg": {"layer": "Mamba1"}}, "ssm_cfg.layer='Mamba1' is not supported"),
+        ({"ssm_cfg": {"layer": "Mamba2", "rmsnorm": False}}, r"\['ssm_cfg.rmsnorm'\]"),
+        ({"norm_before_gate": True}, r"\['norm_before_gate'\]"),
+    ],
+)
+def test_mamba_ssm_config_json_beyond_mamba2_layers_alone_is_refused(change, message):
+    """state-spaces' mamba_ssm config.json reads as a mamba2 model only where it is one:
+    mamba2attn's attention layers, MLPs, Mamba-1 layers and unknown settings are refused."""
+    with pytest.raises(eqllm.ConfigError, match=message):
+        eqllm.hub.from_hf_config({**_published("mamba2-130m"), **change})
+
+
+def test_mamba_ssm_config_json_reads_its_layer_settings():
+    """ssm_cfg's sizes, where a mamba_ssm config.json sets them, replace mamba_ssm's defaults."""
+    layer = {"layer": "Mamba2", "d_state": 64, "headdim": 32, "ngroups": 2, "chunk_size": 128}
+    cfg = eqllm.hub.from_hf_config({**_published("mamba2-130m"), "ssm_cfg": layer})
+    lin = cfg.linear
+    assert (lin.key_head_dim, lin.value_head_dim, lin.n_key_heads) == (64, 32, 2)
+    assert (lin.n_value_heads, lin.chunk_size, cfg.vocab_size) == (48, 128, 50288)

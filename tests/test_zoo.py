@@ -106,7 +106,19 @@ PUBLISHED = [
     "mamba-codestral-7b",
     "falcon-h1-0.5b",
     "falcon-h1-1.5b",
+    "falcon-h1-3b",
     "falcon-h1-7b",
+    "nemotron-h-4b",
+    "nemotron-h-8b",
+    "nemotron-h-47b",
+    "nemotron-h-56b",
+    "nemotron-nano-9b-v2",
+    "nemotron-nano-12b-v2",
+    "granite-4.0-h-350m",
+    "granite-4.0-h-1b",
+    "granite-4.0-h-tiny",
+    "granite-4.0-h-small",
+    "granite-4.0-h-micro",
 ]
 
 

@@ -209,6 +209,8 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     refuse(hf, "mamba_conv_bias", (True,))
     refuse(hf, "position_embedding_type", ("rope", "nope", None))
     refuse(hf, "normalization_function", ("rmsnorm",))  # a published key transformers ignores
+    # init_method ("mup" in the releases) names how IBM initialised training: it changes no
+    # forward, and eqllm initialises as its own parametrization says.
     d = llama_from_hf(hf)
     n_layers = d["n_layers"]
     kinds = _kinds(hf, n_layers)
@@ -325,7 +327,7 @@ FAMILY = Family(
         embedding_multiplier residual_multiplier logits_scaling attention_multiplier
         shared_intermediate_size num_local_experts mamba_n_heads mamba_n_groups mamba_d_state
         mamba_d_head mamba_d_conv mamba_expand mamba_chunk_size mamba_conv_bias mamba_proj_bias
-        time_step_limit normalization_function
+        time_step_limit normalization_function init_method
         """.split()
     ),
     to_hf=to_hf,

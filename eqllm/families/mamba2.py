@@ -10,6 +10,10 @@ transformers computes the residual in fp32 (`residual_in_fp32`); eqllm keeps it 
 dtype, the same in fp32. transformers' recurrent path (one cached token) does not clamp dt to
 `time_step_limit` where its chunked path does; eqllm clamps in both, and the published limits,
 (0, inf), leave softplus's output as it is either way.
+
+state-spaces' releases ship mamba_ssm's own config.json (d_model, n_layer, ssm_cfg; no
+model_type) and `embedding` where transformers has `embeddings`: `from_mamba_ssm` reads the
+former as transformers' Mamba2Config, `SSM_TABLE` the latter.
 """
 
 import math
@@ -152,6 +156,74 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
             "dt_min": low,
             "dt_max": None if math.isinf(high) else high,
         },
+    }
+
+
+# mamba_ssm's own config.json, which state-spaces' Mamba-2 releases ship (its MambaConfig: no
+# model_type), and the defaults of mamba_ssm's Mamba2 layer for what `ssm_cfg` leaves out.
+SSM_KEYS = frozenset(
+    """
+    d_model d_intermediate n_layer vocab_size ssm_cfg attn_layer_idx attn_cfg rms_norm
+    residual_in_fp32 fused_add_norm pad_vocab_size_multiple tie_embeddings norm_epsilon
+    """.split()
+)
+SSM_LAYER = {
+    "d_state": 128,
+    "d_conv": 4,
+    "expand": 2,
+    "headdim": 64,
+    "ngroups": 1,
+    "chunk_size": 256,
+}
+
+
+def is_mamba_ssm(hf: dict[str, Any]) -> bool:
+    """`hf` is mamba_ssm's config.json rather than transformers'."""
+    return "model_type" not in hf and isinstance(hf.get("ssm_cfg"), dict) and "d_model" in hf
+
+
+def from_mamba_ssm(hf: dict[str, Any]) -> dict[str, Any]:
+    """transformers' Mamba2Config keys for mamba_ssm's config.json, read as transformers'
+    conversion script reads it: the vocabulary padded to `pad_vocab_size_multiple`, mamba_ssm's
+    Mamba2 defaults for the layer settings `ssm_cfg` leaves out. Mamba-1 layers, attention
+    layers (`attn_layer_idx`, mamba2attn) and MLPs (`d_intermediate`) are refused by name."""
+    unknown = sorted(set(hf) - SSM_KEYS)
+    layer = dict(hf["ssm_cfg"])
+    kind = layer.pop("layer", "Mamba1")
+    unknown += sorted(f"ssm_cfg.{k}" for k in set(layer) - set(SSM_LAYER))
+    if unknown:
+        raise ConfigError(
+            f"mamba_ssm config.json has setting(s) eqllm does not understand: {unknown}; "
+            "refusing rather than building a model that may compute something else"
+        )
+    for key, value, plain in (
+        ("ssm_cfg.layer", kind, "Mamba2"),
+        ("attn_layer_idx", list(hf.get("attn_layer_idx") or []), []),
+        ("d_intermediate", hf.get("d_intermediate", 0), 0),
+        ("rms_norm", hf.get("rms_norm", True), True),
+    ):
+        if value != plain:
+            raise ConfigError(
+                f"mamba_ssm config.json {key}={value!r} is not supported: eqllm's mamba2 reads "
+                f"Mamba-2 layers alone ({key}={plain!r})"
+            )
+    layer = {**SSM_LAYER, **layer}
+    d, multiple = hf["d_model"], hf.get("pad_vocab_size_multiple", 8)
+    vocab = hf["vocab_size"] + (-hf["vocab_size"] % multiple)
+    return {
+        "model_type": "mamba2",
+        "hidden_size": d,
+        "num_hidden_layers": hf["n_layer"],
+        "vocab_size": vocab,
+        "num_heads": layer["expand"] * d // layer["headdim"],
+        "head_dim": layer["headdim"],
+        "expand": layer["expand"],
+        "state_size": layer["d_state"],
+        "n_groups": layer["ngroups"],
+        "conv_kernel": layer["d_conv"],
+        "chunk_size": layer["chunk_size"],
+        "layer_norm_epsilon": hf.get("norm_epsilon", 1e-5),
+        "tie_word_embeddings": bool(hf.get("tie_embeddings", True)),
     }
 
 

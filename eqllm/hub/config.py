@@ -13,6 +13,7 @@ from typing import Any
 from eqllm import families
 from eqllm.config import ConfigError, ModelConfig
 from eqllm.families.base import COMMON_KEYS, is_metadata
+from eqllm.families.mamba2 import from_mamba_ssm, is_mamba_ssm
 
 log = logging.getLogger("eqllm.hub")
 
@@ -45,6 +46,8 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     naming the key.
     """
     hf = language_model(hf)
+    if is_mamba_ssm(hf):  # state-spaces' Mamba-2 releases: mamba_ssm's own config.json
+        hf = from_mamba_ssm(hf)
     family = families.for_model_type(hf.get("model_type"))
     # transformers 4's PretrainedConfig writes `pruned_heads` (attention heads removed, per
     # layer) into every full dump of a config; empty, it is bookkeeping like the rest.
