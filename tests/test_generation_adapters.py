@@ -4,6 +4,8 @@ mix of adapters changes; adapters of another base are refused."""
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
 import jax
 import numpy as np
@@ -89,3 +91,31 @@ def test_adapters_of_another_base_are_refused(models):
     other = lora.apply(retrained, rank=2, alpha=2, targets=["q_proj"], key=jax.random.key(1))
     with pytest.raises(AdapterError, match="base weight at blocks.attn.q_proj differs"):
         stack_adapters(base, [other], ["x"])
+
+
+@pytest.mark.slow  # three engines compiled: about a minute here
+def test_speculation_verifies_each_row_with_its_adapter(models):
+    """Prompt lookup and a draft (the base model, which holds no adapters) over rows of three
+    adapters: greedy output equals plain decoding's, row by row. The base as draft guesses
+    the base rows exactly and the adapted rows less well. (One engine shape for every run, so
+    the runs share their compiled steps.)"""
+    base, stacked, _ = models
+    prompts = [[int(t) for t in p[:10]] * 2 for p in PROMPTS] + [[5, 6, 7, 8] * 4]  # repeats
+
+    def run(chosen, **speculation):
+        engine = Engine(stacked, max_batch=4, max_len=64, prefill_chunk=64, **speculation)
+        out = [[] for _ in prompts]
+        for prompt, a, tokens in zip(prompts, chosen, out, strict=True):
+            sink = functools.partial(
+                lambda t, e: t.append(e.id) if isinstance(e, Token) else 0, tokens
+            )
+            engine.submit(prompt, Params(max_tokens=12, temperature=0, adapter=a), sink)
+        engine.run(max_rounds=100)
+        return out, engine.stats().get("speculative_acceptance")
+
+    chosen = [1, 2, 0, 2]
+    plain, _ = run(chosen)
+    assert run(chosen, speculate=3)[0] == plain
+    assert run(chosen, speculate=3, draft=base)[0] == plain
+    assert run([0] * 4, speculate=3, draft=base)[1] == 1.0
+    assert run([1] * 4, speculate=3, draft=base)[1] < 1.0

@@ -1,6 +1,6 @@
-"""Serving on a mesh: the 8-device tests (tests/multidevice/test_serve_mesh.py) run in their own
-process, since XLA's device count is fixed when JAX starts; in the slow run (about two minutes:
-three engines compiled)."""
+"""Serving on a mesh: the 8-device tests (tests/multidevice/test_serve_mesh.py and
+test_adapters_mesh.py) run in their own process, since XLA's device count is fixed when JAX
+starts; in the slow run (about two minutes: three engines compiled; the adapters' file less)."""
 
 import os
 import subprocess
@@ -14,21 +14,30 @@ from eqllm.sharding import MeshError
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow
-def test_tensor_parallel_serving_on_8_simulated_devices():
+def _on_8_devices(name: str, passed: int) -> None:
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
         "EQLLM_MULTIDEVICE": "1",
         "JAX_PLATFORMS": "cpu",
     }
-    test = ROOT / "tests" / "multidevice" / "test_serve_mesh.py"
+    test = ROOT / "tests" / "multidevice" / name
     command = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "slow", "-p", "no:cacheprovider"]
     result = subprocess.run(
         [*command, str(test)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900
     )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "4 passed" in result.stdout, result.stdout[-3000:]
+    assert f"{passed} passed" in result.stdout, result.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_serving_on_8_simulated_devices():
+    _on_8_devices("test_serve_mesh.py", 4)
+
+
+@pytest.mark.slow
+def test_lora_adapters_serve_on_8_simulated_devices():
+    _on_8_devices("test_adapters_mesh.py", 1)
 
 
 def test_a_mesh_larger_than_the_devices_fails_clearly():

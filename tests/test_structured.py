@@ -23,27 +23,19 @@ pytest.importorskip("transformers")
 import jax.numpy as jnp  # noqa: E402
 from llguidance.numpy import apply_token_bitmask_inplace  # noqa: E402
 
-from eqllm import loading  # noqa: E402
-from eqllm.commands.serve import chat_format_of  # noqa: E402
 from eqllm.generation.constrain import Grammars, masked_logits  # noqa: E402
 from eqllm.serve import Engine, Params, ServeError  # noqa: E402
-from eqllm.serve.app import Service, create_app  # noqa: E402
 from eqllm.serve.protocol import ChatRequest  # noqa: E402
 from eqllm.serve.tools import Reader, Shape, parse_calls, template_messages  # noqa: E402
-from tests.serve_helpers import ServerThread, post, tiny_folder  # noqa: E402
-
-NAME = "tiny"
-TOOLS_TEMPLATE = (
-    "{% if tools %}<|system|>tools:{% for t in tools %} {{ t['function']['name'] }}"
-    "({{ t['function']['description'] }}){% endfor %}"
-    "{{ eos_token }}{% endif %}"
-    "{% for m in messages %}<|{{ m['role'] }}|>"
-    "{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}<tool_call>"
-    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}"
-    "</tool_call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}{{ eos_token }}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+from tests.serve_helpers import post  # noqa: E402
+from tests.structured_helpers import (  # noqa: E402
+    CLOCK,
+    HI,
+    NAME,
+    WEATHER,
+    schema_format,
+    tools_server,
 )
-HI = [{"role": "user", "content": "hello world"}]
 
 # Bounded schemas (strict, as OpenAI's strict mode asks): a random model's strings and numbers
 # would otherwise run past any max_tokens.
@@ -100,49 +92,18 @@ SCHEMAS = {
         "additionalProperties": False,
     },
 }
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"enum": ["Paris", "Oslo", "Lima"]},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-            },
-            "required": ["city", "days"],
-            "additionalProperties": False,
-        },
-    },
-}
-CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time now."}}
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    folder = tiny_folder(tmp_path_factory.mktemp("structured"), context=256)
-    config = folder / "tokenizer_config.json"
-    config.write_text(
-        json.dumps({**json.loads(config.read_text()), "chat_template": TOOLS_TEMPLATE})
-    )
-    model, tokenizer = loading.load(folder)
-    engine = Engine(model, max_batch=4, max_len=256, prefill_chunk=32, max_queue=64)
-    service = Service(
-        engine, tokenizer, model_name=NAME, chat_format=chat_format_of(str(folder), tokenizer)
-    )
-    with ServerThread(create_app(service)) as server:
-        yield server, service, model
+    with tools_server(tmp_path_factory.mktemp("structured")) as out:
+        yield out
 
 
 @pytest.fixture(scope="module")
 def client(served):
     server, *_ = served
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
-
-def _schema_format(schema: dict) -> dict:
-    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
 
 
 def test_mask_equals_llguidance_reference():
@@ -166,7 +127,7 @@ def test_every_constrained_answer_validates(client, label):
             model=NAME,
             messages=HI,
             max_tokens=120,
-            response_format=_schema_format(schema),
+            response_format=schema_format(schema),
             **settings,
         )
         choice = out.choices[0]
@@ -185,7 +146,7 @@ def test_concurrent_constrained_clients_all_validate(client):
             messages=HI,
             max_tokens=120,
             seed=i,
-            response_format=_schema_format(SCHEMAS[label]),
+            response_format=schema_format(SCHEMAS[label]),
             extra_body={"ignore_eos": i % 2 == 0},
         )
         return label, out.choices[0]
@@ -251,7 +212,8 @@ def test_tool_call_round_trips(client):
         messages=[{"role": "user", "content": "weather in Oslo?"}],
         tools=[WEATHER, CLOCK],
         tool_choice="required",
-        max_tokens=60,
+        parallel_tool_calls=False,  # one call (tests/test_tool_calls.py: several)
+        max_tokens=140,
         seed=0,
     )
     choice = out.choices[0]
@@ -282,7 +244,7 @@ def test_streamed_tool_call_of_a_named_function(client):
         messages=[{"role": "user", "content": "weather?"}],
         tools=[WEATHER, CLOCK],
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=60,
+        max_tokens=140,
         seed=3,
         stream=True,
     )
@@ -344,7 +306,7 @@ def test_tools_and_results_reach_the_chat_template(served):
 @pytest.mark.parametrize(
     "extra, param",
     [
-        ({"response_format": _schema_format({"type": "objekt"})}, "response_format"),
+        ({"response_format": schema_format({"type": "objekt"})}, "response_format"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         (

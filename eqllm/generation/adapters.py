@@ -11,7 +11,9 @@ The engine's compiled steps take one more fixed-shape argument, each row's adapt
 (`Params.adapter`; 0: the base). Each layer's cached call is vmapped over rows with the row's
 index set in its `MultiLoraLinear`s (`row_calls`), which gather the row's A and B: requests for
 different adapters share one batch, nothing is merged into the base and nothing recompiles per
-request. A model without adapters takes no index and runs as before.
+request. A model without adapters takes no index and runs as before. Speculative rounds verify
+with each row's adapter too (`eqllm.generation.speculate`). On a mesh, A and B are split as
+their base weight is (`shardings`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from eqllm.errors import EqllmError
@@ -193,17 +196,23 @@ def check_adapter(index: int, available: int) -> None:
         )
 
 
-def refuse_unsupported(model, *, speculate: int | None, mesh) -> None:
-    """Adapters are served on one device without speculation."""
-    if not has_adapters(model):
-        return
-    if speculate:
-        raise AdapterError(
-            f"speculate={speculate} with LoRA adapters is not supported: the guesses would "
-            "need each row's adapter; serve the adapters without --speculate"
-        )
-    if mesh is not None:
-        raise AdapterError(
-            "LoRA adapters on a mesh are not supported yet; serve them on one device "
-            "(leave --mesh out)"
-        )
+def shardings(model, placed):
+    """`placed` (a NamedSharding per array of `model`, as `eqllm.sharding.param_shardings`
+    gives, which replicates what it does not know) with every `MultiLoraLinear`'s A split as
+    its base weight's input and B as its output: a device holds its share of each adapter next
+    to its share of the base, and the adapters' memory falls with the mesh as the base's does.
+    The adapter and rank axes stay whole (a row's gather needs every adapter; the rank is
+    small). On a row-parallel layer (o, down) x A then sums over the split input: one all-reduce
+    of rows x r, where the base's own product needs rows x d_out."""
+
+    def place(node, where):
+        if not is_multi(node):
+            return where
+        spec = tuple(where.base.weight.spec)
+        *lead, out, into = spec + (None,) * (node.base.weight.ndim - len(spec))
+        mesh = where.base.weight.mesh
+        a = NamedSharding(mesh, PartitionSpec(*lead, None, into, None))
+        b = NamedSharding(mesh, PartitionSpec(*lead, None, None, out))
+        return eqx.tree_at(lambda m: (m.a, m.b), where, (a, b))
+
+    return jax.tree.map(place, model, placed, is_leaf=is_multi)

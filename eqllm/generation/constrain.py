@@ -129,6 +129,23 @@ class Grammars:
             )
         except ValueError as e:
             raise ServeError(f"{field}: invalid JSON schema: {e}") from None
+        return self._checked(grammar, field)
+
+    def tool_calls(self, call: dict, *, many: bool, field: str = "tools") -> str:
+        """The grammar of one tool call (or, with `many`, one or more) in the Hermes / Qwen
+        form, `<tool_call>{...}</tool_call>` blocks (a newline may follow the open tag, precede
+        the close tag and part two blocks, as Qwen's template writes them), each block's JSON
+        valid against the schema `call`; ServeError naming `field` when it does not compile."""
+        payload = json.dumps({**call, "x-guidance": JSON_OPTIONS})
+        calls = 'call ("\\n"? call)*' if many else "call"
+        lark = (
+            f"start: {calls}\n"
+            'call: "<tool_call>" "\\n"? payload "\\n"? "</tool_call>"\n'
+            f"payload: %json {payload}\n"
+        )
+        return self._checked(self.llguidance.LLMatcher.grammar_from_lark(lark), field)
+
+    def _checked(self, grammar: str, field: str) -> str:
         failed, messages = self.llguidance.LLMatcher.validate_grammar_with_warnings(
             grammar, self._vocabulary(())
         )

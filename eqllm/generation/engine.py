@@ -114,7 +114,6 @@ class Engine:
         if mesh is not None:
             check_mesh(cfg, mesh, max_batch)
         check_speculation(model, speculate, draft, max_len, decode_steps, mesh)
-        adapters.refuse_unsupported(model, speculate=speculate, mesh=mesh)
         self.config, self.mesh = cfg, mesh
         self.max_batch, self.max_len, self.max_queue = max_batch, max_len, max_queue
         self.prefill_chunk, self.block_size, self.decode_steps = (

@@ -5,7 +5,8 @@ hidden units split over the `tensor` axis (Megatron's column- then row-parallel 
 all-reduce each), the vocabulary too where it divides. Each slot's KV cache is split like the kv
 heads, so a device holds 1/tensor of every layer's weights and cache; the slots (the decode
 batch) are split over `data`, each data replica decoding its share. XLA's SPMD partitioner adds
-the collectives; the model code is the single-device code.
+the collectives; the model code is the single-device code. Stacked LoRA adapters are split as
+their base weights are (`eqllm.generation.adapters.shardings`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eqllm.config import ModelConfig
 from eqllm.config.kinds import layer_stacks
+from eqllm.generation import adapters
 from eqllm.generation.recurrent import is_state
 from eqllm.sharding import MeshConfig, MeshError, check_divisible, make_mesh, param_shardings
 
@@ -63,7 +65,7 @@ def check_mesh(config: ModelConfig, mesh: Mesh, max_batch: int) -> None:
 def place_weights(model, layers: tuple, mesh: Mesh):
     """The sliced `layers` (`CausalLM.layers()`) and `model` without its stacked blocks, placed by
     the rules; a layer's arrays are split as the stacked ones are, less the `layers` axis."""
-    shardings = param_shardings(model, mesh)
+    shardings = adapters.shardings(model, param_shardings(model, mesh))  # LoRA: like the base
 
     def sliced(stack):  # one layer's shardings: the stack's, less the `layers` axis
         return jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(*s.spec[1:])), stack)

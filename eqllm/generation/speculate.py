@@ -22,6 +22,13 @@ filters and repetition penalty). Cache positions past the accepted ones hold rej
 they lie at or beyond the slot's new position, so no step reads them before it writes them
 again.
 
+With LoRA adapters (`eqllm.generation.adapters`) the target's call runs each row with its own
+adapter, so p, and the output, are those of the row's adapted model: greedy output equals that
+adapter's non-speculative output. Prompt lookup reads the row's own sequence. A draft model
+holds no adapters: it guesses with its own weights for every row, so the guesses are as good as
+the draft's agreement with the adapted model, and an adapter that moves the base's
+distribution far lowers the acceptance (never the output's exactness or distribution).
+
 K is static: every round compiles to the same shapes (slots and view buckets as a decode
 step's), so nothing recompiles per request.
 """
@@ -141,6 +148,7 @@ def verify(
     q: Float[Array, "slots k vocab"] | None,
     settings: Sampling,
     top: Bool[Array, ""],
+    adapter: Int[Array, " slots"] | None = None,
     *,
     slots: int,
     block_size: int,
@@ -148,6 +156,8 @@ def verify(
     """Feed each active slot's pending token and its first `count` guesses (left-padded to
     K + 1 positions) through the target's pools in one call, keep the guesses `accept` allows
     and draw the token after them. `q` None: the guesses are point masses (prompt lookup).
+    `adapter` is each slot's LoRA adapter (`eqllm.generation.adapters`; None: a model without
+    adapters), so that p is the distribution of the slot's own adapted model.
 
     Returns the state (each slot's pending token is the drawn one, its position moved past the
     kept guesses) and per slot K + 1 outputs: the kept guesses, the drawn token, then NO_TOKEN.
@@ -164,7 +174,7 @@ def verify(
     tokens = jnp.take_along_axis(fed, jnp.clip(source, 0, width - 1), axis=1)
     positions = jnp.where(source >= 0, position[:, None] + source, -1)
     hidden, cache = forward_hidden(
-        fixed, state.cache, pages, tokens, positions, position, block_size
+        fixed, state.cache, pages, tokens, positions, position, block_size, adapter
     )
     back = jnp.clip(jnp.arange(width)[None] + (width - n)[:, None], 0, width - 1)
     hidden = jnp.take_along_axis(hidden, back[:, :, None], axis=1)  # in order again

@@ -163,12 +163,14 @@ class Speculator:
         slots = len(count)
         table = np.zeros((slots, pages), np.int32)
         active = np.zeros(slots, bool)
+        adapter = np.zeros(slots, np.int32)  # each row's LoRA adapter (0: none)
         top = False
         for row, request in enumerate(scheduler.slots[:slots]):
             if request is not None and request.decoding:
                 active[row] = True
                 table[row, : min(len(request.blocks), pages)] = request.blocks[:pages]
                 top |= request.params.logprobs
+                adapter[row] = request.params.adapter
         settings = scheduler.settings.stacked(slots)
         state, bs = self.runner.state, self.runner.block_size
         q = None
@@ -179,7 +181,7 @@ class Speculator:
             )  # fmt: skip
         self.runner.state, out = self._verify(
             state, table, active, guess, count, q, settings, np.asarray(top),
-            slots=slots, block_size=bs,
+            adapter if self.runner.adapters else None, slots=slots, block_size=bs,
         )  # fmt: skip
         return jax.device_get(out)
 

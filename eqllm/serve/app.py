@@ -5,164 +5,36 @@ streamed as server-sent events ending in `data: [DONE]` when asked; `GET /v1/mod
 `GET /health`; vLLM's tokenizer routes (`eqllm.serve.tokenize`). Bad input gets OpenAI's error
 body with a 4xx status and one log line; a full queue gets 429, a server shutting down 503. A
 client that goes away cancels its requests, which frees their slots at the engine's next step.
+`response_format` holds either route's output to JSON, `tools` / `tool_choice` the chat
+route's to tool calls (`eqllm.serve.tools`). What the routes share is `eqllm.serve.service`;
+the streamed chunks are written by `eqllm.serve.streaming`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from eqllm.data import Tokenizer
-from eqllm.data.instruct import ChatFormat
 from eqllm.errors import EqllmError
-from eqllm.generation import Engine, Finished, Params, QueueFull
-from eqllm.generation.constrain import Grammars, refuse_speculation
 from eqllm.serve.protocol import ApiError, ChatRequest, CompletionRequest
+from eqllm.serve.service import Service
+from eqllm.serve.streaming import stream_chat, stream_completions
 from eqllm.serve.text import Choice, usage
 from eqllm.serve.tokenize import tokenizer_routes
-from eqllm.serve.tools import Reader, Shape, stream_calls, template_messages
+from eqllm.serve.tools import Reader, Shape, format_grammar, template_messages
+
+__all__ = ["Service", "create_app"]
 
 log = logging.getLogger("eqllm.serve")
-
-
-class Service:
-    """What the routes share: the engine, the tokenizer (None: prompts and text are token
-    ids), the served model name, the chat format, the API key, the names of the engine's LoRA
-    adapters (a request's `model` picks one; `eqllm.serve.adapters`)."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        tokenizer: Tokenizer | None,
-        *,
-        model_name: str,
-        chat_format: ChatFormat | None = None,
-        api_key: str | None = None,
-        adapters: Sequence[str] = (),
-    ):
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.chat_format, self.api_key = chat_format, api_key
-        self.adapters = list(adapters)
-        self.closing = False
-        self.created = int(time.time())
-        self._grammars: Grammars | None = None
-
-    def grammars(self) -> Grammars:
-        """The grammar library over this tokenizer (made on first use)."""
-        if self.tokenizer is None:
-            raise ApiError(400, "this model has no tokenizer, so no structured output")
-        if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self.engine.config.vocab_size)
-        return self._grammars
-
-    def decode(self, ids: Sequence[int]) -> str:
-        if self.tokenizer is None:
-            return "".join(f" {i}" for i in ids)
-        return self.tokenizer.decode(ids)
-
-    def encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            try:
-                return [int(t) for t in text.split()]
-            except ValueError:
-                raise ApiError(
-                    400, "this model has no tokenizer: send the prompt as token ids", param="prompt"
-                ) from None
-        # special-token strings (a rendered chat template's) are those tokens, as in vLLM and
-        # transformers, and as /tokenize gives them
-        return self.tokenizer.encode_with_specials(text)
-
-    def default_stops(self) -> tuple[int, ...]:
-        t = self.tokenizer
-        if t is not None and t.eot_id < self.engine.config.vocab_size:
-            return (t.eot_id,)
-        return ()
-
-    def check_model(self, name: str) -> int:
-        """The adapter index the model id `name` picks (0: the base model)."""
-        ids = [self.model_name, *self.adapters]
-        if name not in ids:
-            raise ApiError(
-                404,
-                f"model {name!r} does not exist; this server serves "
-                + ", ".join(repr(i) for i in ids),
-                param="model",
-                code="model_not_found",
-            )
-        return ids.index(name)
-
-    def params(
-        self, body, prompt: list[int], max_tokens: int | None, prompt_logprobs=False, adapter=0
-    ):
-        stops = tuple(body.stop_token_ids or ())
-        if not body.ignore_eos:
-            stops += self.default_stops()
-        if max_tokens is None:
-            max_tokens = max(self.engine.max_len - len(prompt), 0)
-        return Params(
-            max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_k=body.top_k or None,
-            top_p=None if body.top_p == 1 else body.top_p,
-            min_p=body.min_p or None,
-            repetition_penalty=body.repetition_penalty,
-            seed=body.seed,
-            logprobs=_wants_alternatives(body),
-            stop_tokens=stops,
-            prompt_logprobs=prompt_logprobs,
-            adapter=adapter,
-        )
-
-    async def events(
-        self, prompt: list[int], params: Params, constraint=None
-    ) -> AsyncIterator[object]:
-        """The engine's events for one request, ending with Finished; cancels it when the
-        consumer stops early (a disconnect cancels the consuming task)."""
-        if self.closing:
-            raise ApiError(503, "the server is shutting down", kind="server_error")
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def sink(event):
-            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
-                loop.call_soon_threadsafe(queue.put_nowait, event)
-
-        try:
-            request = self.engine.submit(prompt, params, sink, constraint=constraint)
-        except QueueFull as e:
-            raise ApiError(429, str(e), kind="rate_limit_error") from None
-        except EqllmError as e:
-            raise ApiError(400, str(e)) from None
-        try:
-            while True:
-                event = await queue.get()
-                yield event
-                if isinstance(event, Finished):
-                    return
-        finally:
-            request.cancel()
-
-
-def _wants_alternatives(body) -> bool:
-    """Whether generated tokens carry their most likely alternatives (`top_logprobs`)."""
-    if isinstance(body, ChatRequest):
-        return bool(body.logprobs and body.top_logprobs)
-    return bool(body.logprobs)
-
-
-def _sse(data) -> bytes:
-    return f"data: {json.dumps(data) if not isinstance(data, str) else data}\n\n".encode()
 
 
 async def _until_disconnect(http: HttpRequest, task: asyncio.Task) -> None:
@@ -248,6 +120,7 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HttpRequest):
         adapter = service.check_model(body.model)
+        grammar = format_grammar(body.response_format, service.grammars)
         prompts = _prompts(service, body.prompt)
         wants_scores = body.echo and body.logprobs is not None
         runs = []
@@ -264,10 +137,12 @@ def create_app(service: Service) -> FastAPI:
             )
             runs.append((prompt, params, choice))
         _check_all(service, runs)
+        for _, params, choice in runs:  # each choice with its own grammar state
+            service.constrain(choice, params, grammar)
         head = {"id": f"cmpl-{secrets.token_hex(12)}", "created": int(time.time())}
         head |= {"object": "text_completion", "model": body.model}
         if body.stream:
-            return _stream_completions(http, service, runs, head, body)
+            return stream_completions(service, runs, head, body)
         await _collect(http, service, runs)
         choices = [
             {
@@ -297,18 +172,11 @@ def create_app(service: Service) -> FastAPI:
         )
         runs = [(prompt, params, choice)]
         _check_all(service, runs)
-        if shape.grammar is not None:
-            try:
-                refuse_speculation(shape.grammar, service.engine.speculator)
-                stops = params.stop_tokens or service.default_stops()  # where the grammar ends
-                choice.constraint = service.grammars().constraint(shape.grammar, stops)
-                choice.hidden |= set(stops)
-            except EqllmError as e:
-                raise ApiError(400, str(e)) from None
+        service.constrain(choice, params, shape.grammar)
         head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time())}
         head["model"] = body.model
         if body.stream:
-            return _stream_chat(http, service, runs, head, body, Reader(shape))
+            return stream_chat(service, runs, head, body, Reader(shape))
         await _collect(http, service, runs)
         reader = Reader(shape)
         reader.feed(choice.text)
@@ -340,56 +208,3 @@ def _check_all(service: Service, runs) -> None:
             service.engine.check(prompt, params)
         except EqllmError as e:
             raise ApiError(400, str(e), param="prompt" if "prompt" in str(e) else None) from None
-
-
-def _stream_completions(http, service, runs, head, body) -> StreamingResponse:
-    async def chunks():
-        for prompt, params, choice in runs:  # one choice after the other
-            if choice.echo:
-                yield _sse({**head, "choices": [_piece(choice, choice.prefix, None)]})
-            async for event in service.events(prompt, params):
-                text = choice.on(event)
-                done = isinstance(event, Finished) or choice.stopped
-                if text or done:
-                    reason = choice.finish_reason or "stop" if done else None
-                    yield _sse({**head, "choices": [_piece(choice, text, reason)]})
-                if done:
-                    break
-        if (body.stream_options or {}).get("include_usage"):
-            yield _sse({**head, "choices": [], "usage": usage([c for _, _, c in runs])})
-        yield _sse("[DONE]")
-
-    return StreamingResponse(chunks(), media_type="text/event-stream")
-
-
-def _piece(choice: Choice, text: str, reason: str | None) -> dict:
-    return {"index": choice.index, "text": text, "logprobs": None, "finish_reason": reason}
-
-
-def _stream_chat(http, service, runs, head, body, reader: Reader) -> StreamingResponse:
-    head = {**head, "object": "chat.completion.chunk"}
-    prompt, params, choice = runs[0]
-
-    def chunk(delta, reason=None):
-        return _sse({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": reason}]})
-
-    async def chunks():
-        yield chunk({"role": "assistant", "content": ""})
-        async for event in service.events(prompt, params, choice.constraint):
-            text = reader.feed(choice.on(event))
-            done = isinstance(event, Finished) or choice.stopped
-            if text:
-                yield chunk({"content": text})
-            if done:
-                break
-        rest, calls = reader.rest(), reader.finish()[1]
-        if rest:
-            yield chunk({"content": rest})
-        if calls:
-            yield chunk({"tool_calls": stream_calls(calls)})
-        yield chunk({}, "tool_calls" if calls else choice.finish_reason or "stop")
-        if (body.stream_options or {}).get("include_usage"):
-            yield _sse({**head, "choices": [], "usage": usage([choice])})
-        yield _sse("[DONE]")
-
-    return StreamingResponse(chunks(), media_type="text/event-stream")

@@ -91,6 +91,30 @@ class _Common(BaseModel):
         return value
 
 
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`text`, `json_object` (any JSON object) or `json_schema` (JSON valid against it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("give json_schema exactly when type is 'json_schema'")
+        return self
+
+
 class CompletionRequest(_Common):
     """POST /v1/completions. `prompt` is text, token ids, or a list of either (one choice each)."""
 
@@ -100,6 +124,8 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(default=None, ge=0, le=5)
     best_of: int | None = Field(default=None, ge=1, le=1)
     suffix: str | None = None
+    # Not in OpenAI's legacy route; vLLM and SGLang take it there as on chat.
+    response_format: ResponseFormat | None = None
 
     @field_validator("suffix")
     @classmethod
@@ -138,30 +164,6 @@ class Message(BaseModel):
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         return "".join(p.text for p in self.content)
-
-
-class JsonSchema(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: str | None = None
-    schema_: dict | None = Field(default=None, alias="schema")  # None: any JSON object
-    strict: bool | None = None
-
-
-class ResponseFormat(BaseModel):
-    """`text`, `json_object` (any JSON object) or `json_schema` (JSON valid against it)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchema | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self):
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("give json_schema exactly when type is 'json_schema'")
-        return self
 
 
 class Function(BaseModel):
@@ -203,4 +205,4 @@ class ChatRequest(_Common):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ChosenTool | None = None
-    parallel_tool_calls: bool | None = None  # one call per answer either way
+    parallel_tool_calls: bool | None = None  # False: at most one call (None, True: several)

@@ -1,18 +1,25 @@
-"""Structured output and tool calls for the chat route: `response_format`, `tools`, `tool_choice`.
+"""Structured output and tool calls: `response_format` (both routes), `tools`, `tool_choice` and
+`parallel_tool_calls` (the chat route).
 
-`Shape.of(body, ...)` checks these fields (400 for a bad schema, an unknown tool name, a
-choice without tools) and decides three things: the `tools` the chat template is rendered with
+`format_grammar` turns a `response_format` into a grammar (`eqllm.generation.constrain`), for
+/v1/completions (as vLLM takes it there) and /v1/chat/completions alike. `Shape.of(body, ...)`
+checks a chat request's fields (400 for a bad schema, an unknown tool name, a choice without
+tools) and decides three things: the `tools` the chat template is rendered with
 (transformers' convention: a list of `{"type": "function", "function": {...}}`), the grammar the
-output is held to (`eqllm.generation.constrain`), and how the output is read (`Reader`):
+output is held to, and how the output is read (`Reader`):
 
 - `response_format` `json_object` / `json_schema`: the output is JSON (valid against the
   schema), returned as the message's content.
-- `tool_choice` "required" or a named function: the output is held to one call's JSON,
-  `{"name": ..., "arguments": {...}}` with the arguments valid against the function's
-  `parameters`, and returned as `tool_calls` (finish_reason "tool_calls").
+- `tool_choice` "required": the output is one or more calls in the Hermes / Qwen form,
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, the arguments valid
+  against the function's `parameters`; exactly one with `parallel_tool_calls` false. A named
+  function: one call of it. They are returned as `tool_calls` (finish_reason "tool_calls").
+  The blocks are the form the Hermes, Qwen 2.5 / 3 and SmolLM3 templates ask for in their
+  system turn and write earlier calls in, one block per call; so a constrained answer is one
+  such a model would write, and "auto" reads it the same way.
 - `tool_choice` "auto" (the default with tools): the model writes freely; calls it writes in
-  the Hermes / Qwen form, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, become
-  `tool_calls`, the text before them the content. "none": the text is the content.
+  that form become `tool_calls` (only the first with `parallel_tool_calls` false), the text
+  before them the content. "none": the text is the content.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import re
 import secrets
 
 from eqllm.errors import EqllmError
-from eqllm.serve.protocol import ApiError, ChatRequest
+from eqllm.serve.protocol import ApiError, ChatRequest, ResponseFormat
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|$)", re.S)
@@ -36,8 +43,9 @@ class Shape:
 
     tools: list[dict] | None = None  # for the chat template
     grammar: str | None = None  # the output's grammar (None: free text)
-    mode: str = "text"  # "text", "auto" (calls in the text) or "call" (the output is one call)
+    mode: str = "text"  # "text", "auto" (calls in the text) or "call" (the output is calls)
     names: tuple[str, ...] = ()
+    most: int | None = None  # calls kept (None: all)
 
     @classmethod
     def of(cls, body: ChatRequest, grammars) -> Shape:
@@ -61,11 +69,11 @@ class Shape:
                 "response_format and a required tool_choice both shape the output; give one",
                 param="response_format",
             )
-        shape = cls(tools=tools or None, names=names)
+        single = body.parallel_tool_calls is False
+        shape = cls(tools=tools or None, names=names, most=1 if single else None)
         try:
             if wants_json:
-                schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else None
-                shape.grammar = _grammars(grammars).json_schema(schema)
+                shape.grammar = format_grammar(fmt, grammars)
             elif forced:
                 chosen = names if isinstance(choice, str) else (choice.function.name,)
                 if chosen[0] not in names:
@@ -74,19 +82,30 @@ class Shape:
                         f"tool_choice names {chosen[0]!r}, which is not in tools {list(names)}",
                         param="tool_choice",
                     )
-                shape.grammar = _grammars(grammars).json_schema(
-                    call_schema(body, chosen), field="tools"
-                )
+                many = choice == "required" and not single  # a named function: one call
+                shape.grammar = _grammars(grammars).tool_calls(call_schema(body, chosen), many=many)
                 shape.mode = "call"
             elif names and choice != "none":
                 shape.mode = "auto"
         except ApiError:
             raise
         except EqllmError as e:
-            raise ApiError(
-                400, str(e), param="response_format" if wants_json else "tools"
-            ) from None
+            raise ApiError(400, str(e), param="tools") from None
         return shape
+
+
+def format_grammar(fmt: ResponseFormat | None, grammars) -> str | None:
+    """The grammar a `response_format` holds the output to (None: free text); `grammars` as in
+    `Shape.of`. ApiError 400 naming `response_format` for a schema that does not compile."""
+    if fmt is None or fmt.type == "text":
+        return None
+    schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else None
+    try:
+        return _grammars(grammars).json_schema(schema)
+    except ApiError:
+        raise
+    except EqllmError as e:
+        raise ApiError(400, str(e), param="response_format") from None
 
 
 def _grammars(grammars):
@@ -186,13 +205,12 @@ class Reader:
 
     def finish(self) -> tuple[str | None, list[dict]]:
         """(content, tool calls) of the whole answer (content None when only calls)."""
-        if self.shape.mode == "call":
-            call = _call(self.text, self.shape.names)
-            return (None, [call]) if call else (self.text, [])
-        if self.shape.mode == "auto":
-            content, calls = parse_calls(self.text, self.shape.names)
-            return (content if content.strip() else None) if calls else content, calls
-        return self.text, []
+        if self.shape.mode == "text":
+            return self.text, []
+        content, calls = parse_calls(self.text, self.shape.names)
+        if not calls:  # (held to the grammar, only an answer cut by max_tokens)
+            return self.text, []
+        return content if content.strip() else None, calls[: self.shape.most]
 
     def rest(self) -> str:
         """Content not sent yet (at the end of a stream)."""
