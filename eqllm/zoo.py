@@ -22,6 +22,7 @@ from eqllm import families
 from eqllm.config import ConfigError, ModelConfig, merge
 from eqllm.errors import did_you_mean
 from eqllm.model import CausalLM
+from eqllm.nn import ExpertLinear
 from eqllm.resources import data_dir
 from eqllm.trees import param_count as _count
 
@@ -99,16 +100,17 @@ def param_count(name_or_config: str | ModelConfig) -> int:
 
 def active_param_count(name_or_config: str | ModelConfig) -> int:
     """Parameters one token uses: all of them, less the routed experts it does not reach
-    (n_experts - experts_per_token of them in each layer with experts)."""
+    (n_experts - experts_per_token of them in each layer with experts: their projections,
+    gated or not, and biases, read from the model's shapes)."""
     cfg = config(name_or_config) if isinstance(name_or_config, str) else name_or_config
-    total = param_count(cfg)
+    shapes = eqx.filter_eval_shape(CausalLM, cfg, key=jax.random.key(0))
+    total = _count(shapes)
     if cfg.moe is None:
         return total
+    is_experts = lambda node: isinstance(node, ExpertLinear)  # noqa: E731
+    experts = [x for x in jax.tree.leaves(shapes, is_leaf=is_experts) if is_experts(x)]
     idle = cfg.moe.n_experts - cfg.moe.experts_per_token
-    d, f = cfg.d_model, cfg.expert_d_ff
-    per_expert = 3 * d * f + (2 * f + d if cfg.moe.bias else 0)  # gate, up, down (+ biases)
-    expert_layers = cfg.n_layers - cfg.layer_kinds().count("dense")
-    return total - expert_layers * idle * per_expert
+    return total - sum(_count(e) for e in experts) * idle // cfg.moe.n_experts
 
 
 def human_count(n: int) -> str:

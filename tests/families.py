@@ -542,6 +542,24 @@ FAMILIES = [
         },
         atol=1e-4,
     ),
+    # Nemotron 3: the same layers with mixtures of experts in place of the MLPs (tests/tiny.py's
+    # NEMOTRON_MOE: ungated experts, grouped sigmoid routing with the correction bias). peft
+    # adapts the shared expert's up/down_proj; the router and fused experts are not nn.Linear.
+    Tiny(
+        "nemotron_h_moe",
+        _zoo(
+            "nemotron_h-moe-nano",
+            n_layers=5,
+            attention={"n_heads": 4, "n_kv_heads": 2, "head_dim": 8},
+            mlp={"d_ff": 16},
+            linear={**tiny.FALCON_MIXER, "pattern": ("linear", "ffn", "full", "ffn", "linear")},
+            moe=tiny.NEMOTRON_MOE,
+        ),
+        variant=True,
+        lora=("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "up_proj", "down_proj"),
+        published={"nemotron-3-nano-30b-a3b": ("31.6", "3.6")},
+        atol=1e-4,
+    ),
     # Falcon-H1: attention (2 kv heads of 8) and Mamba-2 (tests/tiny.py) in parallel in every
     # layer, its releases' norm-free gate, every muP multiplier away from 1.
     Tiny(

@@ -203,8 +203,8 @@ def _on_8_devices(*args: str) -> subprocess.CompletedProcess:
 
 def test_dispatched_layer_on_8_devices_equals_dense_and_counts_drops():
     """About 30 s: one layer's all-to-all dispatch on data=2,fsdp=4 (tests/multidevice):
-    dropless at the worst case, and with capacity drops counted; a grouped layer on each
-    device's own rows."""
+    dropless at the worst case, with capacity drops counted, ungated experts (Nemotron 3)
+    whose hidden units tensor splits, and a grouped layer on each device's own rows."""
     result = _on_8_devices("-k", "layer")
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert "3 passed" in result.stdout, result.stdout[-3000:]

@@ -5,7 +5,8 @@ The family contract (tests/test_families.py, entry `nemotron_h`) checks logits a
 transformers both ways, peft's LoRA both ways, scanned == unrolled, cached decoding == the full
 forward and greedy generation == transformers' `generate`, and the 56B's published count. Here:
 the stacks the kinds build, packed documents equal each alone, the FLOPs against the weights,
-the pattern's spellings in config.json (and the refusal of the experts), and the segments the
+the pattern's spellings in config.json (and the refusal of a pattern mixing MLP and expert
+layers; the experts themselves: tests/test_nemotron_h_moe.py), and the segments the
 published patterns are cut into (compile time follows their number).
 """
 
@@ -91,12 +92,12 @@ def test_every_spelling_of_the_pattern_reads_the_same_layers(spelling):
 @pytest.mark.parametrize(
     "spelling, message",
     [
-        ({"hybrid_override_pattern": "M-*E"}, "'moe' layers"),
+        ({"hybrid_override_pattern": "M-*E"}, "both 'mlp' and 'moe' layers"),
         ({"layers_block_type": ["mamba", "cross_attention"]}, "are not Nemotron-H's"),
         ({}, "must set layers_block_type"),
     ],
 )
-def test_experts_and_unknown_layers_are_refused_by_name(spelling, message):
+def test_mixed_feed_forward_kinds_and_unknown_layers_are_refused_by_name(spelling, message):
     with pytest.raises(ConfigError, match=message):
         eqllm.hub.from_hf_config(_hf(**spelling))
 

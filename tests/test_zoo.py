@@ -151,6 +151,7 @@ NANOS = [
     "mamba2-nano",
     "falcon_h1-nano",
     "granitemoehybrid-nano",
+    "nemotron_h-moe-nano",
 ]
 
 

@@ -105,6 +105,17 @@ GRANITE_LORA = (
     *("q_proj", "k_proj", "v_proj", "o_proj", "in_proj"),
     *("input_linear", "output_linear", "lm_head"),
 )
+# Nemotron 3's experts in Nemotron-H's feed-forward layers: 8 ungated squared-ReLU experts of
+# 16 in 2 groups (each token chooses among the better group's, scored by its best two), 2 per
+# token, the weights times 2.5, beside a shared expert of 24 (zoo nemotron_h-moe-nano's routing).
+NEMOTRON_MOE = {
+    "n_experts": 8,
+    "experts_per_token": 2,
+    "d_ff": 16,
+    "shared_d_ff": 24,
+    "n_groups": 2,
+    "topk_groups": 1,
+}
 
 Count = int | str  # exact, or in billions as a model card rounds it ("46.7")
 

@@ -224,11 +224,14 @@ class ModelConfig:
                 f"leaves no layer with the experts (n_layers={self.n_layers}, sparse_every="
                 f"{self.moe.sparse_every}); some layers must have them",
             )
+            # The dense layers' MLP is of the experts' kind: gated SwiGLU, or ungated relu2.
             require(
-                self.mlp.kind == "swiglu",
+                self.mlp.kind == ("swiglu" if self.moe.gated else "relu2"),
                 "ModelConfig.mlp.kind",
                 self.mlp.kind,
-                "must be 'swiglu' with moe (the experts are SwiGLU MLPs)",
+                "must be 'swiglu' with moe (the experts are SwiGLU MLPs)"
+                if self.moe.gated
+                else "must be 'relu2' with moe.activation='relu2' (the experts' own kind)",
             )
 
     @property
@@ -350,8 +353,9 @@ class ModelConfig:
         dense_layers = (kinds := self.layer_kinds()).count("dense")
         if (moe := self.moe) is not None:
             gate = d if moe.shared_gated else 0
-            shared = 3 * d * moe.shared_d_ff + gate if moe.shared_d_ff else 0
-            mlp = d * moe.n_experts + 3 * d * self.expert_d_ff * moe.experts_per_token + shared
+            per = 3 if moe.gated else 2  # projections of an expert: gate (if any), up, down
+            shared = per * d * moe.shared_d_ff + gate if moe.shared_d_ff else 0
+            mlp = d * moe.n_experts + per * d * self.expert_d_ff * moe.experts_per_token + shared
         if a.output_gate:
             attn += d * h * q
         head = d * self.vocab_size

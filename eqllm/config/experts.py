@@ -19,7 +19,7 @@ from eqllm.config.validation import (
 
 MoEImpl = Literal["auto", "dense", "ragged", "dispatch"]
 MoEKernel = Literal["auto", "xla", "megablox"]
-ExpertActivation = Literal["swiglu", "clamped_swiglu"]
+ExpertActivation = Literal["swiglu", "clamped_swiglu", "relu2"]
 Scoring = Literal["softmax", "sigmoid"]
 GroupScore = Literal["max", "top2_sum"]
 BalanceLoss = Literal["switch", "sequence"]
@@ -45,8 +45,10 @@ class MoEConfig:
     device receives from another at that multiple of a fair share and drops the rest. `bias`:
     biases on the router and every expert's projections (gpt-oss). `activation`: "swiglu"
     (silu(gate) * up) or "clamped_swiglu" (gpt-oss: g = min(gate, swiglu_limit),
-    (clip(up, +-swiglu_limit) + 1) * g * sigmoid(swiglu_alpha * g)); `swiglu_alpha` and
-    `swiglu_limit` are set exactly when the activation is clamped.
+    (clip(up, +-swiglu_limit) + 1) * g * sigmoid(swiglu_alpha * g)) or "relu2": ungated
+    experts, down(relu(up(x))^2) with no gate projection, and an ungated squared-ReLU shared
+    expert too (Nemotron 3); `swiglu_alpha` and `swiglu_limit` are set exactly when the
+    activation is clamped.
 
     DeepSeek's settings: `shared_gated` False adds the shared expert without Qwen's gate
     (shared_d_ff = n_shared_experts * moe_intermediate_size); `scoring` "softmax" (V2) or
@@ -92,6 +94,12 @@ class MoEConfig:
     sparse_every: Positive = 1
     balance_loss: BalanceLoss = "switch"
     score_input: bool = False
+
+    @property
+    def gated(self) -> bool:
+        """Whether each expert (and the shared one) has a gate projection: every activation
+        but "relu2"."""
+        return self.activation != "relu2"
 
     def __post_init__(self) -> None:
         require(

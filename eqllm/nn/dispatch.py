@@ -41,8 +41,9 @@ from eqllm.nn.linear import ExpertLinear
 
 # (array, logical axes of its dimensions) -> the same values, placed (see `ExpertHooks`).
 ExpertPlacement = Callable[[Array, tuple[str, ...]], Array]
-Experts = tuple[ExpertLinear, ExpertLinear, ExpertLinear]  # gate, up, down
-Activation = Callable[[Array, Array], Array]
+# gate (None: ungated experts), up, down
+Experts = tuple[ExpertLinear | None, ExpertLinear, ExpertLinear]
+Activation = Callable[[Array | None, Array], Array]
 # (experts, activation, rows, weights, expert ids, capacity factor, grouped-matmul kernel)
 # -> (output, dropped copies)
 Dispatcher = Callable[..., tuple[Array, Array]]
@@ -122,8 +123,9 @@ def dispatch(
     their combined expert outputs and its dropped copies out.
 
     Arguments:
-        experts: this shard's experts (gate, up, down), `local` of them on the leading axis.
-        act: the experts' activation, act(gate(x), up(x)).
+        experts: this shard's experts (gate, up, down), `local` of them on the leading axis;
+            gate None for ungated experts.
+        act: the experts' activation, act(gate(x), up(x)) (act(None, up(x)) without a gate).
         x, weights, ids: this shard's rows, their top-k routing weights and expert ids (ids
             count every shard's experts: expert e is local expert e % local of shard e // local).
         n_shards: shards over `axis` (1 without an axis: no exchange).
@@ -134,7 +136,7 @@ def dispatch(
         kernel: the grouped matmul (`eqllm.nn.ExpertLinear.grouped`).
     """
     gate, up, down = experts
-    local = gate.weight.shape[0]
+    local = up.weight.shape[0]
     rows, k = ids.shape
     copies, d_model = rows * k, x.shape[-1]
     slot = slot_rows(rows, k, local, n_shards, capacity_factor)
@@ -161,7 +163,8 @@ def dispatch(
     by_expert = jnp.argsort(local_ids.reshape(-1), stable=True)
     sizes = recv_counts.sum(0)  # (local,): rows per local expert; the rest is padding
     h_in = recv.reshape(-1, d_model)[by_expert]
-    h = act(gate.grouped(h_in, sizes, kernel), up.grouped(h_in, sizes, kernel))
+    gated = None if gate is None else gate.grouped(h_in, sizes, kernel)
+    h = act(gated, up.grouped(h_in, sizes, kernel))
     unbiased = eqx.tree_at(lambda m: m.bias, down, None, is_leaf=lambda b: b is None)
     y = unbiased.grouped(h, sizes, kernel)
     if partial_axis is not None:

@@ -1,6 +1,7 @@
 """Sparse mixture-of-experts feed-forward layer: Mixtral (Jiang et al., 2024), Qwen-MoE with a
-gated shared expert (Qwen Team, 2024), OLMoE (Muennighoff et al., 2024); the load-balancing loss
-of the Switch Transformer (Fedus et al., 2021) as transformers computes it.
+gated shared expert (Qwen Team, 2024), OLMoE (Muennighoff et al., 2024), Nemotron 3's ungated
+squared-ReLU experts (NVIDIA, 2025); the load-balancing loss of the Switch Transformer (Fedus et
+al., 2021) as transformers computes it.
 
 Routing is transformers': softmax over all experts in fp32, the top k, renormalised to sum to 1
 where the family does it, cast to the compute dtype (gpt-oss's softmax over the top k logits is
@@ -33,10 +34,10 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqllm.nn.dispatch import ExpertHooks, dispatched, placement
 from eqllm.nn.linear import ExpertLinear, Linear
-from eqllm.nn.mlp import GatedMLP, gated
+from eqllm.nn.mlp import MLP, GatedMLP, gated
 
 MoEImpl = Literal["dense", "ragged", "dispatch"]
-ExpertActivation = Literal["swiglu", "clamped_swiglu"]
+ExpertActivation = Literal["swiglu", "clamped_swiglu", "relu2"]
 Scoring = Literal["softmax", "sigmoid"]
 GroupScore = Literal["max", "top2_sum"]
 
@@ -67,7 +68,8 @@ class MoE(eqx.Module):
     """sum over the top-k experts e of w_e * down_e(silu(gate_e(x)) * up_e(x)), plus
     sigmoid(shared_gate(x)) * shared(x) where there is a shared expert (shared(x) alone when it
     is ungated, DeepSeek's); gpt-oss's experts use `clamped_swiglu` in place of silu(gate) * up
-    and biases on the router and the experts.
+    and biases on the router and the experts; Nemotron 3's experts have no gate projection
+    (activation "relu2": down_e(relu(up_e(x))^2), and its shared expert likewise).
 
     DeepSeek's routing (V2: softmax, V3: sigmoid scores) may restrict each token to the
     `topk_groups` best of `n_groups` equal groups of experts (a group scored by its best
@@ -91,8 +93,9 @@ class MoE(eqx.Module):
         capacity_factor: "dispatch" only: each device receives at most this multiple of a
             fair share of another's token copies (None: dropless).
         bias: biases on the router and on every expert's projections (gpt-oss).
-        activation: "swiglu" (silu(gate) * up) or "clamped_swiglu" (`clamped_swiglu`, which
-            reads `swiglu_alpha` and `swiglu_limit`).
+        activation: "swiglu" (silu(gate) * up), "clamped_swiglu" (`clamped_swiglu`, which
+            reads `swiglu_alpha` and `swiglu_limit`) or "relu2" (relu(up)^2: ungated experts,
+            `gate` None, and an ungated squared-ReLU shared expert, `eqllm.nn.MLP`).
         shared_gated: the shared expert's output passes through a sigmoid gate (Qwen-MoE);
             False adds it as it is (DeepSeek).
         scoring: "softmax" over all experts or an independent "sigmoid" per expert.
@@ -107,10 +110,10 @@ class MoE(eqx.Module):
     """
 
     router: Linear  # (n_experts, d_model)
-    gate: ExpertLinear  # (n_experts, d_ff, d_model)
+    gate: ExpertLinear | None  # (n_experts, d_ff, d_model); None: ungated experts ("relu2")
     up: ExpertLinear  # (n_experts, d_ff, d_model)
     down: ExpertLinear  # (n_experts, d_model, d_ff)
-    shared: GatedMLP | None
+    shared: GatedMLP | MLP | None
     shared_gate: Linear | None  # (1, d_model)
     score_bias: Float[Array, " experts"] | None
     top_k: int = eqx.field(static=True)
@@ -168,8 +171,12 @@ class MoE(eqx.Module):
             raise ValueError("MoE activation='clamped_swiglu' needs swiglu_alpha and swiglu_limit")
         if activation == "swiglu" and clamped != (None, None):
             raise ValueError("MoE swiglu_alpha/swiglu_limit are only read by 'clamped_swiglu'")
-        if activation not in ("swiglu", "clamped_swiglu"):
-            raise ValueError(f"MoE activation must be 'swiglu' or 'clamped_swiglu': {activation!r}")
+        if activation not in ("swiglu", "clamped_swiglu", "relu2"):
+            raise ValueError(
+                f"MoE activation must be 'swiglu', 'clamped_swiglu' or 'relu2': {activation!r}"
+            )
+        if activation == "relu2" and clamped != (None, None):
+            raise ValueError("MoE swiglu_alpha/swiglu_limit are only read by 'clamped_swiglu'")
         if scoring not in ("softmax", "sigmoid") or group_score not in ("max", "top2_sum"):
             raise ValueError(f"MoE scoring={scoring!r}, group_score={group_score!r} unknown")
         if (n_groups is None) != (topk_groups is None):
@@ -185,14 +192,24 @@ class MoE(eqx.Module):
             d_model, n_experts, axes=(None, "d_model"), use_bias=bias, key=kr, dtype=dtype
         )
         hidden = ("d_ff", "d_model")
-        self.gate = ExpertLinear(n_experts, d_model, d_ff, axes=hidden, key=kg, **expert)
+        ungated = activation == "relu2"  # the other keys as a gated layer draws them
+        self.gate = (
+            None
+            if ungated
+            else ExpertLinear(n_experts, d_model, d_ff, axes=hidden, key=kg, **expert)
+        )
         self.up = ExpertLinear(n_experts, d_model, d_ff, axes=hidden, key=ku, **expert)
         self.down = ExpertLinear(
             n_experts, d_ff, d_model, axes=("d_model", "d_ff"), init="residual", key=kd, **expert
         )
         self.shared, self.shared_gate = None, None
         if shared_d_ff is not None:
-            self.shared = GatedMLP(d_model, shared_d_ff, key=ks, dtype=dtype)
+            if ungated:
+                self.shared = MLP(
+                    d_model, shared_d_ff, use_bias=False, relu2=True, key=ks, dtype=dtype
+                )
+            else:
+                self.shared = GatedMLP(d_model, shared_d_ff, key=ks, dtype=dtype)
             if shared_gated:
                 self.shared_gate = Linear(d_model, 1, axes=(None, "d_model"), key=kz, dtype=dtype)
         self.score_bias = jnp.zeros(n_experts, jnp.float32) if score_bias else None
@@ -204,13 +221,21 @@ class MoE(eqx.Module):
         self.score_input = score_input
 
     def _act(self, gate, up):
+        """The experts' hidden units from their gate and up projections (gate None: ungated)."""
+        if self.activation == "relu2":
+            return jnp.square(jax.nn.relu(up))
         if self.activation == "swiglu":
             return gated("silu", gate, up)
         return clamped_swiglu(gate, up, alpha=self.swiglu_alpha, limit=self.swiglu_limit)
 
     @property
     def n_experts(self) -> int:
-        return self.gate.weight.shape[-3]  # not the router's: it may be wrapped (LoRA)
+        return self.up.weight.shape[-3]  # not the router's: it may be wrapped (LoRA)
+
+    def _hidden(self, project):
+        """The experts' hidden units, `project(linear)` giving each of gate (where the experts
+        have one) and up on the rows at hand."""
+        return self._act(None if self.gate is None else project(self.gate), project(self.up))
 
     def route(
         self, x: Float[Array, "rows d_model"]
@@ -278,7 +303,7 @@ class MoE(eqx.Module):
             every = every * combine.T[..., None]
             combine = (combine != 0).astype(combine.dtype)
         every = place(every, ("expert", "tokens", "d_model"))
-        h = place(self._act(self.gate(every), self.up(every)), ("expert", "tokens", "d_ff"))
+        h = place(self._hidden(lambda linear: linear(every)), ("expert", "tokens", "d_ff"))
         y = place(self.down(h), ("expert", "tokens", "d_model"))  # (E, T, d_model)
         return place(jnp.einsum("etd,te->td", y, combine), ("tokens", "d_model"))
 
@@ -291,9 +316,7 @@ class MoE(eqx.Module):
         if self.score_input:  # each copy scaled by its weight on the way in, not out
             copies = copies * weights.reshape(-1)[order][:, None]
             weights = jnp.ones_like(weights)
-        h = self._act(
-            self.gate.grouped(copies, sizes, kernel), self.up.grouped(copies, sizes, kernel)
-        )
+        h = self._hidden(lambda linear: linear.grouped(copies, sizes, kernel))
         y = self.down.grouped(h, sizes, kernel)  # (T k, d_model)
         y = jnp.zeros_like(y).at[order].set(y)  # back to token-major order: (T k, d_model)
         return jnp.einsum("tkd,tk->td", y.reshape(rows, k, -1), weights)

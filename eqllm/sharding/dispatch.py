@@ -102,8 +102,8 @@ class ExpertDispatch:
             experts,
             is_leaf=is_param_info,
         )
-        gate = specs[0].weight  # (expert, d_ff, d_model): the axes splitting d_ff, if any
-        partial = gate[1] if len(gate) > 1 else None
+        up = specs[1].weight  # (expert, d_ff, d_model): the axes splitting d_ff, if any
+        partial = up[1] if len(up) > 1 else None
         body = functools.partial(
             self._body,
             act=act,

@@ -83,14 +83,16 @@ class FsdpGather:
         moving the tokens costs fewer bytes than gathering the expert weights. Per layer, in
         the forward and again in the backward pass, expert parallelism all-gathers the fsdp
         group's tokens and reduce-scatters as many outputs (2 x tokens x d_model), FSDP
-        gathers three expert matrices (3 x experts x expert d_ff x d_model)."""
+        gathers three expert matrices (3 x experts x expert d_ff x d_model; two where the
+        experts have no gate)."""
         moe = block.mlp
         if not isinstance(moe, MoE) or moe.impl != "dense" or RULES["expert"] != "fsdp":
             return False
         if moe.n_experts % self.sizes["fsdp"]:
             return False
         group_tokens = x.size // x.shape[-1] // self.sizes["data"]
-        return 2 * group_tokens < 3 * moe.n_experts * moe.gate.weight.shape[-2]
+        matrices = 2 if moe.gate is None else 3
+        return 2 * group_tokens < matrices * moe.n_experts * moe.up.weight.shape[-2]
 
     def layer(self, block):
         def run(x, positions, local, segment_ids=None, rotate=None):

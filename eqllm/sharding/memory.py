@@ -124,7 +124,8 @@ def _dispatch_bytes(config: ModelConfig, sizes: dict[str, int], rows: int, backe
     """Bytes (at 16 bits) of one dispatched expert layer's forward pass on a device holding
     `rows` tokens: the received copies, their outputs and the returned block (each n_shards x
     slot rows of d_model, `eqllm.nn.dispatch.slot_rows`) and the experts' hidden units (gate,
-    up, their product) over the same rows. 0 unless the experts are dispatched."""
+    up, their product; up and its activation without a gate) over the same rows. 0 unless the
+    experts are dispatched."""
     moe = config.moe
     if moe is None:
         return 0.0
@@ -137,7 +138,7 @@ def _dispatch_bytes(config: ModelConfig, sizes: dict[str, int], rows: int, backe
     d_ff = config.expert_d_ff / (
         sizes["tensor"] if config.expert_d_ff % sizes["tensor"] == 0 else 1
     )
-    return 2.0 * buffer * (3 * config.d_model + 3 * d_ff)
+    return 2.0 * buffer * (3 * config.d_model + (3 if moe.gated else 2) * d_ff)
 
 
 def _kept(config: ModelConfig, s: int, b: int, t: int) -> float:

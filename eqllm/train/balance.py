@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import equinox as eqx
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
-from eqllm.nn import Routing, balance_loss, balanced_bias, chosen_load, expert_load
+from eqllm.config.kinds import STACKS, stack_layers
+from eqllm.nn import MoE, Routing, balance_loss, balanced_bias, chosen_load, expert_load
 
 METRICS = ("aux_loss", "expert_load", "moe/dropped")
 
@@ -58,7 +60,7 @@ def balance_terms(model, routing: Routing | Array | None) -> dict[str, Array]:
     router_logits = routing.logits if isinstance(routing, Routing) else routing
     moe_config = model.config.moe
     k = moe_config.experts_per_token
-    moe = model.blocks.mlp
+    moe = getattr(model, expert_stacks(model)[0]).mlp  # every expert layer routes alike
     aux = balance_loss(moe, router_logits, moe_config.balance_loss, k)
     if isinstance(routing, Routing):  # counted from the ids the layers routed with
         load = routing.load.astype(jnp.float32)
@@ -92,8 +94,23 @@ def bias_update(params, load: Array | None, finite, model):
     moe = getattr(config, "moe", None)
     if moe is None or not moe.bias_update_speed or load is None:
         return params
-    bias = getattr(getattr(getattr(params, "blocks", None), "mlp", None), "score_bias", None)
-    if bias is None:  # not trained here (adapters only)
-        return params
-    moved = jnp.where(finite, balanced_bias(bias, load, moe.bias_update_speed), bias)
-    return eqx.tree_at(lambda p: p.blocks.mlp.score_bias, params, moved)
+    fields = expert_stacks(model)
+    layers = stack_layers(config)
+    # `load` has a row per expert layer in layer order; each stack takes its own layers' rows.
+    row = {i: j for j, i in enumerate(sorted(i for f in fields for i in layers[f]))}
+    for field in fields:
+        bias = getattr(getattr(getattr(params, field, None), "mlp", None), "score_bias", None)
+        if bias is None:  # not trained here (adapters only)
+            continue
+        mine = load[np.array([row[i] for i in layers[field]])]
+        moved = jnp.where(finite, balanced_bias(bias, mine, moe.bias_update_speed), bias)
+        params = eqx.tree_at(lambda p, f=field: getattr(p, f).mlp.score_bias, params, moved)
+    return params
+
+
+def expert_stacks(model) -> list[str]:
+    """The CausalLM fields whose layers hold a mixture of experts, in `STACKS` order (the main
+    stack `blocks` for most mixtures; Nemotron 3's feed-forward layers, `ffn_blocks`; both of
+    a hybrid whose Mamba-2 and attention layers each have experts)."""
+    blocks = {f: getattr(model, f, None) for f in STACKS.values()}
+    return [f for f, b in blocks.items() if isinstance(getattr(b, "mlp", None), MoE)]

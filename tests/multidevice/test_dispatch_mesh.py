@@ -137,6 +137,29 @@ def test_dispatched_layer_equals_dense_and_counts_capacity_drops():
     np.testing.assert_allclose(out, moe._dense(x, kept_weights, ids), atol=1e-6)
 
 
+def test_ungated_dispatched_layer_equals_dense_with_split_hidden_units():
+    """Nemotron 3's ungated experts (no gate projection) on data=2,fsdp=2,tensor=2: the up
+    projection's split hidden units (tensor) make the down projection a partial sum; the
+    dispatched layer equals the dense product on one device."""
+    mesh = make_mesh(MeshConfig.parse("data=2,fsdp=2,tensor=2"))
+    moe = jax.tree.map(
+        lambda a: a + 0.05 * jax.random.normal(jax.random.key(2), a.shape),
+        MoE(16, 8, 8, 2, impl="dispatch", activation="relu2", key=jax.random.key(1)),
+    )
+    assert moe.gate is None
+    x = jax.random.normal(jax.random.key(3), (64, 16))
+    _, weights, ids = moe.route(x)
+
+    @jax.jit
+    def run(moe, x):
+        hooks = ExpertHooks(dispatch=ExpertDispatch(mesh))
+        return dispatched((moe.gate, moe.up, moe.down), moe._act, x, weights, ids, hooks=hooks)
+
+    out, dropped = run(moe, x)
+    np.testing.assert_allclose(out, moe._dense(x, weights, ids), atol=1e-6)
+    assert int(dropped) == 0
+
+
 def test_dropless_layer_blocks_hold_the_most_a_shard_can_receive():
     """Top 4 of 8 experts on fsdp=4 (2 per device): a token sends at most 2 of its 4 copies to
     one device, so each dropless block holds 2 rows per token, not 4. Every token choosing
