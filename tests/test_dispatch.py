@@ -207,7 +207,7 @@ def test_dispatched_layer_on_8_devices_equals_dense_and_counts_drops():
     whose hidden units tensor splits, and a grouped layer on each device's own rows."""
     result = _on_8_devices("-k", "layer")
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "3 passed" in result.stdout, result.stdout[-3000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-3000:]
 
 
 @pytest.mark.slow  # about 10 minutes on 2 shared cores: 6 trainings on 8 devices, 3 on one,
@@ -215,4 +215,4 @@ def test_dispatched_layer_on_8_devices_equals_dense_and_counts_drops():
 def test_dispatched_training_on_8_devices_equals_one_device():
     result = _on_8_devices("-m", "slow or not slow")
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "12 passed" in result.stdout, result.stdout[-3000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-3000:]
