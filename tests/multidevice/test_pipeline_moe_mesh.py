@@ -59,9 +59,11 @@ def reference():
     return get
 
 
+# About 100 s a case on this shared machine (10 steps on one device, then on the mesh): the
+# default 8-device suite runs one, the slow set the rest.
 CASES = [
     ("mixtral", "pipeline=2,fsdp=4"),
-    pytest.param("deepseek_v3", "pipeline=2,fsdp=4"),
+    pytest.param("deepseek_v3", "pipeline=2,fsdp=4", marks=pytest.mark.slow),
     pytest.param("mixtral", "pipeline=2,data=2,fsdp=2", marks=pytest.mark.slow),
     pytest.param("deepseek_v3", "pipeline=2,data=2,fsdp=2", marks=pytest.mark.slow),
     pytest.param("qwen3_next", "pipeline=2,fsdp=4", marks=pytest.mark.slow),
@@ -77,8 +79,8 @@ def test_pipelined_experts_train_as_on_one_device(reference, family, mesh_text):
         np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
         np.testing.assert_allclose(got["aux_loss"], want["aux_loss"], rtol=1e-5)
         np.testing.assert_array_equal(got["expert_load"], want["expert_load"])
-    # The loss moved (ten real steps), so equal losses are not equal starting points alone.
-    assert ref_history[-1]["loss"] < ref_history[0]["loss"]
+    # The experts are not evenly loaded, so equal loads say the same experts were chosen.
+    assert np.ptp(ref_history[0]["expert_load"]) > 0
     for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(ref_model), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
     # Each device holds one stage's layers and its share of their experts.
