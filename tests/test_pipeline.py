@@ -91,3 +91,80 @@ def test_a_resumed_run_may_move_to_another_mesh_with_force():
     with pytest.raises(ResumeMismatch, match="mesh.pipeline: 1 -> 2.*pass --force"):
         resume_changes(saved, moved, force=False, where="config.toml")
     assert len(resume_changes(saved, moved, force=True, where="config.toml")) == 2
+
+
+# Mixtral-style (softmax top 2 of 4, the switch balance loss) in 2 stages of 2 layers;
+# DeepSeek-V3 (a dense first layer, sigmoid routing over groups with a correction bias, the
+# sequence-wise balance loss) in 2 stages of 1 expert layer after it; dense and expert layers
+# alternating (Llama 4 Maverick's moe.sparse_every=2), a (dense, expert) group per stage; and a
+# hybrid (Qwen3-Next: three Gated DeltaNet layers then attention, experts in every layer), one
+# group of four per stage.
+SMALL = dict(vocab_size=96, d_model=64, max_seq_len=32)
+MIXTRAL = eqllm.zoo.config(
+    "mixtral-nano", **SMALL, mlp={"d_ff": 64}, moe={"d_ff": 32, "aux_loss_coef": 0.01}
+)
+MOE_CONFIGS = {
+    "mixtral": MIXTRAL,
+    "deepseek_v3": eqllm.zoo.config(
+        "deepseek_v3-nano",
+        **SMALL,
+        n_layers=3,
+        moe={"bias_update_speed": 0.01, "aux_loss_coef": 0.01, "balance_loss": "sequence"},
+    ),
+    "alternating": MIXTRAL.replace(**{"moe.sparse_every": 2}),
+    "qwen3_next": eqllm.zoo.config(
+        "qwen3_next-nano", **SMALL, n_layers=8, moe={"aux_loss_coef": 0.01}
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "family",
+    [f if f == "mixtral" else pytest.param(f, marks=pytest.mark.slow) for f in sorted(MOE_CONFIGS)],
+)
+def test_experts_in_stages_give_the_plain_balance_terms(family):
+    """The stages' routings, bubble ticks left out and rows put back in order, give the loss,
+    balance loss, expert load and gradients of the plain forward."""
+    from eqllm.config.kinds import layer_kinds
+    from eqllm.train.objectives.lm import next_token_loss
+
+    config = MOE_CONFIGS[family]
+    model = eqllm.CausalLM(config, key=jax.random.key(0))
+    batch = jax.random.randint(jax.random.key(1), (4, 17), 0, 96)
+
+    def loss(m, pipeline):
+        return next_token_loss(m if pipeline is None else pipeline.wrap(m), batch)
+
+    grad = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))
+    (want, want_parts), want_grads = grad(model, None)
+    (got, got_parts), got_grads = grad(model, Pipeline(2, 2))
+    assert set(got_parts) == set(want_parts) >= {"aux_loss", "expert_load"}
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(got_parts["aux_loss"], want_parts["aux_loss"], rtol=1e-6)
+    # The loads are counts of the same tokens' choices: equal exactly, one row per expert layer.
+    np.testing.assert_array_equal(got_parts["expert_load"], want_parts["expert_load"])
+    expert_layers = sum(kind != "dense" for kind in layer_kinds(config))
+    assert got_parts["expert_load"].shape == (expert_layers, config.moe.n_experts)
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * max(np.abs(b).max(), 1e-30))
+
+
+def test_stacks_the_stages_cannot_run_are_refused_by_name():
+    from eqllm.train.stages import check_stages
+
+    deepseek = MOE_CONFIGS["deepseek_v3"]
+    check_stages(deepseek, 2)  # 1 dense layer, then 2 stages of 1 expert layer
+    with pytest.raises(MeshError, match="does not divide the 3 layers after the 1 dense ones"):
+        check_stages(deepseek.replace(n_layers=4), 2)
+    with pytest.raises(MeshError, match="does not divide the 3 layers after the 1 dense"):
+        check_divisible(deepseek.replace(n_layers=4), {"pipeline": 2})
+    with pytest.raises(MeshError, match="moe.impl='ragged' in a pipeline: .*ragged_dot"):
+        check_stages(deepseek.replace(**{"moe.impl": "ragged"}), 2)
+    hybrid = MOE_CONFIGS["qwen3_next"]  # (linear x 3, full) x 2
+    check_stages(hybrid, 2)
+    with pytest.raises(MeshError, match="pipeline=4 does not divide the 2 repeats of the"):
+        check_stages(hybrid, 4)
+    with pytest.raises(MeshError, match="do not repeat one pattern"):
+        check_stages(hybrid.replace(n_layers=6), 2)  # (L L L F) then L L
+    gemma3 = eqllm.zoo.config("gemma3-nano", n_layers=4)  # one stack; its flags are staged
+    check_stages(gemma3, 2)

@@ -21,6 +21,7 @@ _HALVES = {
         "test_moe_mesh.py",
         "test_deepseek_mesh.py",
         "test_hybrid_mesh.py",
+        "test_pipeline_moe_mesh.py",
     ),
     "rest": (
         "test_train_mesh.py",

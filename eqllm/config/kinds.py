@@ -104,3 +104,16 @@ def segments(kinds: tuple[str, ...]) -> tuple[Segment, ...]:
         out.append(best)
         start = best.stop
     return tuple(out)
+
+
+def pipeline_layers(config) -> tuple[int, int]:
+    """(layers run before a pipeline's stages, layers the stages split): a mixture of experts'
+    leading run of dense layers (DeepSeek's first `moe.dense_layers`) runs before the stages,
+    on every device, as the embeddings do; the stages split the rest into equal runs."""
+    kinds = layer_kinds(config)
+    prefix = 0
+    while prefix < len(kinds) and kinds[prefix] == "dense":
+        prefix += 1
+    if "dense" in kinds[prefix:]:  # dense layers between expert layers (Maverick's): no prefix
+        prefix = 0
+    return prefix, len(kinds) - prefix

@@ -1,9 +1,10 @@
 """`--mesh auto`: the fastest plan that fits, found by estimate first and compiler second.
 
 The candidates are every split of the chips over the axes the model allows (tensor where it
-divides the heads and hidden units, up to 8; pipeline for dense models where it divides the
-layers, up to 8, with 1, 2 or 4 microbatches per stage; fsdp where it divides d_model; data
-the rest; a mixture of experts' experts go with fsdp), every remat policy and every gradient
+divides the heads and hidden units, up to 8; pipeline where the stages can run the layers
+(`eqllm.train.stages.check_stages`: mixtures of experts too, after a dense prefix), up to
+8, with 1, 2 or 4 microbatches per stage; fsdp where it divides d_model; data the rest; a
+mixture of experts' experts go with fsdp), every remat policy and every gradient
 accumulation that leaves each micro-batch split over data x fsdp. `eqllm.sharding.memory`'s
 estimate drops those that cannot fit; the rest are ordered by an analytic step time (compute
 at peak, FSDP gathers and reduce-scatters, data-parallel gradient all-reduce, tensor-parallel
@@ -33,6 +34,7 @@ from eqllm.recipe import Recipe
 from eqllm.sharding import MeshConfig, MeshError, check_divisible, estimate_memory
 from eqllm.sharding.tpu import TpuSlice, parse_slice
 from eqllm.train.mfu import step_flops
+from eqllm.train.stages import check_stages
 
 REMATS = ("none", "dots_no_batch", "dots", "full")
 
@@ -188,8 +190,11 @@ def _splits(config: ModelConfig, chips: int):
     for tensor, pipeline in itertools.product(divisors, divisors):
         if tensor > 8 or pipeline > 8 or chips % (tensor * pipeline):
             continue
-        if pipeline > 1 and (config.moe is not None or config.n_layers % pipeline):
-            continue
+        if pipeline > 1:
+            try:  # the stages run one stack alike, after a dense prefix (experts included)
+                check_stages(config, pipeline)
+            except MeshError:
+                continue
         rest = chips // (tensor * pipeline)
         for fsdp in (d for d in divisors if rest % d == 0):
             sizes = {"pipeline": pipeline, "data": rest // fsdp, "fsdp": fsdp, "tensor": tensor}

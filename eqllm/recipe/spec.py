@@ -19,6 +19,7 @@ from pydantic import (
 
 from eqllm import zoo
 from eqllm.config import ConfigError, ModelConfig, show, validated
+from eqllm.config.kinds import pipeline_layers
 from eqllm.recipe.checks import (
     check_finetune,
     check_objective,
@@ -204,10 +205,12 @@ class Recipe:
                 f"train.microbatches={t.microbatches} must divide train.batch_size / grad_accum "
                 f"= {rows} sequences per micro-batch"
             )
-        if cfg.n_layers % self.mesh.pipeline:
+        prefix, staged = pipeline_layers(cfg)  # DeepSeek's dense prefix runs before the stages
+        if staged % self.mesh.pipeline:
+            what = f"n_layers={cfg.n_layers}" if not prefix else f"{staged} expert layers"
             raise RecipeError(
-                f"mesh.pipeline={self.mesh.pipeline} must divide the model's n_layers="
-                f"{cfg.n_layers}: each stage runs an equal, contiguous run of layers"
+                f"mesh.pipeline={self.mesh.pipeline} must divide the model's {what}: each "
+                "stage runs an equal, contiguous run of layers"
             )
         if d.seq_len > cfg.max_seq_len:
             raise RecipeError(

@@ -31,10 +31,18 @@ from eqllm.sharding.rules import RULES, AxisSizes, sizes_of, spec_for
 def experts_impl(config, backend: str, mesh: AxisSizes) -> tuple[str, str] | None:
     """(how the experts of `config` are computed, why) on `backend` over `mesh` (a Mesh or axis
     sizes): `moe.impl`'s own value, or "auto"'s choice (`eqllm.config.experts.choose_impl`) with
-    the size of the mesh axis that splits the experts (`RULES["expert"]`). None without experts."""
+    the size of the mesh axis that splits the experts (`RULES["expert"]`); in a pipeline "auto"
+    is "dense" (`eqllm.train.Pipeline` runs its stages under `jax.vmap`, which the grouped
+    matmul cannot batch). None without experts."""
     moe = config.moe
     if moe is None:
         return None
+    if moe.impl == "auto" and sizes_of(mesh)["pipeline"] > 1:
+        return "dense", (
+            "auto in a pipeline: the stages run under jax.vmap, which the grouped matmul "
+            "(jax.lax.ragged_dot) cannot batch; the experts run densely, split over "
+            f"{RULES['expert']} inside each stage"
+        )
     shards = sizes_of(mesh)[RULES["expert"]]
     return choose_impl(moe.impl, backend=backend, expert_shards=shards, n_experts=moe.n_experts)
 

@@ -18,7 +18,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eqllm.config import ModelConfig
-from eqllm.config.kinds import STACKS
+from eqllm.config.kinds import STACKS, pipeline_layers
 from eqllm.model import CausalLM
 from eqllm.nn import Attention, MultiHeadLatentAttention, param_info
 from eqllm.nn.params import is_param_info
@@ -88,11 +88,14 @@ def check_divisible(config: ModelConfig, mesh: AxisSizes) -> None:
     whose pipeline axis splits the layers into unequal stages."""
     tensor, fsdp = sizes_of(mesh)["tensor"], sizes_of(mesh)["fsdp"]
     stages = sizes_of(mesh)["pipeline"]
-    if config.n_layers % stages:
+    prefix, staged = pipeline_layers(config)
+    if staged % stages:
+        what = f"n_layers={config.n_layers}"
+        if prefix:  # DeepSeek's dense prefix runs before the stages
+            what = f"the {staged} layers after the {prefix} dense ones (moe.dense_layers)"
         raise MeshError(
-            f"pipeline={stages} does not divide n_layers={config.n_layers}: each stage runs an "
-            "equal, contiguous run of layers; choose a pipeline size that divides "
-            f"{config.n_layers}"
+            f"pipeline={stages} does not divide {what}: each stage runs an equal, contiguous "
+            f"run of layers; choose a pipeline size that divides {staged}"
         )
     sizes = [
         ("attention.n_heads", config.attention.n_heads),

@@ -25,6 +25,7 @@ from eqllm.stack.build import (
 from eqllm.stack.run import (
     REMAT_POLICIES,
     LayerHook,
+    checkpointed,
     each_layer,
     layer_flag,
     layer_flags,
@@ -36,6 +37,7 @@ from eqllm.stack.run import (
 __all__ = [
     "REMAT_POLICIES",
     "LayerHook",
+    "checkpointed",
     "dtype_of",
     "each_layer",
     "initial_parts",

@@ -72,6 +72,17 @@ def _save_all_but_gathers(prim, *_, **__) -> bool:
     return prim.name not in ("sharding_constraint", "custom_vjp_call", "custom_vjp_call_jaxpr")
 
 
+def checkpointed(layer: Callable, config: ModelConfig, *, hooked: bool, **kwargs) -> Callable:
+    """One layer's call under the config's remat policy; without remat, a layer run through an
+    `each_layer` hook keeps everything but its gathered weights for the backward pass. `kwargs`
+    go to `jax.checkpoint` (static_argnums)."""
+    if config.remat != "none":
+        return jax.checkpoint(layer, policy=REMAT_POLICIES[config.remat], **kwargs)
+    if hooked:
+        return jax.checkpoint(layer, policy=_save_all_but_gathers, **kwargs)
+    return layer
+
+
 def run_blocks(
     blocks: Block,
     x: Float[Array, "*batch seq d_model"],
@@ -105,10 +116,7 @@ def run_blocks(
             return hook(block)(h, positions, layer_local, segment_ids, layer_rotate)
         return block.routed(h, positions, layer_local, segment_ids, layer_rotate)
 
-    if config.remat != "none":
-        step = jax.checkpoint(step, policy=REMAT_POLICIES[config.remat])
-    elif hook is not None:
-        step = jax.checkpoint(step, policy=_save_all_but_gathers)
+    step = checkpointed(step, config, hooked=hook is not None)
     # Remat needs the loop: unrolled, XLA computes each block's recomputation as early as its
     # input exists, so the activations live as long as without remat (llama-mini at 2 x 256:
     # 480 MiB unrolled vs 360 MiB scanned, 493 / 449 MiB without remat).
@@ -167,10 +175,7 @@ def run_groups(
             return hook(block)(h, positions, local, segment_ids, rotate)
         return block.routed(h, positions, local, segment_ids, rotate)
 
-    if config.remat != "none":
-        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[config.remat], static_argnums=4)
-    elif hook is not None:
-        layer = jax.checkpoint(layer, policy=_save_all_but_gathers, static_argnums=4)
+    layer = checkpointed(layer, config, hooked=hook is not None, static_argnums=4)
 
     def group(h, xs):
         seen = dict.fromkeys(xs, 0)

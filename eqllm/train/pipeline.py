@@ -13,27 +13,46 @@ fraction (stages - 1) / (microbatches + stages - 1). The backward pass is the sc
 The embeddings, final norm, head and loss run outside the stages on the whole batch; the head's
 rows are spread over the pipeline devices too, so no stage computes every row's logits. The
 loss is the mean over every target of the batch, as without a pipeline: microbatches change the
-schedule, not the result.
+schedule, not the result. What a stage runs (a stack of layers alike, or whole groups of a
+hybrid's pattern of kinds) and which models can run so: `eqllm.train.stages`.
+
+A mixture of experts: each layer of a stage returns its `Routing` (router logits, expert load,
+dropped copies), collected per tick beside the activations. Stage i holds microbatch j at tick
+i + j; the other ticks are the bubble, whose routings (of the zeros an idle stage runs on) are
+never read. The routings of every (stage, microbatch) are put back in layer and row order, so
+the balance loss and the expert load are computed from the same numbers as on one device
+(`eqllm.train.balance`). DeepSeek's dense prefix (`moe.dense_layers`) runs before the stages, on
+every device, as the embeddings do; the stages split the expert layers after it. With an fsdp
+axis, each stage gathers one layer's weights at a time and keeps the experts split over fsdp
+(the FSDP layer hook, `eqllm.sharding.FsdpGather`, the same as without a pipeline): the dense
+expert product runs expert-parallel inside the stage. The stages run under `jax.vmap`, which
+`jax.lax.ragged_dot` (the grouped matmul of moe.impl "ragged" and "dispatch") cannot batch, so a
+pipeline computes its experts densely ("auto" chooses that; the others are refused by name).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from eqllm.config import ModelConfig
+from eqllm.config.kinds import pipeline_layers
 from eqllm.data import DataError
 from eqllm.eval.loss import masked_mean
 from eqllm.model import CausalLM
-from eqllm.sharding import RULES, MeshError
-from eqllm.stack import REMAT_POLICIES, dtype_of, layer_flags
+from eqllm.nn import Routing
+from eqllm.sharding import RULES, MeshError, fsdp_gather
+from eqllm.stack import dtype_of, each_layer, run_blocks
+from eqllm.train.stages import check_stages, stage_program
 from eqllm.trees import cast_floating
 
 
@@ -66,31 +85,18 @@ class Pipeline:
         return (self.stages - 1) / (self.microbatches + self.stages - 1)
 
     def describe(self, config: ModelConfig) -> str:
+        prefix, staged = pipeline_layers(config)
+        before = f" after {prefix} dense layers" if prefix else ""
         return (
-            f"pipeline: {self.stages} stages x {config.n_layers // self.stages} layers, "
+            f"pipeline: {self.stages} stages x {staged // self.stages} layers{before}, "
             f"{self.microbatches} microbatches, bubble fraction {self.bubble:.3f} "
             f"= ({self.stages}-1)/({self.microbatches}+{self.stages}-1)"
         )
 
     def check(self, config: ModelConfig, rows: int) -> None:
-        """Raise unless the layers split into equal stages and `rows` into microbatches (whose
-        rows split over the mesh's batch axes)."""
-        if config.moe is not None:
-            raise MeshError(
-                "a mixture of experts does not run in a pipeline yet (the stages would drop its "
-                "load-balancing loss); set mesh.pipeline=1 and split the experts over fsdp"
-            )
-        if config.linear is not None:
-            raise MeshError(
-                "a hybrid stack (linear-attention and attention layers) does not run in a "
-                "pipeline yet (the stages hold one stack of layers); set mesh.pipeline=1"
-            )
-        if config.n_layers % self.stages:
-            raise MeshError(
-                f"pipeline={self.stages} does not divide n_layers={config.n_layers}: each stage "
-                "runs an equal, contiguous run of layers; choose a pipeline size that divides "
-                f"{config.n_layers}"
-            )
+        """Raise unless the layers split into equal stages (`check_stages`) and `rows` into
+        microbatches (whose rows split over the mesh's batch axes)."""
+        check_stages(config, self.stages)
         if rows % self.microbatches:
             raise DataError(
                 f"a batch of {rows} sequences does not split into train.microbatches="
@@ -113,6 +119,17 @@ class Pipeline:
     ) -> Float[Array, "batch seq d_model"]:
         """The final-norm hidden states, as `CausalLM.hidden(tokens, positions, segment_ids)`
         computes them; positions and segment ids travel through the stages with their rows."""
+        return self.forward(model, tokens, positions, segment_ids)[0]
+
+    def forward(
+        self,
+        model: CausalLM,
+        tokens: Int[Array, "batch seq"],
+        positions: Int[Array, "batch seq"] | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
+    ) -> tuple[Float[Array, "batch seq d_model"], Routing | None]:
+        """`hidden` and, for a mixture of experts, every expert layer's `Routing` in layer and
+        row order, as `CausalLM.routing` gives it (None without experts)."""
         cfg = model.config
         self.check(cfg, tokens.shape[0])
         in_order = positions is None
@@ -122,6 +139,17 @@ class Pipeline:
         x = model.embed_inputs(tokens, positions)  # (batch, seq, d_model)
         rows, seq, width = x.shape
         m = self.microbatches
+        prefix, _ = pipeline_layers(cfg)
+        if prefix:  # DeepSeek's dense prefix: before the stages, its rows over every device
+            hook = self._layer_hook()
+            with each_layer(hook) if hook is not None else contextlib.nullcontext():
+                x, _ = run_blocks(
+                    model.dense_blocks,
+                    self._spread(x),
+                    None if in_order else positions,
+                    cfg,
+                    segment_ids,
+                )
 
         def split(a):
             # Microbatch j takes rows j, j + m, j + 2m, ...: the row axis stays split over the
@@ -131,14 +159,23 @@ class Pipeline:
             return self._constrain(a.reshape(rows // m, m, *a.shape[1:]).swapaxes(0, 1), None)
 
         micro = (split(x), split(None if in_order else positions), split(segment_ids))
-        out = self._run(model.blocks, micro, cfg)  # (m, rows/m, seq, d_model)
+        out, routing = self._run(model, micro, cfg)  # (m, rows/m, seq, d_model)
         x = out.swapaxes(0, 1).reshape(rows, seq, width)
-        if self.mesh is not None and rows % (self.stages * self._batch_split()) == 0:
-            # The head and loss need no stages: spread their rows over the pipeline devices too.
-            x = jax.lax.with_sharding_constraint(
-                x, NamedSharding(self.mesh, PartitionSpec(("pipeline", *self._batch_axes())))
-            )
-        return model.final_norm(x)
+        # The head and loss need no stages: spread their rows over the pipeline devices too.
+        return model.final_norm(self._spread(x)), routing
+
+    def _spread(self, x):
+        """Rows over the pipeline and batch axes, for what runs outside the stages."""
+        if self.mesh is None or x.shape[0] % (self.stages * self._batch_split()):
+            return x
+        spec = PartitionSpec(("pipeline", *self._batch_axes()))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def _layer_hook(self):
+        """The FSDP layer hook of the mesh (one layer's weights gathered at a time, experts kept
+        split: `eqllm.sharding.FsdpGather.layer`), or None without an fsdp split."""
+        gather = None if self.mesh is None else fsdp_gather(self.mesh)
+        return None if gather is None else gather.layer
 
     def wrap(self, model: CausalLM) -> Pipelined:
         """`model` with its stacked blocks run as this schedule: what the train step hands an
@@ -159,32 +196,20 @@ class Pipeline:
         nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:])
         return masked_mean(nll, mask)
 
-    def _run(self, blocks, micro: tuple, config: ModelConfig):
-        """The GPipe schedule over the stacked `blocks`; returns each microbatch's output.
+    def _run(self, model: CausalLM, micro: tuple, config: ModelConfig):
+        """The GPipe schedule over the model's layers after its dense prefix
+        (`eqllm.train.stages.stage_program`); returns each microbatch's output and the layers'
+        `Routing` (None without experts).
 
         `micro` is (activations (m, rows/m, seq, d_model), positions, segment ids), the last
         two (m, rows/m, seq) or None; positions and segment ids move with their activations."""
-        s = self.stages
-        params, static = eqx.partition(blocks, eqx.is_array)
-        # [layers, ...] -> [stages, layers_per_stage, ...]: stage i holds layers i*k .. i*k+k-1.
-        staged = jax.tree.map(lambda a: self._stage_split(a.reshape(s, -1, *a.shape[1:])), params)
-        # Per-layer flags (local, rotate), None where every layer is alike, staged like the weights.
-        flags = tuple(
-            None if f is None else jnp.asarray(f).reshape(s, -1) for f in layer_flags(config)
-        )
+        s, m = self.stages, self.microbatches
+        staged, stage, flags = stage_program(model, config, s, self._layer_hook())
+        staged = jax.tree.map(self._stage_split, staged)
 
-        def layer(carry, xs):
-            h, positions, segments = carry
-            layer_params, local, rotate = xs
-            block = eqx.combine(layer_params, static)
-            return (block(h, positions, local, segments, rotate), positions, segments), None
-
-        if config.remat != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[config.remat])
-
-        def stage(stage_params, stage_flags, h):
-            # A stage always scans its layers (the flags are then data, not Python bools).
-            return jax.lax.scan(layer, h, (stage_params, *stage_flags))[0]
+        # The stage axis is the pipeline axis: constraints inside a stage (the FSDP hook's)
+        # keep it there, and do not gather the stages onto every device.
+        spmd = None if self.mesh is None else "pipeline"
 
         def tick(state, inp):
             # Stage 0 takes the next microbatch, stage i what stage i-1 produced last tick.
@@ -193,9 +218,9 @@ class Pipeline:
                 inp,
                 state,
             )
-            out = jax.vmap(stage)(staged, flags, shifted)
+            out, routing = jax.vmap(stage, spmd_axis_name=spmd)(staged, flags, shifted)
             out = jax.tree.map(lambda a: self._constrain(a, "pipeline"), out)
-            return out, out[0][-1]
+            return out, (out[0][-1], routing)
 
         # After the last microbatch stage 0 runs on zeros whose results are never read.
         idle = jax.tree.map(lambda a: jnp.zeros((s - 1, *a.shape[1:]), a.dtype), micro)
@@ -203,8 +228,24 @@ class Pipeline:
             lambda a: self._constrain(jnp.zeros((s, *a.shape[1:]), a.dtype), "pipeline"), micro
         )
         inputs = jax.tree.map(lambda a, i: jnp.concatenate([a, i]), micro, idle)
-        _, last = jax.lax.scan(tick, state, inputs)
-        return last[s - 1 :]  # microbatch j leaves the last stage at tick j + s - 1
+        _, (last, routing) = jax.lax.scan(tick, state, inputs)
+        # microbatch j leaves the last stage at tick j + s - 1
+        return last[s - 1 :], None if routing is None else self._routing(routing, m)
+
+    def _routing(self, routing: Routing, m: int) -> Routing:
+        """Per tick and stage (ticks, stages, layers per stage, ...) -> per layer, as one device
+        computes it: stage i's routing of microbatch j is tick i + j's (the bubble's ticks,
+        idle stages running on zeros, are left out); the microbatches' rows back in batch
+        order, their loads and dropped copies summed."""
+        s = self.stages
+        ticks = np.arange(s)[:, None] + np.arange(m)[None, :]  # (stages, microbatches)
+        stage = np.arange(s)[:, None]
+        logits, load, dropped = (a[ticks, stage] for a in routing)  # (s, m, layers/s, ...)
+        # (s, m, layers/s, rows/m, seq, E) -> (layers, rows, seq, E), row r*m + j from [j, r]
+        logits = jnp.moveaxis(logits, 1, 3)
+        logits = logits.reshape(-1, logits.shape[2] * m, *logits.shape[4:])
+        load = load.sum(1).reshape(-1, load.shape[-1])  # (layers, E)
+        return Routing(logits, load, dropped.sum(1).reshape(-1))
 
     def _batch_split(self) -> int:
         if self.mesh is None:
@@ -233,8 +274,8 @@ class Pipeline:
 
 class Pipelined(eqx.Module):
     """A `CausalLM` whose stacked blocks run as `pipeline`'s GPipe schedule (`Pipeline.wrap`):
-    `routed` and `__call__` give the logits `CausalLM` would, with no router logits (a
-    pipeline refuses a mixture of experts)."""
+    `routing`, `routed` and `__call__` give what `CausalLM`'s give (logits, and a mixture of
+    experts' `Routing` or router logits)."""
 
     model: CausalLM
     pipeline: Pipeline = eqx.field(static=True)
@@ -243,14 +284,28 @@ class Pipelined(eqx.Module):
     def config(self) -> ModelConfig:
         return self.model.config
 
+    @property
+    def blocks(self):
+        """The model's main stack (a mixture of experts' balance terms read its experts)."""
+        return self.model.blocks
+
+    def routing(
+        self,
+        tokens: Int[Array, "batch seq"],
+        positions: Int[Array, "batch seq"] | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
+    ) -> tuple[Float[Array, "batch seq vocab"], Routing | None]:
+        hidden, routing = self.pipeline.forward(self.model, tokens, positions, segment_ids)
+        return self.model.logits(hidden), routing
+
     def routed(
         self,
         tokens: Int[Array, "batch seq"],
         positions: Int[Array, "batch seq"] | None = None,
         segment_ids: Int[Array, "batch seq"] | None = None,
-    ) -> tuple[Float[Array, "batch seq vocab"], None]:
-        hidden = self.pipeline.hidden(self.model, tokens, positions, segment_ids)
-        return self.model.logits(hidden), None
+    ) -> tuple[Float[Array, "batch seq vocab"], Float[Array, "layers batch seq experts"] | None]:
+        logits, routing = self.routing(tokens, positions, segment_ids)
+        return logits, None if routing is None else routing.logits
 
     def __call__(
         self,

@@ -220,12 +220,12 @@ class TrainStep:
 
         fsdp = None
         if self.param_shardings is not None and self.pipeline is None:
-            # A pipeline runs its stages' layers itself, outside `run_blocks`' layer hook.
+            # A pipeline runs its stages' layers itself, with the same layer hook inside them.
             fsdp = fsdp_gather(next(s.mesh for s in jax.tree.leaves(self.param_shardings)))
 
         def loss_of(p, micro):
             m = eqx.combine(p, static)
-            if self.pipeline is not None:  # the blocks as stages (refuses a mixture of experts)
+            if self.pipeline is not None:  # the blocks as stages
                 m = self.pipeline.wrap(m)
             elif fsdp is not None:
                 m = fsdp.outside_layers(m)
