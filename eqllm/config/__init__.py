@@ -225,11 +225,12 @@ class ModelConfig:
                 f"leaves no layer with the experts (n_layers={self.n_layers}, sparse_every="
                 f"{self.moe.sparse_every}); some layers must have them",
             )
+            kind = "geglu" if self.moe.activation == "geglu" else "swiglu"
             require(
-                self.mlp.kind == "swiglu",
+                self.mlp.kind == kind,
                 "ModelConfig.mlp.kind",
                 self.mlp.kind,
-                "must be 'swiglu' with moe (the experts are SwiGLU MLPs)",
+                f"must be {kind!r} with moe.activation={self.moe.activation!r} (the experts')",
             )
 
     @property

@@ -19,6 +19,7 @@ from eqllm.families.base import (
     LLAMA_KEYS,
     LLAMA_PREFIX,
     PLAIN_EXPERTS,
+    PLAIN_ROUTER,
     Row,
     llama_from_hf,
     llama_to_hf,
@@ -119,6 +120,7 @@ FIXED = {
     "moe.shared_gated": False,
     "moe.bias": False,
     "moe.score_input": False,
+    **PLAIN_ROUTER,
     "moe.sparse_every": 1,
 }
 
