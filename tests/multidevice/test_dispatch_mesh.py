@@ -40,6 +40,8 @@ CONFIGS = {
     ),
     # one expert a token, its input scaled by the score before it is sent (slow set)
     "llama4": TINY_CONFIGS["llama4"],
+    # Gemma 4's dense MLP beside the experts, each normed; its router's own norm (slow set)
+    "gemma4-moe": TINY_CONFIGS["gemma4-moe"],
 }
 
 
@@ -74,7 +76,10 @@ def reference(family):
 @pytest.mark.parametrize("mesh_text", ["data=2,fsdp=4", "data=2,fsdp=2,tensor=2"])
 @pytest.mark.parametrize(
     "family",
-    [pytest.param(f, marks=pytest.mark.slow) if f == "llama4" else f for f in sorted(CONFIGS)],
+    [
+        pytest.param(f, marks=pytest.mark.slow) if f in ("llama4", "gemma4-moe") else f
+        for f in sorted(CONFIGS)
+    ],
 )
 def test_dispatched_training_equals_single_device(family, mesh_text):
     cfg = CONFIGS[family]
