@@ -182,6 +182,9 @@ FAMILIES = [
             final_softcap=2.0,
         ),
         variant=True,
+        # The release's 25.2B total, 3.8B active, as the language model counts (transformers'
+        # exact counts: tests/test_gemma4.py).
+        published={"gemma4-26b-a4b": ("25.2", "3.8")},
         atol=3e-5,  # as gemma4's
         scan_atol=2e-5,  # unscaled QK-normed scores amplify fp32 rounding (1.1e-5 here)
     ),
