@@ -24,6 +24,8 @@ GroupScore = Literal["max", "top2_sum"]
 BalanceLoss = Literal["switch", "sequence"]
 
 _group = validated(STRICT, config_error)
+# Gemma 4's router and branch switches off (every other mixture family's `fixed`, by dotted path).
+PLAIN_ROUTER = {"moe.router_norm": False, "moe.expert_scale": False, "moe.branch_norms": False}
 
 
 @typing.no_type_check

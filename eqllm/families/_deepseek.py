@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from eqllm.config import ConfigError, ModelConfig
+from eqllm.config.experts import PLAIN_ROUTER
 from eqllm.families._moe import (
     expert_rows,
 )
@@ -19,7 +20,6 @@ from eqllm.families.base import (
     LLAMA_KEYS,
     LLAMA_PREFIX,
     PLAIN_EXPERTS,
-    PLAIN_ROUTER,
     Row,
     llama_from_hf,
     llama_to_hf,

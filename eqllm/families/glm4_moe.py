@@ -16,6 +16,7 @@ transformers does.
 from typing import Any
 
 from eqllm.config import ConfigError, ModelConfig
+from eqllm.config.experts import PLAIN_ROUTER
 from eqllm.families._deepseek import DENSE_MLP_ROWS, SHARED_ROWS, dense_rows
 from eqllm.families._moe import (
     FUSED_EXPERT_ROWS,
@@ -27,7 +28,6 @@ from eqllm.families.base import (
     LLAMA_BLOCK,
     LLAMA_KEYS,
     LLAMA_PREFIX,
-    PLAIN_ROUTER,
     QK_NORM_ROWS,
     Family,
     llama_from_hf,

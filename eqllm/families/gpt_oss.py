@@ -18,6 +18,7 @@ writes the unquantized layout (no quantization_config).
 from typing import Any
 
 from eqllm.config import ConfigError, ModelConfig
+from eqllm.config.experts import PLAIN_ROUTER
 from eqllm.families._moe import (
     MOE_ATTENTION_TABLE,
     MOE_KEYS,
@@ -29,7 +30,6 @@ from eqllm.families.base import (
     LLAMA_BLOCK,
     LLAMA_KEYS,
     LLAMA_PREFIX,
-    PLAIN_ROUTER,
     Family,
     attention_bias_from_hf,
     llama_from_hf,

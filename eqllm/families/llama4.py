@@ -17,12 +17,12 @@ and the multimodal projector out.
 from typing import Any
 
 from eqllm.config import ConfigError, ModelConfig
+from eqllm.config.experts import PLAIN_ROUTER
 from eqllm.families._moe import moe_from_hf, moe_to_hf
 from eqllm.families.base import (
     LLAMA_BLOCK,
     LLAMA_KEYS,
     LLAMA_PREFIX,
-    PLAIN_ROUTER,
     Family,
     attention_bias_from_hf,
     llama_from_hf,
