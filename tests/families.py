@@ -58,6 +58,8 @@ _OLMO_LINEAR = {
     "value_head_dim": 8,
 }
 _GEMMA4_LOCAL = {"n_kv_heads": 2, "head_dim": 8, "sliding_window": 5, "global_every": 2}
+# Gemma 4's global layers of their own shape: heads twice as wide, one kv head, keys as values.
+_GEMMA4_GLOBAL = {**_GEMMA4_LOCAL, "global_head_dim": 16, "global_kv_heads": 1, "k_eq_v": True}
 _MLA_LORA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "lm_head")
 
 FAMILIES = [
@@ -155,12 +157,7 @@ FAMILIES = [
         _zoo(
             "gemma4-nano",
             n_layers=4,
-            attention={
-                **_GEMMA4_LOCAL,
-                "global_head_dim": 16,
-                "global_kv_heads": 1,
-                "k_eq_v": True,
-            },
+            attention=_GEMMA4_GLOBAL,
             positions={"global_fraction": 0.25},
             final_softcap=2.0,
         ),
@@ -170,6 +167,26 @@ FAMILIES = [
         "gemma4-plain-global",
         _zoo("gemma4-nano", n_layers=4, attention=_GEMMA4_LOCAL, final_softcap=2.0),
         variant=True,
+    ),
+    # 26B-A4B's block on the same layers: the dense GeGLU MLP (64) beside 4 experts of 16, 2 per
+    # token, each branch normed before and after; the router through its own RMSNorm and scale,
+    # a scale per expert (perturbed away from 1 in the twin, as every parameter).
+    Tiny(
+        "gemma4-moe",
+        _zoo(
+            "gemma4-moe-nano",
+            n_layers=4,
+            attention=_GEMMA4_GLOBAL,
+            positions={"global_fraction": 0.25},
+            moe={"n_experts": 4, "d_ff": 16, "shared_d_ff": 64},
+            final_softcap=2.0,
+        ),
+        variant=True,
+        # The release's 25.2B total, 3.8B active, as the language model counts (transformers'
+        # exact counts: tests/test_gemma4.py).
+        published={"gemma4-26b-a4b": ("25.2", "3.8")},
+        atol=3e-5,  # as gemma4's
+        scan_atol=2e-5,  # unscaled QK-normed scores amplify fp32 rounding (1.1e-5 here)
     ),
     # Fused qkv_proj and gate_up_proj; half of each head rotated; a window over every layer.
     Tiny(

@@ -102,6 +102,10 @@ def test_grouped_experts_generate_like_dense_ones(dense):
             dict(moe={"n_experts": 4}, mlp={"kind": "gelu"}),
             "mlp.kind='gelu' must be 'swiglu' with moe",
         ),
+        (
+            dict(moe={"n_experts": 4, "branch_norms": True}),
+            "moe.branch_norms=True needs a shared expert",
+        ),
     ],
 )
 def test_bad_expert_settings_are_refused(fields, message):

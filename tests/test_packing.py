@@ -84,7 +84,10 @@ def masked_loss(logits, targets, mask):
     [
         "llama",
         "llama4",  # chunks counted from each document's start
-        *(pytest.param(f, marks=pytest.mark.slow) for f in ("gpt2", "mixtral", "gemma4")),
+        *(
+            pytest.param(f, marks=pytest.mark.slow)
+            for f in ("gpt2", "mixtral", "gemma4", "gemma4-moe")
+        ),
     ],
 )
 @pytest.mark.parametrize("method", ["first-fit", pytest.param("best-fit", marks=pytest.mark.slow)])

@@ -138,6 +138,8 @@ class Tiny:
         atol: the tolerance of its logits against transformers' (fp32 both sides).
         cached_atol: the tolerance of cached decoding against the full forward (a hybrid's
             chunked delta rule and the token-by-token one round differently, ~1e-5 apart).
+        scan_atol: the tolerance of the unrolled layer loop against the scanned stack (both
+            fp32; XLA fuses them differently).
         generates: cached generation runs it (False: a model whose cache cannot carry its
             state, refused with an EqllmError).
     """
@@ -150,6 +152,7 @@ class Tiny:
     published: dict[str, Count | tuple[Count, Count]] = dataclasses.field(default_factory=dict)
     atol: float = 1e-5
     cached_atol: float = 1e-5
+    scan_atol: float = 1e-5
     generates: bool = True
 
     @property

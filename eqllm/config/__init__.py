@@ -22,6 +22,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
+from eqllm.config import flops
 from eqllm.config.groups import (
     GROUPS,
     SUBGROUPS,
@@ -224,14 +225,12 @@ class ModelConfig:
                 f"leaves no layer with the experts (n_layers={self.n_layers}, sparse_every="
                 f"{self.moe.sparse_every}); some layers must have them",
             )
-            # The dense layers' MLP is of the experts' kind: gated SwiGLU, or ungated relu2.
+            kind = {"relu2": "relu2", "geglu": "geglu"}.get(self.moe.activation, "swiglu")
             require(
-                self.mlp.kind == ("swiglu" if self.moe.gated else "relu2"),
+                self.mlp.kind == kind,
                 "ModelConfig.mlp.kind",
                 self.mlp.kind,
-                "must be 'swiglu' with moe (the experts are SwiGLU MLPs)"
-                if self.moe.gated
-                else "must be 'relu2' with moe.activation='relu2' (the experts' own kind)",
+                f"must be {kind!r} with moe.activation={self.moe.activation!r} (the experts')",
             )
 
     @property
@@ -338,55 +337,17 @@ class ModelConfig:
         once, as the head); a hybrid's linear-attention layers count their projections (the
         delta rule's own products, linear in T, are left out). Attention uses the PaLM
         convention (appendix B) without halving for the causal mask; T is `seq_len` (default:
-        max_seq_len), capped by the sliding window in the layers that have it.
+        max_seq_len), capped by the sliding window in the layers that have it. Global layers
+        of their own shape (Gemma 4) count their own head size and kv heads.
         """
-        a = self.attention
-        d, h, kv, q = self.d_model, a.n_heads, a.n_kv_heads, a.head_dim
-        attn = d * q * (h + 2 * kv) + h * q * d
-        if a.kind == "mla":
-            rank = a.q_lora_rank
-            query = d * h * q if rank is None else d * rank + rank * h * q
-            latent = d * (a.kv_lora_rank + a.qk_rope_head_dim)
-            expand = a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim)
-            attn = query + latent + expand + h * a.v_head_dim * d
-        mlp = dense = (3 if self.mlp.kind in ("swiglu", "geglu") else 2) * d * self.mlp.d_ff
-        dense_layers = (kinds := self.layer_kinds()).count("dense")
-        if (moe := self.moe) is not None:
-            gate = d if moe.shared_gated else 0
-            per = 3 if moe.gated else 2  # projections of an expert: gate (if any), up, down
-            shared = per * d * moe.shared_d_ff + gate if moe.shared_d_ff else 0
-            mlp = d * moe.n_experts + per * d * self.expert_d_ff * moe.experts_per_token + shared
-        if a.output_gate:
-            attn += d * h * q
-        head = d * self.vocab_size
-        sparse_layers = self.n_layers - dense_layers
-        linears, full = kinds.count("linear"), sum(k in ("full", "dense") for k in kinds)
-        matmul_params = full * attn + sparse_layers * mlp + dense_layers * dense + head
-        if (lin := self.linear) is not None:  # q, k, v, z, b, a and out of each linear layer
-            keys, values = (
-                lin.n_key_heads * lin.key_head_dim,
-                lin.n_value_heads * lin.value_head_dim,
-            )
-            linear = d * (2 * keys + 3 * values + 2 * lin.n_value_heads)
-            if lin.kind == "mamba2":  # z, x, B, C, dt and out
-                linear = d * (2 * keys + 3 * values + lin.n_value_heads)
-            matmul_params += (self.n_layers if lin.parallel else linears) * linear
-            if not lin.mlp:  # linear layers without an MLP
-                matmul_params -= linears * mlp
-            matmul_params -= 0 if lin.full_mlp else full * mlp  # attention alone: Nemotron-H
-        return 6.0 * matmul_params + self.attention_flops_per_token(seq_len)
+        return flops.flops_per_token(self, seq_len)
 
     def attention_flops_per_token(self, seq_len: int | None = None) -> float:
         """6 * L * H * (Q + V) * T: attention scores (query/key size Q) and weighted sums (value
         size V), forward (2) and backward (4); 12 * L * H * Q * T where values are as wide as
         keys (all but latent attention). T is `seq_len` (default: max_seq_len), capped by the
         sliding window where it applies."""
-        full = seq_len or self.max_seq_len
-        window = self.attention.sliding_window or self.attention.chunk_size
-        t = sum(min(full, window) if w else full for w in self.local_layers()) / self.n_layers
-        values = self.attention.v_head_dim if self.attention.kind == "mla" else self.head_dim
-        layers = sum(k not in ("linear", "ffn") for k in self.layer_kinds())  # T-long scores
-        return 6.0 * layers * self.attention.n_heads * (self.head_dim + values) * t
+        return flops.attention_flops_per_token(self, seq_len)
 
 
 def field_names() -> list[str]:

@@ -19,12 +19,14 @@ from eqllm.config.validation import (
 
 MoEImpl = Literal["auto", "dense", "ragged", "dispatch"]
 MoEKernel = Literal["auto", "xla", "megablox"]
-ExpertActivation = Literal["swiglu", "clamped_swiglu", "relu2"]
+ExpertActivation = Literal["swiglu", "clamped_swiglu", "relu2", "geglu"]
 Scoring = Literal["softmax", "sigmoid"]
 GroupScore = Literal["max", "top2_sum"]
 BalanceLoss = Literal["switch", "sequence"]
 
 _group = validated(STRICT, config_error)
+# Gemma 4's router and branch switches off (every other mixture family's `fixed`, by dotted path).
+PLAIN_ROUTER = {"moe.router_norm": False, "moe.expert_scale": False, "moe.branch_norms": False}
 
 
 @typing.no_type_check
@@ -65,6 +67,14 @@ class MoEConfig:
     sequence-wise balance loss, under each layer's own routing). `score_input`: each routed
     weight scales its expert's input rather than its output (Llama 4's experts read the token
     times its sigmoid router score).
+
+    Gemma 4's block (26B-A4B): `activation` "geglu" (tanh-GELU gated experts, and shared expert);
+    `branch_norms`: the shared expert (Gemma 4's dense MLP, ungated, shared_d_ff = mlp.d_ff)
+    and the routed experts each read the residual through a norm of their own and norm their
+    outputs before they are summed; the block's norm before the feed-forward layer goes, its
+    norm after it norms the sum (needs shared_d_ff). `router_norm`: the router reads the
+    residual through a weightless RMSNorm times a learned scale times d_model^-0.5;
+    `expert_scale`: a learned scale per expert multiplies its renormalised routed weight.
     """
 
     PATH: ClassVar[str] = "ModelConfig.moe"
@@ -94,6 +104,9 @@ class MoEConfig:
     sparse_every: Positive = 1
     balance_loss: BalanceLoss = "switch"
     score_input: bool = False
+    router_norm: bool = False
+    expert_scale: bool = False
+    branch_norms: bool = False
 
     @property
     def gated(self) -> bool:
@@ -138,6 +151,12 @@ class MoEConfig:
             f"{self.PATH}.capacity_factor",
             self.capacity_factor,
             "is only read by impl='dispatch'; set moe.impl='dispatch' or leave it unset",
+        )
+        require(
+            not self.branch_norms or self.shared_d_ff is not None,
+            f"{self.PATH}.branch_norms",
+            self.branch_norms,
+            "needs a shared expert: set shared_d_ff (Gemma 4's dense MLP)",
         )
         clamped = self.activation == "clamped_swiglu"
         for name in ("swiglu_alpha", "swiglu_limit"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from eqllm.config import ConfigError, ModelConfig
+from eqllm.config.experts import PLAIN_ROUTER
 from eqllm.families._moe import (
     expert_rows,
 )
@@ -119,6 +120,7 @@ FIXED = {
     "moe.shared_gated": False,
     "moe.bias": False,
     "moe.score_input": False,
+    **PLAIN_ROUTER,
     "moe.sparse_every": 1,
 }
 

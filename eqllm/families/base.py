@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from eqllm.config import ConfigError, ModelConfig
+from eqllm.config import ConfigError, ModelConfig, experts
 from eqllm.families._rope import max_position_embeddings, rope_from_hf, rope_scaling_to_hf
 
 
@@ -175,9 +175,10 @@ PLAIN = {
     **DENSE,
 }
 
-# The plain experts every mixture family but gpt-oss has: no biases, SwiGLU. A MoE family adds
-# these to its `fixed`, so export refuses gpt-oss's experts for the others.
+# The plain experts every mixture family but gpt-oss has: no biases, SwiGLU (and no Gemma 4
+# router or branch norms). A MoE family adds these to its `fixed`, so export refuses the others'.
 PLAIN_EXPERTS = {
+    **experts.PLAIN_ROUTER,
     "moe.bias": False,
     "moe.activation": "swiglu",
     "moe.scoring": "softmax",

@@ -10,10 +10,11 @@ The global layers may have a shape of their own, a stack of layer kind "global"
 heads whose values are their keys (`attention_k_eq_v`, `num_global_key_value_heads` ->
 `attention.k_eq_v`, `attention.global_kv_heads`) and proportional RoPE on a fraction of their
 frequencies (`rope_parameters.full_attention.partial_rotary_factor` ->
-`positions.global_fraction`). The mechanisms of the other published sizes are refused by name on
-import: per-layer input embeddings (`hidden_size_per_layer_input`, E2B and E4B), key/value
-caches shared by the last layers (`num_kv_shared_layers`, with their double-wide MLP) and the
-mixture-of-experts block (`enable_moe_block`, 26B-A4B).
+`positions.global_fraction`). 26B-A4B's mixture-of-experts block (`enable_moe_block`: the dense
+MLP and the experts side by side in every layer) is `eqllm.families._gemma4_moe`'s. The
+mechanisms of the other published sizes are refused by name on import: per-layer input
+embeddings (`hidden_size_per_layer_input`, E2B and E4B) and key/value caches shared by the
+last layers (`num_kv_shared_layers`, with their double-wide MLP).
 
 Published checkpoints are multimodal (`gemma4`, `Gemma4ForConditionalGeneration`): eqllm reads
 the language model (`text_config`, `model.language_model.*`) and leaves the vision and audio
@@ -24,8 +25,8 @@ import dataclasses
 from typing import Any
 
 from eqllm.config import ConfigError, ModelConfig
+from eqllm.families._gemma4_moe import check_experts, experts_from_hf, experts_to_hf, with_experts
 from eqllm.families.base import (
-    DENSE,
     LLAMA_KEYS,
     QK_NORM_ROWS,
     Family,
@@ -66,6 +67,7 @@ def _table(body: str) -> tuple:
     "model.language_model." in the published multimodal files); the head is tied."""
     scalar = rows(("model.layers.{i}.layer_scalar", "blocks.layer_scalar"))
     local = [r for r in SANDWICH_TABLE + QK_NORM_ROWS + scalar if r.hf != "lm_head.weight"]
+    local = with_experts(local)  # 26B-A4B's dense MLP beside its experts
     # The global layers' own stack (attention.global_shape) has the same tensor names.
     global_ = [
         dataclasses.replace(r, eqllm=tuple("global_" + p for p in r.eqllm))
@@ -110,8 +112,8 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "vocab_size_per_layer_input": cfg.vocab_size,
         "num_kv_shared_layers": 0,
         "use_double_wide_mlp": False,
-        "enable_moe_block": False,
         "tie_word_embeddings": True,
+        **experts_to_hf(cfg),
     }
 
 
@@ -190,7 +192,6 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     mechanisms = (
         ("hidden_size_per_layer_input", (0, None), "per-layer input embeddings (E2B, E4B)"),
         ("num_kv_shared_layers", (0, None), "key/value caches shared by the last layers"),
-        ("enable_moe_block", (False, None), "the mixture-of-experts block (26B-A4B)"),
     )
     for key, plain, what in mechanisms:
         if hf.get(key, _DEFAULTS.get(key)) not in plain:
@@ -212,10 +213,13 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "attention.sliding_window": need(hf, "sliding_window"),
         "attention.global_every": every,
         "final_softcap": hf.get("final_logit_softcapping"),
+        **experts_from_hf(hf),
     }
 
 
 def _check(cfg: ModelConfig) -> dict[str, Any]:
+    if bad := check_experts(cfg):
+        return bad
     a = cfg.attention
     for k in ("attention.sliding_window", "attention.global_every", "positions.local_theta"):
         if cfg.at(k) is None:
@@ -236,8 +240,7 @@ FAMILY = Family(
     released="2026-04",
     architecture="Gemma4ForCausalLM",
     model_type="gemma4_text",
-    fixed={
-        **DENSE,
+    fixed={  # moe: None, or 26B-A4B's experts (`_gemma4_moe.EXPERTS`, checked by `_check`)
         "norms.kind": "rmsnorm",
         "norms.plus_one": False,
         "norms.pre": True,

@@ -16,6 +16,7 @@ transformers does.
 from typing import Any
 
 from eqllm.config import ConfigError, ModelConfig
+from eqllm.config.experts import PLAIN_ROUTER
 from eqllm.families._deepseek import DENSE_MLP_ROWS, SHARED_ROWS, dense_rows
 from eqllm.families._moe import (
     FUSED_EXPERT_ROWS,
@@ -169,6 +170,7 @@ FAMILY = Family(
         "moe.score_bias": True,
         "moe.group_score": "top2_sum",
         "moe.score_input": False,
+        **PLAIN_ROUTER,
         "moe.sparse_every": 1,
     },
     table=TABLE,

@@ -18,6 +18,7 @@ writes the unquantized layout (no quantization_config).
 from typing import Any
 
 from eqllm.config import ConfigError, ModelConfig
+from eqllm.config.experts import PLAIN_ROUTER
 from eqllm.families._moe import (
     MOE_ATTENTION_TABLE,
     MOE_KEYS,
@@ -145,6 +146,7 @@ FAMILY = Family(
         "moe.bias": True,
         "moe.activation": "clamped_swiglu",
         "moe.score_input": False,
+        **PLAIN_ROUTER,
         "moe.sparse_every": 1,
     },
     table=TABLE,

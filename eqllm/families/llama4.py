@@ -17,6 +17,7 @@ and the multimodal projector out.
 from typing import Any
 
 from eqllm.config import ConfigError, ModelConfig
+from eqllm.config.experts import PLAIN_ROUTER
 from eqllm.families._moe import moe_from_hf, moe_to_hf
 from eqllm.families.base import (
     LLAMA_BLOCK,
@@ -245,6 +246,7 @@ FAMILY = Family(
         "moe.norm_topk_prob": False,
         "moe.shared_gated": False,
         "moe.score_input": True,
+        **PLAIN_ROUTER,
     },
     table=TABLE,
     layouts=(VISION_LANGUAGE_TABLE,),

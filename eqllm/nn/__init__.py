@@ -16,9 +16,8 @@ from eqllm.nn.linear import (
 from eqllm.nn.mamba2 import Mamba2
 from eqllm.nn.mla import LatentCache, MultiHeadLatentAttention
 from eqllm.nn.mlp import MLP, GatedMLP
-from eqllm.nn.moe import (
-    MoE,
-    Routing,
+from eqllm.nn.moe import MoE, Routing
+from eqllm.nn.moe_losses import (
     balance_loss,
     balanced_bias,
     chosen_load,

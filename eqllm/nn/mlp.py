@@ -77,6 +77,17 @@ def _gated_jvp(activation, primals, tangents):
     return act * u, (dact * u) * dg + act * du
 
 
+def clamped_swiglu(
+    gate: Float[Array, "*rows d_ff"], up: Float[Array, "*rows d_ff"], *, alpha: float, limit: float
+) -> Float[Array, "*rows d_ff"]:
+    """gpt-oss's expert activation: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), with
+    g = min(gate, limit). The clamps bound the activations; the + 1 lets an expert pass its gate
+    through where up is 0."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
 class MLP(eqx.Module):
     """down(gelu(up(x))), GELU with the tanh approximation (GPT-2's `gelu_new`) or exact; or
     down(relu(up(x))^2) (`relu2`).

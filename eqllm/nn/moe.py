@@ -16,6 +16,9 @@ that holds its expert and back (all-to-all) and runs the local experts as one gr
 (`eqllm.nn.dispatch`: expert parallelism by token dispatch; on one device, "ragged" by
 another road), optionally with a capacity factor that drops copies past it.
 
+Gemma 4 (26B-A4B) runs its dense MLP beside the experts as an ungated shared expert, each
+branch normed before and after (`branch_norms`), with `router_norm` and `expert_scale`.
+
 Expert parallelism of the dense product: given `ExpertHooks` with a placement `place`
 (`MoE.routed(x, hooks=...)`), the dense product passes its intermediates through
 `place(array, logical_axes)`, so a caller that knows the mesh (the FSDP layer hook,
@@ -34,10 +37,12 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqllm.nn.dispatch import ExpertHooks, dispatched, placement
 from eqllm.nn.linear import ExpertLinear, Linear
-from eqllm.nn.mlp import MLP, GatedMLP, gated
+from eqllm.nn.mlp import MLP, GatedMLP, clamped_swiglu, gated
+from eqllm.nn.moe_choice import limited_choice
+from eqllm.nn.norm import RMSNorm, apply_norm, unit_rms
 
 MoEImpl = Literal["dense", "ragged", "dispatch"]
-ExpertActivation = Literal["swiglu", "clamped_swiglu", "relu2"]
+ExpertActivation = Literal["swiglu", "clamped_swiglu", "relu2", "geglu"]
 Scoring = Literal["softmax", "sigmoid"]
 GroupScore = Literal["max", "top2_sum"]
 
@@ -51,17 +56,6 @@ class Routing(NamedTuple):
     logits: Float[Array, "*rows experts"]
     load: Int[Array, " experts"]
     dropped: Int[Array, ""]
-
-
-def clamped_swiglu(
-    gate: Float[Array, "*rows d_ff"], up: Float[Array, "*rows d_ff"], *, alpha: float, limit: float
-) -> Float[Array, "*rows d_ff"]:
-    """gpt-oss's expert activation: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), with
-    g = min(gate, limit). The clamps bound the activations; the + 1 lets an expert pass its gate
-    through where up is 0."""
-    gate = jnp.minimum(gate, limit)
-    up = jnp.clip(up, -limit, limit)
-    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
 
 
 class MoE(eqx.Module):
@@ -107,6 +101,12 @@ class MoE(eqx.Module):
         score_input: each routed weight scales its expert's input, w_e * x, not the expert's
             output (Llama 4; equal only for a linear expert). "dispatch" takes it with one
             expert per token.
+        router_norm: the router reads rms_norm(x) * router_scale * d_model^-0.5: a weightless
+            RMSNorm (`norm_eps`), a learned scale (Gemma 4's router.scale).
+        expert_scale: a learned scale per expert on its renormalised weight (per_expert_scale).
+        branch_norms: the shared expert and the experts each read x through an RMSNorm of their
+            own (`norm_eps`, `norm_plus_one`) and norm their outputs before the sum (Gemma 4's
+            pre/post_feedforward_layernorm_1/_2); needs `shared_d_ff`. "geglu": tanh GELU.
     """
 
     router: Linear  # (n_experts, d_model)
@@ -130,6 +130,13 @@ class MoE(eqx.Module):
     group_score: GroupScore = eqx.field(static=True)
     routed_scale: float = eqx.field(static=True)
     score_input: bool = eqx.field(static=True, default=False)
+    router_scale: Float[Array, " d_model"] | None = None
+    expert_scale: Float[Array, " experts"] | None = None
+    shared_norm: RMSNorm | None = None
+    shared_post_norm: RMSNorm | None = None
+    experts_norm: RMSNorm | None = None
+    experts_post_norm: RMSNorm | None = None
+    router_eps: float | None = eqx.field(static=True, default=None)
 
     def __init__(
         self,
@@ -155,6 +162,11 @@ class MoE(eqx.Module):
         group_score: GroupScore = "max",
         routed_scale: float = 1.0,
         score_input: bool = False,
+        router_norm: bool = False,
+        expert_scale: bool = False,
+        branch_norms: bool = False,
+        norm_eps: float = 1e-6,
+        norm_plus_one: bool = False,
         key: PRNGKeyArray,
         dtype=jnp.float32,
     ):
@@ -169,14 +181,16 @@ class MoE(eqx.Module):
         clamped = (swiglu_alpha, swiglu_limit)
         if activation == "clamped_swiglu" and None in clamped:
             raise ValueError("MoE activation='clamped_swiglu' needs swiglu_alpha and swiglu_limit")
-        if activation == "swiglu" and clamped != (None, None):
+        if activation != "clamped_swiglu" and clamped != (None, None):
             raise ValueError("MoE swiglu_alpha/swiglu_limit are only read by 'clamped_swiglu'")
-        if activation not in ("swiglu", "clamped_swiglu", "relu2"):
+        if activation not in ("swiglu", "clamped_swiglu", "relu2", "geglu"):
             raise ValueError(
-                f"MoE activation must be 'swiglu', 'clamped_swiglu' or 'relu2': {activation!r}"
+                f"MoE activation {activation!r}: swiglu, clamped_swiglu, relu2 or geglu"
             )
         if activation == "relu2" and clamped != (None, None):
             raise ValueError("MoE swiglu_alpha/swiglu_limit are only read by 'clamped_swiglu'")
+        if branch_norms and shared_d_ff is None:
+            raise ValueError("MoE branch_norms needs a shared expert (shared_d_ff)")
         if scoring not in ("softmax", "sigmoid") or group_score not in ("max", "top2_sum"):
             raise ValueError(f"MoE scoring={scoring!r}, group_score={group_score!r} unknown")
         if (n_groups is None) != (topk_groups is None):
@@ -209,7 +223,8 @@ class MoE(eqx.Module):
                     d_model, shared_d_ff, use_bias=False, relu2=True, key=ks, dtype=dtype
                 )
             else:
-                self.shared = GatedMLP(d_model, shared_d_ff, key=ks, dtype=dtype)
+                act = "gelu" if activation == "geglu" else "silu"
+                self.shared = GatedMLP(d_model, shared_d_ff, activation=act, key=ks, dtype=dtype)
             if shared_gated:
                 self.shared_gate = Linear(d_model, 1, axes=(None, "d_model"), key=kz, dtype=dtype)
         self.score_bias = jnp.zeros(n_experts, jnp.float32) if score_bias else None
@@ -219,14 +234,29 @@ class MoE(eqx.Module):
         self.scoring, self.n_groups, self.topk_groups = scoring, n_groups, topk_groups
         self.group_score, self.routed_scale = group_score, routed_scale
         self.score_input = score_input
+        self.router_scale = jnp.ones(d_model, dtype) if router_norm else None
+        self.router_eps = norm_eps if router_norm else None
+        self.expert_scale = jnp.ones(n_experts, dtype) if expert_scale else None
+        norm = dict(eps=norm_eps, plus_one=norm_plus_one, dtype=dtype)
+        norms = [RMSNorm(d_model, **norm) for _ in range(4)]
+        self.shared_norm, self.shared_post_norm, self.experts_norm, self.experts_post_norm = (
+            norms if branch_norms else [None] * 4
+        )
 
     def _act(self, gate, up):
         """The experts' hidden units from their gate and up projections (gate None: ungated)."""
         if self.activation == "relu2":
             return jnp.square(jax.nn.relu(up))
-        if self.activation == "swiglu":
-            return gated("silu", gate, up)
-        return clamped_swiglu(gate, up, alpha=self.swiglu_alpha, limit=self.swiglu_limit)
+        if self.activation == "clamped_swiglu":
+            return clamped_swiglu(gate, up, alpha=self.swiglu_alpha, limit=self.swiglu_limit)
+        return gated("gelu" if self.activation == "geglu" else "silu", gate, up)
+
+    def _router_input(self, x):
+        """x, or with `router_norm` rms_norm(x) * router_scale / sqrt(d_model) (Gemma 4)."""
+        if self.router_scale is None:
+            return x
+        scale = self.router_scale.astype(x.dtype)
+        return unit_rms(x, self.router_eps) * scale * x.shape[-1] ** -0.5
 
     @property
     def n_experts(self) -> int:
@@ -241,7 +271,7 @@ class MoE(eqx.Module):
         self, x: Float[Array, "rows d_model"]
     ) -> tuple[Float[Array, "rows experts"], Float[Array, "rows k"], Int[Array, "rows k"]]:
         """Router logits (compute dtype), the top-k weights (compute dtype) and expert ids."""
-        logits = self.router(x)
+        logits = self.router(self._router_input(x))
         if self.plain_routing:
             probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # fp32, over all experts
             weights, experts = jax.lax.top_k(probs, self.top_k)
@@ -251,6 +281,8 @@ class MoE(eqx.Module):
             weights, experts = self._choose(logits.astype(jnp.float32))
         if self.routed_scale != 1.0:
             weights = weights * self.routed_scale
+        if self.expert_scale is not None:  # Gemma 4: after renormalising
+            weights = weights * self.expert_scale.astype(jnp.float32)[experts]
         return logits, weights.astype(x.dtype), experts
 
     @property
@@ -266,30 +298,17 @@ class MoE(eqx.Module):
         return self._choose(logits)[1]
 
     def _choose(self, logits):
-        """DeepSeek's selection: scores, plus the correction bias, limited to the best groups;
-        the weights are the scores of the chosen experts."""
-        if self.scoring == "softmax":
-            scores = jax.nn.softmax(logits, axis=-1)
-        else:
-            scores = jax.nn.sigmoid(logits)
-        choice = scores
-        if self.score_bias is not None:
-            choice = choice + jax.lax.stop_gradient(self.score_bias.astype(jnp.float32))
-        if self.n_groups is not None:
-            grouped = choice.reshape(*choice.shape[:-1], self.n_groups, -1)  # (T, groups, E/G)
-            if self.group_score == "max":
-                group = grouped.max(-1)
-            else:
-                group = jax.lax.top_k(grouped, 2)[0].sum(-1)
-            _, best = jax.lax.top_k(group, self.topk_groups)
-            keep = jax.nn.one_hot(best, self.n_groups, dtype=jnp.bool_).any(-2)  # (T, groups)
-            keep = jnp.broadcast_to(keep[..., None], grouped.shape).reshape(choice.shape)
-            choice = jnp.where(keep, choice, -jnp.inf)
-        _, experts = jax.lax.top_k(jax.lax.stop_gradient(choice), self.top_k)
-        weights = jnp.take_along_axis(scores, experts, axis=-1)
-        if self.normalize:
-            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-        return weights, experts
+        """DeepSeek's selection (`eqllm.nn.moe_choice.limited_choice`): (weights, experts)."""
+        return limited_choice(
+            logits,
+            self.top_k,
+            scoring=self.scoring,
+            score_bias=self.score_bias,
+            n_groups=self.n_groups,
+            topk_groups=self.topk_groups,
+            group_score=self.group_score,
+            normalize=self.normalize,
+        )
 
     def _dense(self, x, weights, experts, hooks: ExpertHooks | None = None):
         place = placement(hooks)
@@ -339,28 +358,30 @@ class MoE(eqx.Module):
         logits, weights, experts = self.route(flat)
         impl = impl or self.impl
         dropped = jnp.zeros((), jnp.int32)
+        inputs = apply_norm(self.experts_norm, flat)  # the experts' input (the router read flat)
         on_mesh = hooks is not None and hooks.dispatch is not None  # inside shard_map
         kernel = self.kernel
         if hooks is not None and not on_mesh and kernel == "megablox":
             kernel = "xla"  # on a mesh, left to the partitioner, which cannot split a Pallas call
         if impl == "dispatch" or (impl == "ragged" and on_mesh):
             layers, cf = (self.gate, self.up, self.down), self.capacity_factor
-            inputs = flat
             if self.score_input:  # one copy per token: scale it before it is sent
                 if self.top_k != 1:
                     raise ValueError(f"MoE score_input with 'dispatch' needs top_k=1: {self.top_k}")
-                inputs, weights = flat * weights, jnp.ones_like(weights)
+                inputs, weights = inputs * weights, jnp.ones_like(weights)
             out, dropped = dispatched(
                 layers, self._act, inputs, weights, experts, cf, kernel, hooks
             )
         elif impl == "dense":
-            out = self._dense(flat, weights, experts, hooks)
+            out = self._dense(inputs, weights, experts, hooks)
         else:
-            out = self._ragged(flat, weights, experts, kernel)
-        if self.shared is not None and self.shared_gate is None:
-            out = out + self.shared(flat)
-        elif self.shared is not None:
-            out = out + jax.nn.sigmoid(self.shared_gate(flat)) * self.shared(flat)
+            out = self._ragged(inputs, weights, experts, kernel)
+        out = apply_norm(self.experts_post_norm, out)
+        if self.shared is not None:
+            shared = self.shared(apply_norm(self.shared_norm, flat))
+            if self.shared_gate is not None:
+                shared = jax.nn.sigmoid(self.shared_gate(flat)) * shared
+            out = out + apply_norm(self.shared_post_norm, shared)
         logits = logits.reshape(*x.shape[:-1], -1)
         load = jnp.bincount(experts.reshape(-1), length=self.n_experts)
         return out.reshape(x.shape), Routing(logits, load, dropped.astype(jnp.int32))
@@ -369,23 +390,4 @@ class MoE(eqx.Module):
         return self.routed(x)[0]
 
 
-from eqllm.nn.moe_losses import (  # noqa: E402  (re-exported: they take a MoE)
-    balance_loss,
-    balanced_bias,
-    chosen_load,
-    expert_load,
-    load_balancing_loss,
-    sequence_balance_loss,
-)
-
-__all__ = [
-    "MoE",
-    "Routing",
-    "balance_loss",
-    "balanced_bias",
-    "chosen_load",
-    "clamped_swiglu",
-    "expert_load",
-    "load_balancing_loss",
-    "sequence_balance_loss",
-]
+__all__ = ["MoE", "Routing", "clamped_swiglu"]

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-# The stacked `eqllm.nn.MoE` layers these take (imported by eqllm.nn.moe, so not imported here).
+# The stacked `eqllm.nn.MoE` layers these take (a loose type: eqllm.nn.moe is not imported here).
 MoE = eqx.Module
 
 

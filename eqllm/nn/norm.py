@@ -10,6 +10,17 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 
+def unit_rms(x: Float[Array, "*rows dim"], eps: float) -> Float[Array, "*rows dim"]:
+    """x / rms(x) over the last axis, in fp32, cast back: a weightless RMSNorm."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def apply_norm(norm, x):
+    """norm(x), or x where there is no norm (None)."""
+    return x if norm is None else norm(x)
+
+
 class RMSNorm(eqx.Module):
     """x / rms(x) * w, with Gemma's (1 + w) variant when `plus_one` is set.
 

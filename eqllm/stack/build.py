@@ -256,6 +256,11 @@ def make_block(
             group_score=moe.group_score,
             routed_scale=moe.routed_scale,
             score_input=moe.score_input,
+            router_norm=moe.router_norm,
+            expert_scale=moe.expert_scale,
+            branch_norms=moe.branch_norms,
+            norm_eps=norms.eps,
+            norm_plus_one=norms.plus_one,
             key=k_mlp,
             dtype=dtype,
         )
@@ -288,10 +293,11 @@ def make_block(
     if linear and config.linear.pre_norm:  # OLMo hybrid: pre-norm DeltaNet, post-norm attention
         pre, post = True, False
     has_mlp = mlp is not None
+    branched = isinstance(mlp, MoE) and mlp.shared_norm is not None  # Gemma 4: norms its own
     return Block(
         norm(pre and attn is not None),
         attn,
-        norm(pre and has_mlp),
+        norm(pre and has_mlp and not branched),
         mlp,
         norm(post),
         norm(post and has_mlp),

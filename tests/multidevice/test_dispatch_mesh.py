@@ -40,6 +40,8 @@ CONFIGS = {
     ),
     # one expert a token, its input scaled by the score before it is sent (slow set)
     "llama4": TINY_CONFIGS["llama4"],
+    # Gemma 4's dense MLP beside the experts, each normed; its router's own norm (slow set)
+    "gemma4-moe": TINY_CONFIGS["gemma4-moe"],
 }
 
 
@@ -74,7 +76,10 @@ def reference(family):
 @pytest.mark.parametrize("mesh_text", ["data=2,fsdp=4", "data=2,fsdp=2,tensor=2"])
 @pytest.mark.parametrize(
     "family",
-    [pytest.param(f, marks=pytest.mark.slow) if f == "llama4" else f for f in sorted(CONFIGS)],
+    [
+        pytest.param(f, marks=pytest.mark.slow) if f in ("llama4", "gemma4-moe") else f
+        for f in sorted(CONFIGS)
+    ],
 )
 def test_dispatched_training_equals_single_device(family, mesh_text):
     cfg = CONFIGS[family]
@@ -83,8 +88,11 @@ def test_dispatched_training_equals_single_device(family, mesh_text):
     model, losses = train(cfg.replace(**{"moe.impl": "dispatch"}), mesh)
     assert model.blocks.mlp.gate.weight.sharding.spec[1] == "fsdp"  # experts split over fsdp
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    # Gemma 4's stack alone (no experts, plain FSDP) lands 1.0e-4 from one device after these
+    # steps: its unscaled QK-normed scores amplify the fp32 reduction order (1.7e-4 with them).
+    atol = 3e-4 if family == "gemma4-moe" else 2e-6
     for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(ref_model), strict=True):
-        np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5)
+        np.testing.assert_allclose(a, b, atol=atol, rtol=1e-5)
     if family == "deepseek_v3":
         assert np.abs(np.asarray(model.blocks.mlp.score_bias)).max() > 0
 
