@@ -28,6 +28,7 @@ from eqllm.nn.moe import (
 )
 from eqllm.nn.norm import LayerNorm, RMSNorm
 from eqllm.nn.params import ParamInfo, param_info
+from eqllm.nn.per_layer import PerLayerGate, PerLayerInputs
 from eqllm.nn.rope import RopeScaling, RotaryEmbedding, rope_frequencies, rope_inv_freq
 from eqllm.nn.ssd import Mamba2State
 
@@ -52,6 +53,8 @@ __all__ = [
     "Routing",
     "MultiHeadLatentAttention",
     "ParamInfo",
+    "PerLayerGate",
+    "PerLayerInputs",
     "RMSNorm",
     "RopeScaling",
     "RotaryEmbedding",

@@ -93,7 +93,7 @@ class FsdpGather:
         return 2 * group_tokens < 3 * moe.n_experts * moe.gate.weight.shape[-2]
 
     def layer(self, block):
-        def run(x, positions, local, segment_ids=None, rotate=None):
+        def run(x, positions, local, segment_ids=None, rotate=None, **inputs):
             parallel = self.expert_parallel(block, x)
             dispatched = self.dispatch.splits(block.mlp, x)
             gathered = self.gather(block, keep_experts=parallel or dispatched)
@@ -102,8 +102,8 @@ class FsdpGather:
                 dispatch=self.dispatch if dispatched and not parallel else None,
             )
             out, routing = gathered.routed(
-                self._pin(x), positions, local, segment_ids, rotate, experts=experts
-            )
+                self._pin(x), positions, local, segment_ids, rotate, experts=experts, **inputs
+            )  # inputs: a layer's per-layer input, a kv-shared layer's keys and values
             return self._pin(out), routing
 
         return run
