@@ -172,6 +172,9 @@ PLAIN = {
     "attention.temperature_floor": None,
     "linear": None,
     "multipliers": None,
+    "per_layer": None,
+    "attention.kv_shared_layers": None,
+    "mlp.kv_shared_d_ff": None,
     **DENSE,
 }
 

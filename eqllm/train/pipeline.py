@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from eqllm.config import ModelConfig
+from eqllm.config.kinds import stack_layers
 from eqllm.data import DataError
 from eqllm.eval.loss import masked_mean
 from eqllm.model import CausalLM
@@ -84,6 +85,12 @@ class Pipeline:
             raise MeshError(
                 "a hybrid stack (linear-attention and attention layers) does not run in a "
                 "pipeline yet (the stages hold one stack of layers); set mesh.pipeline=1"
+            )
+        if config.per_layer is not None or len(stack_layers(config)) > 1:
+            raise MeshError(
+                f"a model with layer kinds {sorted(set(config.layer_kinds()))} or per-layer inputs "
+                f"(per_layer={config.per_layer}) does not run in a pipeline yet (the stages hold "
+                "one stack of layers and no per-layer inputs); set mesh.pipeline=1"
             )
         if config.n_layers % self.stages:
             raise MeshError(
