@@ -19,12 +19,11 @@ from collections.abc import Callable, Sequence
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqllm.config import ModelConfig, dotted
 from eqllm.config.kinds import STACKS, layer_stacks, stack_field
-from eqllm.errors import EqllmError
+from eqllm.config.per_layer import kv_sources
 from eqllm.nn import (
     Block,
     Embedding,
@@ -34,17 +33,20 @@ from eqllm.nn import (
     LayerNorm,
     Linear,
     Mamba2State,
+    PerLayerInputs,
     RMSNorm,
     Routing,
 )
 from eqllm.parametrization import scales
 from eqllm.stack import REMAT_POLICIES as REMAT_POLICIES  # re-exported: the remat names
 from eqllm.stack import dtype_of, initial_parts, layer_flag, layer_flags, multipliers_of, run_stacks
+from eqllm.stack.inputs import check_tokens as check_tokens  # re-exported: callers import it here
+from eqllm.stack.run import layer_extra
 from eqllm.trees import cast_floating
 
 # Cached inference, per layer: K and V (or latents) per position, or a fixed recurrent state;
 # a layer with a mixer beside attention (Falcon-H1's) holds the pair (its K and V, its state);
-# None: a feed-forward layer alone (kind "ffn"), which keeps nothing.
+# None: a feed-forward layer alone (kind "ffn") or a kv-shared layer, which keep nothing.
 Entry = KVCache | LatentCache | GatedDeltaNetState | Mamba2State
 Cache = tuple[Entry | tuple[KVCache, GatedDeltaNetState | Mamba2State] | None, ...]
 
@@ -91,6 +93,12 @@ class CausalLM(eqx.Module):
     # Feed-forward layers without a token mixer (kind "ffn": Nemotron-H's MLP and expert
     # layers), stacked alike, in layer order; None otherwise.
     ffn_blocks: Block | None = None
+    # The kv-shared layers (`attention.kv_shared_layers`: kinds "shared" and "shared_global"),
+    # stacked alike, in layer order; None otherwise.
+    shared_blocks: Block | None = None
+    shared_global_blocks: Block | None = None
+    # Every layer's per-layer input (`config.per_layer`; None: none).
+    per_layer: PerLayerInputs | None = None
 
     def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
         parts = initial_parts(config, key)
@@ -104,6 +112,9 @@ class CausalLM(eqx.Module):
         self.linear_blocks = parts["linear_blocks"]
         self.global_blocks = parts["global_blocks"]
         self.ffn_blocks = parts["ffn_blocks"]
+        self.shared_blocks = parts["shared_blocks"]
+        self.shared_global_blocks = parts["shared_global_blocks"]
+        self.per_layer = parts["per_layer"]
 
     def with_config(self, **changes) -> CausalLM:
         """The same weights under changed execution settings (EXECUTION_FIELDS, as dotted keys
@@ -189,8 +200,17 @@ class CausalLM(eqx.Module):
         model = cast_floating(self, dtype_of(cfg.compute_dtype))  # the one compute-dtype cast
         x = model.embed_inputs(tokens, positions)
         stacks = {f: getattr(model, f) for f in STACKS.values()}
-        x, routing = run_stacks(stacks, x, None if in_order else positions, cfg, segment_ids)
+        per_layer = model.per_layer_inputs(tokens, x)
+        at = None if in_order else positions
+        x, routing = run_stacks(stacks, x, at, cfg, segment_ids, per_layer)
         return model.final_norm(x), routing
+
+    def per_layer_inputs(
+        self, tokens: Int[Array, "*batch seq"], x: Float[Array, "*batch seq d_model"]
+    ) -> Float[Array, "layers *batch seq d"] | None:
+        """Every layer's own input (`config.per_layer`) from the tokens and their embeddings
+        `x` (`embed_inputs`), layers leading; None for a model without."""
+        return None if self.per_layer is None else self.per_layer(tokens, x)
 
     def embed_inputs(
         self, tokens: Int[Array, "*batch seq"], positions: Int[Array, "*batch seq"]
@@ -233,7 +253,8 @@ class CausalLM(eqx.Module):
         window in a windowed or chunked layer), or a linear-attention or Mamba-2 layer's
         fixed-size state (its convolution's last inputs in the compute dtype; its recurrent
         state in fp32, or a Mamba-2 layer's `state_dtype`); None for a feed-forward layer alone
-        (kind "ffn"), which keeps nothing. A layer that runs a mixer beside attention
+        (kind "ffn") and a kv-shared layer, which keep nothing. A layer that runs a mixer beside
+        attention
         (`linear.parallel`) holds both: the pair (its KV cache, its mixer's state).
         """
         cfg = self.config
@@ -252,8 +273,9 @@ class CausalLM(eqx.Module):
                 full, a.global_kv_heads or kv_heads, a.global_head_dim or cfg.head_dim, dtype
             )
         caches = tuple(local if w else world for w in cfg.local_layers())
-        if cfg.linear is None:
-            return caches
+        if cfg.linear is None:  # a kv-shared layer reads its source's cache: none of its own
+            shared = kv_sources(cfg)
+            return tuple(None if i in shared else c for i, c in enumerate(caches))
         if cfg.linear.parallel:  # every layer: attention and its mixer's state (Falcon-H1)
             state = self.blocks.ssm.init_state(dtype=dtype)
             return tuple((c, state) for c in caches)
@@ -330,9 +352,13 @@ class CausalLM(eqx.Module):
         model = cast_floating(self, dtype_of(self.config.compute_dtype))  # no-op when cast
         layers = model.layers() if layers is None else layers
         x = model.embed_inputs(tokens, positions)
-        written = []
-        for call, layer_cache in zip(model.cached_calls(layers), cache, strict=True):
-            x, layer_cache = call(x, positions, layer_cache)
+        inputs = model.per_layer_inputs(tokens, x)
+        written, shared = [], {}
+        for i, (call, layer_cache) in enumerate(
+            zip(model.cached_calls(layers), cache, strict=True)
+        ):
+            extra = layer_extra(model.config, i, layers, x, positions, layer_cache, inputs, shared)
+            x, layer_cache = call(x, positions, layer_cache, **extra)
             written.append(layer_cache)
         return model.next_logits(x), tuple(written)
 
@@ -363,29 +389,3 @@ class CausalLM(eqx.Module):
     ) -> tuple[Float[Array, " vocab"], Cache]:
         """Feed one token at `position` after those in `cache`: `prefill` of a chunk of one."""
         return self.prefill(token[None], position[None], cache, layers=layers)
-
-
-def check_tokens(tokens, config: ModelConfig) -> None:
-    """Reject token arrays the model cannot take, with a message that says what to do."""
-    shape = getattr(tokens, "shape", None)
-    if shape is None or len(shape) not in (1, 2):
-        raise TypeError(
-            f"tokens must be a 1-D (seq,) or 2-D (batch, seq) integer array, got shape {shape}"
-        )
-    if not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise TypeError(f"tokens must have an integer dtype, got {tokens.dtype}")
-    if shape[-1] > config.max_seq_len:
-        raise ValueError(
-            f"sequence of {shape[-1]} tokens is longer than the context "
-            f"max_seq_len={config.max_seq_len}; truncate it or use a model with a longer context"
-        )
-    if 0 in shape:
-        raise ValueError(f"tokens is empty (shape {shape}); give at least one token")
-    if not isinstance(tokens, jax.core.Tracer):  # concrete ids: check their range here
-        ids = np.asarray(tokens)
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= config.vocab_size:
-            raise EqllmError(
-                f"token id out of range: ids in [{low}, {high}], but ids must lie in "
-                f"[0, vocab_size={config.vocab_size}); check the tokenizer matches the model"
-            )

@@ -60,6 +60,14 @@ _OLMO_LINEAR = {
 _GEMMA4_LOCAL = {"n_kv_heads": 2, "head_dim": 8, "sliding_window": 5, "global_every": 2}
 # Gemma 4's global layers of their own shape: heads twice as wide, one kv head, keys as values.
 _GEMMA4_GLOBAL = {**_GEMMA4_LOCAL, "global_head_dim": 16, "global_kv_heads": 1, "k_eq_v": True}
+GEMMA4_E = {
+    "n_layers": 6,
+    "attention": {**_GEMMA4_LOCAL, "global_head_dim": 16, "kv_shared_layers": 4},
+    "positions": {"global_fraction": 0.25},
+    "mlp": {"kv_shared_d_ff": 128},
+    "per_layer": {"d": 8},
+    "final_softcap": 2.0,
+}
 _MLA_LORA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "lm_head")
 
 FAMILIES = [
@@ -162,6 +170,16 @@ FAMILIES = [
             final_softcap=2.0,
         ),
         atol=3e-5,  # unscaled scores of QK-normed heads: fp32 rounding reaches 1.3e-5
+    ),
+    # E2B/E4B's mechanisms: per-layer inputs of 8; local, global, then four kv-shared layers
+    # (local, global, local, global: sources 0 and 1) with a double-wide MLP. Its default tests
+    # are tests/test_gemma4_e.py's.
+    Tiny(
+        "gemma4-e",
+        _zoo("gemma4-nano", **GEMMA4_E),
+        variant=True,
+        atol=3e-5,
+        cached_atol=2e-5,  # 240 tokens: fp32 rounding of the cached path reached 1.07e-5
     ),
     Tiny(
         "gemma4-plain-global",

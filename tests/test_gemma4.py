@@ -87,16 +87,15 @@ def test_published_31b_reads_its_settings():
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ({"hidden_size_per_layer_input": 256}, "hidden_size_per_layer_input=256"),
-        ({"num_kv_shared_layers": 18}, "num_kv_shared_layers=18"),
+        ({"num_kv_shared_layers": 60}, "kv_shared_layers=60"),  # no layer left with keys
         ({"enable_moe_block": True, "num_experts": 128}, "needs moe_intermediate_size"),
         ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
         ({"num_hidden_layers": 58, "layer_types": None}, "num_hidden_layers=58"),
     ],
 )
 def test_other_sizes_mechanisms_are_refused_by_name(change, named):
-    """E2B/E4B's per-layer embeddings and shared caches, experts without their size: one line
-    naming the config.json field and its value, never a silently different model."""
+    """Experts without their size, and shared caches with no layer left to compute keys: one
+    line naming the config.json field and its value, never a silently different model."""
     text = {k: v for k, v in {**PUBLISHED["text_config"], **change}.items() if v is not None}
     with pytest.raises(eqllm.ConfigError, match=named):
         from_hf_config({**PUBLISHED, "text_config": text})

@@ -116,7 +116,8 @@ def test_each_layer_caches_its_window_or_the_whole_context(family):
     a global layer's holds LENGTH; a hybrid's linear-attention layer and a Mamba-2 layer hold
     their recurrent state, the same at any length; a layer with Mamba-2 beside attention
     (Falcon-H1's) holds both, the pair (its keys and values, its state); a global layer of
-    its own shape (Gemma 4's) holds its own heads; a feed-forward layer alone keeps nothing."""
+    its own shape (Gemma 4's) holds its own heads; a feed-forward layer alone and a kv-shared layer
+    keep nothing."""
     config = TINY_CONFIGS[family]
     shapes = eqx.filter_eval_shape(eqllm.CausalLM, config, key=jax.random.key(0))
     cache = eqx.filter_eval_shape(lambda m: m.init_cache(LENGTH), shapes)
@@ -136,7 +137,7 @@ def test_each_layer_caches_its_window_or_the_whole_context(family):
             heads = (lin.n_value_heads, lin.key_head_dim, lin.value_head_dim)
             assert layer_cache.recurrent.shape == heads
             continue
-        if kind == "ffn":
+        if kind in ("ffn", "shared", "shared_global"):  # kv-shared: reads its source's cache
             assert layer_cache is None
             continue
         slots = (attention.sliding_window or attention.chunk_size) if local else LENGTH

@@ -99,6 +99,13 @@ def activations(model: CausalLM, tokens) -> tuple[dict[str, jax.Array], jax.Arra
     final residual stream and the logits.
 
     Walks the layers as `Block.routed` does; the logits equal `model(tokens)`'s."""
+    cfg = model.config
+    for field in ("per_layer", "attention.kv_shared_layers"):  # not walked here
+        if cfg.at(field) is not None:
+            raise EqllmError(
+                f"coordcheck does not walk {field}={cfg.at(field)} yet (per-layer inputs, "
+                "kv-shared layers); set it to None for the coordinate check"
+            )
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
     means = {}
     x = model.embed_inputs(tokens, positions)

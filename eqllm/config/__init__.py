@@ -39,6 +39,7 @@ from eqllm.config.keys import dotted, expand, merge
 from eqllm.config.kinds import layer_kinds
 from eqllm.config.legacy import from_flat
 from eqllm.config.linear import check_hybrid
+from eqllm.config.per_layer import PerLayerConfig, check_sharing
 from eqllm.config.validation import (
     STRICT,
     ConfigError,
@@ -96,8 +97,8 @@ class ModelConfig:
     `positions` (RoPE with its base, fraction and scaling, or learned), `mlp` (kind, d_ff,
     bias), `moe` (None: a dense MLP in every block), `norms` (kind, eps, plus-one, bias,
     placement), `linear` (None: attention in every layer; else Gated DeltaNet or Mamba-2 layers
-    between every `full_every`-th attention layer, a hybrid stack, Mamba-2 layers alone, or a
-    mixer beside attention in every layer), `multipliers` (constant activation factors).
+    between every `full_every`-th attention layer, a hybrid stack, Mamba-2 layers alone, or a mixer
+    beside attention in every layer), `multipliers` (constant factors), `per_layer` (inputs).
 
     Whole-model switches: `family` (a name of the families registry), `tie_embeddings`,
     `embed_scale` (multiply token embeddings by sqrt(d_model), as Gemma does), `final_softcap`
@@ -130,6 +131,7 @@ class ModelConfig:
     moe: MoEConfig | None = None
     linear: LinearAttentionConfig | None = None
     multipliers: MultipliersConfig | None = None
+    per_layer: PerLayerConfig | None = None
     family: Annotated[Family, Field(min_length=1)] = "llama"
     tie_embeddings: bool = False
     embed_scale: bool = False
@@ -217,6 +219,7 @@ class ModelConfig:
         )
         if self.linear is not None:
             check_hybrid(self)
+        check_sharing(self)
         if self.moe is not None:
             require(
                 set(self.layer_kinds()) != {"dense"},
@@ -234,8 +237,7 @@ class ModelConfig:
             )
 
     @property
-    def head_dim(self) -> int:
-        """The size of one attention head (`attention.head_dim`, filled in at construction)."""
+    def head_dim(self) -> int:  # `attention.head_dim`, filled in at construction
         return self.attention.head_dim
 
     @property
@@ -251,21 +253,18 @@ class ModelConfig:
         return int(self.attention.head_dim * self.positions.fraction)
 
     def layer_kinds(self) -> tuple[str, ...]:
-        """Per layer, the kind of stack it belongs to: "full", "dense" or "linear" (Gated
-        DeltaNet or Mamba-2); see `eqllm.config.kinds`."""
+        """Per layer, the kind of stack it belongs to; see `eqllm.config.kinds`."""
         return layer_kinds(self)
 
     def local_layers(self) -> tuple[bool, ...]:
-        """Per layer: does it attend through the sliding window or its chunk (`attention.
-        chunk_size`) (True), or to everything?"""
+        """Per layer: does it attend through the window or its chunk (True), or to everything?"""
         if self.attention.sliding_window is None and self.attention.chunk_size is None:
             return (False,) * self.n_layers
         every = self.attention.global_every
         return tuple(every is None or (i + 1) % every != 0 for i in range(self.n_layers))
 
     def rotary_layers(self) -> tuple[bool, ...]:
-        """Per layer: does it rotate queries and keys (True), or is it a NoPE layer (False,
-        every `positions.nope_every`-th)? All False without RoPE."""
+        """Per layer: rotary (True), or NoPE (positions.nope_every; every layer without RoPE)?"""
         if self.positions.kind != "rope":
             return (False,) * self.n_layers
         every = self.positions.nope_every

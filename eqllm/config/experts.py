@@ -219,3 +219,19 @@ def choose_kernel(
             "split the experts' axis (fsdp) over more than one device"
         )
     return requested
+
+
+# The plain experts every mixture family but gpt-oss has: no biases, SwiGLU (and no Gemma 4
+# router or branch norms). A MoE family adds these to its `fixed`, so export refuses the others'.
+PLAIN_EXPERTS = {
+    **PLAIN_ROUTER,
+    "moe.bias": False,
+    "moe.activation": "swiglu",
+    "moe.scoring": "softmax",
+    "moe.score_bias": False,
+    "moe.n_groups": None,
+    "moe.routed_scale": 1.0,
+    "moe.dense_layers": 0,
+    "moe.sparse_every": 1,
+    "moe.score_input": False,
+}

@@ -3,17 +3,22 @@ parameters a token uses, plus attention's scores and weighted sums (PaLM, append
 
 from __future__ import annotations
 
+from eqllm.config.per_layer import extra_matmul_params
 
-def attention_params(cfg, global_layer: bool = False) -> int:
+
+def attention_params(cfg, global_layer: bool = False, keys: bool = True) -> int:
     """The matmul parameters of one attention layer of `cfg` (a ModelConfig): q, k, v and o (and
     the output gate), or latent attention's projections; `global_layer`: a layer of the global
-    layers' own stack (Gemma 4: their head size and kv heads, no v where keys are values)."""
+    layers' own stack (Gemma 4: their head size and kv heads, no v where keys are values);
+    not `keys`: a kv-shared layer (Gemma 4 E2B/E4B), with no k or v of its own."""
     a, d = cfg.attention, cfg.d_model
     h, kv, q = a.n_heads, a.n_kv_heads, a.head_dim
     values = kv
     if global_layer:
         q, kv = a.global_head_dim or q, a.global_kv_heads or kv
         values = 0 if a.k_eq_v else kv
+    if not keys:
+        kv = values = 0
     attn = d * q * (h + kv + values) + h * q * d
     if a.kind == "mla":
         rank = a.q_lora_rank
@@ -41,6 +46,9 @@ def flops_per_token(cfg, seq_len: int | None = None) -> float:
     matmul_params = full * attn + sparse_layers * mlp + dense_layers * dense + head
     if "global" in kinds:  # Gemma 4's global layers, of their own shape
         matmul_params += kinds.count("global") * attention_params(cfg, global_layer=True)
+    for kind, wide in (("shared", False), ("shared_global", True)):  # Gemma 4 E2B/E4B
+        matmul_params += kinds.count(kind) * attention_params(cfg, wide, keys=False)
+    matmul_params += extra_matmul_params(cfg)  # per-layer inputs, the shared layers' wider MLP
     if (lin := cfg.linear) is not None:  # q, k, v, z, b, a and out of each linear layer
         keys, values = (
             lin.n_key_heads * lin.key_head_dim,
@@ -64,7 +72,9 @@ def attention_flops_per_token(cfg, seq_len: int | None = None) -> float:
     kinds = cfg.layer_kinds()
     if "global" in kinds:  # Gemma 4: the global layers' heads have a size of their own
         wide = a.global_head_dim or cfg.head_dim
-        width = {"full": cfg.head_dim, "dense": cfg.head_dim, "global": wide}
+        local = cfg.head_dim
+        width = {"full": local, "dense": local, "shared": local, "global": wide}
+        width["shared_global"] = wide
         scores = sum(2 * width.get(k, 0) * t for k, t in zip(kinds, spans, strict=True))
         return 6.0 * a.n_heads * scores
     t = sum(spans) / cfg.n_layers

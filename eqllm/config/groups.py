@@ -106,6 +106,7 @@ class AttentionConfig:
     global_head_dim: Positive | None = None
     global_kv_heads: Positive | None = None
     k_eq_v: bool = False
+    kv_shared_layers: Positive | None = None  # eqllm.config.per_layer
 
     @property
     def global_shape(self) -> bool:
@@ -199,6 +200,7 @@ class MLPConfig:
     kind: MLPKind = "swiglu"
     bias: bool = False
     gelu: GeluForm = "tanh"
+    kv_shared_d_ff: Positive | None = None  # the kv-shared layers' (eqllm.config.per_layer)
 
     def __post_init__(self) -> None:
         require(
@@ -245,6 +247,7 @@ class NormsConfig:
 from eqllm.config.experts import MoEConfig  # noqa: E402  (it uses the helpers above)
 from eqllm.config.linear import LinearAttentionConfig  # noqa: E402
 from eqllm.config.multipliers import MultipliersConfig  # noqa: E402
+from eqllm.config.per_layer import PerLayerConfig  # noqa: E402
 from eqllm.config.positions import PositionsConfig, RopeScalingConfig  # noqa: E402
 
 # The groups ModelConfig holds, by field name.
@@ -256,6 +259,7 @@ GROUPS: dict[str, type] = {
     "norms": NormsConfig,
     "linear": LinearAttentionConfig,
     "multipliers": MultipliersConfig,
+    "per_layer": PerLayerConfig,
 }
 # Groups nested inside a group, by (group, field).
 SUBGROUPS: dict[tuple[str, str], type] = {("positions", "scaling"): RopeScalingConfig}

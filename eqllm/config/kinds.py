@@ -1,6 +1,6 @@
 """Which stack each layer belongs to, and the segments the stack runs them in.
 
-A model's layers are of up to five kinds (`ModelConfig.layer_kinds`), each held by one stacked
+A model's layers are of up to seven kinds (`ModelConfig.layer_kinds`), each held by one stacked
 Block of `CausalLM`: "dense" (a mixture of experts' layers with the dense MLP: DeepSeek's
 first `moe.dense_layers`, Llama 4 Maverick's layers between each `moe.sparse_every`-th;
 `dense_blocks`), "full" (softmax attention, the main stack: `blocks`), "linear" (a hybrid's
@@ -9,7 +9,9 @@ Gated DeltaNet or Mamba-2 layers: `linear_blocks`; `blocks` when no layer has at
 `ffn_blocks`) and "global" (the layers without the window where they have another shape than
 the windowed ones: Gemma 4's head size, kv heads, keys as values and proportional RoPE,
 `attention.global_shape` or `positions.global_fraction`; `global_blocks`, `blocks` when every
-layer is global).
+layer is global). The last `attention.kv_shared_layers` layers, which attend to an earlier
+layer's keys and values (`eqllm.config.per_layer`), are "shared" (`shared_blocks`) or, where
+the global layers have a stack of their own, "shared_global" (`shared_global_blocks`).
 
 Everything that walks layers (the forward pass, the sliced layers of generation, the hub's key
 tables, sharding, the per-layer gradient norms) maps a layer to (stack, index in the stack)
@@ -28,12 +30,14 @@ STACKS = {
     "linear": "linear_blocks",
     "ffn": "ffn_blocks",
     "global": "global_blocks",
+    "shared": "shared_blocks",
+    "shared_global": "shared_global_blocks",
 }
 
 
 def layer_kinds(config) -> tuple[str, ...]:
-    """Per layer of `config` (a ModelConfig): "dense", "full", "linear", "ffn" or "global" (see
-    the module)."""
+    """Per layer of `config` (a ModelConfig): "dense", "full", "linear", "ffn", "global",
+    "shared" or "shared_global" (see the module)."""
     n = config.n_layers
     kinds = ["full"] * n if config.linear is None else list(config.linear.kinds(n))
     if config.attention.global_shape or config.positions.global_fraction is not None:
@@ -42,6 +46,8 @@ def layer_kinds(config) -> tuple[str, ...]:
         for i in range(n):
             if i < moe.dense_layers or (i + 1) % moe.sparse_every != 0:
                 kinds[i] = "dense"
+    for i in range(n - (config.attention.kv_shared_layers or 0), n):  # no keys of their own
+        kinds[i] = "shared_global" if kinds[i] == "global" else "shared"
     return tuple(kinds)
 
 

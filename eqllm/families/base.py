@@ -12,7 +12,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from eqllm.config import ConfigError, ModelConfig, experts
+from eqllm.config import ConfigError, ModelConfig
+from eqllm.config.experts import PLAIN_EXPERTS as PLAIN_EXPERTS  # the families' import
 from eqllm.families._rope import max_position_embeddings, rope_from_hf, rope_scaling_to_hf
 
 
@@ -172,22 +173,10 @@ PLAIN = {
     "attention.temperature_floor": None,
     "linear": None,
     "multipliers": None,
+    "per_layer": None,
+    "attention.kv_shared_layers": None,
+    "mlp.kv_shared_d_ff": None,
     **DENSE,
-}
-
-# The plain experts every mixture family but gpt-oss has: no biases, SwiGLU (and no Gemma 4
-# router or branch norms). A MoE family adds these to its `fixed`, so export refuses the others'.
-PLAIN_EXPERTS = {
-    **experts.PLAIN_ROUTER,
-    "moe.bias": False,
-    "moe.activation": "swiglu",
-    "moe.scoring": "softmax",
-    "moe.score_bias": False,
-    "moe.n_groups": None,
-    "moe.routed_scale": 1.0,
-    "moe.dense_layers": 0,
-    "moe.sparse_every": 1,
-    "moe.score_input": False,
 }
 
 # The Llama block the Llama-layout families start from: RMSNorm before each sublayer, SwiGLU,

@@ -10,11 +10,15 @@ The global layers may have a shape of their own, a stack of layer kind "global"
 heads whose values are their keys (`attention_k_eq_v`, `num_global_key_value_heads` ->
 `attention.k_eq_v`, `attention.global_kv_heads`) and proportional RoPE on a fraction of their
 frequencies (`rope_parameters.full_attention.partial_rotary_factor` ->
-`positions.global_fraction`). 26B-A4B's mixture-of-experts block (`enable_moe_block`: the dense
-MLP and the experts side by side in every layer) is `eqllm.families._gemma4_moe`'s. The
-mechanisms of the other published sizes are refused by name on import: per-layer input
-embeddings (`hidden_size_per_layer_input`, E2B and E4B) and key/value caches shared by the
-last layers (`num_kv_shared_layers`, with their double-wide MLP).
+`positions.global_fraction`).
+
+E2B and E4B add per-layer input embeddings (`hidden_size_per_layer_input`,
+`vocab_size_per_layer_input` -> `per_layer.d`, `per_layer.vocab_size`) and key/value caches
+shared by the last layers (`num_kv_shared_layers` -> `attention.kv_shared_layers`; each shared
+layer attends to the keys and values of the last earlier layer of its type and holds no cache),
+whose MLP may be twice as wide (`use_double_wide_mlp` -> `mlp.kv_shared_d_ff` = 2 x d_ff); see
+`eqllm.config.per_layer`. 26B-A4B's mixture-of-experts block (`enable_moe_block`: the dense MLP
+and the experts side by side in every layer) is `eqllm.families._gemma4_moe`'s.
 
 Published checkpoints are multimodal (`gemma4`, `Gemma4ForConditionalGeneration`): eqllm reads
 the language model (`text_config`, `model.language_model.*`) and leaves the vision and audio
@@ -62,20 +66,36 @@ _DEFAULTS = {
 _GLOBAL_HEAD_DIM = 512  # Gemma4TextConfig's global_head_dim when neither it nor overrides are set
 
 
+# Per-layer inputs (E2B, E4B): the model's table, projection and norm, each layer's gate.
+PER_LAYER_ROWS = list(
+    rows(
+        ("model.embed_tokens_per_layer.weight", "per_layer.embed.weight"),
+        ("model.per_layer_model_projection.weight", "per_layer.project.weight"),
+        ("model.per_layer_projection_norm.weight", "per_layer.norm.weight"),
+        ("model.layers.{i}.per_layer_input_gate.weight", "blocks.per_layer.gate.weight"),
+        ("model.layers.{i}.per_layer_projection.weight", "blocks.per_layer.out.weight"),
+        ("model.layers.{i}.post_per_layer_input_norm.weight", "blocks.per_layer.norm.weight"),
+    )
+)
+
+
 def _table(body: str) -> tuple:
     """The key table with the language model under `body` ("model." for Gemma4ForCausalLM,
     "model.language_model." in the published multimodal files); the head is tied."""
     scalar = rows(("model.layers.{i}.layer_scalar", "blocks.layer_scalar"))
     local = [r for r in SANDWICH_TABLE + QK_NORM_ROWS + scalar if r.hf != "lm_head.weight"]
     local = with_experts(local)  # 26B-A4B's dense MLP beside its experts
-    # The global layers' own stack (attention.global_shape) has the same tensor names.
-    global_ = [
-        dataclasses.replace(r, eqllm=tuple("global_" + p for p in r.eqllm))
+    local += PER_LAYER_ROWS
+    # The global layers' own stack (attention.global_shape) and the kv-shared layers' stacks
+    # have the same tensor names (a shared layer has no k_proj, v_proj or k_norm).
+    others = [
+        dataclasses.replace(r, eqllm=tuple(stack + p for p in r.eqllm))
+        for stack in ("global_", "shared_", "shared_global_")
         for r in local
         if r.layered
     ]
     return tuple(
-        dataclasses.replace(r, hf=body + r.hf.removeprefix("model.")) for r in local + global_
+        dataclasses.replace(r, hf=body + r.hf.removeprefix("model.")) for r in local + others
     )
 
 
@@ -108,10 +128,11 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "global_head_dim": a.global_head_dim or cfg.head_dim,
         "num_global_key_value_heads": a.global_kv_heads or a.n_kv_heads,
         "attention_k_eq_v": a.k_eq_v,
-        "hidden_size_per_layer_input": 0,
-        "vocab_size_per_layer_input": cfg.vocab_size,
-        "num_kv_shared_layers": 0,
-        "use_double_wide_mlp": False,
+        "hidden_size_per_layer_input": 0 if cfg.per_layer is None else cfg.per_layer.d,
+        "vocab_size_per_layer_input": (cfg.per_layer and cfg.per_layer.vocab_size)
+        or cfg.vocab_size,
+        "num_kv_shared_layers": a.kv_shared_layers or 0,
+        "use_double_wide_mlp": cfg.mlp.kv_shared_d_ff is not None,
         "tie_word_embeddings": True,
         **experts_to_hf(cfg),
     }
@@ -182,6 +203,20 @@ def _rope(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _per_layer(hf: dict[str, Any], vocab_size: int, d_ff: int) -> dict[str, Any]:
+    """E2B/E4B's per-layer inputs and kv-shared layers (with their double-wide MLP), where the
+    file (or transformers' default, 256 per-layer numbers over 262,144 rows) has them."""
+    d = hf.get("hidden_size_per_layer_input", _DEFAULTS["hidden_size_per_layer_input"])
+    rows_ = hf.get("vocab_size_per_layer_input", 262_144)
+    shared = hf.get("num_kv_shared_layers") or None
+    wide = bool(hf.get("use_double_wide_mlp")) and shared is not None
+    return {
+        "per_layer": {"d": d, "vocab_size": None if rows_ == vocab_size else rows_} if d else None,
+        "attention.kv_shared_layers": shared,
+        "mlp.kv_shared_d_ff": 2 * d_ff if wide else None,
+    }
+
+
 def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     refuse(hf, "hidden_activation", GELU_TANH)
     refuse(hf, "hidden_act", (*GELU_TANH, None))
@@ -189,13 +224,6 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     refuse(hf, "tie_word_embeddings", (True,))
     # Text tokens attend causally under "vision"; "all" makes every token bidirectional.
     refuse(hf, "use_bidirectional_attention", (None, "vision"))
-    mechanisms = (
-        ("hidden_size_per_layer_input", (0, None), "per-layer input embeddings (E2B, E4B)"),
-        ("num_kv_shared_layers", (0, None), "key/value caches shared by the last layers"),
-    )
-    for key, plain, what in mechanisms:
-        if hf.get(key, _DEFAULTS.get(key)) not in plain:
-            raise _unsupported(key, hf.get(key, _DEFAULTS.get(key)), f"{what} is not implemented")
     fields = llama_from_hf({k: v for k, v in hf.items() if k != "rope_parameters"})
     every = global_every(hf, 6)
     if fields["n_layers"] % every:  # transformers makes the last layer global whatever the list
@@ -209,6 +237,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         **fields,
         **_rope(hf),
         **_global_shape(hf, fields["attention.head_dim"], fields["attention.n_kv_heads"]),
+        **_per_layer(hf, fields["vocab_size"], fields["mlp.d_ff"]),
         "attention.k_eq_v": bool(hf.get("attention_k_eq_v", False)),
         "attention.sliding_window": need(hf, "sliding_window"),
         "attention.global_every": every,
@@ -232,6 +261,8 @@ def _check(cfg: ModelConfig) -> dict[str, Any]:
         return {"attention.global_head_dim": a.global_head_dim}
     if a.global_kv_heads is not None and (a.global_kv_heads == a.n_kv_heads or not a.k_eq_v):
         return {"attention.global_kv_heads": a.global_kv_heads}
+    if cfg.mlp.kv_shared_d_ff not in (None, 2 * cfg.mlp.d_ff):  # transformers doubles it
+        return {"mlp.kv_shared_d_ff": cfg.mlp.kv_shared_d_ff}
     return {}
 
 

@@ -94,10 +94,10 @@ def row_calls(model, layers: Sequence, index: Int[Array, " rows"] | None) -> lis
     if index is None or not has_adapters(layers):
         return [jax.vmap(call) for call in calls]
 
-    def run(k, i, x, positions, cache):
+    def run(k, i, x, positions, cache, **extra):  # extra: `eqllm.stack.run.layer_extra`
         picked = list(layers)
         picked[k] = with_index(layers[k], i)
-        return model.cached_calls(picked)[k](x, positions, cache)
+        return model.cached_calls(picked)[k](x, positions, cache, **extra)
 
     return [
         functools.partial(jax.vmap(functools.partial(run, k)), index) for k in range(len(layers))

@@ -19,7 +19,9 @@ sequence.
 A recurrent layer (a hybrid's linear-attention layer, a Mamba-2 layer) has no pool: its entry
 of the cache is the recurrent state of the call's rows (`eqllm.generation.recurrent`), which the
 layer continues and `forward` returns. A layer with a mixer beside attention (Falcon-H1's) has
-the pair (its pool, its mixer's state): the layer runs on (its view, the state). A stack of
+the pair (its pool, its mixer's state): the layer runs on (its view, the state). A kv-shared
+layer (`attention.kv_shared_layers`) has no pool: it runs on its source layer's view and the
+keys and values the source computed for the step (`eqllm.stack.run.layer_extra`). A stack of
 Mamba-2 layers alone has no pool at all: its pages and page tables are bookkeeping that holds
 no bytes.
 """
@@ -36,11 +38,14 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from eqllm.config import ModelConfig
-from eqllm.generation.adapters import row_calls
+from eqllm.config.per_layer import kv_sources
+from eqllm.errors import EqllmError
+from eqllm.generation.adapters import has_adapters, row_calls
 from eqllm.generation.recurrent import State, is_state, parts
 from eqllm.model import CausalLM
 from eqllm.nn import KVCache, LatentCache
 from eqllm.nn.linear import zero_after
+from eqllm.stack.run import layer_extra
 
 
 class Pool(eqx.Module):
@@ -207,10 +212,19 @@ def forward_hidden(
     n_pages, new = pages.shape[1], tokens.shape[1]
     end = start + jnp.sum(positions >= 0, axis=1)
     x = jax.vmap(model.embed_inputs)(tokens, positions)
+    inputs = model.per_layer_inputs(tokens, x)  # (layers, rows, new, d); None without
+    if adapter is not None and kv_sources(model.config) and has_adapters(layers):
+        raise EqllmError(
+            f"attention.kv_shared_layers={model.config.attention.kv_shared_layers}: serving "
+            "several adapters over kv-shared layers is not supported yet (the sources' keys "
+            "would miss each row's adapter); merge the adapter (eqllm convert --merge)"
+        )
     after = jnp.zeros((), jnp.int32)
-    written = []
+    written, shared = [], {}
     calls = row_calls(model, layers, adapter)  # vmapped over rows
-    for call, entry, window in zip(calls, cache, windows(model.config), strict=True):
+    for i, (call, entry, window) in enumerate(
+        zip(calls, cache, windows(model.config), strict=True)
+    ):
         blocks = view_blocks(window, n_pages, new, block_size)
         read = functools.partial(
             _view,
@@ -221,7 +235,10 @@ def forward_hidden(
             block_size=block_size,
             after=after,
         )
-        x, out = call(x, positions, _on_pools(read, entry))  # a state: the rows' own
+        view = _on_pools(read, entry)  # a state: the rows' own
+        # a kv-shared layer (no pool: entry None) attends to its source's view and chunk
+        extra = layer_extra(model.config, i, layers, x, positions, view, inputs, shared)
+        x, out = call(x, positions, view, **extra)
         after = zero_after(x)
         write = functools.partial(
             _write, pages=pages, positions=positions + after, block_size=block_size

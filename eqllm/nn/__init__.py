@@ -27,6 +27,7 @@ from eqllm.nn.moe_losses import (
 )
 from eqllm.nn.norm import LayerNorm, RMSNorm
 from eqllm.nn.params import ParamInfo, param_info
+from eqllm.nn.per_layer import PerLayerGate, PerLayerInputs
 from eqllm.nn.rope import RopeScaling, RotaryEmbedding, rope_frequencies, rope_inv_freq
 from eqllm.nn.ssd import Mamba2State
 
@@ -51,6 +52,8 @@ __all__ = [
     "Routing",
     "MultiHeadLatentAttention",
     "ParamInfo",
+    "PerLayerGate",
+    "PerLayerInputs",
     "RMSNorm",
     "RopeScaling",
     "RotaryEmbedding",

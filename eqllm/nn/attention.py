@@ -80,11 +80,14 @@ class Attention(eqx.Module):
         v_norm: a weightless RMSNorm over each value head, with `norm_eps` (Gemma 4).
         k_eq_v: no value projection: the values are the keys' projection, before the QK-norm
             and the rotation (Gemma 4's global layers, attention_k_eq_v).
+        kv_shared: no key or value projection (nor key norm): the layer attends to another
+            layer's keys and values, passed to each call as `shared` (Gemma 4's
+            num_kv_shared_layers; `eqllm.config.per_layer`).
     """
 
     q_proj: Linear
-    k_proj: Linear
-    v_proj: Linear | None  # None: the values are the keys' projection (k_eq_v)
+    k_proj: Linear | None  # None: the keys and values are another layer's (kv_shared)
+    v_proj: Linear | None  # None: the values are the keys' projection (k_eq_v), or kv_shared
     o_proj: Linear
     gate_proj: Linear | None
     q_norm: RMSNorm | None
@@ -131,6 +134,7 @@ class Attention(eqx.Module):
         temperature: tuple[int, float] | None = None,
         v_norm: bool = False,
         k_eq_v: bool = False,
+        kv_shared: bool = False,
         key: PRNGKeyArray,
         dtype=jnp.float32,
     ):
@@ -145,6 +149,8 @@ class Attention(eqx.Module):
             raise ValueError(f"kernel={kernel!r} has no attention sinks (sinks=True)")
         if kernel is not None and chunk_size is not None:
             raise ValueError(f"kernel={kernel!r} has no chunked mask (chunk_size={chunk_size})")
+        if kv_shared and (not qk_norm_per_head or interleaved or qk_l2 or temperature):
+            raise ValueError("kv_shared takes per-head QK-norm and rotate-half RoPE only")
         if chunk_size is not None and sliding_window is not None:
             raise ValueError(f"chunk_size={chunk_size} and sliding_window={sliding_window}")
         if head_dim is None:
@@ -156,21 +162,10 @@ class Attention(eqx.Module):
         self.q_proj = Linear(
             d_model, q_size, axes=("heads", "d_model"), use_bias=qkv_bias, key=kq, dtype=dtype
         )
-        self.k_proj = Linear(
-            d_model, kv_size, axes=("kv_heads", "d_model"), use_bias=qkv_bias, key=kk, dtype=dtype
-        )
-        self.v_proj = (
-            None
-            if k_eq_v
-            else Linear(
-                d_model,
-                kv_size,
-                axes=("kv_heads", "d_model"),
-                use_bias=qkv_bias,
-                key=kv,
-                dtype=dtype,
-            )
-        )
+        kv_axes = dict(axes=("kv_heads", "d_model"), use_bias=qkv_bias, dtype=dtype)
+        self.k_proj = None if kv_shared else Linear(d_model, kv_size, key=kk, **kv_axes)
+        no_values = k_eq_v or kv_shared
+        self.v_proj = None if no_values else Linear(d_model, kv_size, key=kv, **kv_axes)
         self.o_proj = Linear(
             q_size,
             d_model,
@@ -188,7 +183,7 @@ class Attention(eqx.Module):
         q_dim, k_dim = (head_dim, head_dim) if qk_norm_per_head else (q_size, kv_size)
         norm = dict(eps=norm_eps, plus_one=norm_plus_one, dtype=dtype)
         self.q_norm = RMSNorm(q_dim, **norm) if qk_norm else None
-        self.k_norm = RMSNorm(k_dim, **norm) if qk_norm else None
+        self.k_norm = RMSNorm(k_dim, **norm) if qk_norm and not kv_shared else None
         self.rope = rope
         # A sink logit of 0 starts as one more key scoring 0 (transformers draws N(0, std)).
         self.sinks = jnp.zeros(n_heads, dtype) if sinks else None
@@ -212,13 +207,19 @@ class Attention(eqx.Module):
         positions: Int[Array, "*#batch seq"],
         local: Bool[Array, ""] | bool | None = None,
         rotate: Bool[Array, ""] | bool | None = None,
+        shared: tuple[Array, Array] | None = None,
     ) -> tuple[
         Float[Array, "*batch seq heads head_dim"],
         Float[Array, "*batch seq kv_heads head_dim"],
         Float[Array, "*batch seq kv_heads head_dim"],
     ]:
         """Queries, keys and values of `x`, normalised and rotated to their positions (not
-        rotated where `rotate` is False)."""
+        rotated where `rotate` is False); a kv-shared layer's keys and values are `shared`, as
+        its source layer's `project` returned them."""
+        if self.k_proj is None:
+            if shared is None:
+                raise ValueError("a kv-shared attention layer needs its source's keys (shared)")
+            return self._queries(x, positions, local, rotate), *shared
         rows = x.shape[:-1]
         q, k = self.q_proj(x), self.k_proj(x)
         v = k if self.v_proj is None else self.v_proj(x)
@@ -251,6 +252,13 @@ class Attention(eqx.Module):
             q = _where(jnp.logical_not(rotates), tuned, q)
         return q, k, v
 
+    def _queries(self, x, positions, local, rotate):
+        """A kv-shared layer's queries: per-head norm and rotation as in `project` (the other
+        query transforms are refused for such a layer at construction)."""
+        q = self.q_proj(x).reshape(*x.shape[:-1], self.n_heads, self.head_dim)
+        q = q if self.q_norm is None else self.q_norm(q)
+        return q if self.rope is None else self.rope(q, positions, local, rotate)
+
     def output(
         self,
         attended: Float[Array, "*batch seq heads head_dim"],
@@ -272,8 +280,10 @@ class Attention(eqx.Module):
         local: Bool[Array, ""] | bool | None = None,
         segment_ids: Int[Array, "*batch seq"] | None = None,
         rotate: Bool[Array, ""] | bool | None = None,
+        shared: tuple[Array, Array] | None = None,
     ) -> Float[Array, "*batch seq d_model"]:
-        """Causal self-attention of `x`; `positions` default to 0..seq-1.
+        """Causal self-attention of `x`; `positions` default to 0..seq-1; `shared`: a kv-shared
+        layer's keys and values (its source's `project`).
 
         With the default positions the causal structure is known when tracing, and key blocks
         entirely in the future are skipped (`in_order_attention`). `local` is the layer's flag
@@ -287,7 +297,7 @@ class Attention(eqx.Module):
         # lengths; odd lengths with explicit positions (evaluation padding) stay here.
         if self.kernel is not None and (positions is None or seq % 2 == 0):
             fixed = jnp.arange(seq) if positions is None else positions
-            q, k, v = self.project(x, fixed, local, rotate)
+            q, k, v = self.project(x, fixed, local, rotate, shared)
             attended = fused_attention(
                 q,
                 k,
@@ -301,7 +311,7 @@ class Attention(eqx.Module):
             )
             return self.output(attended, x)
         if positions is None:  # one row of positions serves the batch: rotations computed once
-            q, k, v = self.project(x, jnp.arange(x.shape[-2]), local, rotate)
+            q, k, v = self.project(x, jnp.arange(x.shape[-2]), local, rotate, shared)
             attended = in_order_attention(
                 q,
                 k,
@@ -313,7 +323,7 @@ class Attention(eqx.Module):
                 **extra,
             )
             return self.output(attended, x)
-        q, k, v = self.project(x, positions, local, rotate)
+        q, k, v = self.project(x, positions, local, rotate, shared)
         mask = attention_mask(
             positions,
             positions,
@@ -330,21 +340,25 @@ class Attention(eqx.Module):
         self,
         x: Float[Array, "seq d_model"],
         positions: Int[Array, " seq"],
-        cache: KVCache,
+        cache: KVCache | None,
         local: Bool[Array, ""] | bool | None = None,
         rotate: Bool[Array, ""] | bool | None = None,
-    ) -> tuple[Float[Array, "seq d_model"], KVCache]:
+        shared: tuple[KVCache, Array, Array] | None = None,
+    ) -> tuple[Float[Array, "seq d_model"], KVCache | None]:
         """Attention of a chunk of new positions to the cached past and to itself.
 
         Returns the output and the cache with the chunk's keys and values written in. The chunk
         may be a whole prompt (prefill) or one token (decode); padding has negative positions.
+        A kv-shared layer takes `shared`: its source's cache as it was before the chunk and the
+        chunk's keys and values from the source; it writes nothing (returns None for a cache).
         """
-        q, k, v = self.project(x, positions, local, rotate)
+        q, k, v = self.project(x, positions, local, rotate, None if shared is None else shared[1:])
+        source = cache if shared is None else shared[0]
         # Keys: the cache (strictly earlier positions) then the chunk itself. Attending before
         # writing keeps keys a ring buffer would overwrite while the chunk still needs them.
-        keys = jnp.concatenate([cache.k, k.astype(cache.k.dtype)])
-        values = jnp.concatenate([cache.v, v.astype(cache.v.dtype)])
-        key_positions = jnp.concatenate([cache.positions, positions])
+        keys = jnp.concatenate([source.k, k.astype(source.k.dtype)])
+        values = jnp.concatenate([source.v, v.astype(source.v.dtype)])
+        key_positions = jnp.concatenate([source.positions, positions])
         mask = attention_mask(
             positions, key_positions, self.sliding_window, local, chunk_size=self.chunk_size
         )
@@ -352,7 +366,8 @@ class Attention(eqx.Module):
         attended = dot_product_attention(
             q, keys, values, mask, scale=self.scale, softcap=self.softcap, sinks=self.sinks
         )
-        return self.output(attended, x), cache.write(k, v, positions)
+        written = None if shared is not None else cache.write(k, v, positions)
+        return self.output(attended, x), written
 
 
 def _unit_rms(x, eps: float):

@@ -17,6 +17,7 @@ from eqllm.nn.mla import LatentCache, MultiHeadLatentAttention
 from eqllm.nn.mlp import MLP, GatedMLP
 from eqllm.nn.moe import MoE, Routing
 from eqllm.nn.norm import LayerNorm, RMSNorm
+from eqllm.nn.per_layer import PerLayerGate
 from eqllm.nn.ssd import Mamba2State
 
 Norm = RMSNorm | LayerNorm
@@ -61,6 +62,12 @@ class Block(eqx.Module):
             (Falcon-H1's attention_in, attention_out and ssm_out multipliers; 1.0: none).
         layer_scalar: multiplies the block's whole output, shape (1,) (Gemma 4's stored
             `layer_scalar`; None: none).
+        per_layer: adds the layer's own input (`per_layer_input` of each call) after the MLP,
+            through a gate of the hidden state (Gemma 4 E2B/E4B; `eqllm.nn.per_layer`; None:
+            none).
+
+    A kv-shared layer (its attention built with `kv_shared`) takes its source layer's keys
+    and values as `shared` (`keys_values` of the source's block).
     """
 
     attn_norm: Norm | None
@@ -74,6 +81,7 @@ class Block(eqx.Module):
     ssm: GatedDeltaNet | Mamba2 | None = None
     multipliers: tuple[float, float, float] = eqx.field(static=True, default=(1.0, 1.0, 1.0))
     layer_scalar: Float[Array, "1"] | None = None
+    per_layer: PerLayerGate | None = None
 
     def _mixed(self, h, attended, segment_ids=None):
         """Attention's output `attended` scaled, plus the parallel mixer's on `h` (if any)."""
@@ -82,10 +90,14 @@ class Block(eqx.Module):
             return attended
         return attended + _scaled(self.ssm(h, None, segment_ids)[0], self.multipliers[2])
 
-    def _residual(self, x, attended, moe_impl=None, experts: ExpertHooks | None = None):
-        """The block's output from its input `x` and attention's output `attended` (times
-        `layer_scalar`, where the block has one)."""
+    def _residual(self, x, attended, moe_impl=None, experts=None, per_layer_input=None):
+        """The block's output from its input `x` and attention's output `attended` (with its
+        per-layer input added and times `layer_scalar`, where the block has them)."""
         out, routing = self._sublayers(x, attended, moe_impl, experts)
+        if self.per_layer is not None:
+            if per_layer_input is None:
+                raise ValueError("a block with per-layer inputs needs its per_layer_input")
+            out = self.per_layer(out, per_layer_input)
         if self.layer_scalar is not None:
             out = out * self.layer_scalar.astype(out.dtype)
         return out, routing
@@ -126,19 +138,38 @@ class Block(eqx.Module):
         segment_ids: Int[Array, "*batch seq"] | None = None,
         rotate: Bool[Array, ""] | bool | None = None,
         experts: ExpertHooks | None = None,
+        per_layer_input: Float[Array, "*batch seq d"] | None = None,
+        shared: tuple[Array, Array] | None = None,
     ) -> tuple[Float[Array, "*batch seq d_model"], Routing | None]:
         """The block's output and its `Routing` (router logits, dropped copies; None unless
         `mlp` is a mixture of experts). `experts`: how a mesh places or dispatches a mixture
-        of experts' experts (`eqllm.nn.dispatch.ExpertHooks`, from the FSDP layer hook)."""
+        of experts' experts (`eqllm.nn.dispatch.ExpertHooks`, from the FSDP layer hook).
+        `per_layer_input`: this layer's input (a block with `per_layer`); `shared`: a
+        kv-shared layer's keys and values (its source's `keys_values`)."""
         if self.attn is None:  # a feed-forward layer alone
             return self._feed_forward(x, experts=experts)
         h = _apply(self.attn_norm, x)
         h_in = _scaled(h, self.multipliers[0])
         if isinstance(self.attn, GatedDeltaNet | Mamba2):  # recurrent: order is position
             attended = self.attn(h_in, None, segment_ids)[0]
+        elif shared is not None:
+            attended = self.attn(h_in, positions, local, segment_ids, rotate, shared)
         else:
             attended = self.attn(h_in, positions, local, segment_ids, rotate)
-        return self._residual(x, self._mixed(h, attended, segment_ids), experts=experts)
+        mixed = self._mixed(h, attended, segment_ids)
+        return self._residual(x, mixed, experts=experts, per_layer_input=per_layer_input)
+
+    def keys_values(
+        self,
+        x: Float[Array, "*batch seq d_model"],
+        positions: Int[Array, "*#batch seq"],
+        local: Bool[Array, ""] | bool | None = None,
+        rotate: Bool[Array, ""] | bool | None = None,
+    ) -> tuple[Array, Array]:
+        """The keys and values this block's attention computes from its input `x` (normed and
+        rotated, as `Attention.project` returns them): what its kv-shared layers attend to."""
+        h = _scaled(_apply(self.attn_norm, x), self.multipliers[0])
+        return self.attn.project(h, positions, local, rotate)[1:]
 
     @jax.named_scope("eqllm.Block.cached")
     def cached(
@@ -148,12 +179,18 @@ class Block(eqx.Module):
         cache: Cache,
         local: Bool[Array, ""] | bool | None = None,
         rotate: Bool[Array, ""] | bool | None = None,
+        per_layer_input: Float[Array, "seq d"] | None = None,
+        shared: tuple[KVCache, Array, Array] | None = None,
     ) -> tuple[Float[Array, "seq d_model"], Cache]:
         """The block on a chunk of new positions, attending to `cache` (see Attention.cached);
         a Gated DeltaNet or Mamba-2 layer continues its recurrent state instead (its `cache`),
         skipping the chunk's left padding (negative positions). A block with a mixer beside
         attention (`ssm`) takes the pair (attention's cache, the mixer's state) and returns
         both continued; a feed-forward layer alone keeps nothing (its `cache` is None).
+
+        `per_layer_input`: this layer's input (a block with `per_layer`). A kv-shared layer
+        takes `shared`, its source's cache before the chunk and the chunk's keys and values
+        (`keys_values`), and keeps nothing (its `cache` is None).
 
         Experts are computed densely here: generation runs this under `jax.vmap`, which the
         grouped ("ragged") product does not support, and a decode step has one token anyway.
@@ -167,8 +204,9 @@ class Block(eqx.Module):
             attended, cache = self.attn(h_in, cache, valid=valid)
             return self._residual(x, self._mixed(h, attended), "dense")[0], cache
         if self.ssm is None:
-            attended, cache = self.attn.cached(h_in, positions, cache, local, rotate)
-            return self._residual(x, self._mixed(h, attended), "dense")[0], cache
+            attended, cache = self.attn.cached(h_in, positions, cache, local, rotate, shared)
+            out = self._residual(x, self._mixed(h, attended), "dense", None, per_layer_input)
+            return out[0], cache
         kv, state = cache
         attended, kv = self.attn.cached(h_in, positions, kv, local, rotate)
         mixed, state = self.ssm(h, state, valid=valid)  # on the unscaled input, as in `_mixed`

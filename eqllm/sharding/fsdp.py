@@ -95,7 +95,7 @@ class FsdpGather:
         return 2 * group_tokens < matrices * moe.n_experts * moe.up.weight.shape[-2]
 
     def layer(self, block):
-        def run(x, positions, local, segment_ids=None, rotate=None):
+        def run(x, positions, local, segment_ids=None, rotate=None, **inputs):
             parallel = self.expert_parallel(block, x)
             dispatched = self.dispatch.splits(block.mlp, x)
             own_rows = self.dispatch.on_own_rows(block.mlp, x)
@@ -107,8 +107,8 @@ class FsdpGather:
                 dispatch = self.dispatch.own_rows
             experts = ExpertHooks(place=self._place if parallel else None, dispatch=dispatch)
             out, routing = gathered.routed(
-                self._pin(x), positions, local, segment_ids, rotate, experts=experts
-            )
+                self._pin(x), positions, local, segment_ids, rotate, experts=experts, **inputs
+            )  # inputs: a layer's per-layer input, a kv-shared layer's keys and values
             return self._pin(out), routing
 
         return run

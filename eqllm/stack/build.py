@@ -31,6 +31,8 @@ from eqllm.nn import (
     Mamba2,
     MoE,
     MultiHeadLatentAttention,
+    PerLayerGate,
+    PerLayerInputs,
     RMSNorm,
     RopeScaling,
     RotaryEmbedding,
@@ -97,9 +99,16 @@ def mla_scale(config: ModelConfig) -> float:
     return scale
 
 
-def make_attention(config: ModelConfig, key: PRNGKeyArray, dtype, global_layer: bool = False):
+def make_attention(
+    config: ModelConfig,
+    key: PRNGKeyArray,
+    dtype,
+    global_layer: bool = False,
+    kv_shared: bool = False,
+):
     """The attention layer of a block: grouped-query or latent (`attention.kind`);
-    `global_layer`: a layer of the global layers' own stack (`attention.global_shape`)."""
+    `global_layer`: a layer of the global layers' own stack (`attention.global_shape`);
+    `kv_shared`: one without keys and values of its own (`attention.kv_shared_layers`)."""
     a, norms = config.attention, config.norms
     if a.kind == "mla":
         return MultiHeadLatentAttention(
@@ -156,6 +165,7 @@ def make_attention(config: ModelConfig, key: PRNGKeyArray, dtype, global_layer: 
         ),
         v_norm=a.v_norm,
         k_eq_v=global_layer and a.k_eq_v,
+        kv_shared=kv_shared,
         key=key,
         dtype=dtype,
     )
@@ -205,6 +215,7 @@ def make_block(
     linear: bool = False,
     ffn: bool = False,
     global_layer: bool = False,
+    shared: bool = False,
 ) -> Block:
     """One Transformer block as `config` describes it (`dense`: with the dense MLP even in a
     mixture of experts, a layer of kind "dense" (`ModelConfig.layer_kinds`); `linear`: a Gated
@@ -212,7 +223,8 @@ def make_block(
     without an MLP where `linear.mlp` is False; with `linear.parallel`, attention with that
     mixer beside it; `ffn`: the feed-forward layer alone, no token mixer, a layer of kind
     "ffn"; an attention layer has no MLP where `linear.full_mlp` is False; `global_layer`: a
-    layer of kind "global", shaped as `attention.global_shape` says)."""
+    layer of kind "global", shaped as `attention.global_shape` says; `shared`: a kv-shared
+    layer, kind "shared" or "shared_global", with `mlp.kv_shared_d_ff` hidden units)."""
     dtype = dtype_of(config.param_dtype)
     k_attn, k_mlp = jax.random.split(key)
     norms = config.norms
@@ -222,7 +234,7 @@ def make_block(
         attn = make_linear_attention(config, k_attn, dtype)
         mixer = (1.0, m.ssm_out)  # the mixer's input multiplier is its own (ssm_in)
     elif not ffn:
-        attn = make_attention(config, k_attn, dtype, global_layer)
+        attn = make_attention(config, k_attn, dtype, global_layer, shared)
         mixer = (m.attention_in, m.attention_out)
         if config.linear is not None and config.linear.parallel:  # Falcon-H1
             ssm = make_linear_attention(config, jax.random.fold_in(key, 2), dtype)
@@ -267,7 +279,7 @@ def make_block(
     elif config.mlp.kind in ("gelu", "relu2"):
         mlp = MLP(
             config.d_model,
-            config.mlp.d_ff,
+            (shared and config.mlp.kv_shared_d_ff) or config.mlp.d_ff,
             use_bias=config.mlp.bias,
             approximate=config.mlp.gelu == "tanh",
             relu2=config.mlp.kind == "relu2",
@@ -278,7 +290,7 @@ def make_block(
         activation = "silu" if config.mlp.kind == "swiglu" else "gelu"
         mlp = GatedMLP(
             config.d_model,
-            config.mlp.d_ff,
+            (shared and config.mlp.kv_shared_d_ff) or config.mlp.d_ff,
             activation=activation,
             use_bias=config.mlp.bias,
             multipliers=(m.mlp_gate, m.mlp_down),
@@ -306,6 +318,16 @@ def make_block(
         ssm,
         (*mixer, m.ssm_out),
         jnp.ones((1,), dtype) if norms.layer_scalar else None,  # Gemma 4: 1 until trained
+        _per_layer_gate(config, jax.random.fold_in(key, 3), dtype),
+    )
+
+
+def _per_layer_gate(config: ModelConfig, key: PRNGKeyArray, dtype) -> PerLayerGate | None:
+    """A block's gate of its per-layer input (`config.per_layer`; None without)."""
+    if config.per_layer is None:
+        return None
+    return PerLayerGate(
+        config.d_model, config.per_layer.d, eps=config.norms.eps, key=key, dtype=dtype
     )
 
 
@@ -336,7 +358,8 @@ def initial_parts(config: ModelConfig, key: PRNGKeyArray) -> dict:
                 dense=kind == "dense",
                 linear=kind == "linear",
                 ffn=kind == "ffn",
-                global_layer=kind == "global",
+                global_layer=kind in ("global", "shared_global"),
+                shared=kind in ("shared", "shared_global"),
             )
             stacks[stack_field(config, kind)] = eqx.filter_vmap(make)(block_keys[kinds == kind])
     parts = {
@@ -355,6 +378,19 @@ def initial_parts(config: ModelConfig, key: PRNGKeyArray) -> dict:
             else None
         ),
         **stacks,
+        "per_layer": (
+            None
+            if (p := config.per_layer) is None
+            else PerLayerInputs(
+                p.vocab_size or config.vocab_size,
+                config.d_model,
+                config.n_layers,
+                p.d,
+                eps=config.norms.eps,
+                key=jax.random.fold_in(k_embed, 1),
+                dtype=dtype,
+            )
+        ),
         "lm_head": (
             None
             if config.tie_embeddings

@@ -28,8 +28,10 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from eqllm.config import ModelConfig
-from eqllm.config.kinds import Segment, segments, stack_field, stack_layers
+from eqllm.config.kinds import Segment, layer_stacks, segments, stack_field, stack_layers
+from eqllm.config.per_layer import kv_sources
 from eqllm.nn import Block, Routing
+from eqllm.stack.inputs import layer_inputs, shared_fields
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -39,7 +41,8 @@ REMAT_POLICIES = {
 
 
 # Applied to each layer's Block inside the layer loop's body (see `each_layer`): returns what
-# runs in the block's place, called as block(x, positions, local, segment_ids, rotate).
+# runs in the block's place, called as block(x, positions, local, segment_ids, rotate), plus the
+# keywords of `Block.routed` a layer may need (per_layer_input, shared).
 LayerHook = Callable[[Block], Callable]
 _LAYER_HOOK: contextvars.ContextVar[LayerHook | None] = contextvars.ContextVar(
     "eqllm_layer_hook", default=None
@@ -90,8 +93,14 @@ def run_blocks(
     config: ModelConfig,
     segment_ids: Int[Array, "*batch seq"] | None = None,
     first: int = 0,
+    per_layer: Float[Array, "layers *batch seq d"] | None = None,
+    shared: dict | None = None,
 ) -> tuple[Float[Array, "*batch seq d_model"], Routing | None]:
     """Apply the stacked blocks in order: `lax.scan` or an unrolled Python loop (see below).
+
+    `per_layer`: every layer of the model's per-layer inputs (`eqllm.nn.PerLayerInputs`),
+    scanned alongside the weights from layer `first`; `shared`: kv-shared layers' sources'
+    keys and values by window flag (`eqllm.stack.inputs.shared_fields`).
 
     `positions` None means 0..seq-1 (see `Attention.__call__`); `segment_ids` (None: one
     segment) keep every layer's attention inside each packed document. A model whose layers differ
@@ -105,16 +114,18 @@ def run_blocks(
     local, rotate = (
         None if f is None else f[first : first + n_layers] for f in layer_flags(config)
     )
-    xs = (params, _traced(local), _traced(rotate))
+    inputs = None if per_layer is None else per_layer[first : first + n_layers]
+    xs = (params, _traced(local), _traced(rotate), inputs)
 
     hook = _LAYER_HOOK.get()
 
     def step(h, layer):
-        layer_params, layer_local, layer_rotate = layer
+        layer_params, layer_local, layer_rotate, layer_input = layer
         block = eqx.combine(layer_params, static)
+        extra = layer_inputs(layer_input, shared, layer_local)
         if hook is not None:
-            return hook(block)(h, positions, layer_local, segment_ids, layer_rotate)
-        return block.routed(h, positions, layer_local, segment_ids, layer_rotate)
+            return hook(block)(h, positions, layer_local, segment_ids, layer_rotate, **extra)
+        return block.routed(h, positions, layer_local, segment_ids, layer_rotate, **extra)
 
     step = checkpointed(step, config, hooked=hook is not None)
     # Remat needs the loop: unrolled, XLA computes each block's recomputation as early as its
@@ -125,7 +136,8 @@ def run_blocks(
     routings = []
     for i in range(n_layers):  # each layer's flags are known here: Python bools
         flags = (layer_flag(local, i), layer_flag(rotate, i))
-        x, routing = step(x, (jax.tree.map(lambda a, i=i: a[i], params), *flags))
+        layer_input = None if inputs is None else inputs[i]
+        x, routing = step(x, (jax.tree.map(lambda a, i=i: a[i], params), *flags, layer_input))
         routings.append(routing)
     return x, _stacked(routings)
 
@@ -137,6 +149,8 @@ def run_groups(
     positions: Int[Array, "*batch seq"] | None,
     config: ModelConfig,
     segment_ids: Int[Array, "*batch seq"] | None = None,
+    per_layer: Float[Array, "layers *batch seq d"] | None = None,
+    shared: dict | None = None,
 ) -> tuple[Float[Array, "*batch seq d_model"], Routing | None]:
     """Apply the layers of `segment`, a pattern of kinds repeated (a hybrid's linear and
     attention layers, Llama 4 Maverick's dense and expert layers), from `stacks` (CausalLM
@@ -146,8 +160,8 @@ def run_groups(
     layers of that kind per group, ...), with their per-layer flags (`layer_flags`) beside them;
     `lax.scan` runs over the groups: one compiled body (the group's layers in pattern order)
     serves any depth. Remat, the `each_layer` hook and `scan_layers=False` act per layer as in
-    `run_blocks`. Returns the output and the `Routing` of the segment's layers with experts in
-    layer order (None without experts).
+    `run_blocks`, and so do `per_layer` and `shared` (by stack field). Returns the output and
+    the `Routing` of the segment's layers with experts in layer order (None without experts).
     """
     fields = [stack_field(config, kind) for kind in segment.pattern]
     index = {i: j for layers in stack_layers(config).values() for j, i in enumerate(layers)}
@@ -166,31 +180,37 @@ def run_groups(
         grouped[field] = (
             jax.tree.map(lambda a, c=per_group: a.reshape(-1, c, *a.shape[1:]), params),
             *(None if f is None else f[mine].reshape(-1, per_group) for f in flags),
+            None
+            if per_layer is None
+            else per_layer[np.array(mine)].reshape(-1, per_group, *per_layer.shape[1:]),
         )
     hook = _LAYER_HOOK.get()
+    shared = shared or {}
 
-    def layer(h, params, local, rotate, field):
+    def layer(h, params, local, rotate, inputs, field):
         block = eqx.combine(params, statics[field])
+        extra = layer_inputs(inputs, shared.get(field), local)
         if hook is not None:
-            return hook(block)(h, positions, local, segment_ids, rotate)
-        return block.routed(h, positions, local, segment_ids, rotate)
+            return hook(block)(h, positions, local, segment_ids, rotate, **extra)
+        return block.routed(h, positions, local, segment_ids, rotate, **extra)
 
-    layer = checkpointed(layer, config, hooked=hook is not None, static_argnums=4)
+    layer = checkpointed(layer, config, hooked=hook is not None, static_argnums=5)
 
     def group(h, xs):
         seen = dict.fromkeys(xs, 0)
         routings = []
         for field in fields:
             i = seen[field]
-            params, local, rotate = xs[field]
+            params, local, rotate, inputs = xs[field]
             pick = jax.tree.map(lambda a, i=i: a[i], params)
-            h, out = layer(h, pick, _pick(local, i), _pick(rotate, i), field)
+            inputs = None if inputs is None else inputs[i]
+            h, out = layer(h, pick, _pick(local, i), _pick(rotate, i), inputs, field)
             seen[field] += 1
             routings.append(out)
         return h, _stacked([r for r in routings if r is not None] or [None])
 
     if config.scan_layers or config.remat != "none":
-        traced = {f: (p, _traced(a), _traced(b)) for f, (p, a, b) in grouped.items()}
+        traced = {f: (p, _traced(a), _traced(b), c) for f, (p, a, b, c) in grouped.items()}
         x, routing = jax.lax.scan(group, x, traced)
     else:
         outs = []
@@ -208,30 +228,71 @@ def run_stacks(
     positions: Int[Array, "*batch seq"] | None,
     config: ModelConfig,
     segment_ids: Int[Array, "*batch seq"] | None = None,
+    per_layer: Float[Array, "layers *batch seq d"] | None = None,
 ) -> tuple[Float[Array, "*batch seq d_model"], Routing | None]:
     """Apply every layer in order: `stacks` maps each CausalLM field ("blocks", "dense_blocks",
     "linear_blocks") to its stacked Block, and `ModelConfig.layer_kinds` says which holds each
     layer. The kinds are cut into `segments`: a run of one kind goes through `run_blocks` (its
     slice of one stack: a uniform model's whole stack; DeepSeek's dense prefix, then the rest),
     a repeated pattern of kinds through `run_groups`; each segment is one compiled body.
+    `per_layer`: the model's per-layer inputs (`eqllm.nn.PerLayerInputs`), layers leading.
     Returns the output and the `Routing` of every layer with experts, in layer order (None
-    without experts)."""
+    without experts).
+
+    With kv-shared layers (`attention.kv_shared_layers`) the segments are also cut at each
+    source layer, whose keys and values are computed from its input (`Block.keys_values`) for
+    the shared layers after it."""
     index = {i: j for layers in stack_layers(config).values() for j, i in enumerate(layers)}
+    kinds, local = config.layer_kinds(), config.local_layers()
+    sources, kv = set(kv_sources(config).values()), {}
+    bounds = sorted({0, *sources, config.n_layers})  # spans cut at each source
     routings = []
-    for segment in segments(config.layer_kinds()):
-        if len(segment.pattern) > 1:
-            x, routing = run_groups(stacks, segment, x, positions, config, segment_ids)
-        else:
-            stack = stacks[stack_field(config, segment.pattern[0])]
-            part = _slice(stack, index[segment.start], segment.repeats)
-            x, routing = run_blocks(part, x, positions, config, segment_ids, segment.start)
-        routings.append(routing)
+    for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
+        if start in sources:  # the source of its type's shared layers: its keys and values
+            params, static = eqx.partition(stacks[layer_stacks(config)[start]], eqx.is_array)
+            block = eqx.combine(jax.tree.map(lambda a, j=index[start]: a[j], params), static)
+            at = jnp.arange(x.shape[-2]) if positions is None else positions
+            flags = [layer_flag(f, start) for f in layer_flags(config)]
+            kv[local[start]] = block.keys_values(x, at, *flags)
+        shared = shared_fields(config, kv)
+        for part in segments(kinds[start:stop]):
+            segment = Segment(part.start + start, part.pattern, part.repeats)
+            if len(segment.pattern) > 1:
+                x, routing = run_groups(
+                    stacks, segment, x, positions, config, segment_ids, per_layer, shared
+                )
+            else:
+                field = stack_field(config, segment.pattern[0])
+                stack = _slice(stacks[field], index[segment.start], segment.repeats)
+                x, routing = run_blocks(
+                    stack, x, positions, config, segment_ids, segment.start, per_layer,
+                    shared.get(field),
+                )  # fmt: skip
+            routings.append(routing)
     routings = [r for r in routings if r is not None]
     if not routings:
         return x, None
     if len(routings) == 1:
         return x, routings[0]
     return x, jax.tree.map(lambda *a: jnp.concatenate(a), *routings)
+
+
+def layer_extra(
+    config: ModelConfig, i: int, layers, x, positions, cache, inputs, shared: dict
+) -> dict:
+    """Layer i's keywords for its cached call (`Block.cached`) beyond (x, positions, cache):
+    its per-layer input (`inputs`, from `CausalLM.per_layer_inputs`) and, for a kv-shared
+    layer, its source's cache before the chunk and the chunk's keys and values; a source
+    layer puts those in `shared` (by layer index) before it runs. Called layer by layer, in
+    order, with each layer's input `x` and cache (the serving engine: its view of the pool)."""
+    extra = {} if inputs is None else {"per_layer_input": inputs[i]}
+    sources = kv_sources(config)
+    if i in sources.values():
+        local, rotate = (layer_flag(f, i) for f in layer_flags(config))
+        shared[i] = (cache, *layers[i].keys_values(x, positions, local, rotate))
+    if i in sources:
+        extra["shared"] = shared[sources[i]]
+    return extra
 
 
 def _slice(stack: Block, first: int, n: int) -> Block:

@@ -35,6 +35,12 @@ def staged_segment(config: ModelConfig) -> Segment | None:
 def check_stages(config: ModelConfig, stages: int) -> None:
     """Raise unless `stages` stages can run the layers of `config` (module docstring)."""
     prefix, staged = pipeline_layers(config)
+    if config.per_layer is not None or config.attention.kv_shared_layers:
+        raise MeshError(
+            "per-layer inputs and kv-shared layers (Gemma 4 E2B, E4B) do not run in a pipeline "
+            "yet (a shared layer reads an earlier layer's keys, maybe on another stage); set "
+            "mesh.pipeline=1"
+        )
     if config.moe is not None and config.moe.impl in ("ragged", "dispatch"):
         raise MeshError(
             f"moe.impl={config.moe.impl!r} in a pipeline: the stages run under jax.vmap, which "
