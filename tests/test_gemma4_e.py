@@ -191,3 +191,21 @@ def test_int8_quantizes_the_per_layer_table(pair):
     np.testing.assert_allclose(
         logits(model, TOKENS[:64]), logits(reference, TOKENS[:64]), atol=1e-4, rtol=1e-4
     )
+
+
+def test_flops_count_the_shared_layers_without_keys_and_the_per_layer_inputs():
+    """By hand, tests/families.py's tiny E-style model (width 32, 4 heads; layers local, global,
+    then 4 kv-shared ones alternating; local heads of 8 with 2 kv heads and a window of 5, global
+    heads of 16 with 2 kv heads; GeGLU of 64, 128 on the shared layers; per-layer inputs of 8;
+    97 tokens, tied) at 64 positions."""
+    from tests.families import TINY_CONFIGS
+
+    local, wide = 32 * 4 * 8 + 4 * 8 * 32, 32 * 4 * 16 + 4 * 16 * 32  # q and o
+    keyed = local + 32 * 2 * 8 * 2 + wide + 32 * 2 * 16 * 2  # layers 0 and 1 add k and v
+    attention = keyed + 2 * local + 2 * wide  # layers 2-5 read layers 0 and 1's keys
+    mlp = 2 * 3 * 32 * 64 + 4 * 3 * 32 * 128
+    per_layer = 32 * 6 * 8 + 6 * (32 * 8 + 8 * 32)  # the model's projection, each gate and out
+    head = 32 * 97
+    scores = 6 * 4 * 3 * (2 * 8 * 5 + 2 * 16 * 64)
+    expected = 6 * (attention + mlp + per_layer + head) + scores
+    assert TINY_CONFIGS["gemma4-e"].flops_per_token(64) == expected
