@@ -16,7 +16,6 @@ from jaxtyping import PRNGKeyArray
 
 from eqllm.attention_backend import attention_kernel
 from eqllm.config import ModelConfig
-from eqllm.config.experts import choose_impl, choose_kernel
 from eqllm.config.kinds import STACKS, stack_field
 from eqllm.config.multipliers import MultipliersConfig
 from eqllm.nn import (
@@ -38,6 +37,7 @@ from eqllm.nn import (
     RotaryEmbedding,
 )
 from eqllm.parametrization import init_weights, scales
+from eqllm.stack.experts import make_moe
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -242,40 +242,8 @@ def make_block(
         mlp = None
     elif attn is not None and config.linear is not None and not config.linear.full_mlp:
         mlp = None  # Nemotron-H's attention layers: attention alone
-    elif (moe := config.moe) is not None and not dense:
-        # "auto" without a mesh; a run chooses again with its mesh (`with_experts_impl`)
-        backend = jax.default_backend()
-        impl = choose_impl(moe.impl, backend=backend, expert_shards=1, n_experts=moe.n_experts)[0]
-        mlp = MoE(
-            config.d_model,
-            config.expert_d_ff,
-            moe.n_experts,
-            moe.experts_per_token,
-            normalize=moe.norm_topk_prob,
-            shared_d_ff=moe.shared_d_ff,
-            impl=impl,
-            kernel=choose_kernel(moe.kernel, backend=backend, impl=impl),
-            capacity_factor=moe.capacity_factor,
-            bias=moe.bias,
-            activation=moe.activation,
-            swiglu_alpha=moe.swiglu_alpha,
-            swiglu_limit=moe.swiglu_limit,
-            shared_gated=moe.shared_gated,
-            scoring=moe.scoring,
-            score_bias=moe.score_bias,
-            n_groups=moe.n_groups,
-            topk_groups=moe.topk_groups,
-            group_score=moe.group_score,
-            routed_scale=moe.routed_scale,
-            score_input=moe.score_input,
-            router_norm=moe.router_norm,
-            expert_scale=moe.expert_scale,
-            branch_norms=moe.branch_norms,
-            norm_eps=norms.eps,
-            norm_plus_one=norms.plus_one,
-            key=k_mlp,
-            dtype=dtype,
-        )
+    elif config.moe is not None and not dense:
+        mlp = make_moe(config, k_mlp, dtype)
     elif config.mlp.kind in ("gelu", "relu2"):
         mlp = MLP(
             config.d_model,
