@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from families import BY_NAME
 from safetensors.numpy import load_file
-from test_gguf_hybrid import _array, _logits, _mapped, _model, _package_keys
+from test_gguf_hybrid import _array, _logits, _mapped, _model, _package_keys, check_q8_0
 
 import eqllm
 from eqllm.config.experts import MoEConfig
@@ -232,25 +232,7 @@ def test_q8_0_keeps_llama_cpps_f32_tensors(written, tmp_path):
     """Q8_0 quantizes the 2-D and stacked expert weights, each within its block's rounding of
     the f32 file's; norms, vectors, ssm_a/ssm_d, the conv1d kernel and the router stay F32."""
     model, _, _, f32, _ = written("granitemoehybrid")
-    eqllm.hub.save_gguf(model, tmp_path / "q.gguf", type="q8_0")
-    exact = {t.name: _array(t) for t in f32.tensors}
-    for t in gguf.GGUFReader(str(tmp_path / "q.gguf")).tensors:
-        f32_kept = (
-            len(t.shape) < 2
-            or not t.name.endswith(".weight")
-            or t.name.endswith("_norm.weight")
-            or any(p in t.name for p in ("ssm_conv1d", "ffn_gate_inp"))
-        )
-        quantized = T.Q8_0 if int(t.shape[0]) % 32 == 0 else T.F16
-        assert t.tensor_type == (T.F32 if f32_kept else quantized), t.name
-        scale = np.abs(exact[t.name]).max(axis=-1, keepdims=True)
-        bound = {T.F32: 0.0, T.F16: 1e-3, T.Q8_0: 1 / 254 + 1e-3}[t.tensor_type] * scale
-        assert (np.abs(_array(t) - exact[t.name]) <= bound).all(), t.name
-    back = eqllm.hub.from_pretrained(tmp_path / "q.gguf")
-    ours = _logits(model)
-    error = np.abs(_logits(back) - ours).max() / np.abs(ours).max()
-    print(f"granitemoehybrid q8_0: largest logit difference {error:.2g} of the largest logit")
-    assert error <= 0.25
+    check_q8_0(model, f32, tmp_path, "granitemoehybrid")
 
 
 def test_what_the_architectures_cannot_hold_is_refused_by_name(tmp_path):

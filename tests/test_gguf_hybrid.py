@@ -320,7 +320,13 @@ def test_q8_0_keeps_llama_cpps_f32_tensors(written, name, tmp_path):
     """Q8_0 quantizes the 2-D weights, each within its block's rounding of the f32 file's;
     norms, vectors, the conv1d kernel, the routers and names without `.weight` (ssm_a, ssm_d)
     stay F32 as the converter keeps them; rows Q8_0's blocks of 32 do not divide, F16."""
-    model, _, _, f32, tmp = written(name)
+    model, _, _, f32, _ = written(name)
+    check_q8_0(model, f32, tmp_path, name)
+
+
+def check_q8_0(model, f32, tmp_path, name: str) -> None:
+    """`model` written as Q8_0 against its f32 file `f32` (a GGUFReader): each tensor's type as
+    llama.cpp's converter keeps it, within its block's rounding, and the logits read back."""
     eqllm.hub.save_gguf(model, tmp_path / "q.gguf", type="q8_0")
     exact = {t.name: _array(t) for t in f32.tensors}
     for t in gguf.GGUFReader(str(tmp_path / "q.gguf")).tensors:
