@@ -73,3 +73,26 @@ def twin(tiny, folder) -> types.SimpleNamespace:
     config = tiny.config.replace(max_seq_len=CONTEXT, scan_layers=True)
     hf = hf_model(eqllm.hub.to_hf_config(config))
     return saved_pair(hf, folder, TOKENS, name=tiny.name, tiny=tiny, config=config)
+
+
+def check_greedy_generate(pair, new: int = 24) -> None:
+    """eqllm.generate's greedy continuation of TOKENS[:9] is the one transformers' `generate`
+    picks, for a (model, hf) pair of twins."""
+    import jax
+    import torch
+
+    prompt = [int(t) for t in TOKENS[:9]]
+    ours = eqllm.generate(
+        pair.model, prompt, max_new_tokens=new, key=jax.random.key(0), temperature=0
+    )
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = pair.hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    assert out[0, len(prompt) :].tolist() == np.asarray(ours).tolist()

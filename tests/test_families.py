@@ -33,7 +33,7 @@ from eqllm import families, lora
 from eqllm.errors import EqllmError
 from tests.conftest import cached_logits
 from tests.families import BY_NAME, FAMILIES, params
-from tests.hf_parity import TOKENS, hf_logits, logits
+from tests.hf_parity import TOKENS, check_greedy_generate, hf_logits, logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -176,22 +176,7 @@ def _decodes_as_transformers(tiny) -> bool:
 )
 def test_greedy_equals_transformers_generate(twins, name):
     """eqllm.generate's greedy continuation is the one transformers' generate picks."""
-    pair = twins(name)
-    prompt, new = [int(t) for t in TOKENS[:9]], 24
-    ours = eqllm.generate(
-        pair.model, prompt, max_new_tokens=new, key=jax.random.key(0), temperature=0
-    )
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = pair.hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    assert out[0, len(prompt) :].tolist() == np.asarray(ours).tolist()
+    check_greedy_generate(twins(name))
 
 
 # LoRA against peft ---------------------------------------------------------------------------

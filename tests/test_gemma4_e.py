@@ -23,7 +23,7 @@ from eqllm.nn import Int8Embedding, Int8Linear
 from eqllm.parametrization import roles
 from eqllm.sharding.rules import RULES, model_param_info
 from tests.conftest import cached_logits
-from tests.hf_parity import TOKENS, hf_logits, logits
+from tests.hf_parity import TOKENS, check_greedy_generate, hf_logits, logits
 from tests.test_quantize import _dequantized
 
 torch = pytest.importorskip("torch")
@@ -90,21 +90,7 @@ def test_cached_decoding_equals_the_full_forward(pair):
 def test_greedy_equals_transformers_generate(pair):
     """eqllm.generate (the serving engine's paged cache: the shared layers have no pool) picks
     transformers' greedy continuation."""
-    prompt, new = [int(t) for t in TOKENS[:9]], 24
-    ours = eqllm.generate(
-        pair.model, prompt, max_new_tokens=new, key=jax.random.key(0), temperature=0
-    )
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = pair.hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    assert out[0, len(prompt) :].tolist() == np.asarray(ours).tolist()
+    check_greedy_generate(pair)
 
 
 def test_packed_equals_alone(pair):
