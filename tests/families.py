@@ -594,6 +594,7 @@ FAMILIES = [
         lora=("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "up_proj", "down_proj"),
         published={"nemotron-3-nano-30b-a3b": ("31.6", "3.6")},
         atol=1e-4,
+        gguf=True,
     ),
     # Falcon-H1: attention (2 kv heads of 8) and Mamba-2 (tests/tiny.py) in parallel in every
     # layer, its releases' norm-free gate, every muP multiplier away from 1.

@@ -1,6 +1,6 @@
-"""GGUF for the Mamba-2 hybrids with attention layers, Nemotron-H (nemotron_h) and Granite 4.0-H
-(granitemoehybrid, with experts and dense), as llama.cpp's convert_hf_to_gguf.py writes them
-(`NemotronHModel`, `GraniteHybridModel`).
+"""GGUF for the Mamba-2 hybrids with attention layers, Nemotron-H (nemotron_h, and with experts
+nemotron_h_moe) and Granite 4.0-H (granitemoehybrid, with experts and dense), as llama.cpp's
+convert_hf_to_gguf.py writes them (`NemotronHModel`, `GraniteHybridModel`).
 
 transformers' GGUF loader reads neither architecture, so, as tests/test_gguf_hybrid.py does for
 the other hybrids, the references are the gguf package's own tables and the converter's
@@ -10,7 +10,6 @@ squeezed conv1d and grouped norm; and the per-layer metadata llama.cpp reads eac
 from.
 """
 
-import copy
 import json
 
 import equinox as eqx
@@ -22,14 +21,15 @@ from safetensors.numpy import load_file
 from test_gguf_hybrid import _array, _logits, _mapped, _model, _package_keys, check_q8_0
 
 import eqllm
-from eqllm.config.experts import MoEConfig
+from eqllm.hub.files import CheckpointError
 from eqllm.hub.gguf_granite import permute
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
-NAMES = ["nemotron_h", "granitemoehybrid", "granitemoehybrid_dense"]
+NAMES = ["nemotron_h", "nemotron_h_moe", "granitemoehybrid", "granitemoehybrid_dense"]
 ARCH = {
     "nemotron_h": "nemotron_h",
+    "nemotron_h_moe": "nemotron_h_moe",
     "granitemoehybrid": "granitehybrid",
     "granitemoehybrid_dense": "granitehybrid",
 }
@@ -58,10 +58,13 @@ def written(tmp_path_factory):
 
 def _lost(model, back):
     """What a GGUF file does not hold: Mamba-2's chunk length (a schedule, not the function)
-    and the load-balancing loss's weight (training alone), read back as transformers' defaults."""
+    and the load-balancing loss's weight (training alone), read back as transformers' defaults;
+    and Nemotron-H's dense MLP size when every feed-forward layer is experts (no layer uses it)."""
     lost = {"linear": {"chunk_size": back.config.linear.chunk_size}}
     if model.config.moe is not None:
         lost["moe"] = {"aux_loss_coef": back.config.moe.aux_loss_coef}
+        if model.config.family == "nemotron_h":
+            lost["mlp"] = {"d_ff": back.config.mlp.d_ff}
     return model.config.replace(**lost)
 
 
@@ -106,7 +109,7 @@ def _named(tensor, bid):
 def _expected(arch, hf, tensors):
     """llama.cpp's tensors of a Nemotron-H or Granite 4.0-H file, from the Hugging Face ones."""
     M = gguf.MODEL_TENSOR
-    nemotron = arch == "nemotron_h"
+    nemotron = arch.startswith("nemotron_h")
     n_head, n_kv = hf["num_attention_heads"], hf["num_key_value_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // n_head
     groups = hf["n_groups"] if nemotron else hf["mamba_n_groups"]
@@ -135,10 +138,18 @@ def _expected(arch, hf, tensors):
             out[_named(gate, i)], out[_named(up, i)] = w[:ff], w[ff:]
         elif name.endswith("shared_mlp.output_linear.weight") and not experts:
             out[_named(M.FFN_DOWN, i)] = w
+        elif ".mixer.experts." in name:  # Nemotron 3: per-expert tensors stacked in order
+            j, kind = int(name.split(".")[5]), M.FFN_UP_EXP if "up_proj" in name else M.FFN_DOWN_EXP
+            out.setdefault(_named(kind, i), {})[j] = w
+        elif name.endswith("gate.e_score_correction_bias"):
+            out[gguf.TENSOR_NAMES[M.FFN_EXP_PROBS_B].format(bid=i) + ".bias"] = w
         else:
             hf_n = {**hf, "num_hidden_layers": _n_layers(hf)}
             out[_mapped(arch, hf_n, name.replace(".dt_bias", ".dt_proj.bias"))] = w
-    return out
+    return {
+        k: np.stack([v[j] for j in range(len(v))]) if isinstance(v, dict) else v
+        for k, v in out.items()
+    }
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -168,6 +179,7 @@ def _expected_metadata(model, hf):
     GraniteHybridModel, NemotronHModel), the layer kinds from eqllm's config."""
     kinds = model.config.layer_kinds()
     nemotron = model.config.family == "nemotron_h"
+    experts = model.config.moe is not None
     kv = [hf["num_key_value_heads"] if k == "full" else 0 for k in kinds]
     meta = {
         "embedding_length": hf["hidden_size"],
@@ -178,13 +190,15 @@ def _expected_metadata(model, hf):
     }
     if nemotron:
         heads = hf["mamba_num_heads"]
+        ff = hf["moe_intermediate_size" if experts else "intermediate_size"]
+        meta |= _nemotron_experts(hf) if experts else {}
         return meta | {
             "ssm.conv_kernel": hf["conv_kernel"],
             "ssm.inner_size": heads * hf["mamba_head_dim"],
             "ssm.state_size": hf["ssm_state_size"],
             "ssm.time_step_rank": heads,
             "ssm.group_count": hf["n_groups"],
-            "feed_forward_length": [hf["intermediate_size"] if k == "ffn" else 0 for k in kinds],
+            "feed_forward_length": [ff if k == "ffn" else 0 for k in kinds],
             "attention.key_length": hf["head_dim"],
             "attention.value_length": hf["head_dim"],
             # The converter's rms_norm_eps, which the published config.json files give equal
@@ -213,6 +227,23 @@ def _expected_metadata(model, hf):
     return meta
 
 
+def _nemotron_experts(hf):
+    """NemotronHModel.set_gguf_parameters' expert keys (is_moe), and two it leaves out that
+    llama.cpp's loader reads: the groups chosen and the sigmoid gating."""
+    return {
+        "expert_count": hf["n_routed_experts"],
+        "expert_used_count": hf["num_experts_per_tok"],
+        "expert_shared_count": hf["n_shared_experts"],
+        "expert_feed_forward_length": hf["moe_intermediate_size"],
+        "expert_shared_feed_forward_length": hf["moe_shared_expert_intermediate_size"],
+        "expert_weights_norm": hf["norm_topk_prob"],
+        "expert_weights_scale": hf["routed_scaling_factor"],
+        "expert_group_count": hf["n_group"],
+        "expert_group_used_count": hf["topk_group"],
+        "expert_gating_func": int(gguf.ExpertGatingFuncType.SIGMOID),
+    }
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_metadata_is_llama_cpps(written, name):
     model, hf, _, reader, _ = written(name)
@@ -228,11 +259,12 @@ def test_metadata_is_llama_cpps(written, name):
 
 
 @pytest.mark.slow
-def test_q8_0_keeps_llama_cpps_f32_tensors(written, tmp_path):
+@pytest.mark.parametrize("name", ["granitemoehybrid", "nemotron_h_moe"])
+def test_q8_0_keeps_llama_cpps_f32_tensors(written, name, tmp_path):
     """Q8_0 quantizes the 2-D and stacked expert weights, each within its block's rounding of
     the f32 file's; norms, vectors, ssm_a/ssm_d, the conv1d kernel and the router stay F32."""
-    model, _, _, f32, _ = written("granitemoehybrid")
-    check_q8_0(model, f32, tmp_path, "granitemoehybrid")
+    model, _, _, f32, _ = written(name)
+    check_q8_0(model, f32, tmp_path, name)
 
 
 def test_what_the_architectures_cannot_hold_is_refused_by_name(tmp_path):
@@ -248,31 +280,20 @@ def test_what_the_architectures_cannot_hold_is_refused_by_name(tmp_path):
     refused(granite.replace(linear={"dt_min": 0.01}), r"linear.dt_min=0.01: .*'granitehybrid'")
     # Attention layers alone: the converter's granite or granitemoe architecture.
     refused(granite.replace(linear=None), r"linear=None: GGUF architecture 'granitehybrid'")
+    # With experts the architecture is nemotron_h_moe, and the refusal names it.
+    experts = BY_NAME["nemotron_h_moe"].config
+    refused(experts.replace(linear={"dt_max": 0.1}), r"dt_max=0.1: .*'nemotron_h_moe'")
     assert not (tmp_path / "x.gguf").exists()
-    # Nemotron-H's experts are llama.cpp's nemotron_h_moe, which eqllm does not write. A
-    # nemotron_h config cannot be validated with experts yet (its MLPs are ReLU², the experts
-    # SwiGLU), so the refusal is asked of a copy given them past validation.
-    experts = copy.copy(nemotron)
-    object.__setattr__(experts, "moe", MoEConfig(n_experts=4))
-    with pytest.raises(eqllm.ConfigError, match=r"moe.n_experts=4: GGUF architecture 'nemotron_h'"):
-        eqllm.hub.gguf.check_exportable(experts, "f32")
 
 
-@pytest.mark.parametrize("name", ["nemotron_h", "granitemoehybrid_dense"])
-def test_a_file_as_the_converter_writes_it_reads_back(written, name, tmp_path):
-    """Where the converter's metadata differs from eqllm's (it writes context_length 2^20 when
-    attention does not rotate, and no attention.key_length for Granite, whose head size is then
-    hidden_size / heads), the file reads back as the same model with that context length."""
-    model, _, _, reader, _ = written(name)
-    arch = ARCH[name]
-    left_out = {f"{arch}.attention.key_length", f"{arch}.attention.value_length"}
-    writer = gguf.GGUFWriter(str(tmp_path / "c.gguf"), arch)
+def _rewrite(reader, path, arch, changed, left_out=()):
+    """`reader`'s file written again to `path`, keys in `changed` given new values and those in
+    `left_out` left out."""
+    writer = gguf.GGUFWriter(str(path), arch)
     for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
+        if key.startswith("GGUF.") or key == "general.architecture" or key in left_out:
             continue
-        if arch == "granitehybrid" and key in left_out:
-            continue
-        value = 2**20 if key == f"{arch}.context_length" else field.contents()
+        value = changed.get(key, field.contents())
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, value, field.types[0], sub_type=sub)
     for t in reader.tensors:
@@ -281,6 +302,32 @@ def test_a_file_as_the_converter_writes_it_reads_back(written, name, tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def test_experts_scored_otherwise_than_by_sigmoid_are_refused(written, tmp_path):
+    """A nemotron_h_moe file whose expert_gating_func is softmax (1) is not read as sigmoid."""
+    _, _, _, reader, _ = written("nemotron_h_moe")
+    _rewrite(
+        reader, tmp_path / "s.gguf", "nemotron_h_moe", {"nemotron_h_moe.expert_gating_func": 1}
+    )
+    with pytest.raises(CheckpointError, match="expert_gating_func is 1"):
+        eqllm.hub.from_pretrained(tmp_path / "s.gguf")
+
+
+@pytest.mark.parametrize("name", ["nemotron_h", "nemotron_h_moe", "granitemoehybrid_dense"])
+def test_a_file_as_the_converter_writes_it_reads_back(written, name, tmp_path):
+    """Where the converter's metadata differs from eqllm's (it writes context_length 2^20 when
+    attention does not rotate, no attention.key_length for Granite, whose head size is then
+    hidden_size / heads, and no expert_gating_func for Nemotron-H's experts, then read as
+    sigmoid), the file reads back as the same model with that context length."""
+    model, _, _, reader, _ = written(name)
+    arch = ARCH[name]
+    left_out = {f"{arch}.attention.key_length", f"{arch}.attention.value_length"}
+    if arch == "nemotron_h_moe":
+        left_out = {f"{arch}.expert_gating_func"}
+    elif arch == "nemotron_h":
+        left_out = set()
+    _rewrite(reader, tmp_path / "c.gguf", arch, {f"{arch}.context_length": 2**20}, left_out)
     back = eqllm.hub.from_pretrained(tmp_path / "c.gguf")
     assert back.config == _lost(model, back).replace(max_seq_len=2**20)
     for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(back), strict=True):

@@ -302,12 +302,9 @@ def check(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def gguf_refuses(cfg: ModelConfig) -> dict[str, Any]:
-    """llama.cpp's nemotron_h runs Mamba-2 as its mamba2 does (`gguf_refuses_mamba2`); experts
-    are its other architecture, nemotron_h_moe, which eqllm does not write."""
-    wrong = gguf_refuses_mamba2(cfg.linear)
-    if cfg.moe is not None:
-        wrong["moe.n_experts"] = cfg.moe.n_experts
-    return wrong
+    """llama.cpp's nemotron_h runs Mamba-2 as its mamba2 does (`gguf_refuses_mamba2`); a model
+    with experts is written as its nemotron_h_moe (`eqllm.hub.gguf_hybrid.EXPERTS_ARCH`)."""
+    return gguf_refuses_mamba2(cfg.linear)
 
 
 # config.json keys of the mixture-of-experts layers and multi-token prediction that transformers

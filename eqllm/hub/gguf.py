@@ -16,10 +16,11 @@ translation stay the one source of truth:
 Architectures: each family names the one it is written as (`eqllm.families.Family.gguf`, and
 what that architecture cannot hold, `gguf_refuses`): llama (eqllm's llama and, without a sliding
 window, mistral), qwen2 and qwen3, the Llama-layout families llama.cpp and transformers' GGUF
-loader share; and qwen35, qwen35moe, qwen3next, mamba2, falcon-h1, nemotron_h and granitehybrid
-(`eqllm.hub.gguf_hybrid`), their tensors renamed by the gguf package's own `TensorNameMap` and
-changed as llama.cpp's converter changes them. A file is read back as the family whose Hugging
-Face model_type is llama.cpp's architecture name, else the one family written as it.
+loader share; and qwen35, qwen35moe, qwen3next, mamba2, falcon-h1, nemotron_h (with experts
+nemotron_h_moe, `EXPERTS_ARCH`) and granitehybrid (`eqllm.hub.gguf_hybrid`), their tensors
+renamed by the gguf package's own `TensorNameMap` and changed as llama.cpp's converter changes
+them. A file is read back as the family whose Hugging Face model_type is llama.cpp's
+architecture name, else the one family written as it.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from eqllm.hub.config import from_hf_config
 from eqllm.hub.files import CheckpointError
 from eqllm.hub.folders import skeleton
 from eqllm.hub.gguf_granite import permute
-from eqllm.hub.gguf_hybrid import ARCHS, EXPERT, stack_experts
+from eqllm.hub.gguf_hybrid import ARCHS, EXPERT, EXPERTS_ARCH, stack_experts
 from eqllm.hub.gguf_vocab import read_tokenizer, write_tokenizer
 from eqllm.hub.tables import indices, part_names, rows_for, stack_layers, tensor_name
 
@@ -103,10 +104,17 @@ def _written() -> list[str]:
     return [name for name in families.names() if families.get(name).gguf is not None]
 
 
+def gguf_arch(cfg) -> str | None:
+    """The GGUF architecture a model of config `cfg` is written as: its family's, or with
+    experts the family's expert architecture (`EXPERTS_ARCH`) where llama.cpp has one."""
+    arch = families.get(cfg.family).gguf
+    return EXPERTS_ARCH.get(arch, arch) if cfg.moe is not None else arch
+
+
 def _family_of(arch: str):
     """The family a file of GGUF architecture `arch` is read back as: the one written under its
     own model_type's name, else the only one written as `arch`; None if there is none."""
-    found = [f for f in families.every() if f.gguf == arch]
+    found = [f for f in families.every() if arch in (f.gguf, EXPERTS_ARCH.get(f.gguf or ""))]
     own = [f for f in found if f.model_type == arch]
     return (own or found)[0] if len(own or found) == 1 else None
 
@@ -125,8 +133,9 @@ def check_exportable(cfg, type: str) -> None:
     if wrong:
         settings = ", ".join(f"{k}={v!r}" for k, v in wrong.items())
         raise ConfigError(
-            f"{settings}: GGUF architecture {family.gguf!r} cannot hold it, so this {cfg.family} "
-            "model cannot be written as GGUF; convert it to a Hugging Face folder instead"
+            f"{settings}: GGUF architecture {gguf_arch(cfg)!r} cannot hold it, so this "
+            f"{cfg.family} model cannot be written as GGUF; convert it to a Hugging Face folder "
+            "instead"
         )
     if (scaling := cfg.positions.scaling) is not None:
         raise ConfigError(
@@ -143,7 +152,7 @@ def folder_to_gguf(folder: Path, path: Path, cfg, tokenizer: Tokenizer | None, t
     from safetensors.numpy import load_file
 
     hf = json.loads((folder / "config.json").read_text())
-    arch = families.get(cfg.family).gguf
+    arch = gguf_arch(cfg)
     qtype = {
         "f32": gguf.GGMLQuantizationType.F32,
         "f16": gguf.GGMLQuantizationType.F16,
@@ -267,7 +276,8 @@ def gguf_to_folder(path: str | os.PathLike, folder: str | os.PathLike) -> Tokeni
     arch = field("general.architecture")
     family = _family_of(arch)
     if family is None:
-        known = sorted({f.gguf for f in families.every() if _family_of(f.gguf or "")})
+        known = {f.gguf for f in families.every() if _family_of(f.gguf or "")}
+        known = sorted(known | {EXPERTS_ARCH[a] for a in known & set(EXPERTS_ARCH)})
         raise CheckpointError(
             f"{path}: GGUF architecture {arch!r} is not supported; eqllm reads {known}"
         )

@@ -14,6 +14,12 @@ an attention layer, and Nemotron-H's `feed_forward_length` 0 but for an MLP laye
   `ffn_{gate,up}_shexp` (`ffn_{gate,up}` in the dense sizes, whose `output_linear` is then
   `ffn_down`), the experts' as `ffn_{gate,up}_exps`.
 
+Nemotron-H with experts (Nemotron 3) is the converter's other architecture, `nemotron_h_moe`:
+its "E" layers are the MLP layers of the metadata (`feed_forward_length` the experts' size),
+the experts stacked into `ffn_{up,down}_exps` [experts, ...], the router `ffn_gate_inp`, the
+correction bias `exp_probs_b.bias`, the shared expert `ffn_{up,down}_shexp`, the routing in
+the `expert_*` keys.
+
 Granite's four multipliers are `embedding_scale`, `residual_scale`, `attention.scale` and
 `logit_scale` (llama.cpp divides the logits by it, as transformers does), none folded into a
 weight; `rope.scaling.finetuned` is llama.cpp's switch for Granite's rotary positions. The
@@ -34,6 +40,7 @@ from eqllm.hub.files import CheckpointError
 from eqllm.hub.gguf_mamba import mamba_from_gguf, mamba_names, mamba_sizes, mamba_to_gguf, reader
 
 LAYER = re.compile(r"(?:backbone|model)\.layers\.(\d+)\.")
+SIGMOID = 2  # llama.cpp's expert_gating_func for sigmoid scores
 QK = (("q_proj.weight", "q_proj.bias"), ("k_proj.weight", "k_proj.bias"))
 
 
@@ -61,6 +68,10 @@ def hybrid_names(name: str, hf: dict) -> list[str]:
     m = LAYER.match(name)
     mlp = f"model.layers.{m[1]}.mlp." if m else ""
     experts = hf.get("num_local_experts", 0) > 0
+    if re.search(r"\.mixer\.experts\.(up|down)_proj\.weight$", name):  # Nemotron 3, stacked
+        return [mlp + name[name.index("experts.") :]]
+    if name.endswith(".gate.e_score_correction_bias"):
+        return [name.removesuffix("_bias") + ".bias"]
     if name.endswith("block_sparse_moe.input_linear.weight"):
         return [f"{mlp}experts.gate_proj.weight", f"{mlp}experts.up_proj.weight"]
     if name.endswith("shared_mlp.input_linear.weight"):
@@ -126,12 +137,14 @@ def _per_layer(value: Any, n: int) -> list[int]:
 def nemotron_metadata(hf: dict) -> dict[str, Any]:
     kinds = nemotron_h.pattern_from_hf(hf)
     head_dim = hf["head_dim"]
+    experts = "moe" in hf["layers_block_type"]
+    ff = hf["moe_intermediate_size"] if experts else hf["intermediate_size"]
     return {
         # The converter writes 2**20 (no rotary positions); the model's own is kept.
         "context_length": hf["max_position_embeddings"],
         "embedding_length": hf["hidden_size"],
         "block_count": len(kinds),
-        "feed_forward_length": [hf["intermediate_size"] if k == "ffn" else 0 for k in kinds],
+        "feed_forward_length": [ff if k == "ffn" else 0 for k in kinds],
         "attention.head_count": hf["num_attention_heads"],
         "attention.head_count_kv": [hf["num_key_value_heads"] if k == "full" else 0 for k in kinds],
         "attention.key_length": head_dim,
@@ -139,6 +152,24 @@ def nemotron_metadata(hf: dict) -> dict[str, Any]:
         "attention.layer_norm_rms_epsilon": float(hf["layer_norm_epsilon"]),
         "rope.scaling.finetuned": False,
         **_ssm_metadata(hf, hf["conv_kernel"]),
+        **(_nemotron_experts(hf) if experts else {}),
+    }
+
+
+def _nemotron_experts(hf: dict) -> dict[str, Any]:
+    """The converter's `expert_*` keys of a Nemotron-H with experts, and the two it leaves out:
+    the groups chosen (`expert_group_used_count`) and the sigmoid scoring (gating func 2)."""
+    return {
+        "expert_count": hf["n_routed_experts"],
+        "expert_used_count": hf["num_experts_per_tok"],
+        "expert_shared_count": hf["n_shared_experts"],
+        "expert_feed_forward_length": hf["moe_intermediate_size"],
+        "expert_shared_feed_forward_length": hf["moe_shared_expert_intermediate_size"],
+        "expert_weights_norm": bool(hf["norm_topk_prob"]),
+        "expert_weights_scale": float(hf["routed_scaling_factor"]),
+        "expert_group_count": hf["n_group"],
+        "expert_group_used_count": hf["topk_group"],
+        "expert_gating_func": SIGMOID,
     }
 
 
@@ -148,6 +179,8 @@ def nemotron_config(field: Callable, arch: str, tensors: set[str]) -> dict[str, 
     kv = _per_layer(get("attention.head_count_kv"), n)
     ff = _per_layer(get("feed_forward_length", 0), n)
     kinds = ["full" if h else "ffn" if f else "linear" for h, f in zip(kv, ff, strict=True)]
+    experts = arch == "nemotron_h_moe"
+    names = {**nemotron_h.HF_NAMES, "ffn": "moe"} if experts else nemotron_h.HF_NAMES
     sizes = {f for f in ff if f}
     if len(sizes) > 1:
         raise CheckpointError(
@@ -159,7 +192,7 @@ def nemotron_config(field: Callable, arch: str, tensors: set[str]) -> dict[str, 
     hf = {
         "hidden_size": d,
         "num_hidden_layers": n,
-        "layers_block_type": [nemotron_h.HF_NAMES[k] for k in kinds],
+        "layers_block_type": [names[k] for k in kinds],
         "num_attention_heads": n_head,
         "num_key_value_heads": max(kv) or n_head,
         "head_dim": int(get("attention.key_length", d // n_head)),
@@ -174,6 +207,25 @@ def nemotron_config(field: Callable, arch: str, tensors: set[str]) -> dict[str, 
     }
     if sizes:
         hf["intermediate_size"] = sizes.pop()
+    if experts and int(get("expert_gating_func", SIGMOID)) != SIGMOID:
+        raise CheckpointError(
+            f"the {arch} GGUF file's expert_gating_func is {get('expert_gating_func')}; eqllm's "
+            f"nemotron_h scores experts by sigmoid ({SIGMOID})"
+        )
+    if experts:  # the dense MLP size, which no layer uses, is the experts' in the file
+        groups, ff_size = int(get("expert_group_count", 1)), hf.get("intermediate_size")
+        hf |= {
+            "n_routed_experts": int(get("expert_count")),
+            "num_experts_per_tok": int(get("expert_used_count")),
+            "n_shared_experts": int(get("expert_shared_count", 1)),
+            "moe_intermediate_size": int(get("expert_feed_forward_length", ff_size)),
+            "moe_shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length")),
+            "norm_topk_prob": bool(get("expert_weights_norm", False)),
+            "routed_scaling_factor": float(get("expert_weights_scale", 1.0)),
+            "n_group": groups,
+            # The converter writes no used-group count: every group may be chosen.
+            "topk_group": int(get("expert_group_used_count", groups)),
+        }
     return hf
 
 

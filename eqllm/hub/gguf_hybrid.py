@@ -13,7 +13,8 @@ architecture here does the same, and undoes it when reading:
   `attn_gate` (z). Qwen3.5's value heads, grouped by key head in transformers' layout, are
   stored tiled ([v0 of every key head, v1 of every key head, ...]) wherever they appear.
 - Mamba-2 (mamba2, falcon-h1): `eqllm.hub.gguf_mamba`.
-- Mamba-2 hybrids with attention layers (nemotron_h, granitehybrid): `eqllm.hub.gguf_granite`.
+- Mamba-2 hybrids with attention layers (nemotron_h, nemotron_h_moe, granitehybrid):
+  `eqllm.hub.gguf_granite`.
 
 Tensor names are the `gguf` package's (`gguf.TensorNameMap`), never a table of our own.
 """
@@ -47,6 +48,8 @@ from eqllm.hub.gguf_mamba import (
 
 EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+\.weight)")
 GDN = ("qwen3next", "qwen35", "qwen35moe")
+# A family's architecture -> the one its models with experts are written as.
+EXPERTS_ARCH = {"nemotron_h": "nemotron_h_moe"}
 # Qwen3.5's multimodal rotary sections, written whatever the file says (llama.cpp's loader
 # requires them); a text token has one position on every axis, where they are plain RoPE.
 MROPE_SECTIONS = [11, 11, 10, 0]
@@ -272,13 +275,16 @@ ARCHS = {
         )
         for arch in ("mamba2", "falcon-h1")
     },
-    "nemotron_h": Arch(
-        nemotron_metadata,
-        nemotron_config,
-        hybrid_names,
-        hybrid_to_gguf("nemotron_h"),
-        hybrid_from_gguf,
-    ),
+    **{
+        arch: Arch(
+            nemotron_metadata,
+            nemotron_config,
+            hybrid_names,
+            hybrid_to_gguf(arch),
+            hybrid_from_gguf,
+        )
+        for arch in ("nemotron_h", "nemotron_h_moe")
+    },
     "granitehybrid": Arch(
         granite_metadata,
         granite_config,
