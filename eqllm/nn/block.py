@@ -204,7 +204,8 @@ class Block(eqx.Module):
             attended, cache = self.attn(h_in, cache, valid=valid)
             return self._residual(x, self._mixed(h, attended), "dense")[0], cache
         if self.ssm is None:
-            attended, cache = self.attn.cached(h_in, positions, cache, local, rotate, shared)
+            kv_shared = {} if shared is None else {"shared": shared}  # Gemma 4's shared layers
+            attended, cache = self.attn.cached(h_in, positions, cache, local, rotate, **kv_shared)
             out = self._residual(x, self._mixed(h, attended), "dense", None, per_layer_input)
             return out[0], cache
         kv, state = cache
