@@ -86,8 +86,10 @@ def test_dense_experts_run_expert_parallel_without_gathering_expert_weights():
     assert not whole & set(ep.gathered_shapes)
     # Tokens move in their place: the layer's tokens gathered over fsdp (d_model wide).
     assert (4 * 32, d) in set(ep.gathered_shapes)  # 4 sequences of 32 per data group
-    # Fewer bytes move per layer in all (weights' gradients are no longer reduced over fsdp).
-    assert sum(ep.per_layer_bytes.values()) < sum(zero3.per_layer_bytes.values())
+    # The grouped product runs on each device's own rows (`ExpertDispatch.own_rows`): it gathers
+    # the expert weights and moves no tokens. At this tiny size the two steps move about the
+    # same bytes per layer (0.61 MB expert-parallel, 0.58 MB grouped: data=2,fsdp=4, 8 x 32).
+    assert (4 * 32, d) not in set(zero3.gathered_shapes)
 
 
 def test_expert_parallel_where_tokens_are_fewer_bytes_than_expert_weights():
