@@ -10,15 +10,19 @@ squeezed conv1d and grouped norm; and the per-layer metadata llama.cpp reads eac
 from.
 """
 
-import json
-
 import equinox as eqx
 import jax
 import numpy as np
 import pytest
 from families import BY_NAME
-from safetensors.numpy import load_file
-from test_gguf_hybrid import _array, _logits, _mapped, _model, _package_keys, check_q8_0
+from test_gguf_hybrid import (
+    _array,
+    _logits,
+    _mapped,
+    _package_keys,
+    check_q8_0,
+    f32_files,
+)
 
 import eqllm
 from eqllm.hub.files import CheckpointError
@@ -37,23 +41,7 @@ ARCH = {
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
-    """name -> (model, HF config.json, HF tensors, GGUF reader, folder) of the f32 file."""
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            tmp = tmp_path_factory.mktemp(name)
-            model = _model(name)
-            eqllm.hub.save_pretrained(model, tmp / "hf", dtype="float32")
-            hf = json.loads((tmp / "hf" / "config.json").read_text())
-            tensors = {}
-            for f in (tmp / "hf").glob("*.safetensors"):
-                tensors |= load_file(str(f))
-            eqllm.hub.save_gguf(model, tmp / "m.gguf", type="f32")
-            cache[name] = (model, hf, tensors, gguf.GGUFReader(str(tmp / "m.gguf")), tmp)
-        return cache[name]
-
-    return get
+    return f32_files(tmp_path_factory)
 
 
 def _lost(model, back):

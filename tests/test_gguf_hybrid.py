@@ -51,7 +51,12 @@ def _model(name):
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
-    """name -> (model, HF config.json, HF tensors, GGUF reader) of the f32 file."""
+    return f32_files(tmp_path_factory)
+
+
+def f32_files(tmp_path_factory):
+    """name -> (model, HF config.json, HF tensors, GGUF reader, folder) of the family's f32
+    file, each written once (the body of a module's `written` fixture)."""
     cache = {}
 
     def get(name):
