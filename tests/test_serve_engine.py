@@ -1,6 +1,7 @@
 """The continuous-batching engine on a tiny model: seeded requests equal `eqllm.generate` alone
 or among 30 others; requests join and leave between steps and reuse slots; long prompts are
-prefilled in chunks between decode steps; stop tokens, max_tokens and the queue bound hold; and
+prefilled in chunks between decode steps, a chunk of each waiting prompt while they outnumber
+the decoding requests; stop tokens, max_tokens and the queue bound hold; and
 nothing is traced again after the warm-up."""
 
 from __future__ import annotations
@@ -113,6 +114,21 @@ def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(engine):
         assert long[0].cursor in (16, 32, 41)  # (41: its first token fed in the same round)
     assert produced == [1, 1, 1] and long[0].cursor == 41
     _drain(engine, [short, long])
+
+
+def test_prompts_outnumbering_the_decoding_requests_get_a_chunk_each_per_round(engine):
+    """A decode call reads every weight whatever its batch, so prompts that arrive while fewer
+    requests decode are prefilled a chunk each per round and then decode together, not in
+    turns behind a one-chunk budget."""
+    first = _submit(engine, [1, 2, 3], max_tokens=30, temperature=0)
+    engine.step()  # prefilled (its first token) and decoded (its second)
+    later = [_submit(engine, [4 + i] * 20, max_tokens=3, temperature=0) for i in range(3)]
+    engine.step()  # 3 prompts against 1 decoding: 16 tokens of each (one chunk: 16)
+    assert [r.cursor for r, _ in later] == [16, 16, 16] and first[0].produced == 3
+    engine.step()  # their last 4 tokens each, then one decode call for all four
+    assert all(r.decoding for r, _ in [first, *later]) and first[0].produced == 4
+    assert [r.produced for r, _ in later] == [2, 2, 2]
+    assert [reason for _, reason in _drain(engine, [first, *later])] == ["length"] * 4
 
 
 def test_decode_runs_only_the_slots_and_positions_in_use(model):

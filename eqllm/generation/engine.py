@@ -9,10 +9,10 @@ A request waits in a bounded queue until a slot is free. On joining it looks its
 blocks up in the prefix cache (`eqllm.generation.pages`) and starts after the blocks found.
 Between two decode steps of the running requests, up to `prefill_chunk` prompt tokens are
 written into the cache (one long prompt's chunk, or several short prompts in one call; while
-no request decodes, every prompt that has a slot goes in at once), so prompts never stall the
-running requests for more than a chunk. Once prefilled, a request joins the batch the decode
-step runs; it leaves when it stops (a stop token, `max_tokens`, the context, or a cancel) and
-gives its blocks back (full ones stay cached for reuse until evicted).
+none decodes, every prompt with a slot at once; while prompts outnumber the decoding requests,
+a chunk of each). Once prefilled, a request joins the batch the decode step runs; it leaves
+when it stops (a stop token, `max_tokens`, the context, or a cancel) and gives its blocks back
+(full ones stay cached for reuse until evicted).
 
 The cache is a pool of blocks sized by a memory budget, not by slots x context: a request takes
 blocks as it grows. When the pool runs short, the most recently admitted request is preempted:
@@ -28,14 +28,13 @@ each request through the callback it was submitted with.
 With `speculate`, every decode call is a speculative round instead: K guesses per slot
 verified by one target call (`eqllm.generation.speculator`, `eqllm.generation.speculate`).
 
-This module decides what runs when. The slots, the queue and the blocks each request holds are
-kept by `eqllm.generation.scheduler`; the device state and the arrays of each call by
-`eqllm.generation.runner`; the cache's size and the shape buckets come from
-`eqllm.generation.sizing`.
+This module decides what runs when; `scheduler` keeps the slots, the queue and each request's
+blocks, `runner` the device state and each call's arrays, `sizing` the cache's size and buckets.
 """
 
 from __future__ import annotations
 
+import gc
 import secrets
 import threading
 from collections.abc import Sequence
@@ -65,8 +64,7 @@ class Engine:
     Arguments:
         model: the language model (any family, any dtype, quantized or not).
         max_batch: slots, i.e. requests decoded together.
-        max_len: positions per request (prompt + output); at most the model's context (None:
-            the context).
+        max_len: positions per request (prompt + output); at most (None: the) model's context.
         prefill_chunk: prompt tokens prefilled per round (between two decode steps), a power
             of two >= 16: one prompt's chunk of up to that many, or chunks of several prompts.
         max_queue: requests allowed to wait for a slot; more raise QueueFull.
@@ -116,11 +114,8 @@ class Engine:
         check_speculation(model, speculate, draft, max_len, decode_steps, mesh)
         self.config, self.mesh = cfg, mesh
         self.max_batch, self.max_len, self.max_queue = max_batch, max_len, max_queue
-        self.prefill_chunk, self.block_size, self.decode_steps = (
-            prefill_chunk,
-            block_size,
-            decode_steps,
-        )
+        self.prefill_chunk, self.block_size = prefill_chunk, block_size
+        self.decode_steps = decode_steps
         self.max_pages = -(-max_len // block_size)
         self.kv_blocks = pool_blocks(
             kv_blocks,
@@ -180,18 +175,19 @@ class Engine:
         ]
 
     def warm(self) -> None:
-        """Compile every shape in `shapes()` (decoding no slot, prefilling padding only).
+        """Compile and run every shape in `shapes()` once (prefilling padding only, decoding
+        every slot over block 0, then emptying every slot and pool).
 
         The free memory each compilation leaves in malloc's heap is given back after it
-        (`eqllm.hostmem.release_free_memory`). Kept, it added up: smollm2-135m with the
-        default flags (54 shapes, a 4 GiB cache) was at 12.4 GiB resident and still compiling
-        after 17 minutes; given back, it peaked at 10.5 GiB and was at 7.5 GiB when done."""
+        (`eqllm.hostmem.release_free_memory`): kept, smollm2-135m's 54 default shapes held 12.4
+        GiB and were still compiling after 17 minutes; given back, 10.5 GiB at the peak."""
         for width, rows, pages in self.buckets.prefill_shapes():  # padding only: nothing written
             self.runner.prefill([], width, rows, pages)
             release_free_memory()
         for slots, pages, steps in self.buckets.decode_shapes():
             if self.speculator is None or self.speculator.draft is None:
-                self._run_decode(np.zeros(slots, bool), pages, steps)
+                settings = self.scheduler.settings.stacked(slots)
+                self.runner.warm_decode(slots, pages, steps, settings, self.scheduler.stops[:slots])
             if self.speculator is not None:  # a speculative round for no slot
                 k = self.speculator.k
                 zeros = np.zeros(slots, np.int32)
@@ -200,6 +196,7 @@ class Engine:
         for width in self.buckets.scores:
             self.runner.score(np.zeros(1, np.int32), width)
             release_free_memory()
+        self.runner.clear()  # what the live decode calls wrote
 
     # Requests ------------------------------------------------------------------------------------
 
@@ -239,7 +236,11 @@ class Engine:
     # The loop ------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Run the scheduling loop in a daemon thread."""
+        """Run the scheduling loop in a daemon thread. What lives by now (model, JAX's caches,
+        the app) is frozen out of the garbage collector: a full collection walked it all with
+        the interpreter lock held (0.1-0.55 s), stalling the engine and every request."""
+        gc.collect()
+        gc.freeze()
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="eqllm-engine", daemon=True)
         self._thread.start()
@@ -279,25 +280,30 @@ class Engine:
 
     def step(self, *, decode: bool = True) -> None:
         """One round: free cancelled slots, admit waiting requests, prefill up to
-        `prefill_chunk` prompt tokens (all of them while no request is decoding; over as many
-        prompts as they cover, the least advanced first) and run one decode call (each only if
-        some slot needs it; `decode` False: no decode call)."""
+        `prefill_chunk` prompt tokens (all while none decodes, one chunk per prompt while they
+        outnumber the decoding ones; the least advanced first) and run one decode call (each
+        only if some slot needs it; `decode` False: no decode call)."""
         slots = self.scheduler.slots
         for request in slots:
             if request is not None and request.cancelled:
                 self.scheduler.finish(request, "stop")
-        self.scheduler.admit()
-        decoding = any(r is not None and r.decoding for r in slots)
-        pending = [r for r in slots if r is not None and not r.decoding]
-        budget = self.prefill_chunk if decoding else sum(r.target() - r.cursor for r in pending)
-        while budget > 0:
+        decoding = sum(r is not None and r.decoding for r in slots)
+        # A decode call reads every weight, for a few sequences as for many: prompts arriving
+        # together decode together, not in turns. `left`: tokens each prompt of the round had.
+        left, spent = {}, 0
+        while True:
+            self.scheduler.admit()  # those that came during the last call join too
             pending = [r for r in slots if r is not None and not r.decoding]
-            if not pending:
+            left |= {id(r): r.target() - r.cursor for r in pending if id(r) not in left}
+            chunks = len(left) if len(left) > decoding else 1
+            budget = sum(left.values())
+            budget = (min(budget, self.prefill_chunk * chunks) if decoding else budget) - spent
+            if not pending or budget <= 0:
                 break
             done = self._prefill(sorted(pending, key=lambda r: r.cursor), budget)
             if done is None:  # no block for any of them: they wait for the running requests
                 break
-            budget -= done
+            spent += done
         if decode:
             self._decode()
 
