@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 
 import arch_study as xstudy
+from arch_timing import CONTEXTS
 
 NAMES = {
     "attention": "all attention",
@@ -164,12 +165,18 @@ def _speed(rows, widths, archs, timings) -> list[str]:
         "width's points, measured while the sweep ran. Training, timed alone (`--retime` "
         "only): the real training step, the median of 10 steps after 2 warmup. Decode: new "
         "tokens/s of greedy `eqllm.generate` at batch 1 (64 tokens after a 16-token prompt, "
-        "compiled first, best of 3), random weights of the same shapes; without `--retime` only at "
-        "the widest width (each model's decode compiles for minutes on the loaded machine).",
+        "compiled first, best of 3), random weights of the same shapes; at 2,048 and 8,192 "
+        "tokens of context, the prompt fills all but the 64 new tokens and its prefill is "
+        "taken out (the time of 64 new tokens less that of one); without `--retime` only at "
+        "the widest width (each model's decode compiles for minutes on the loaded machine)"
+        + (
+            f", the long contexts at {timings['decode_when']}." if "decode_when" in timings else "."
+        ),
         "",
         "| d_model | architecture | training tokens/s, during the sweep | training tokens/s, "
-        "timed alone | decode tokens/s | training vs all attention | decode vs all attention |",
-        "|---|---|---|---|---|---|---|",
+        "timed alone | decode tokens/s | at 2,048 context | at 8,192 context | training vs all "
+        "attention | decode vs all attention (short, 2,048, 8,192) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for w in widths:
         ref = values[f"attention/{w}"]
@@ -182,12 +189,14 @@ def _speed(rows, widths, archs, timings) -> list[str]:
                 ratio = f"{alone / ref['train_tokens_s']:.2f}x"
             else:
                 ratio = f"{sweep / ref_sweep:.2f}x" if sweep and ref_sweep else ""
-            decode = v.get("decode_tokens_s")
-            versus = f"{decode / ref['decode_tokens_s']:.2f}x" if decode else ""
+            keys = ["decode_tokens_s"] + [f"decode_{n}_tokens_s" for n in CONTEXTS]
+            decode = [v.get(k) for k in keys]
+            versus = ", ".join(f"{d / ref[k]:.2f}x" for d, k in zip(decode, keys, strict=True) if d)
             lines.append(
                 f"| {w} | {NAMES[a]} | {f'{sweep:,.0f}' if sweep else ''} | "
                 f"{'-' if alone is None else f'{alone:,.0f}'} | "
-                f"{'-' if decode is None else f'{decode:,.1f}'} | {ratio} | {versus} |"
+                + " | ".join("-" if d is None else f"{d:,.1f}" for d in decode)
+                + f" | {ratio} | {versus} |"
             )
     return lines
 

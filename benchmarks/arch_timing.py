@@ -50,21 +50,30 @@ def train_tokens_per_s(cfg: ModelConfig, seq_len: int) -> float:
     return BATCH * seq_len / statistics.median(bench.step() for _ in range(TRAIN_STEPS))
 
 
-def decode_tokens_per_s(cfg: ModelConfig) -> float:
-    """New tokens/s of greedy `eqllm.generate` at batch 1 (compiled on a first call, then the
-    best of three), from a PROMPT-token prompt; the prefill is a small part of it."""
+def decode_tokens_per_s(cfg: ModelConfig, context: int | None = None) -> float:
+    """New tokens/s of greedy `eqllm.generate` at batch 1 (each call compiled first, then the
+    best of three). From a PROMPT-token prompt (`context` None) the prefill is a small part of
+    the time; at a `context`, the prompt fills all of it but NEW_TOKENS positions, and the
+    prefill is taken out: the time of NEW_TOKENS new tokens less that of one."""
+    if context is not None:
+        cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, context))
     model = eqllm.CausalLM(cfg, key=jax.random.key(0))
-    prompt = np.arange(1, PROMPT + 1, dtype=np.int32)
+    length = PROMPT if context is None else context - NEW_TOKENS
+    prompt = np.arange(length, dtype=np.int32) % (cfg.vocab_size - 1) + 1
     key = jax.random.key(0)
 
-    def once() -> float:
-        start = time.perf_counter()
-        out = eqllm.generate(model, prompt, max_new_tokens=NEW_TOKENS, key=key, temperature=0)
-        np.asarray(out)
-        return time.perf_counter() - start
+    def best(new: int) -> float:
+        def once() -> float:
+            start = time.perf_counter()
+            np.asarray(eqllm.generate(model, prompt, max_new_tokens=new, key=key, temperature=0))
+            return time.perf_counter() - start
 
-    once()
-    return NEW_TOKENS / min(once() for _ in range(3))
+        once()
+        return min(once() for _ in range(3))
+
+    if context is None:
+        return NEW_TOKENS / best(NEW_TOKENS)
+    return (NEW_TOKENS - 1) / (best(NEW_TOKENS) - best(1))
 
 
 def measure(
@@ -75,15 +84,24 @@ def measure(
     decode_widths: list[int],
     echo=print,
 ) -> dict:
-    """Per "arch/width": decode tokens/s at `decode_widths` and, when `train`, the training
+    """Per "arch/width": decode tokens/s at `decode_widths` (`decode_at_contexts`) and, when
+    `train`, the training
     step's tokens/s. Each costs a compile (minutes on a loaded 2-core machine): without
     `train` the page reads training speed off the sweep's own steps."""
     out = {}
     for (arch, width), cfg in configs.items():
         out[f"{arch}/{width}"] = {}
         if width in decode_widths:
-            out[f"{arch}/{width}"]["decode_tokens_s"] = decode_tokens_per_s(cfg)
+            out[f"{arch}/{width}"] |= decode_at_contexts(cfg)
         if train:
             out[f"{arch}/{width}"]["train_tokens_s"] = train_tokens_per_s(cfg, seq_len)
         echo(f"timed {arch} at {width}: {out[f'{arch}/{width}']}")
     return out
+
+
+def decode_at_contexts(cfg: ModelConfig) -> dict:
+    """Decode tokens/s after a short prompt ("decode_tokens_s") and at each of CONTEXTS
+    ("decode_2048_tokens_s", ...), where attention reads the whole cache at every token and a
+    linear layer its fixed state."""
+    out = {"decode_tokens_s": decode_tokens_per_s(cfg)}
+    return out | {f"decode_{n}_tokens_s": decode_tokens_per_s(cfg, n) for n in CONTEXTS}

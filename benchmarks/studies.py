@@ -24,12 +24,14 @@ parameters and training FLOPs; the same two stages) into runs/architectures and 
 docs/experiments/architectures.md with architectures.json beside it (its rows, timings and
 sizes); `--retime` measures the timings again, the training step included. Finished points are
 not run again, so a rerun after an interruption resumes, and a rerun of a finished study only
-rewrites its page.
+rewrites its page; `architectures` also counts the rows its page's .json file keeps as finished,
+so a fresh clone runs only the points the page lacks.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -246,9 +248,18 @@ def optimizers(args: argparse.Namespace) -> None:
     print(f"wrote {args.page} ({len(rows)} of {total} points)")
 
 
-def _run_stage(spec: Path, out: Path, jobs: int) -> int:
-    """Run (or resume) a sweep file into `out`; how many points this call ran."""
+def _key(settings: dict) -> str:
+    return json.dumps(settings, sort_keys=True)
+
+
+def _run_stage(spec: Path, out: Path, jobs: int, done: list[dict] = ()) -> int:
+    """Run (or resume) a sweep file into `out`, but for the points whose rows are in `done`;
+    how many points this call ran."""
     sweep = load_sweep(spec)
+    finished = {_key(r["settings"]) for r in done}
+    sweep = dataclasses.replace(
+        sweep, points=tuple(p for p in sweep.points if _key(p.settings) not in finished)
+    )
     before = sum((out / p.name / "result.json").is_file() for p in sweep.points)
     stopped = run_sweep(sweep, out, jobs=jobs)
     if stopped:
@@ -300,29 +311,33 @@ def architectures(args: argparse.Namespace) -> None:
     header += xstudy.command(args, WIDTHS)
     base = xstudy.base_points(archs, widths[0])
     start, ran = time.perf_counter(), 0
-    for _ in range(2):  # stage one until its points are done, then both stages
+    results = Path(args.page).with_suffix(".json")
+    saved = json.loads(results.read_text()) if results.is_file() else {}
+
+    def finished() -> list[dict]:  # the points run here, and those the page's file keeps
         rows = xstudy.rows_of(out)
-        done = {json.dumps(r["settings"], sort_keys=True) for r in rows}
-        if all(json.dumps(p, sort_keys=True) in done for p in base):
+        here = {_key(r["settings"]) for r in rows}
+        return rows + [r for r in saved.get("rows", []) if _key(r["settings"]) not in here]
+
+    for _ in range(2):  # stage one until its points are done, then both stages
+        rows = finished()
+        done = {_key(r["settings"]) for r in rows}
+        if all(_key(p) in done for p in base):
             best = xstudy.best_exponents(rows, widths[0])
             points = base + xstudy.transfer_points(archs, widths[1:], widths[0], best)
             spec.write_text(xstudy.sweep_toml(fixed, points, header + "\nboth stages"))
             if out.resolve() == (ROOT / "runs" / "architectures").resolve():
                 shutil.copy(spec, ROOT / "recipes" / "sweeps" / "architectures.toml")
             if not args.no_run:
-                ran += _run_stage(spec, out, args.jobs)
-                rows = xstudy.rows_of(out)
+                ran += _run_stage(spec, out, args.jobs, rows)
+                rows = finished()
             break
         spec.write_text(xstudy.sweep_toml(fixed, base, header + "\nstage one only"))
         if args.no_run:
             break
-        ran += _run_stage(spec, out, args.jobs)
+        ran += _run_stage(spec, out, args.jobs, rows)
     wall = time.perf_counter() - start
     total = len(base) + 3 * len(archs) * (len(widths) - 1)
-    results = Path(args.page).with_suffix(".json")
-    saved = json.loads(results.read_text()) if results.is_file() else {}
-    if not rows:
-        rows = saved.get("rows", [])
     configs = {(a, w): xstudy.config(a, w, widths[0]) for w in widths for a in archs}
     timings = saved.get("timings") if not args.retime else None
     if timings is None or set(timings["values"]) != {f"{a}/{w}" for a, w in configs}:
@@ -337,6 +352,15 @@ def architectures(args: argparse.Namespace) -> None:
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "loaded": not args.retime,
         }
+    long = f"decode_{arch_timing.CONTEXTS[-1]}_tokens_s"
+    older = [
+        (a, w) for a, w in configs if w == widths[-1] and long not in timings["values"][f"{a}/{w}"]
+    ]
+    for a, w in older:  # measured before the decode at long contexts: add it
+        timings["values"][f"{a}/{w}"] |= arch_timing.decode_at_contexts(configs[a, w])
+        print(f"timed decode of {a} at {w}: {timings['values'][f'{a}/{w}']}")
+    if older:
+        timings["decode_when"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     sizes = {
         f"{a}/{w}": {**xstudy.sizes(cfg, configs["attention", w]), **arch_timing.cache_bytes(cfg)}
         for (a, w), cfg in configs.items()

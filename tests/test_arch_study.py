@@ -26,6 +26,7 @@ def _load(name: str):
 
 _load("optimizer_study")
 study = _load("arch_study")
+_load("arch_timing")
 writer = _load("arch_page")
 
 
@@ -122,8 +123,16 @@ SIZES = {
 }
 TIMINGS = {
     "values": {
-        "attention/64": {"decode_tokens_s": 400.0},
-        "mamba2/64": {"decode_tokens_s": 300.0},
+        "attention/64": {
+            "decode_tokens_s": 400.0,
+            "decode_2048_tokens_s": 200.0,
+            "decode_8192_tokens_s": 80.0,
+        },
+        "mamba2/64": {
+            "decode_tokens_s": 300.0,
+            "decode_2048_tokens_s": 250.0,
+            "decode_8192_tokens_s": 240.0,
+        },
         "attention/128": {"decode_tokens_s": 200.0, "train_tokens_s": 2000.0},
         "mamba2/128": {"train_tokens_s": 1500.0},  # decode not timed: "-"
     },
@@ -157,10 +166,14 @@ def test_page_reports_gaps_losses_speeds_and_bytes_computed_by_hand():
     assert "| Mamba-2 hybrid | 4.9500 (2^-9*), -0.050 | 4.9000 (2^-9*), +0.100 |" in page
     assert "- Mamba-2 hybrid: best learning rate 2^-9 at 64, 2^-9 at 128 (+0 octaves" in page
     # Speeds: the sweep's median (1024 / 0.2 = 5,120; 1024 / 0.256 = 4,000) and the ratio;
-    # at 128 the training step timed alone gives the ratio (1500 / 2000).
-    assert "| 64 | all attention | 5,120 | - | 400.0 | 1.00x | 1.00x |" in page
-    assert "| 64 | Mamba-2 hybrid | 4,000 | - | 300.0 | 0.78x | 0.75x |" in page
-    assert "| 128 | Mamba-2 hybrid | 2,000 | 1,500 | - | 0.75x |  |" in page
+    # decode after a short prompt and at 2,048 and 8,192 tokens of context (300 / 400,
+    # 250 / 200, 240 / 80); at 128 the training step timed alone gives the ratio (1500 / 2000).
+    assert "| 64 | all attention | 5,120 | - | 400.0 | 200.0 | 80.0 | 1.00x | 1.00x, 1.00x" in page
+    assert (
+        "| 64 | Mamba-2 hybrid | 4,000 | - | 300.0 | 250.0 | 240.0 | 0.78x | 0.75x, 1.25x, 3.00x |"
+        in page
+    )
+    assert "| 128 | Mamba-2 hybrid | 2,000 | 1,500 | - | - | - | 0.75x |  |" in page
     assert "a machine loaded by other people's jobs" in page
     # Cache bytes: MiB and the ratio at 8,192.
     assert "| 64 | Mamba-2 hybrid | 0.50 | 1.00 | 2.50 | 0.312x |" in page
