@@ -47,6 +47,7 @@ import jax
 import optimizer_page
 import optimizer_study as study
 
+import eqllm
 from eqllm.bench import source_commit
 from eqllm.recipe.load import parse_value
 from eqllm.scaling import describe, fit_points, plot_fit, read_results
@@ -405,6 +406,7 @@ def main() -> None:
         "--retime", action="store_true", help="architectures: measure the timings again"
     )
     args = parser.parse_args()
+    eqllm.configure_process()  # as the `eqllm` command does (the sweeps run in this process)
     if args.study == "optimizers":
         args.out = args.out or DEFAULT_OUT
         args.page = args.page or str(DOCS / "optimizers.md")
