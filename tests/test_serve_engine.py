@@ -17,7 +17,7 @@ import pytest
 from conftest import TINY_CONFIGS
 
 import eqllm
-from eqllm.generation import paged, sizing, steps
+from eqllm.generation import paged, runner, sizing, steps
 from eqllm.generation.constrain import all_allowed
 from eqllm.generation.pages import BlockPool, block_hashes
 from eqllm.generation.settings import RowSettings
@@ -129,6 +129,22 @@ def test_prompts_outnumbering_the_decoding_requests_get_a_chunk_each_per_round(e
     assert all(r.decoding for r, _ in [first, *later]) and first[0].produced == 4
     assert [r.produced for r, _ in later] == [2, 2, 2]
     assert [reason for _, reason in _drain(engine, [first, *later])] == ["length"] * 4
+
+
+def test_generate_prefills_a_long_prompt_in_calls_of_bounded_memory(model, monkeypatch):
+    """`eqllm.generate` takes a prompt in one prefill call only while that call's attention
+    scores fit `sizing.SCORES_MEMORY`; in chunks, it gives the same tokens."""
+    prompt = np.random.default_rng(1).integers(0, 97, 50).tolist()
+    whole = eqllm.generate(model, prompt, max_new_tokens=6, key=jax.random.key(0), temperature=0)
+    heads = model.config.attention.n_heads
+    monkeypatch.setattr(sizing, "SCORES_MEMORY", 4 * heads * 16 * 80)  # 16 rows of 80 keys
+    assert sizing.chunk_for(model.config, 64, 64) == 16  # (the prompt bucket, the context)
+    widths, prefill = [], runner.Runner.prefill
+    monkeypatch.setattr(
+        runner.Runner, "prefill", lambda self, c, w, *a: widths.append(w) or prefill(self, c, w, *a)
+    )
+    chunked = eqllm.generate(model, prompt, max_new_tokens=6, key=jax.random.key(0), temperature=0)
+    assert chunked.tolist() == whole.tolist() and widths == [16, 16, 16, 16]
 
 
 def test_decode_runs_only_the_slots_and_positions_in_use(model):

@@ -20,7 +20,7 @@ from jaxtyping import Array, Key, PRNGKeyArray
 from eqllm.generation.engine import Engine
 from eqllm.generation.requests import Params, Token
 from eqllm.generation.sampling import GenerationError, sampling
-from eqllm.generation.sizing import MIN_CHUNK
+from eqllm.generation.sizing import MIN_CHUNK, chunk_for
 from eqllm.model import CausalLM
 
 MIN_BUCKET = MIN_CHUNK
@@ -112,15 +112,15 @@ def _engine(
     model: CausalLM, rows, *, max_len: int, steps: int, speculate=None, draft=None
 ) -> Engine:
     """An engine with a slot per row and the blocks of `max_len` positions for each, taking
-    every prompt in one prefill call and decoding `steps` tokens per call (one speculative
-    round per call when `speculate`)."""
+    every prompt in one prefill call where its memory allows (`sizing.chunk_for`) and decoding
+    `steps` tokens per call (one speculative round per call when `speculate`)."""
     width = bucket(max(len(r) for r in rows), model.config.max_seq_len)
     return Engine(
         model,
         max_batch=len(rows),
         max_len=max_len,
         max_queue=len(rows),  # every prompt is queued before the first step
-        prefill_chunk=1 << (width * len(rows) - 1).bit_length(),
+        prefill_chunk=chunk_for(model.config, width * len(rows), max_len),
         kv_blocks=len(rows) * -(-max_len // 16),
         block_size=16,
         prefix_cache=False,
