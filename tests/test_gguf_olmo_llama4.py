@@ -14,18 +14,32 @@ llama.cpp's, and the tiny OLMo 3 one RoPE base on every layer and no YaRN (llama
 rotates windowed layers with the full layers' base).
 """
 
+import json
+from pathlib import Path
+
 import equinox as eqx
 import jax
 import numpy as np
 import pytest
 from families import BY_NAME
 from test_gguf_granite import _rewrite
-from test_gguf_hybrid import _array, _logits, _mapped, _package_keys, check_q8_0, f32_files
+from test_gguf_hybrid import (
+    _array,
+    _logits,
+    _mapped,
+    _model,
+    _package_keys,
+    check_q8_0,
+    f32_files,
+)
 
 import eqllm
+from eqllm.hub.config import from_hf_config
 from eqllm.hub.files import CheckpointError
+from eqllm.hub.gguf import check_exportable
 
 gguf = pytest.importorskip("gguf")
+DATA = Path(__file__).parent / "data" / "hf_configs"
 NAMES = ["olmo2", "olmo3", "llama4", "llama4-maverick"]
 ARCH = {"olmo2": "olmo2", "olmo3": "olmo2", "llama4": "llama4", "llama4-maverick": "llama4"}
 LLAMA_CPP = {
@@ -227,3 +241,25 @@ def test_an_olmo2_file_as_the_converter_writes_it_reads_back(written, tmp_path):
     _rewrite(reader, tmp_path / "c.gguf", "olmo2", {}, left_out)
     back = eqllm.hub.from_pretrained(tmp_path / "c.gguf")
     assert back.config == model.config.replace(scan_layers=back.config.scan_layers)
+
+
+def test_llama4_with_128_experts_is_written_without_qk_norm(tmp_path):
+    """llama.cpp normalises queries and keys in every Llama 4 but the one with 128 experts
+    (use_kq_norm): such a model (Maverick's) is written without QK-norm and reads back without
+    it, and the published Maverick's config is written; Scout's is refused for its Llama 3 rope
+    scaling."""
+    unnormed = {**LLAMA_CPP, "attention": {**LLAMA_CPP["attention"], "qk_norm": None}}
+    model = _model("llama4-maverick", **unnormed, moe={"n_experts": 128})
+    eqllm.hub.save_gguf(model, tmp_path / "m.gguf", type="f32")
+    back = eqllm.hub.from_pretrained(tmp_path / "m.gguf")
+    assert back.config == model.config and back.config.attention.qk_norm is None
+    normed = model.config.replace(attention={"qk_norm": "l2"})
+    with pytest.raises(eqllm.ConfigError, match="attention.qk_norm='l2': GGUF architecture"):
+        check_exportable(normed, "f32")
+
+    def published(name):
+        return from_hf_config(json.loads((DATA / f"{name}.json").read_text()))
+
+    check_exportable(published("llama4-maverick"), "f16")
+    with pytest.raises(eqllm.ConfigError, match="positions.scaling.kind='llama3'"):
+        check_exportable(published("llama4-scout"), "f16")
