@@ -222,7 +222,7 @@ FAMILIES = [
         },
     ),
     # Norms after the sublayers only; QK-norm over the whole projections (grouped kv heads).
-    Tiny("olmo2", _zoo("olmo2-1b", attention={"n_kv_heads": 2})),
+    Tiny("olmo2", _zoo("olmo2-1b", attention={"n_kv_heads": 2}), gguf=True),
     # OLMo 2's block over windowed, full, windowed layers (a window of 5): YaRN on the full layer
     # only (the original context, 16, shorter than the test sequences), another base on the others.
     Tiny(

@@ -275,8 +275,8 @@ def test_what_the_architectures_cannot_hold_is_refused_by_name(tmp_path):
 
 
 def _rewrite(reader, path, arch, changed, left_out=()):
-    """`reader`'s file written again to `path`, keys in `changed` given new values and those in
-    `left_out` left out."""
+    """`reader`'s file written again to `path`, keys in `changed` given new values (a uint32 where
+    the file has no such key) and those in `left_out` left out."""
     writer = gguf.GGUFWriter(str(path), arch)
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture" or key in left_out:
@@ -284,6 +284,8 @@ def _rewrite(reader, path, arch, changed, left_out=()):
         value = changed.get(key, field.contents())
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, value, field.types[0], sub_type=sub)
+    for key in changed.keys() - reader.fields.keys():
+        writer.add_uint32(key, changed[key])
     for t in reader.tensors:
         writer.add_tensor(t.name, _array(t))
     writer.write_header_to_file()

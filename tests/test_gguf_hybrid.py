@@ -33,11 +33,12 @@ ARCH = {
 TOKENS = np.random.default_rng(0).integers(0, 97, 48)
 
 
-def _model(name):
-    """The family list's tiny model with random weights drawn on the host (no initialisation
-    to compile): N(0, 0.05) everywhere, 1 + N(0, 0.05) for norms, so that no transform can
-    pass by acting on zeros or ones."""
-    shapes = eqx.filter_eval_shape(eqllm.CausalLM, BY_NAME[name].config, key=jax.random.key(0))
+def _model(name, **overrides):
+    """The family list's tiny model (its config replaced by `overrides`) with random weights
+    drawn on the host (no initialisation to compile): N(0, 0.05) everywhere, 1 + N(0, 0.05) for
+    norms, so that no transform can pass by acting on zeros or ones."""
+    config = BY_NAME[name].config.replace(**overrides)
+    shapes = eqx.filter_eval_shape(eqllm.CausalLM, config, key=jax.random.key(0))
     rng = np.random.default_rng(0)
 
     def draw(path, leaf):
@@ -54,15 +55,15 @@ def written(tmp_path_factory):
     return f32_files(tmp_path_factory)
 
 
-def f32_files(tmp_path_factory):
+def f32_files(tmp_path_factory, overrides=None):
     """name -> (model, HF config.json, HF tensors, GGUF reader, folder) of the family's f32
-    file, each written once (the body of a module's `written` fixture)."""
+    file (its config changed by `overrides[name]`), each written once (a `written` fixture)."""
     cache = {}
 
     def get(name):
         if name not in cache:
             tmp = tmp_path_factory.mktemp(name)
-            model = _model(name)
+            model = _model(name, **(overrides or {}).get(name, {}))
             eqllm.hub.save_pretrained(model, tmp / "hf", dtype="float32")
             hf = json.loads((tmp / "hf" / "config.json").read_text())
             tensors = {}

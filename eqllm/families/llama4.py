@@ -226,6 +226,29 @@ def _check(cfg: ModelConfig) -> dict[str, Any]:
     return one_attention_bias(cfg)
 
 
+# What llama.cpp's llama4 fixes and a GGUF file does not hold (llama_model_llama4::
+# load_arch_hparams): chunks of 8192 positions on three of every four layers, the fourth global
+# and NoPE with temperature tuning; and L2 QK-norm exactly when there are not 128 experts.
+GGUF_FIXED = {
+    "attention.chunk_size": 8192,
+    "attention.global_every": 4,
+    "positions.nope_every": 4,
+    "attention.temperature_floor": 8192,
+    "attention.temperature_scale": 0.1,
+}
+GGUF_UNNORMED_EXPERTS = 128
+
+
+def gguf_refuses(cfg: ModelConfig) -> dict[str, Any]:
+    """The settings llama.cpp's llama4 fixes otherwise (`GGUF_FIXED`), QK-norm other than its
+    rule, and attention biases (not read)."""
+    wrong = {k: cfg.at(k) for k, v in GGUF_FIXED.items() if cfg.at(k) != v}
+    a, n_experts = cfg.attention, cfg.at("moe.n_experts")
+    if (a.qk_norm == "l2") != (n_experts != GGUF_UNNORMED_EXPERTS):
+        wrong["attention.qk_norm"] = a.qk_norm
+    return {**wrong, **({"attention.qkv_bias": True} if a.qkv_bias else {})}
+
+
 FAMILY = Family(
     name="llama4",
     released="2025-04",
@@ -278,4 +301,6 @@ FAMILY = Family(
     defaults=_DEFAULTS,
     wrapper="llama4",
     ignored=r"^(vision_model\.|multi_modal_projector\.)",
+    gguf="llama4",
+    gguf_refuses=gguf_refuses,
 )

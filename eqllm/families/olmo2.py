@@ -54,6 +54,13 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def gguf_refuses(cfg: ModelConfig) -> dict[str, Any]:
+    """llama.cpp's olmo2 needs its own output head (`output.weight`) and reads no attention
+    biases."""
+    tied = {"tie_embeddings": True} if cfg.tie_embeddings else {}
+    return {**tied, **({"attention.qkv_bias": True} if cfg.attention.qkv_bias else {})}
+
+
 FAMILY = Family(
     name="olmo2",
     released="2024-11",
@@ -82,4 +89,6 @@ FAMILY = Family(
         ),
         **one_attention_bias(cfg),
     },
+    gguf="olmo2",
+    gguf_refuses=gguf_refuses,
 )

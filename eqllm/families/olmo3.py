@@ -87,6 +87,16 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def gguf_refuses(cfg: ModelConfig) -> dict[str, Any]:
+    """Written as llama.cpp's olmo2 (`olmo2.gguf_refuses`), whose windowed layers rotate with
+    the full layers' base: its graph passes `freq_base`, not the file's `rope.freq_base_swa`."""
+    theta, local = cfg.positions.theta, cfg.positions.local_theta
+    return {
+        **OLMO2.gguf_refuses(cfg),
+        **({"positions.local_theta": local} if local != theta else {}),
+    }
+
+
 FAMILY = Family(
     name="olmo3",
     released="2025-11",
@@ -110,4 +120,6 @@ FAMILY = Family(
             else {}
         ),
     },
+    gguf="olmo2",
+    gguf_refuses=gguf_refuses,
 )

@@ -17,10 +17,11 @@ Architectures: each family names the one it is written as (`eqllm.families.Famil
 what that architecture cannot hold, `gguf_refuses`): llama (eqllm's llama and, without a sliding
 window, mistral), qwen2 and qwen3, the Llama-layout families llama.cpp and transformers' GGUF
 loader share; and qwen35, qwen35moe, qwen3next, mamba2, falcon-h1, nemotron_h (with experts
-nemotron_h_moe, `EXPERTS_ARCH`) and granitehybrid (`eqllm.hub.gguf_hybrid`), their tensors
-renamed by the gguf package's own `TensorNameMap` and changed as llama.cpp's converter changes
-them. A file is read back as the family whose Hugging Face model_type is llama.cpp's
-architecture name, else the one family written as it.
+nemotron_h_moe, `EXPERTS_ARCH`), granitehybrid, olmo2 (OLMo 2 and OLMo 3) and llama4
+(`eqllm.hub.gguf_hybrid`), their tensors renamed by the gguf package's own `TensorNameMap` and
+changed as llama.cpp's converter changes them. A file is read back as the family whose Hugging
+Face model_type is llama.cpp's architecture name (an olmo2 file with a sliding window as
+olmo3), else the one family written as it.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ architecture here does the same, and undoes it when reading:
 - Mamba-2 (mamba2, falcon-h1): `eqllm.hub.gguf_mamba`.
 - Mamba-2 hybrids with attention layers (nemotron_h, nemotron_h_moe, granitehybrid):
   `eqllm.hub.gguf_granite`.
+- Attention alone: olmo2 (OLMo 2 and OLMo 3, `eqllm.hub.gguf_olmo`) and llama4 (its experts
+  split and transposed, `eqllm.hub.gguf_llama4`).
 
 Tensor names are the `gguf` package's (`gguf.TensorNameMap`), never a table of our own.
 """
@@ -37,6 +39,13 @@ from eqllm.hub.gguf_granite import (
     nemotron_config,
     nemotron_metadata,
 )
+from eqllm.hub.gguf_llama4 import (
+    llama4_config,
+    llama4_from_gguf,
+    llama4_metadata,
+    llama4_names,
+    llama4_to_gguf,
+)
 from eqllm.hub.gguf_mamba import (
     mamba_config,
     mamba_from_gguf,
@@ -45,6 +54,7 @@ from eqllm.hub.gguf_mamba import (
     mamba_to_gguf,
     reader,
 )
+from eqllm.hub.gguf_olmo import olmo_config, olmo_metadata
 
 EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+\.weight)")
 GDN = ("qwen3next", "qwen35", "qwen35moe")
@@ -292,6 +302,16 @@ ARCHS = {
         hybrid_to_gguf("granitehybrid"),
         hybrid_from_gguf,
     ),
+    # Attention alone, renamed as the other architectures are: `eqllm.hub.gguf_olmo` (OLMo 2
+    # and OLMo 3) and `eqllm.hub.gguf_llama4`.
+    "olmo2": Arch(
+        olmo_metadata,
+        olmo_config,
+        lambda name, hf: [name],
+        lambda name, t, hf: [(name, t)],
+        lambda name, arrays, hf: arrays[0],
+    ),
+    "llama4": Arch(llama4_metadata, llama4_config, llama4_names, llama4_to_gguf, llama4_from_gguf),
 }
 
 
