@@ -274,9 +274,9 @@ def test_what_the_architectures_cannot_hold_is_refused_by_name(tmp_path):
     assert not (tmp_path / "x.gguf").exists()
 
 
-def _rewrite(reader, path, arch, changed, left_out=()):
+def _rewrite(reader, path, arch, changed, left_out=(), extra=None):
     """`reader`'s file written again to `path`, keys in `changed` given new values and those in
-    `left_out` left out."""
+    `left_out` left out, and the tensors `extra` (name -> array) added."""
     writer = gguf.GGUFWriter(str(path), arch)
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture" or key in left_out:
@@ -286,6 +286,8 @@ def _rewrite(reader, path, arch, changed, left_out=()):
         writer.add_key_value(key, value, field.types[0], sub_type=sub)
     for t in reader.tensors:
         writer.add_tensor(t.name, _array(t))
+    for name, array in (extra or {}).items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -15,6 +15,7 @@ architecture here does the same, and undoes it when reading:
 - Mamba-2 (mamba2, falcon-h1): `eqllm.hub.gguf_mamba`.
 - Mamba-2 hybrids with attention layers (nemotron_h, nemotron_h_moe, granitehybrid):
   `eqllm.hub.gguf_granite`.
+- The DeepSeek-style mixtures of experts (glm4moe, deepseek2): `eqllm.hub.gguf_moe`.
 
 Tensor names are the `gguf` package's (`gguf.TensorNameMap`), never a table of our own.
 """
@@ -44,6 +45,15 @@ from eqllm.hub.gguf_mamba import (
     mamba_names,
     mamba_to_gguf,
     reader,
+)
+from eqllm.hub.gguf_moe import (
+    deepseek_config,
+    deepseek_metadata,
+    glm_config,
+    glm_metadata,
+    moe_from_gguf,
+    moe_names,
+    moe_to_gguf,
 )
 
 EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+\.weight)")
@@ -292,6 +302,8 @@ ARCHS = {
         hybrid_to_gguf("granitehybrid"),
         hybrid_from_gguf,
     ),
+    "glm4moe": Arch(glm_metadata, glm_config, moe_names, moe_to_gguf, moe_from_gguf),
+    "deepseek2": Arch(deepseek_metadata, deepseek_config, moe_names, moe_to_gguf, moe_from_gguf),
 }
 
 
