@@ -276,7 +276,8 @@ def test_what_the_architectures_cannot_hold_is_refused_by_name(tmp_path):
 
 def _rewrite(reader, path, arch, changed, left_out=(), extra=None):
     """`reader`'s file written again to `path`, keys in `changed` given new values and those in
-    `left_out` left out, and the tensors `extra` (name -> array) added."""
+    `left_out` (and tensors of those names) left out, and the tensors `extra` (name -> array)
+    added."""
     writer = gguf.GGUFWriter(str(path), arch)
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture" or key in left_out:
@@ -285,7 +286,8 @@ def _rewrite(reader, path, arch, changed, left_out=(), extra=None):
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, value, field.types[0], sub_type=sub)
     for t in reader.tensors:
-        writer.add_tensor(t.name, _array(t))
+        if t.name not in left_out:
+            writer.add_tensor(t.name, _array(t))
     for name, array in (extra or {}).items():
         writer.add_tensor(name, array)
     writer.write_header_to_file()

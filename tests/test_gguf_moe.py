@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import pytest
 from families import BY_NAME
+from gguf_loaders import loader_tensors
 from test_gguf_granite import _rewrite
 from test_gguf_hybrid import _array, _mapped, _package_keys, check_q8_0, f32_files
 
@@ -108,80 +109,11 @@ def test_tensors_are_llama_cpps(written, name):
         np.testing.assert_array_equal(file[key], w, err_msg=key)
 
 
-def _loader(hf):
-    """The tensors llama.cpp's loader creates (`llama_model_deepseek2::load_arch_tensors`,
-    `llama_model_glm4_moe::load_arch_tensors`), with their shapes in ggml's order (fastest
-    dimension first) as the file lists them."""
-    d = hf["hidden_size"]
-    n_exp, ff, ff_exp = hf["n_routed_experts"], hf["intermediate_size"], hf["moe_intermediate_size"]
-    shared = hf["n_shared_experts"] * ff_exp
-    out = {"token_embd.weight": (d, hf["vocab_size"]), "output_norm.weight": (d,)}
-    if not hf.get("tie_word_embeddings", False):
-        out["output.weight"] = (d, hf["vocab_size"])
-    for i in range(hf["num_hidden_layers"]):
-        b = f"blk.{i}."
-        out[b + "attn_norm.weight"] = (d,)
-        if hf["model_type"] == "glm4_moe":
-            out |= _glm4moe_attention(hf, b)
-            out[b + "post_attention_norm.weight"] = (d,)
-        else:
-            out |= _deepseek2_attention(hf, b)
-            out[b + "ffn_norm.weight"] = (d,)
-        if i < hf["first_k_dense_replace"]:
-            out |= {b + "ffn_gate.weight": (d, ff), b + "ffn_down.weight": (ff, d)}
-            out[b + "ffn_up.weight"] = (d, ff)
-            continue
-        out[b + "ffn_gate_inp.weight"] = (d, n_exp)
-        if hf["model_type"] != "deepseek_v2":
-            out[b + "exp_probs_b.bias"] = (n_exp,)
-        out[b + "ffn_down_exps.weight"] = (ff_exp, d, n_exp)
-        out[b + "ffn_gate_exps.weight"] = (d, ff_exp, n_exp)
-        out[b + "ffn_up_exps.weight"] = (d, ff_exp, n_exp)
-        out[b + "ffn_gate_shexp.weight"] = (d, shared)
-        out[b + "ffn_down_shexp.weight"] = (shared, d)
-        out[b + "ffn_up_shexp.weight"] = (d, shared)
-    return out
-
-
-def _glm4moe_attention(hf, b):
-    heads, kv, hd, d = (
-        hf[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")
-    )
-    out = {b + "attn_q.weight": (d, heads * hd), b + "attn_output.weight": (heads * hd, d)}
-    out |= {b + "attn_k.weight": (d, kv * hd), b + "attn_v.weight": (d, kv * hd)}
-    if hf["attention_bias"]:
-        out[b + "attn_q.bias"] = (heads * hd,)
-        out |= {b + "attn_k.bias": (kv * hd,), b + "attn_v.bias": (kv * hd,)}
-    if hf["use_qk_norm"]:
-        out |= {b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,)}
-    return out
-
-
-def _deepseek2_attention(hf, b):
-    d, heads, latent, q = (
-        hf[k] for k in ("hidden_size", "num_attention_heads", "kv_lora_rank", "q_lora_rank")
-    )
-    nope, rope, v = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"]
-    out = {}
-    if q:
-        out[b + "attn_q_a_norm.weight"] = (q,)
-        out[b + "attn_q_a.weight"] = (d, q)
-        out[b + "attn_q_b.weight"] = (q, heads * (nope + rope))
-    else:
-        out[b + "attn_q.weight"] = (d, heads * (nope + rope))
-    out[b + "attn_kv_a_norm.weight"] = (latent,)
-    out[b + "attn_kv_a_mqa.weight"] = (d, latent + rope)
-    out[b + "attn_k_b.weight"] = (nope, latent, heads)
-    out[b + "attn_v_b.weight"] = (latent, v, heads)
-    out[b + "attn_output.weight"] = (heads * v, d)
-    return out
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_tensors_and_shapes_are_those_llama_cpps_loader_creates(written, name):
     _, hf, _, reader, _ = written(name)
     file = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
-    assert file == _loader(hf)
+    assert file == loader_tensors(hf)
 
 
 def _expected_metadata(hf):
@@ -281,16 +213,7 @@ _PUBLISHED = {
         "rope.scaling.original_context_length": 4096,
         "rope.scaling.yarn_log_multiplier": 0.1,
     },
-    "deepseek-v3": {
-        "block_count": 61,
-        "expert_count": 256,
-        "expert_group_count": 8,
-        "expert_group_used_count": 4,
-        "expert_gating_func": 2,
-        "expert_weights_scale": 2.5,
-        "attention.key_length": 576,
-        "rope.scaling.factor": 40.0,
-    },
+    "deepseek-v3": {"expert_count": 256, "expert_group_count": 8, "expert_group_used_count": 4},
     "deepseek-v2-lite": {
         "block_count": 27,
         "expert_count": 64,
@@ -395,3 +318,29 @@ def test_experts_scored_otherwise_than_by_sigmoid_are_refused_for_glm(written, t
     _rewrite(reader, tmp_path / "s.gguf", "glm4moe", {"glm4moe.expert_gating_func": 1})
     with pytest.raises(CheckpointError, match="expert_gating_func is 1"):
         eqllm.hub.from_pretrained(tmp_path / "s.gguf")
+
+
+@pytest.mark.parametrize("alone", [True, False])
+def test_files_of_the_older_converter_with_attn_kv_b_read_back(written, tmp_path, alone):
+    """Before mid-2025 the converter kept kv_b_proj whole as attn_kv_b (first alone, then beside
+    attn_k_b and attn_v_b), with the head sizes as key_length and value_length."""
+    model, hf, tensors, reader, _ = written("deepseek_v3")
+    n, a = hf["num_hidden_layers"], "deepseek2.attention."
+    k, v = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"], hf["v_head_dim"]
+    changed = {
+        a + "key_length": k,
+        a + "value_length": v,
+        a + "head_count_kv": hf["num_attention_heads"],
+    }
+    left_out = {a + "key_length_mla", a + "value_length_mla"}
+    if alone:
+        left_out |= {f"blk.{i}.attn_{p}_b.weight" for i in range(n) for p in "kv"}
+    kv_b = {
+        f"blk.{i}.attn_kv_b.weight": tensors[f"model.layers.{i}.self_attn.kv_b_proj.weight"]
+        for i in range(n)
+    }
+    _rewrite(reader, tmp_path / "old.gguf", "deepseek2", changed, left_out, extra=kv_b)
+    back = eqllm.hub.from_pretrained(tmp_path / "old.gguf")
+    assert back.config == _lost(model, back)
+    for x, y in zip(jax.tree.leaves(model), jax.tree.leaves(back), strict=True):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(x))

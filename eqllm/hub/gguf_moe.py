@@ -49,6 +49,10 @@ READ_AS = {"deepseek2": "deepseek_v3"}
 # The architectures whose files hold RoPE scaling (YaRN: every published DeepSeek-V3 and Kimi K2).
 SCALED = frozenset({"deepseek2"})
 _BLOCK = re.compile(r"blk\.(\d+)\.")
+# Files of the converter before mid-2025 hold kv_b_proj whole as attn_kv_b (alone, later beside
+# attn_k_b and attn_v_b) and name the head sizes key_length / value_length; config.json's private
+# `_gguf_kv_b` lists which of these tensors such a file holds, so that each one is read.
+_KV_B = ("kv_b_proj", "k_b_proj", "v_b_proj")
 
 
 # Tensors ----------------------------------------------------------------------------------
@@ -56,12 +60,13 @@ _BLOCK = re.compile(r"blk\.(\d+)\.")
 
 def moe_names(name: str, hf: dict) -> list[str]:
     """The names the gguf package maps: the correction bias as `...e_score_correction.bias`,
-    `kv_b_proj` as its two halves `k_b_proj` and `v_b_proj`; [name] for any other tensor."""
+    `kv_b_proj` as its two halves `k_b_proj` and `v_b_proj` (or as an older file holds it,
+    `_gguf_kv_b`); [name] for any other tensor."""
     if name.endswith(".e_score_correction_bias"):
         return [name.removesuffix("_bias") + ".bias"]
     if name.endswith(".kv_b_proj.weight"):
         stem = name.removesuffix("kv_b_proj.weight")
-        return [stem + "k_b_proj.weight", stem + "v_b_proj.weight"]
+        return [f"{stem}{part}.weight" for part in hf.get("_gguf_kv_b", _KV_B[1:])]
     return [name]
 
 
@@ -77,7 +82,7 @@ def moe_to_gguf(name: str, t: np.ndarray, hf: dict) -> list[tuple[str, np.ndarra
 
 
 def moe_from_gguf(name: str, arrays: list[np.ndarray], hf: dict) -> np.ndarray:
-    if len(arrays) == 1:
+    if len(arrays) == 1 or arrays[0].ndim == 2:  # kv_b_proj whole where an older file has it
         return arrays[0]
     k_b, v_b = arrays  # [heads, kv_lora_rank, nope], [heads, v, kv_lora_rank]
     kv = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)
@@ -256,6 +261,7 @@ def deepseek_config(field: Callable, arch: str, tensors: set[str]) -> dict[str, 
     family = families.get("deepseek_v3" if _gating(get, arch) == SIGMOID else "deepseek_v2")
     rope = int(get("rope.dimension_count"))
     n_head = int(get("attention.head_count"))
+    mla = "_mla" if field(f"{arch}.attention.key_length_mla") is not None else ""
     hf = {
         "architectures": [family.architecture],
         "model_type": family.model_type,
@@ -264,12 +270,14 @@ def deepseek_config(field: Callable, arch: str, tensors: set[str]) -> dict[str, 
         "num_key_value_heads": n_head,  # the file's 1 is the latent run as one key/value head
         "q_lora_rank": int(get("attention.q_lora_rank", 0)) or None,
         "kv_lora_rank": int(get("attention.kv_lora_rank")),
-        "qk_nope_head_dim": int(get("attention.key_length_mla")) - rope,
+        "qk_nope_head_dim": int(get(f"attention.key_length{mla}")) - rope,
         "qk_rope_head_dim": rope,
-        "v_head_dim": int(get("attention.value_length_mla")),
+        "v_head_dim": int(get(f"attention.value_length{mla}")),
         "attention_bias": False,
         "rope_scaling": _yarn_config(get, field, arch),
     }
+    if "blk.0.attn_kv_b.weight" in tensors:
+        hf["_gguf_kv_b"] = [p for p in _KV_B if f"blk.0.attn_{p[:-5]}.weight" in tensors]
     if family.name == "deepseek_v2":
         if hf.pop("norm_topk_prob"):
             raise CheckpointError(
