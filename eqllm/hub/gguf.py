@@ -21,7 +21,8 @@ nemotron_h_moe, `EXPERTS_ARCH`) and granitehybrid (`eqllm.hub.gguf_hybrid`), glm
 deepseek2 (`eqllm.hub.gguf_moe`), their tensors
 renamed by the gguf package's own `TensorNameMap` and changed as llama.cpp's converter changes
 them. A file is read back as the family whose Hugging Face model_type is llama.cpp's
-architecture name, else the one family written as it.
+architecture name, else the one family written as it (deepseek2: as its metadata says,
+`eqllm.hub.gguf_moe`).
 """
 
 from __future__ import annotations
