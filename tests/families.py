@@ -341,6 +341,7 @@ FAMILIES = [
         "deepseek_v3",
         _zoo("deepseek_v3-nano", **{**MLA, "attention": MLA_Q, "moe": GROUPED}),
         lora=_MLA_LORA,
+        gguf=True,
         # Kimi K2's total as transformers' DeepSeek-V3 counts its config.json (its model card
         # rounds it to 1T).
         published={"deepseek-v3": 671_026_419_200, "kimi-k2": 1_026_408_232_448},
@@ -353,6 +354,7 @@ FAMILIES = [
         "glm4_moe",
         _zoo("glm4_moe-nano", n_layers=3, attention=GQA_16, moe=GROUPED),
         lora=_ROUTED_LORA,
+        gguf=True,
         published={"glm-4.5": GLM_355B, "glm-4.6": GLM_355B, "glm-4.5-air": 106_852_251_264},
     ),
     # GLM-4.5-Air's block: no QK-norm, one group, one shared expert, weights not renormalised;
@@ -421,6 +423,7 @@ FAMILIES = [
         "deepseek_v2",
         _zoo("deepseek_v2-nano", **{**MLA, "moe": {**MLA["moe"], "routed_scale": 1.5}}),
         lora=tuple(t for t in _MLA_LORA if t not in ("q_a_proj", "q_b_proj")) + ("q_proj",),
+        gguf=True,
         published={"deepseek-v2-lite": 15_706_484_224},
     ),
     # Gated DeltaNet, gated attention, Gated DeltaNet, gated attention: two groups of the

@@ -274,9 +274,10 @@ def test_what_the_architectures_cannot_hold_is_refused_by_name(tmp_path):
     assert not (tmp_path / "x.gguf").exists()
 
 
-def _rewrite(reader, path, arch, changed, left_out=()):
+def _rewrite(reader, path, arch, changed, left_out=(), extra=None):
     """`reader`'s file written again to `path`, keys in `changed` given new values (a uint32 where
-    the file has no such key) and those in `left_out` left out."""
+    the file has no such key) and those in `left_out` (and tensors of those names) left out, and
+    the tensors `extra` (name -> array) added."""
     writer = gguf.GGUFWriter(str(path), arch)
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture" or key in left_out:
@@ -287,7 +288,10 @@ def _rewrite(reader, path, arch, changed, left_out=()):
     for key in changed.keys() - reader.fields.keys():
         writer.add_uint32(key, changed[key])
     for t in reader.tensors:
-        writer.add_tensor(t.name, _array(t))
+        if t.name not in left_out:
+            writer.add_tensor(t.name, _array(t))
+    for name, array in (extra or {}).items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

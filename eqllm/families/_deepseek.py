@@ -216,3 +216,30 @@ def mla_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 PREFIX = LLAMA_PREFIX
+
+
+def gguf_refuses(cfg: ModelConfig) -> dict[str, Any]:
+    """What llama.cpp's deepseek2 cannot hold: attention biases (it has none), rotary dims
+    rotated as halves (it turns adjacent pairs: `rope_interleave`), no shared expert (it always
+    builds one), groups scored otherwise than by their two best experts (DeepSeek-V2's "max"),
+    and YaRN other than DeepSeek's (its file keeps only 0.1 x mscale_all_dim, so mscale must
+    equal it) or another scaling."""
+    a, moe, s = cfg.attention, cfg.moe, cfg.positions.scaling
+    wrong: dict[str, Any] = {}
+    if a.qkv_bias or a.out_bias:
+        wrong["attention.qkv_bias"] = a.qkv_bias
+    if not a.rope_interleave:
+        wrong["attention.rope_interleave"] = False
+    if not moe.shared_d_ff:
+        wrong["moe.shared_d_ff"] = moe.shared_d_ff
+    if moe.n_groups is not None and moe.group_score != "top2_sum":
+        wrong["moe.group_score"] = moe.group_score
+    if s is not None and s.kind != "yarn":
+        wrong["positions.scaling.kind"] = s.kind
+    elif s is not None:
+        if s.mscale != s.mscale_all_dim:
+            wrong["positions.scaling.mscale"] = s.mscale
+        for name in ("attention_factor", "truncate"):
+            if getattr(s, name) is not None:
+                wrong[f"positions.scaling.{name}"] = getattr(s, name)
+    return wrong

@@ -16,6 +16,7 @@ from eqllm.families._deepseek import (
     PREFIX,
     TABLE,
     experts_from_hf,
+    gguf_refuses,
     mla_from_hf,
     mla_to_hf,
 )
@@ -80,4 +81,6 @@ FAMILY = Family(
     from_hf=from_hf,
     check=has_experts,
     skip_extra_layers=True,
+    gguf="deepseek2",
+    gguf_refuses=gguf_refuses,
 )

@@ -20,6 +20,7 @@ from eqllm.families._deepseek import (
     PREFIX,
     TABLE,
     experts_from_hf,
+    gguf_refuses,
     mla_from_hf,
     mla_to_hf,
 )
@@ -85,5 +86,7 @@ FAMILY = Family(
     check=has_experts,
     defaults=_DEFAULTS,
     skip_extra_layers=True,
+    gguf="deepseek2",
+    gguf_refuses=gguf_refuses,
     also_reads=("kimi_k2",),
 )

@@ -153,6 +153,12 @@ def _check(cfg: ModelConfig) -> dict[str, Any]:
     return {}
 
 
+def gguf_refuses(cfg: ModelConfig) -> dict[str, Any]:
+    """llama.cpp's glm4moe rotates a whole number of dims (`rope.dimension_count`)."""
+    rotated = cfg.head_dim * cfg.positions.fraction
+    return {"positions.fraction": cfg.positions.fraction} if rotated != int(rotated) else {}
+
+
 FAMILY = Family(
     name="glm4_moe",
     released="2025-07",
@@ -201,4 +207,6 @@ FAMILY = Family(
     check=_check,
     defaults=_DEFAULTS,
     skip_extra_layers=True,
+    gguf="glm4moe",
+    gguf_refuses=gguf_refuses,
 )

@@ -18,10 +18,11 @@ what that architecture cannot hold, `gguf_refuses`): llama (eqllm's llama and, w
 window, mistral), qwen2 and qwen3, the Llama-layout families llama.cpp and transformers' GGUF
 loader share; and qwen35, qwen35moe, qwen3next, mamba2, falcon-h1, nemotron_h (with experts
 nemotron_h_moe, `EXPERTS_ARCH`), granitehybrid, olmo2 (OLMo 2 and OLMo 3) and llama4
-(`eqllm.hub.gguf_hybrid`), their tensors renamed by the gguf package's own `TensorNameMap` and
-changed as llama.cpp's converter changes them. A file is read back as the family whose Hugging
-Face model_type is llama.cpp's architecture name (an olmo2 file with a sliding window as
-olmo3), else the one family written as it.
+(`eqllm.hub.gguf_hybrid`), glm4moe and deepseek2 (`eqllm.hub.gguf_moe`), their tensors renamed
+by the gguf package's own `TensorNameMap` and changed as llama.cpp's converter changes them. A
+file is read back as the family whose Hugging Face model_type is llama.cpp's architecture name
+(an olmo2 file with a sliding window as olmo3), else the one family written as it (deepseek2:
+as its metadata says, `eqllm.hub.gguf_moe`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from eqllm.hub.files import CheckpointError
 from eqllm.hub.folders import skeleton
 from eqllm.hub.gguf_granite import permute
 from eqllm.hub.gguf_hybrid import ARCHS, EXPERT, EXPERTS_ARCH, stack_experts
+from eqllm.hub.gguf_moe import READ_AS, SCALED
 from eqllm.hub.gguf_vocab import read_tokenizer, write_tokenizer
 from eqllm.hub.tables import indices, part_names, rows_for, stack_layers, tensor_name
 
@@ -114,9 +116,9 @@ def gguf_arch(cfg) -> str | None:
 
 def _family_of(arch: str):
     """The family a file of GGUF architecture `arch` is read back as: the one written under its
-    own model_type's name, else the only one written as `arch`; None if there is none."""
+    own model_type's name (or `READ_AS`), else the only one written as `arch`; None if none."""
     found = [f for f in families.every() if arch in (f.gguf, EXPERTS_ARCH.get(f.gguf or ""))]
-    own = [f for f in found if f.model_type == arch]
+    own = [f for f in found if f.model_type == arch or f.name == READ_AS.get(arch)]
     return (own or found)[0] if len(own or found) == 1 else None
 
 
@@ -138,7 +140,7 @@ def check_exportable(cfg, type: str) -> None:
             f"{cfg.family} model cannot be written as GGUF; convert it to a Hugging Face folder "
             "instead"
         )
-    if (scaling := cfg.positions.scaling) is not None:
+    if (scaling := cfg.positions.scaling) is not None and gguf_arch(cfg) not in SCALED:
         raise ConfigError(
             f"positions.scaling.kind={scaling.kind!r}: eqllm writes GGUF files with plain rotary "
             "positions only (llama.cpp keeps the scaled frequencies as a tensor)"
@@ -223,6 +225,8 @@ def _write_hybrid(writer, gguf, arch: str, hf: dict, tensors: dict, qtype) -> No
             writer.add_bool(f"{arch}.{key}", value)
         elif isinstance(value, float):
             writer.add_float32(f"{arch}.{key}", value)
+        elif isinstance(value, str):
+            writer.add_string(f"{arch}.{key}", value)
         else:
             writer.add_uint32(f"{arch}.{key}", int(value))
     names = _name_map(gguf, arch, metadata["block_count"])

@@ -17,6 +17,7 @@ architecture here does the same, and undoes it when reading:
   `eqllm.hub.gguf_granite`.
 - Attention alone: olmo2 (OLMo 2 and OLMo 3, `eqllm.hub.gguf_olmo`) and llama4 (its experts
   split and transposed, `eqllm.hub.gguf_llama4`).
+- The DeepSeek-style mixtures of experts (glm4moe, deepseek2): `eqllm.hub.gguf_moe`.
 
 Tensor names are the `gguf` package's (`gguf.TensorNameMap`), never a table of our own.
 """
@@ -53,6 +54,15 @@ from eqllm.hub.gguf_mamba import (
     mamba_names,
     mamba_to_gguf,
     reader,
+)
+from eqllm.hub.gguf_moe import (
+    deepseek_config,
+    deepseek_metadata,
+    glm_config,
+    glm_metadata,
+    moe_from_gguf,
+    moe_names,
+    moe_to_gguf,
 )
 from eqllm.hub.gguf_olmo import olmo_config, olmo_metadata
 
@@ -312,6 +322,8 @@ ARCHS = {
         lambda name, arrays, hf: arrays[0],
     ),
     "llama4": Arch(llama4_metadata, llama4_config, llama4_names, llama4_to_gguf, llama4_from_gguf),
+    "glm4moe": Arch(glm_metadata, glm_config, moe_names, moe_to_gguf, moe_from_gguf),
+    "deepseek2": Arch(deepseek_metadata, deepseek_config, moe_names, moe_to_gguf, moe_from_gguf),
 }
 
 
