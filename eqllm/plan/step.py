@@ -26,9 +26,11 @@ from eqllm.bench.mesh import AbstractState, abstract_state
 from eqllm.config import ConfigError, ModelConfig
 from eqllm.data import Tokenizer
 from eqllm.model import CausalLM
+from eqllm.plan.kernels import GroupedFlops, dispatch_block, grouped_flops
 from eqllm.recipe import Recipe, RecipeError
 from eqllm.sharding import batch_sharding, check_divisible, make_mesh
 from eqllm.sharding.dispatch import experts_impl, experts_kernel
+from eqllm.sharding.rules import RULES
 from eqllm.train.mfu import step_flops
 from eqllm.train.objectives import Instructions, LanguageModel
 from eqllm.train.optim import schedule
@@ -70,7 +72,8 @@ class CompiledStep:
     memory: Memory | None = None
     refusal: str = ""
     needed: int | None = None
-    flops: float = 0.0
+    flops: float = 0.0  # the static bound: every grouped kernel over its whole block
+    run_flops: float = 0.0  # the same with the grouped kernels over their routed rows only
     bytes_accessed: float = 0.0
     xla_flops: float = 0.0
     xla_bytes: float = 0.0
@@ -81,6 +84,8 @@ class CompiledStep:
     # a mixture of experts' {"impl", "why", "requested"}: how the compiled step computes its
     # experts (`planned_config`), as a run's summary.json records it; None without experts
     experts: dict | None = None
+    # the grouped matmuls' kernels: their FLOPs static and run (`eqllm.plan.kernels`)
+    grouped: GroupedFlops = dataclasses.field(default_factory=GroupedFlops)
 
 
 def model_config(recipe: Recipe) -> ModelConfig:
@@ -197,13 +202,16 @@ def compile_recipe(recipe: Recipe, devices: list) -> CompiledStep:
     lowered, state, shapes = lower_train_step(recipe, mesh)
     flops = step_flops(shapes, recipe.data.seq_len)
     tokens = recipe.train.batch_size * recipe.data.seq_len
+    config, experts = planned_config(recipe, mesh)
+    batch_split = math.prod(mesh.shape[a] for a in RULES["batch"])
+    rows_per_chip = tokens // recipe.train.grad_accum // batch_split  # per micro-batch
     result = CompiledStep(
         compile_s=0.0,
         mesh={k: int(v) for k, v in mesh.shape.items()},
         devices=list(mesh.devices.flat),
         model_flops=flops.model * tokens,
         hardware_flops=flops.hardware * tokens,
-        experts=planned_config(recipe, mesh)[1],
+        experts=experts,
     )
     t0 = time.perf_counter()
     try:
@@ -232,10 +240,20 @@ def compile_recipe(recipe: Recipe, devices: list) -> CompiledStep:
     cost = compiled.cost_analysis() or {}
     result.xla_flops = float(cost.get("flops", 0.0))
     result.xla_bytes = float(cost.get("bytes accessed", 0.0))
-    result.flops = result.xla_flops * program.loop_factor("flops")
+    result.grouped = grouped_flops(program, dispatch_block(config, result.mesh, rows_per_chip))
+    result.flops, result.run_flops = step_flops_of(result.xla_flops, program, result.grouped)
     result.bytes_accessed = result.xla_bytes * program.loop_factor("bytes")
     result.collectives = collectives(program)
     return result
+
+
+def step_flops_of(xla_flops: float, program: Program, grouped: GroupedFlops) -> tuple[float, float]:
+    """(static, run) FLOPs per chip per step. Static: XLA's cost analysis with its loop bodies
+    at their trip counts (`Program.loop_factor`, read from the matrix products) and the grouped
+    kernels at their own, each over its whole block; run: the same with the grouped kernels
+    over their routed rows only (`eqllm.plan.kernels`)."""
+    static = (xla_flops - grouped.once) * program.loop_factor("flops") + grouped.static
+    return static, static - grouped.static + grouped.run
 
 
 def _per_chip(tree) -> int:
