@@ -26,6 +26,7 @@ from eqllm.bench.mesh import AbstractState, abstract_state
 from eqllm.config import ConfigError, ModelConfig
 from eqllm.data import Tokenizer
 from eqllm.model import CausalLM
+from eqllm.plan.devices import PlanError
 from eqllm.plan.kernels import GroupedFlops, dispatch_block, grouped_flops
 from eqllm.recipe import Recipe, RecipeError
 from eqllm.sharding import batch_sharding, check_divisible, make_mesh
@@ -63,7 +64,9 @@ class CompiledStep:
     `refusal` holds the compiler's out-of-memory message when it refused the program (then
     `memory` is None); `needed` is the bytes it said the program needs, where it said so.
     FLOPs and bytes accessed are XLA's cost analysis scaled from one pass through each loop
-    body to the loops' trip counts (`eqllm.bench.hlo.Program.loop_factor`).
+    body to the loops' trip counts (`eqllm.bench.hlo.Program.loop_factor`), the grouped
+    matmuls' kernels counted at their own trips (`step_flops_of`); `flops` is a static bound
+    where those kernels get padded blocks, `run_flops` what their routed rows run.
     """
 
     compile_s: float
@@ -199,7 +202,10 @@ def compile_recipe(recipe: Recipe, devices: list) -> CompiledStep:
     """Compile `recipe`'s step for `devices` (a TPU slice's, in order) and read it."""
     mesh = make_mesh(recipe.mesh, devices)
     check_recipe(recipe, mesh)
-    lowered, state, shapes = lower_train_step(recipe, mesh)
+    try:
+        lowered, state, shapes = lower_train_step(recipe, mesh)
+    except jax.errors.JaxRuntimeError as e:
+        raise _failed(recipe, "JAX's lowering", e) from e
     flops = step_flops(shapes, recipe.data.seq_len)
     tokens = recipe.train.batch_size * recipe.data.seq_len
     config, experts = planned_config(recipe, mesh)
@@ -218,7 +224,7 @@ def compile_recipe(recipe: Recipe, devices: list) -> CompiledStep:
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
+            raise _failed(recipe, "the TPU compiler", e) from e
         result.compile_s = time.perf_counter() - t0
         result.refusal = _refusal(str(e))
         result.needed = _needed_bytes(result.refusal)
@@ -254,6 +260,17 @@ def step_flops_of(xla_flops: float, program: Program, grouped: GroupedFlops) -> 
     over their routed rows only (`eqllm.plan.kernels`)."""
     static = (xla_flops - grouped.once) * program.loop_factor("flops") + grouped.static
     return static, static - grouped.static + grouped.run
+
+
+def _failed(recipe: Recipe, stage: str, error: Exception) -> PlanError:
+    """A runtime error of JAX or the TPU compiler while planning `recipe` (not out of memory,
+    which is a finding), as one line naming the stage and the compiler's first line."""
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    mesh = recipe.mesh.describe()
+    return PlanError(
+        f"{recipe.name} on mesh {mesh}: the step failed in {stage}: {first}; try another mesh "
+        "or kernel (model.overrides.moe.kernel, attention.kernel)"
+    )
 
 
 def _per_chip(tree) -> int:
