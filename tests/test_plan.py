@@ -209,11 +209,39 @@ def test_nano_compiles_on_the_smallest_v5e_and_v5p_slices(plans):
     for name, plan in plans.items():
         assert plan.fits and plan.headroom > 0.9
         assert plan.step.compile_s > 0 and plan.roofline.mfu > 0
-        if name == "experts":
-            continue  # the dropless dispatch multiplies its grouped matmul's rows (below)
-        # the compiled FLOPs (loops at their trip counts) are those of the model's step
-        assert 0.8 < plan.step.flops * plan.tpu.chips / plan.step.model_flops < 1.5
+        # the FLOPs run (loops at their trip counts, the dispatch's grouped kernels over their
+        # routed rows: below) are those of the model's step
+        assert 0.8 < plan.step.run_flops * plan.tpu.chips / plan.step.model_flops < 1.5
+        if name != "experts":  # no grouped kernel pads a block: the static count is the run
+            assert plan.step.flops == plan.step.run_flops
     assert plans["v5e-1"].tpu.chip.name == "v5e" and plans["fsdp,tensor"].tpu.chips == 4
+
+
+@needs_libtpu
+def test_the_dispatchs_grouped_kernels_are_counted_static_and_run(plans):
+    """The dropless dispatch's grouped matmuls are megablox kernels whose cost estimates count
+    every row of their blocks: 4 peers x 128 tokens a chip x min(k, 1 local expert) = 512 rows,
+    of which the chip's 2 x 128 routed copies fill half on the mean chip. Per layer loop pass
+    (remat none) gate, up and down run forward (3 gmm) and backward (3 gmm for the rows'
+    gradients, 3 tgmm for the weights'), each 2 x 512 x d_model x d_ff by its estimate. The
+    plan counts them at the layer loop's trips (the compiled count scaled them by the other
+    matrix products' loop factor), reports the static bound and what runs, and what runs is
+    the model's FLOPs (the first test) where the static count is not."""
+    plan = plans["experts"]
+    config, s = plan.recipe.model_config(), plan.step
+    rows = plan.recipe.train.batch_size * plan.recipe.data.seq_len // 4
+    k = config.moe.experts_per_token
+    assert (s.grouped.block, s.grouped.routed) == (4 * rows, k * rows)
+    per_call = 2 * s.grouped.block * config.d_model * config.expert_d_ff
+    assert s.grouped.static == 9 * config.n_layers * per_call
+    assert s.grouped.once == 9 * per_call  # what XLA's cost analysis holds of them
+    assert s.xla_flops > s.grouped.once
+    assert s.grouped.run == s.grouped.static * k / 4
+    assert s.run_flops == pytest.approx(s.flops - s.grouped.static + s.grouped.run)
+    assert s.flops * plan.tpu.chips / s.model_flops > 1.3  # the padding, counted
+    text = describe(plan)
+    assert "run, " in text and "a static bound" in text and f"{4 * rows:,} rows" in text
+    assert plan.to_dict()["run_flops_per_chip"] == s.run_flops
 
 
 @needs_libtpu

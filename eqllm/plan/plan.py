@@ -90,7 +90,9 @@ class Plan:
             "refusal": s.refusal,
             "memory": dataclasses.asdict(s.memory) if s.memory else None,
             "estimated_bytes": self.estimated_bytes,
-            "flops_per_chip": s.flops,
+            "flops_per_chip": s.flops,  # the static bound (every grouped kernel's whole block)
+            "run_flops_per_chip": s.run_flops,  # the grouped kernels over their routed rows
+            "grouped_kernel_flops_per_chip": s.grouped.to_dict(),
             "bytes_accessed_per_chip": s.bytes_accessed,
             "xla_flops_per_chip": s.xla_flops,
             "xla_bytes_per_chip": s.xla_bytes,
@@ -148,7 +150,7 @@ def plan_recipe(recipe: Recipe, tpu: TpuSlice, devices: list) -> Plan:
             step.devices,
             step.mesh,
             step.collectives,
-            flops=step.flops,
+            flops=step.run_flops,
             bytes_accessed=step.bytes_accessed,
             model_flops=step.model_flops,
         )

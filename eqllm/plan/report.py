@@ -45,15 +45,13 @@ def describe(plan: Plan) -> str:
         lines.append(f"  memory per chip (HBM {_size(plan.hbm)}){needed}; {estimate}")
         return "\n".join(lines)
     m = s.memory
-    model = s.model_flops / plan.tpu.chips
     lines += [
         f"  memory per chip (HBM {_size(plan.hbm)}): parameters {_size(m.params)}, "
         f"optimizer state {_size(m.optimizer)}, batch {_size(m.batch)}, temporaries "
         f"{_size(m.temporaries)}, outputs {_size(m.outputs)} ({_size(m.aliased)} of them "
         f"written into donated arguments); peak {_size(m.peak)}",
         f"    {estimate} ({plan.estimated_bytes / m.peak:.2f}x the compiler's peak)",
-        f"  FLOPs per chip per step: {s.flops:.3g} compiled (XLA's count, loops at their trip "
-        f"counts), {model:.3g} by the model (the compiled step does {_ratio(s.flops, model)}x)",
+        *flops_lines(plan),
         f"  bytes accessed per chip per step: {s.bytes_accessed:.3g}",
         f"  collectives per step: {collectives_text(plan)}",
     ]
@@ -62,6 +60,34 @@ def describe(plan: Plan) -> str:
         lines.append(f"    per layer loop pass: {_counts(per_layer)}")
     lines.append(f"  roofline: {roofline_text(plan)}")
     return "\n".join(lines)
+
+
+def flops_lines(plan: Plan) -> list[str]:
+    """FLOPs per chip per step: the compiled static count against the model's, and where
+    grouped kernels pad their blocks, what they run (`eqllm.plan.kernels`)."""
+    s = plan.step
+    model = s.model_flops / plan.tpu.chips
+    hardware = s.hardware_flops / plan.tpu.chips
+    remat = (
+        f", {_ratio(s.run_flops, hardware)}x with remat's recomputation"
+        if hardware != model
+        else ""
+    )
+    if s.run_flops == s.flops:
+        return [
+            f"  FLOPs per chip per step: {s.flops:.3g} compiled (XLA's count, loops at their trip "
+            f"counts), {model:.3g} by the model (the compiled step does "
+            f"{_ratio(s.flops, model)}x{remat})"
+        ]
+    g = s.grouped
+    return [
+        f"  FLOPs per chip per step: {s.run_flops:.3g} run, {model:.3g} by the model (the step "
+        f"runs {_ratio(s.run_flops, model)}x{remat}); {s.flops:.3g} compiled, a static bound "
+        f"({_ratio(s.flops, model)}x)",
+        f"    grouped-matmul kernels: {g.static:.3g} by their cost estimates, over every row of "
+        f"their blocks ({g.block:,} rows), {g.run:.3g} over the {g.routed:,} routed copies a "
+        "chip runs on average (the kernels skip row tiles no expert's rows reach)",
+    ]
 
 
 def collectives_text(plan: Plan) -> str:

@@ -26,9 +26,12 @@ from eqllm.bench.mesh import AbstractState, abstract_state
 from eqllm.config import ConfigError, ModelConfig
 from eqllm.data import Tokenizer
 from eqllm.model import CausalLM
+from eqllm.plan.devices import PlanError
+from eqllm.plan.kernels import GroupedFlops, dispatch_block, grouped_flops
 from eqllm.recipe import Recipe, RecipeError
 from eqllm.sharding import batch_sharding, check_divisible, make_mesh
 from eqllm.sharding.dispatch import experts_impl, experts_kernel
+from eqllm.sharding.rules import RULES
 from eqllm.train.mfu import step_flops
 from eqllm.train.objectives import Instructions, LanguageModel
 from eqllm.train.optim import schedule
@@ -61,7 +64,9 @@ class CompiledStep:
     `refusal` holds the compiler's out-of-memory message when it refused the program (then
     `memory` is None); `needed` is the bytes it said the program needs, where it said so.
     FLOPs and bytes accessed are XLA's cost analysis scaled from one pass through each loop
-    body to the loops' trip counts (`eqllm.bench.hlo.Program.loop_factor`).
+    body to the loops' trip counts (`eqllm.bench.hlo.Program.loop_factor`), the grouped
+    matmuls' kernels counted at their own trips (`step_flops_of`); `flops` is a static bound
+    where those kernels get padded blocks, `run_flops` what their routed rows run.
     """
 
     compile_s: float
@@ -70,7 +75,8 @@ class CompiledStep:
     memory: Memory | None = None
     refusal: str = ""
     needed: int | None = None
-    flops: float = 0.0
+    flops: float = 0.0  # the static bound: every grouped kernel over its whole block
+    run_flops: float = 0.0  # the same with the grouped kernels over their routed rows only
     bytes_accessed: float = 0.0
     xla_flops: float = 0.0
     xla_bytes: float = 0.0
@@ -81,6 +87,8 @@ class CompiledStep:
     # a mixture of experts' {"impl", "why", "requested"}: how the compiled step computes its
     # experts (`planned_config`), as a run's summary.json records it; None without experts
     experts: dict | None = None
+    # the grouped matmuls' kernels: their FLOPs static and run (`eqllm.plan.kernels`)
+    grouped: GroupedFlops = dataclasses.field(default_factory=GroupedFlops)
 
 
 def model_config(recipe: Recipe) -> ModelConfig:
@@ -194,23 +202,29 @@ def compile_recipe(recipe: Recipe, devices: list) -> CompiledStep:
     """Compile `recipe`'s step for `devices` (a TPU slice's, in order) and read it."""
     mesh = make_mesh(recipe.mesh, devices)
     check_recipe(recipe, mesh)
-    lowered, state, shapes = lower_train_step(recipe, mesh)
+    try:
+        lowered, state, shapes = lower_train_step(recipe, mesh)
+    except jax.errors.JaxRuntimeError as e:
+        raise _failed(recipe, "JAX's lowering", e) from e
     flops = step_flops(shapes, recipe.data.seq_len)
     tokens = recipe.train.batch_size * recipe.data.seq_len
+    config, experts = planned_config(recipe, mesh)
+    batch_split = math.prod(mesh.shape[a] for a in RULES["batch"])
+    rows_per_chip = tokens // recipe.train.grad_accum // batch_split  # per micro-batch
     result = CompiledStep(
         compile_s=0.0,
         mesh={k: int(v) for k, v in mesh.shape.items()},
         devices=list(mesh.devices.flat),
         model_flops=flops.model * tokens,
         hardware_flops=flops.hardware * tokens,
-        experts=planned_config(recipe, mesh)[1],
+        experts=experts,
     )
     t0 = time.perf_counter()
     try:
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
+            raise _failed(recipe, "the TPU compiler", e) from e
         result.compile_s = time.perf_counter() - t0
         result.refusal = _refusal(str(e))
         result.needed = _needed_bytes(result.refusal)
@@ -232,10 +246,31 @@ def compile_recipe(recipe: Recipe, devices: list) -> CompiledStep:
     cost = compiled.cost_analysis() or {}
     result.xla_flops = float(cost.get("flops", 0.0))
     result.xla_bytes = float(cost.get("bytes accessed", 0.0))
-    result.flops = result.xla_flops * program.loop_factor("flops")
+    result.grouped = grouped_flops(program, dispatch_block(config, result.mesh, rows_per_chip))
+    result.flops, result.run_flops = step_flops_of(result.xla_flops, program, result.grouped)
     result.bytes_accessed = result.xla_bytes * program.loop_factor("bytes")
     result.collectives = collectives(program)
     return result
+
+
+def step_flops_of(xla_flops: float, program: Program, grouped: GroupedFlops) -> tuple[float, float]:
+    """(static, run) FLOPs per chip per step. Static: XLA's cost analysis with its loop bodies
+    at their trip counts (`Program.loop_factor`, read from the matrix products) and the grouped
+    kernels at their own, each over its whole block; run: the same with the grouped kernels
+    over their routed rows only (`eqllm.plan.kernels`)."""
+    static = (xla_flops - grouped.once) * program.loop_factor("flops") + grouped.static
+    return static, static - grouped.static + grouped.run
+
+
+def _failed(recipe: Recipe, stage: str, error: Exception) -> PlanError:
+    """A runtime error of JAX or the TPU compiler while planning `recipe` (not out of memory,
+    which is a finding), as one line naming the stage and the compiler's first line."""
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    mesh = recipe.mesh.describe()
+    return PlanError(
+        f"{recipe.name} on mesh {mesh}: the step failed in {stage}: {first}; try another mesh "
+        "or kernel (model.overrides.moe.kernel, attention.kernel)"
+    )
 
 
 def _per_chip(tree) -> int:

@@ -13,10 +13,10 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from eqllm.config import ModelConfig
-from eqllm.config.experts import choose_impl
 from eqllm.config.kinds import layer_kinds
 from eqllm.model import CausalLM
 from eqllm.nn.dispatch import slot_rows
+from eqllm.sharding.dispatch import experts_impl
 from eqllm.sharding.mesh import MeshError
 from eqllm.sharding.rules import (
     RULES,
@@ -89,7 +89,8 @@ def estimate_memory(
     rules. Activations follow Korthikanti et al. (2022), eq. 2 and its tensor-parallel form,
     per layer and micro-batch: s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes at 16 bits, scaled to the
     compute dtype's width, plus the fp32 logits and their gradient; with remat each layer keeps
-    what its policy saves (`_kept`: its input under "full"), plus one layer's working set. A
+    what its policy saves (`_kept`: its input under "full"; none of a mixture of experts'
+    grouped matmuls, `_mlp_kept`), plus one layer's working set. A
     pipeline stage counts its own layers, scaled by the bubble's idle ticks (see the comment
     below). A mixture of experts computed by token dispatch on `backend` (default: this
     process's; `moe.impl` "auto" chosen as a run there would) adds its exchange buffers
@@ -109,28 +110,33 @@ def estimate_memory(
     # stages also compute (and keep) on their idle ticks (eqllm.train.pipeline).
     stages = sizes["pipeline"]
     n_layers = config.n_layers / stages * (microbatches + stages - 1) / microbatches
+    choice = experts_impl(config, backend or jax.default_backend(), sizes)
+    impl = choice and choice[0]
+    n_moe = sum(kind != "dense" for kind in layer_kinds(config)) if impl else 0
     if config.remat == "none":
         layers = n_layers * per_layer
     else:
-        layers = n_layers * _kept(config, s, b, t) * width + per_layer
+        kept = n_moe * _kept(config, s, b, t, impl) + (config.n_layers - n_moe) * _kept(
+            config, s, b, t
+        )
+        layers = n_layers * kept / config.n_layers * width + per_layer
     logits = 2 * s * b * config.vocab_size * 4 / (t if config.vocab_size % t == 0 else 1)
-    buffers = _dispatch_bytes(config, sizes, s * b, backend or jax.default_backend())
-    n_moe = sum(kind != "dense" for kind in layer_kinds(config)) / stages
+    buffers = _dispatch_bytes(config, sizes, s * b, impl)
+    n_moe /= stages
     buffers *= 2 if config.remat != "none" else n_moe + 1  # kept for the backward pass, or not
     return MemoryEstimate(params, params, opt, int(layers + logits + buffers * width))
 
 
-def _dispatch_bytes(config: ModelConfig, sizes: dict[str, int], rows: int, backend: str) -> float:
+def _dispatch_bytes(
+    config: ModelConfig, sizes: dict[str, int], rows: int, impl: str | None
+) -> float:
     """Bytes (at 16 bits) of one dispatched expert layer's forward pass on a device holding
     `rows` tokens: the received copies, their outputs and the returned block (each n_shards x
     slot rows of d_model, `eqllm.nn.dispatch.slot_rows`) and the experts' hidden units (gate,
     up, their product; up and its activation without a gate) over the same rows. 0 unless the
-    experts are dispatched."""
+    experts are dispatched (`impl`)."""
     moe = config.moe
-    if moe is None:
-        return 0.0
     shards = sizes[RULES["expert"]]
-    impl, _ = choose_impl(moe.impl, backend=backend, expert_shards=shards, n_experts=moe.n_experts)
     if impl != "dispatch" or shards == 1 or moe.n_experts % shards:
         return 0.0
     k, local = moe.experts_per_token, moe.n_experts // shards
@@ -141,19 +147,42 @@ def _dispatch_bytes(config: ModelConfig, sizes: dict[str, int], rows: int, backe
     return 2.0 * buffer * (3 * config.d_model + (3 if moe.gated else 2) * d_ff)
 
 
-def _kept(config: ModelConfig, s: int, b: int, t: int) -> float:
+def _kept(config: ModelConfig, s: int, b: int, t: int, experts: str | None = None) -> float:
     """Bytes (at 16 bits) one layer keeps for the backward pass under its remat policy: its
     input ("full"); with it the outputs of the unbatched matrix products, q/k/v/o and the MLP's
     ("dots_no_batch"); with those the attention's batched products too, the scores and their
-    weighted sum ("dots")."""
+    weighted sum ("dots"). `experts`: how a layer with experts computes them (None: a dense
+    MLP), whose products the policies keep differently (`_mlp_kept`)."""
     h, a = config.d_model, config.attention.n_heads
     kept = 2 * s * b * h
     if config.remat in ("dots", "dots_no_batch"):
         kv = config.attention.n_kv_heads * config.head_dim
-        kept += 2 * s * b * (h / t + 2 * kv / t + h + 2 * config.mlp.d_ff / t + h)
+        kept += 2 * s * b * (h / t + 2 * kv / t + h + _mlp_kept(config, t, experts))
     if config.remat == "dots":
         kept += 2 * b * a * s * s / t + 2 * s * b * h / t
     return float(kept)
+
+
+def _mlp_kept(config: ModelConfig, t: int, experts: str | None) -> float:
+    """Values per token the dots policies keep of a layer's MLP: a dense MLP's gate and up
+    outputs and its output. Of a mixture of experts: the router's logits and the shared
+    expert's products (unbatched); the grouped matmuls ("ragged", "dispatch") are
+    `ragged_dot` or Pallas kernels, which no dots policy saves, so the backward pass recomputes
+    them from the layer's input; the dense product's are batched over experts, kept by "dots"
+    alone (every expert's hidden units and outputs, and the combined output)."""
+    h = config.d_model
+    if experts is None:
+        return 2 * config.mlp.d_ff / t + h
+    moe = config.moe
+    projections = 2 if moe.gated else 1  # gate and up, or up alone
+    kept = float(moe.n_experts)  # the router's logits
+    if moe.shared_d_ff:
+        kept += projections * moe.shared_d_ff / t + h
+    if config.remat == "dots":
+        kept += h  # the k outputs combined with their weights: a batched product
+        if experts == "dense":
+            kept += moe.n_experts * (projections * config.expert_d_ff / t + h)
+    return kept
 
 
 @functools.lru_cache(maxsize=256)
