@@ -277,3 +277,44 @@ def test_transformers_gguf_loader_gives_eqllms_logits(name, tmp_path):
     error = np.abs(got - ours).max() / np.abs(ours).max()
     print(f"{name}: transformers' GGUF loader, largest logit difference {error:.2g}")
     assert error <= 1e-4
+
+
+@pytest.mark.parametrize("size", ["gemma4-31b", "gemma4-26b-a4b", "gemma4-e2b", "gemma4-e4b"])
+def test_published_sizes_read_back_from_their_metadata(size, tmp_path):
+    """Each published size's metadata, as eqllm writes it (without the weights: tensors of no
+    width under the names the file would hold), reads back as the same config; the per-layer
+    arrays stand where the layers differ (31B and 26B-A4B's global kv heads, E2B's double-wide
+    MLP), as the converter writes them for these releases."""
+    from eqllm.hub.gguf import hf_tensor_names
+    from eqllm.hub.gguf_gemma4 import _config, _names, _target, write_gemma4
+
+    cfg = eqllm.zoo.config(size)
+    hf = eqllm.hub.to_hf_config(cfg)
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), ARCH)
+    write_gemma4(writer, gguf, hf, {}, None, lambda *a: a)  # metadata and rope_freqs only
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    fields = gguf.GGUFReader(str(tmp_path / "m.gguf")).fields
+
+    def field(key, default=None):
+        return fields[key].contents() if key in fields else default
+
+    names = _names(gguf, cfg.n_layers)
+    stored = {_target(gguf, names, n)[1]: np.zeros((0,)) for n in hf_tensor_names(cfg)}
+    stored["token_embd.weight"] = np.zeros((cfg.vocab_size, 0))
+    if cfg.per_layer is not None:
+        stored["per_layer_token_embd.weight"] = np.zeros((cfg.vocab_size, 0))
+    stored["rope_freqs.weight"] = eqllm.hub.gguf_gemma4.rope_freqs(hf)
+    config = {"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text"}
+    back = eqllm.hub.from_hf_config({**config, **_config(field, stored, "m.gguf")})
+    assert back == cfg
+    expected = _expected_metadata(hf)
+    expected.pop("vocab_size")  # eqllm.hub.gguf's, written for every architecture
+    for key, value in expected.items():
+        assert field(f"{ARCH}.{key}") == pytest.approx(value, rel=1e-7), key
+    kv = field(f"{ARCH}.attention.head_count_kv")
+    ff = field(f"{ARCH}.feed_forward_length")
+    assert isinstance(kv, list) == (cfg.attention.global_kv_heads is not None)
+    assert isinstance(ff, list) == (cfg.mlp.kv_shared_d_ff is not None)
