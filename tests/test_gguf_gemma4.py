@@ -318,3 +318,53 @@ def test_published_sizes_read_back_from_their_metadata(size, tmp_path):
     ff = field(f"{ARCH}.feed_forward_length")
     assert isinstance(kv, list) == (cfg.attention.global_kv_heads is not None)
     assert isinstance(ff, list) == (cfg.mlp.kv_shared_d_ff is not None)
+
+
+def test_gemma4_vocabulary_reads_as_transformers_reads_it(tmp_path):
+    """llama.cpp's "gemma4" vocabulary (the converter writes Gemma 4's tokenizer.json tokens and
+    merges so) reads as transformers builds it from the same file (its GemmaTokenizer): the same
+    ids for text with spaces, newlines, bytes outside the vocabulary, control and user-defined
+    tokens, and the same text back."""
+    pytest.importorskip("transformers")
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        convert_gguf_tokenizer,
+        get_gguf_tokenizer,
+    )
+
+    from eqllm.hub.gguf_vocab import read_tokenizer
+
+    T = gguf.TokenType
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>"]
+    pieces = "▁ h e l o w r d he ll llo hello ▁hello ▁w or ▁wor ld ▁world".split()
+    tokens = [*specials, "<|tool_call>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    types = [T.CONTROL] * 3 + [T.UNKNOWN, T.CONTROL, T.USER_DEFINED] + [T.BYTE] * 256
+    types += [T.NORMAL] * len(pieces)
+    merges = ["h e", "l l", "ll o", "he llo", "▁ hello", "▁ w", "o r", "▁w or", "l d", "▁wor ld"]
+    writer = gguf.GGUFWriter(str(tmp_path / "v.gguf"), ARCH)
+    writer.add_tokenizer_model("gemma4")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_pad_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_bos_token_id(2)
+    writer.add_unk_token_id(3)
+    writer.add_add_space_prefix(False)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    fields = gguf.GGUFReader(str(tmp_path / "v.gguf")).fields
+    ours = read_tokenizer(lambda k, d=None: fields[k].contents() if k in fields else d, "v.gguf")
+    arch, vocab, _ = get_gguf_tokenizer(str(tmp_path / "v.gguf"))
+    theirs, _ = convert_gguf_tokenizer(arch, vocab)
+    texts = ["hello world", " hello  world", "hello\nworld", "héllo wörld ✓"]
+    texts += ["<start_of_turn>hello", "a <|tool_call> world", "<bos>hello<eos>"]
+    for text in texts:
+        ids = ours.encode_with_specials(text)  # special tokens matched, as transformers does
+        assert ids == theirs.encode(text, add_special_tokens=False).ids, text
+        assert ours.hf.decode(ids, skip_special_tokens=False) == theirs.decode(
+            ids, skip_special_tokens=False
+        )
+    assert ours.encode("hello world") == [tokens.index("hello"), tokens.index("▁world")]
+    assert ours.eot_id == 1
