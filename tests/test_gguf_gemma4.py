@@ -279,16 +279,12 @@ def test_transformers_gguf_loader_gives_eqllms_logits(name, tmp_path):
     assert error <= 1e-4
 
 
-@pytest.mark.parametrize("size", ["gemma4-31b", "gemma4-26b-a4b", "gemma4-e2b", "gemma4-e4b"])
-def test_published_sizes_read_back_from_their_metadata(size, tmp_path):
-    """Each published size's metadata, as eqllm writes it (without the weights: tensors of no
-    width under the names the file would hold), reads back as the same config; the per-layer
-    arrays stand where the layers differ (31B and 26B-A4B's global kv heads, E2B's double-wide
-    MLP), as the converter writes them for these releases."""
+def _metadata_only(cfg, tmp_path):
+    """(hf config.json, field, stored) of a file of `cfg` as eqllm writes it without the weights:
+    its metadata, and tensors of no width under the names the file would hold."""
     from eqllm.hub.gguf import hf_tensor_names
-    from eqllm.hub.gguf_gemma4 import _config, _names, _target, write_gemma4
+    from eqllm.hub.gguf_gemma4 import _names, _target, rope_freqs, write_gemma4
 
-    cfg = eqllm.zoo.config(size)
     hf = eqllm.hub.to_hf_config(cfg)
     writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), ARCH)
     write_gemma4(writer, gguf, hf, {}, None, lambda *a: a)  # metadata and rope_freqs only
@@ -306,7 +302,19 @@ def test_published_sizes_read_back_from_their_metadata(size, tmp_path):
     stored["token_embd.weight"] = np.zeros((cfg.vocab_size, 0))
     if cfg.per_layer is not None:
         stored["per_layer_token_embd.weight"] = np.zeros((cfg.vocab_size, 0))
-    stored["rope_freqs.weight"] = eqllm.hub.gguf_gemma4.rope_freqs(hf)
+    stored["rope_freqs.weight"] = rope_freqs(hf)
+    return hf, field, stored
+
+
+@pytest.mark.parametrize("size", ["gemma4-31b", "gemma4-26b-a4b", "gemma4-e2b", "gemma4-e4b"])
+def test_published_sizes_read_back_from_their_metadata(size, tmp_path):
+    """Each published size's metadata, as eqllm writes it, reads back as the same config; the
+    per-layer arrays stand where the layers differ (31B and 26B-A4B's global kv heads, E2B's
+    double-wide MLP), as the converter writes them for these releases."""
+    from eqllm.hub.gguf_gemma4 import _config
+
+    cfg = eqllm.zoo.config(size)
+    hf, field, stored = _metadata_only(cfg, tmp_path)
     config = {"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text"}
     back = eqllm.hub.from_hf_config({**config, **_config(field, stored, "m.gguf")})
     assert back == cfg
@@ -318,6 +326,23 @@ def test_published_sizes_read_back_from_their_metadata(size, tmp_path):
     ff = field(f"{ARCH}.feed_forward_length")
     assert isinstance(kv, list) == (cfg.attention.global_kv_heads is not None)
     assert isinstance(ff, list) == (cfg.mlp.kv_shared_d_ff is not None)
+
+
+def test_what_eqllm_cannot_read_is_refused_by_name(tmp_path):
+    """A Gemma 4 file whose frequency factors are not proportional RoPE's, or whose per-layer
+    kv heads differ within a layer type, is refused naming the key."""
+    from eqllm.hub.files import CheckpointError
+    from eqllm.hub.gguf_gemma4 import _config
+
+    _, field, stored = _metadata_only(eqllm.zoo.config("gemma4-31b"), tmp_path)
+    factors = stored["rope_freqs.weight"].copy()
+    factors[1] = 0.5
+    with pytest.raises(CheckpointError, match="rope_freqs holds factors other than"):
+        _config(field, {**stored, "rope_freqs.weight": factors}, "m.gguf")
+    kv = field(f"{ARCH}.attention.head_count_kv")
+    uneven = {f"{ARCH}.attention.head_count_kv": [kv[0] + 1, *kv[1:]]}
+    with pytest.raises(CheckpointError, match=f"{ARCH}.attention.head_count_kv="):
+        _config(lambda k, d=None: uneven.get(k, field(k, d)), stored, "m.gguf")
 
 
 def test_gemma4_vocabulary_reads_as_transformers_reads_it(tmp_path):

@@ -66,9 +66,12 @@ def rope_freqs(hf: dict) -> np.ndarray:
     full = hf["rope_parameters"]["full_attention"]
     proportional = full.get("rope_type") == "proportional"
     fraction = full.get("partial_rotary_factor", 1.0) if proportional else 1.0
-    half = hf["global_head_dim"] // 2
-    turning = int(hf["global_head_dim"] * fraction / 2)
-    return np.array([1.0] * turning + [UNTURNED] * (half - turning), np.float32)
+    return rope_freqs_of(hf["global_head_dim"], int(hf["global_head_dim"] * fraction / 2))
+
+
+def rope_freqs_of(head_dim: int, turning: int) -> np.ndarray:
+    """1 for each of the first `turning` frequencies of a head of `head_dim`, 1e30 after."""
+    return np.array([1.0] * turning + [UNTURNED] * (head_dim // 2 - turning), np.float32)
 
 
 def write_gemma4(writer, gguf, hf: dict, tensors: dict, qtype, encode: Callable) -> None:
@@ -168,6 +171,11 @@ def _config(field: Callable, stored: dict, path) -> dict[str, Any]:
         )
     freqs = stored.get("rope_freqs.weight")
     turning = global_head // 2 if freqs is None else int(np.sum(freqs == 1.0))
+    if freqs is not None and not np.array_equal(freqs, rope_freqs_of(global_head, turning)):
+        raise CheckpointError(
+            f"{path}: rope_freqs holds factors other than 1 (turning) then 1e30 (still): eqllm "
+            "reads Gemma 4's proportional RoPE only"
+        )
     full = {"rope_type": "default", "rope_theta": float(get("rope.freq_base"))}
     if turning != global_head // 2:
         full |= {"rope_type": "proportional", "partial_rotary_factor": 2 * turning / global_head}
