@@ -170,6 +170,7 @@ FAMILIES = [
             final_softcap=2.0,
         ),
         atol=3e-5,  # unscaled scores of QK-normed heads: fp32 rounding reaches 1.3e-5
+        gguf=True,
     ),
     # E2B/E4B's mechanisms: per-layer inputs of 8; local, global, then four kv-shared layers
     # (local, global, local, global: sources 0 and 1) with a double-wide MLP. Its default tests
@@ -180,11 +181,13 @@ FAMILIES = [
         variant=True,
         atol=3e-5,
         cached_atol=2e-5,  # 240 tokens: fp32 rounding of the cached path reached 1.07e-5
+        gguf=True,
     ),
     Tiny(
         "gemma4-plain-global",
         _zoo("gemma4-nano", n_layers=4, attention=_GEMMA4_LOCAL, final_softcap=2.0),
         variant=True,
+        gguf=True,
     ),
     # 26B-A4B's block on the same layers: the dense GeGLU MLP (64) beside 4 experts of 16, 2 per
     # token, each branch normed before and after; the router through its own RMSNorm and scale,
@@ -205,6 +208,7 @@ FAMILIES = [
         published={"gemma4-26b-a4b": ("25.2", "3.8")},
         atol=3e-5,  # as gemma4's
         scan_atol=2e-5,  # unscaled QK-normed scores amplify fp32 rounding (1.1e-5 here)
+        gguf=True,
     ),
     # Fused qkv_proj and gate_up_proj; half of each head rotated; a window over every layer.
     Tiny(

@@ -266,6 +266,20 @@ def _check(cfg: ModelConfig) -> dict[str, Any]:
     return {}
 
 
+def gguf_refuses(cfg: ModelConfig) -> dict[str, Any]:
+    """What llama.cpp's gemma4 cannot hold: a per-layer table of other rows than the vocabulary's
+    (it looks them up by token id), and a fraction of the global layers' frequencies that is not
+    a whole number of them (`rope_freqs` turns each or not; read back, the fraction would be
+    the whole number's)."""
+    wrong: dict[str, Any] = {}
+    if cfg.per_layer is not None and cfg.per_layer.vocab_size is not None:
+        wrong["per_layer.vocab_size"] = cfg.per_layer.vocab_size
+    fraction, head = cfg.positions.global_fraction, cfg.attention.global_head_dim or cfg.head_dim
+    if fraction is not None and (fraction * head / 2) % 1:
+        wrong["positions.global_fraction"] = fraction
+    return wrong
+
+
 FAMILY = Family(
     name="gemma4",
     released="2026-04",
@@ -331,5 +345,7 @@ FAMILY = Family(
     check=_check,
     defaults=_DEFAULTS,
     wrapper="gemma4",
+    gguf="gemma4",
+    gguf_refuses=gguf_refuses,
     ignored=r"^model\.(vision_tower|audio_tower|embed_vision|embed_audio)\.",
 )

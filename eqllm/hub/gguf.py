@@ -19,10 +19,11 @@ window, mistral), qwen2 and qwen3, the Llama-layout families llama.cpp and trans
 loader share; and qwen35, qwen35moe, qwen3next, mamba2, falcon-h1, nemotron_h (with experts
 nemotron_h_moe, `EXPERTS_ARCH`), granitehybrid, olmo2 (OLMo 2 and OLMo 3) and llama4
 (`eqllm.hub.gguf_hybrid`), glm4moe and deepseek2 (`eqllm.hub.gguf_moe`), their tensors renamed
-by the gguf package's own `TensorNameMap` and changed as llama.cpp's converter changes them. A
-file is read back as the family whose Hugging Face model_type is llama.cpp's architecture name
-(an olmo2 file with a sliding window as olmo3), else the one family written as it (deepseek2:
-as its metadata says, `eqllm.hub.gguf_moe`).
+by the gguf package's own `TensorNameMap` and changed as llama.cpp's converter changes them; and
+gemma4 (`eqllm.hub.gguf_gemma4`), Gemma 4's text model as the converter writes it. A file is
+read back as the family whose Hugging Face model_type is llama.cpp's architecture name (an olmo2
+file with a sliding window as olmo3), else the one family written as it (deepseek2: as its
+metadata says, `eqllm.hub.gguf_moe`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from eqllm.data.tokenizer import Tokenizer
 from eqllm.hub.config import from_hf_config
 from eqllm.hub.files import CheckpointError
 from eqllm.hub.folders import skeleton
+from eqllm.hub.gguf_gemma4 import ARCH as GEMMA4
+from eqllm.hub.gguf_gemma4 import read_gemma4, write_gemma4
 from eqllm.hub.gguf_granite import permute
 from eqllm.hub.gguf_hybrid import ARCHS, EXPERT, EXPERTS_ARCH, stack_experts
 from eqllm.hub.gguf_moe import READ_AS, SCALED
@@ -173,7 +176,9 @@ def folder_to_gguf(folder: Path, path: Path, cfg, tokenizer: Tokenizer | None, t
     tensors = {}
     for file in sorted(folder.glob("*.safetensors")):
         tensors.update(load_file(str(file)))
-    if arch in ARCHS:
+    if arch == GEMMA4:
+        write_gemma4(writer, gguf, hf, tensors, qtype, _encode)
+    elif arch in ARCHS:
         _write_hybrid(writer, gguf, arch, hf, tensors, qtype)
     else:
         _write_llama(writer, gguf, arch, cfg, hf, tensors, qtype)
@@ -290,7 +295,9 @@ def gguf_to_folder(path: str | os.PathLike, folder: str | os.PathLike) -> Tokeni
     for t in reader.tensors:
         array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         stored[t.name] = array.reshape(tuple(int(n) for n in reversed(t.shape)))
-    if arch in ARCHS:
+    if arch == GEMMA4:
+        config, tensors = read_gemma4(gguf, field, stored, path, hf_tensor_names)
+    elif arch in ARCHS:
         config, tensors = _read_hybrid(gguf, arch, family, field, stored, path)
     else:
         config, tensors = _read_llama(arch, family, field, stored)

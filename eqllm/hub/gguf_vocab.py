@@ -1,10 +1,12 @@
 """The vocabulary of a GGUF file both ways: byte-level BPE written as llama.cpp's "gpt2"
-vocabulary (tokens, types, merges, special ids, chat template); "gpt2" and "llama"
-(SentencePiece BPE) vocabularies read back as an eqllm Tokenizer."""
+vocabulary (tokens, types, merges, special ids, chat template); "gpt2", "llama"
+(SentencePiece BPE) and "gemma4" (Gemma 4's BPE) vocabularies read back as an eqllm Tokenizer."""
 
 from __future__ import annotations
 
 import json
+
+import tokenizers
 
 from eqllm.config import ConfigError
 from eqllm.data.sentencepiece import spm_bpe
@@ -49,9 +51,42 @@ def write_tokenizer(writer, gguf, tokenizer: Tokenizer) -> None:
         writer.add_chat_template(tokenizer.chat_template)
 
 
+def gemma_bpe(tokens: list[str], types: list[int], merges: list[str]) -> tokenizers.Tokenizer:
+    """Gemma 4's vocabulary as llama.cpp's converter writes it ("gemma4": the tokens and merges
+    of its tokenizer.json): BPE with byte fallback, spaces as ▁ and no space put in front, as
+    transformers' GemmaTokenizer builds it from the same file; control tokens special and
+    user-defined ones (the converter's tool-call markers) whole."""
+    from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
+
+    unk = "<unk>" if "<unk>" in tokens else None
+    hf = tokenizers.Tokenizer(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)},
+            merges=[tuple(m.split(" ", 1)) for m in merges],
+            unk_token=unk,
+            fuse_unk=True,
+            byte_fallback=True,
+            dropout=None,
+        )
+    )
+    hf.normalizer = normalizers.Replace(" ", "▁")
+    hf.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    hf.add_tokens(
+        [
+            AddedToken(t, special=k == 3, normalized=False)
+            for t, k in zip(tokens, types, strict=True)
+            if k in (3, 4)
+        ]
+    )
+    return hf
+
+
 def read_tokenizer(field, path) -> Tokenizer | None:
-    """The vocabulary of a GGUF file: "gpt2" (byte-level BPE) or "llama" (SentencePiece BPE)."""
-    import tokenizers
+    """The vocabulary of a GGUF file: "gpt2" (byte-level BPE), "llama" (SentencePiece BPE) or
+    "gemma4" (Gemma 4's BPE, `gemma_bpe`)."""
     from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
     kind = field("tokenizer.ggml.model")
@@ -73,6 +108,8 @@ def read_tokenizer(field, path) -> Tokenizer | None:
                 if k in (3, 4)
             ]
         )
+    elif kind == "gemma4":
+        hf = gemma_bpe(tokens, types, list(field("tokenizer.ggml.merges", [])))
     elif kind == "llama":
         unk = field("tokenizer.ggml.unknown_token_id")
         hf = spm_bpe(list(zip(tokens, types, strict=True)), unk_id=unk, byte_fallback=6 in types)
