@@ -166,12 +166,10 @@ def _speed(rows, widths, archs, timings) -> list[str]:
         "only): the real training step, the median of 10 steps after 2 warmup. Decode: new "
         "tokens/s of greedy `eqllm.generate` at batch 1 (64 tokens after a 16-token prompt, "
         "compiled first, best of 3), random weights of the same shapes; at 2,048 and 8,192 "
-        "tokens of context, the prompt fills all but the 64 new tokens and its prefill is "
-        "taken out (the time of 64 new tokens less that of one); without `--retime` only at "
-        "the widest width (each model's decode compiles for minutes on the loaded machine)"
-        + (
-            f", the long contexts at {timings['decode_when']}." if "decode_when" in timings else "."
-        ),
+        "tokens of context, the prompt fills all but the 64 new tokens and is prefilled first, "
+        "then the engine's one decode call of the other 63 tokens is timed alone (best of 3); "
+        "without `--retime` only at the widest width (each model's decode compiles for "
+        "minutes on the loaded machine).",
         "",
         "| d_model | architecture | training tokens/s, during the sweep | training tokens/s, "
         "timed alone | decode tokens/s | at 2,048 context | at 8,192 context | training vs all "

@@ -360,8 +360,11 @@ def architectures(args: argparse.Namespace) -> None:
     for a, w in older:  # measured before the decode at long contexts: add it
         timings["values"][f"{a}/{w}"] |= arch_timing.decode_at_contexts(configs[a, w])
         print(f"timed decode of {a} at {w}: {timings['values'][f'{a}/{w}']}")
-    if older:
-        timings["decode_when"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    if older:  # every decode figure is new: the page names this machine and time
+        timings |= {
+            "machine": machine(),
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        }
     sizes = {
         f"{a}/{w}": {**xstudy.sizes(cfg, configs["attention", w]), **arch_timing.cache_bytes(cfg)}
         for (a, w), cfg in configs.items()
