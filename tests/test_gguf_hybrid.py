@@ -237,21 +237,30 @@ def test_tensors_are_llama_cpps(written, name):
     and equals the converter's transform of the Hugging Face tensor."""
     _, hf, tensors, reader, _ = written(name)
     arch = ARCH[name]
+    make = _expected_mamba if name in ("mamba2", "falcon_h1") else _expected_gdn
+    expected = make(arch, hf, tensors)
+    check_tensors(reader, arch, hf["num_hidden_layers"], expected, rtol=1e-6)
+
+
+def check_tensors(reader, arch: str, layers: int, expected: dict, rtol: float = 0.0) -> dict:
+    """The file `reader` reads is llama.cpp's `arch`, every tensor one of the architecture's in
+    the gguf package's table (MODEL_TENSORS) for `layers` blocks, and it holds exactly
+    `expected` (name -> the converter's transform of the Hugging Face tensor), each equal within
+    `rtol`. Returns the file's tensors."""
     assert reader.fields["general.architecture"].contents() == arch
     enum = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
     allowed = {
         gguf.TENSOR_NAMES[t].format(bid=i) + suffix
         for t in gguf.MODEL_TENSORS[enum]
-        for i in range(hf["num_hidden_layers"])
+        for i in range(layers)
         for suffix in ("", ".weight", ".bias")
     }
     file = {t.name: _array(t) for t in reader.tensors}
     assert set(file) <= allowed
-    make = _expected_mamba if name in ("mamba2", "falcon_h1") else _expected_gdn
-    expected = make(arch, hf, tensors)
     assert set(file) == set(expected)
     for key, w in expected.items():
-        np.testing.assert_allclose(file[key], w, rtol=1e-6, atol=0, err_msg=key)
+        np.testing.assert_allclose(file[key], w, rtol=rtol, atol=0, err_msg=key)
+    return file
 
 
 def _expected_metadata(name, hf):
