@@ -8,6 +8,7 @@ the reshapes eqllm's writer uses): -exp(A_log), 1 + w norms, Qwen3-Next's split 
 in_proj_qkvz, Qwen3.5's tiled value heads, stacked experts, Falcon-H1's folded multipliers.
 """
 
+import functools
 import json
 
 import equinox as eqx
@@ -364,13 +365,18 @@ def check_q8_0(model, f32, tmp_path, name: str) -> None:
     assert error <= 0.25
 
 
+def check_refused(tmp_path, name, match, **overrides):
+    """Writing the family list's `name` with `overrides` as GGUF is refused in one line that
+    matches `match`."""
+    config = BY_NAME[name].config.replace(**overrides)
+    model = eqx.filter_eval_shape(eqllm.CausalLM, config, key=jax.random.key(0))
+    with pytest.raises(eqllm.ConfigError, match=match) as error:
+        eqllm.hub.save_gguf(model, tmp_path / "x.gguf")
+    assert "\n" not in str(error.value)
+
+
 def test_what_an_architecture_cannot_hold_is_refused_by_name(tmp_path):
-    def refused(name, match, **overrides):
-        config = BY_NAME[name].config.replace(**overrides)
-        model = eqx.filter_eval_shape(eqllm.CausalLM, config, key=jax.random.key(0))
-        with pytest.raises(eqllm.ConfigError, match=match) as error:
-            eqllm.hub.save_gguf(model, tmp_path / "x.gguf")
-        assert "\n" not in str(error.value)
+    refused = functools.partial(check_refused, tmp_path)
 
     refused("olmo_hybrid", "olmo_hybrid model has no GGUF architecture")
     refused("mamba2_untied", r"linear.dt_min=0.01, linear.dt_max=0.1: GGUF architecture 'mamba2'")

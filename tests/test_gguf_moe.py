@@ -11,18 +11,25 @@ the metadata llama.cpp's files of the published models carry.
 """
 
 import dataclasses
+import functools
 import json
 import logging
 from pathlib import Path
 
-import equinox as eqx
 import jax
 import numpy as np
 import pytest
 from families import BY_NAME
 from gguf_loaders import loader_tensors
 from test_gguf_granite import _rewrite
-from test_gguf_hybrid import _mapped, _package_keys, check_q8_0, check_tensors, f32_files
+from test_gguf_hybrid import (
+    _mapped,
+    _package_keys,
+    check_q8_0,
+    check_refused,
+    check_tensors,
+    f32_files,
+)
 
 import eqllm
 from eqllm.hub.config import from_hf_config, to_hf_config
@@ -250,12 +257,7 @@ def test_q8_0_keeps_llama_cpps_f32_tensors(written, name, tmp_path):
 
 
 def test_what_the_architectures_cannot_hold_is_refused_by_name(tmp_path):
-    def refused(name, match, **overrides):
-        config = BY_NAME[name].config.replace(**overrides)
-        model = eqx.filter_eval_shape(eqllm.CausalLM, config, key=jax.random.key(0))
-        with pytest.raises(eqllm.ConfigError, match=match) as error:
-            eqllm.hub.save_gguf(model, tmp_path / "x.gguf")
-        assert "\n" not in str(error.value)
+    refused = functools.partial(check_refused, tmp_path)
 
     v3 = "GGUF architecture 'deepseek2'"
     bias = {"qkv_bias": True, "out_bias": True}
