@@ -49,27 +49,27 @@ def _mixtral_at_scale():
 def test_the_own_rows_estimate_of_mixtral_8x7b_on_v6e_256_is_the_compiled_peak():
     """MaxText's mixtral_8x7b_dropless point, compiled by `eqllm plan zoo:mixtral-8x7b
     --topology v6e-256 --mesh auto --batch 3072 --seq 4096 --max-compiles 3`
-    (docs/experiments/at_scale.json): fsdp=128,tensor=2, remat dots_no_batch, 8 accumulation
-    steps; fsdp does not split the 8 experts, so each chip runs its own rows against the
-    gathered experts. The compiler's peak is 17.24 GiB; the estimate said 30.72 GiB (1.78x)
-    when it counted each layer's experts as keeping a dense MLP's hidden units."""
+    (docs/experiments/at_scale.json; benchmarks/at_scale.py reruns it): fsdp does not split the
+    8 experts, so each chip runs its own rows against the gathered experts. Every plan the
+    search compiled there is estimated within 10% of the compiler's peak (fsdp=128,tensor=2,
+    8 accumulation steps: 17.24 GiB compiled, 30.72 estimated when each layer's experts were
+    counted as keeping a dense MLP's hidden units)."""
     points = json.loads((ROOT / "docs" / "experiments" / "at_scale.json").read_text())["points"]
-    compiled = next(
-        p
-        for p in points["maxtext:v6e-mixtral-8x7b"]["result"]["search"]
-        if p["remat"] == "dots_no_batch" and p["mesh"]["fsdp"] == 128 and p["grad_accum"] == 8
-    )
-    assert compiled["experts"]["impl"] == "ragged" and compiled["mesh"]["tensor"] == 2
-    recipe = _mixtral_at_scale()
-    estimate = estimate_memory(
-        model_config(recipe),
-        compiled["mesh"],
-        batch_size=3072,
-        seq_len=4096,
-        grad_accum=8,
-        backend="tpu",
-    )
-    assert 0.9 < estimate.total / compiled["memory"]["peak"] < 1.1
+    compiled = [
+        p for p in points["maxtext:v6e-mixtral-8x7b"]["result"]["search"] if p.get("memory")
+    ]
+    assert compiled and all(p["experts"]["impl"] == "ragged" for p in compiled)
+    config = model_config(_mixtral_at_scale())
+    for plan in compiled:
+        estimate = estimate_memory(
+            config.replace(remat=plan["remat"]),
+            plan["mesh"],
+            batch_size=3072,
+            seq_len=4096,
+            grad_accum=plan["grad_accum"],
+            backend="tpu",
+        )
+        assert 0.9 < estimate.total / plan["memory"]["peak"] < 1.1, plan["mesh"]
 
 
 # Activations outweigh the parameters here (8 layers, d_model 512, 8 experts of 1,792 hidden

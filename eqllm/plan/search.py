@@ -6,11 +6,12 @@ divides the heads and hidden units, up to 8; pipeline where the stages can run t
 8, with 1, 2 or 4 microbatches per stage; fsdp where it divides d_model; data the rest; a
 mixture of experts' experts go with fsdp), every remat policy and every gradient
 accumulation that leaves each micro-batch split over data x fsdp. `eqllm.sharding.memory`'s
-estimate drops those that cannot fit; the rest are ordered by an analytic step time (compute
-at peak, FSDP gathers and reduce-scatters, data-parallel gradient all-reduce, tensor-parallel
-activation all-reduces over the links, the pipeline bubble), and the best few are compiled, in
-that order, until the count or time bound is reached. The compiled plans are ranked by their
-roofline MFU; the best one with `HEADROOM` of HBM left is the answer.
+estimate drops those that cannot fit with HEADROOM left; the rest are ordered by an analytic
+step time (compute at peak, FSDP gathers and reduce-scatters, data-parallel gradient
+all-reduce, tensor-parallel activation all-reduces over the links, the pipeline bubble), and
+the best few are compiled, in that order, until the count or time bound is reached. The
+compiled plans are ranked by their roofline MFU; the best one with `HEADROOM` of HBM left is
+the answer.
 """
 
 from __future__ import annotations
@@ -71,10 +72,12 @@ class Search:
 
 
 def candidates(recipe: Recipe, tpu: TpuSlice) -> tuple[int, list[Candidate]]:
-    """(how many points were tried, those whose estimate fits the chip, fastest first)."""
+    """(how many points were tried, those whose estimate leaves the chip HEADROOM, fastest
+    first). Only such a plan can be the answer, so a tighter one is not worth a compile:
+    mixtral-8x7b on v6e-256 once spent all three compiles on plans of 8% headroom."""
     config = model_config(recipe)
     batch, seq = recipe.train.batch_size, recipe.data.seq_len
-    limit = tpu.chip.hbm_bytes
+    limit = tpu.chip.hbm_bytes * (1 - HEADROOM)
     tried, found = 0, []
     for sizes in _splits(config, tpu.chips):
         pipeline, data, fsdp, tensor = sizes
@@ -159,7 +162,8 @@ def nothing_fits(recipe: Recipe, tpu: TpuSlice, tried: int) -> str:
     text = (
         f"nothing fits: no plan of {name} ({count} parameters, batch {recipe.train.batch_size} "
         f"x {recipe.data.seq_len}) fits {tpu.describe()} with {tpu.chip.hbm_bytes / 2**30:.0f} "
-        f"GiB per chip ({tried} meshes, remats and accumulations estimated)"
+        f"GiB per chip and {HEADROOM:.0%} of it free ({tried} meshes, remats and accumulations "
+        "estimated)"
     )
     chips = tpu.chips
     for count in sorted(c for c in _slice_sizes(tpu) if c > chips):
