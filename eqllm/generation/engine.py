@@ -64,7 +64,7 @@ class Engine:
     Arguments:
         model: the language model (any family, any dtype, quantized or not).
         max_batch: slots, i.e. requests decoded together.
-        max_len: positions per request (prompt + output); at most (None: the) model's context.
+        max_len: positions per request (prompt + output), at most the model's context (None: it).
         prefill_chunk: prompt tokens prefilled per round (between two decode steps), a power
             of two >= 16: one prompt's chunk of up to that many, or chunks of several prompts.
         max_queue: requests allowed to wait for a slot; more raise QueueFull.
