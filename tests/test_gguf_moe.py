@@ -24,7 +24,7 @@ from gguf_loaders import loader_tensors
 from test_gguf_granite import _rewrite
 from test_gguf_hybrid import (
     _mapped,
-    _package_keys,
+    check_metadata,
     check_q8_0,
     check_refused,
     check_tensors,
@@ -168,16 +168,7 @@ def _expected_metadata(hf):
 @pytest.mark.parametrize("name", NAMES)
 def test_metadata_is_llama_cpps(written, name):
     _, hf, _, reader, _ = written(name)
-    arch = ARCH[name]
-    keys = {k.replace("{arch}", arch) for k in _package_keys()}
-    expected = _expected_metadata(hf)
-    for key, value in expected.items():
-        assert f"{arch}.{key}" in keys, key  # the gguf package's key names (gguf.Keys)
-        got = reader.fields[f"{arch}.{key}"].contents()
-        if isinstance(value, float):
-            assert got == pytest.approx(value, rel=1e-7), key
-        else:
-            assert got == value, key
+    check_metadata(reader, ARCH[name], _expected_metadata(hf))
 
 
 # Metadata of llama.cpp's files of the published models (as their model pages list it), from

@@ -26,7 +26,7 @@ from test_gguf_hybrid import (
     _logits,
     _mapped,
     _model,
-    _package_keys,
+    check_metadata,
     check_q8_0,
     check_refused,
     check_tensors,
@@ -157,11 +157,7 @@ def _expected_metadata(name, hf):
 def test_metadata_is_llama_cpps(written, name):
     _, hf, _, reader, _ = written(name)
     arch = ARCH[name]
-    keys = {k.replace("{arch}", arch) for k in _package_keys()}
-    for key, value in _expected_metadata(name, hf).items():
-        assert f"{arch}.{key}" in keys, key  # the gguf package's key names (gguf.Keys)
-        got = reader.fields[f"{arch}.{key}"].contents()
-        assert got == (value if isinstance(value, list) else pytest.approx(value, rel=1e-7)), key
+    check_metadata(reader, arch, _expected_metadata(name, hf))
     if name != "olmo3":  # OLMo 2 has no window; Llama 4's chunks are llama.cpp's own
         assert f"{arch}.attention.sliding_window" not in reader.fields
 
