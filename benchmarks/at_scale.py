@@ -217,10 +217,10 @@ def reanalyze(row: dict) -> None:
     from eqllm.bench.collectives import collectives, tally
     from eqllm.bench.hlo import Program
     from eqllm.plan import slice_devices
-    from eqllm.plan.kernels import grouped_flops
+    from eqllm.plan.kernels import grouped_cost
     from eqllm.plan.plan import implemented
     from eqllm.plan.roofline import estimate
-    from eqllm.plan.step import step_flops_of
+    from eqllm.plan.step import step_cost
     from eqllm.sharding import MeshConfig, make_mesh
     from eqllm.sharding.tpu import parse_slice
 
@@ -236,9 +236,11 @@ def reanalyze(row: dict) -> None:
     devices, shape = list(mesh.devices.flat), {k: int(v) for k, v in mesh.shape.items()}
     # the grouped kernels at their own loop trips, as `eqllm plan` counts them; without the
     # recipe's dispatch blocks at hand, each over its whole block (the plan's static bound)
-    grouped = grouped_flops(program, None)
-    result["flops_per_chip"] = step_flops_of(result["xla_flops_per_chip"], program, grouped)[0]
-    result["bytes_accessed_per_chip"] = result["xla_bytes_per_chip"] * program.loop_factor("bytes")
+    grouped = grouped_cost(program, None)
+    flops, _, moved, _ = step_cost(
+        result["xla_flops_per_chip"], result["xla_bytes_per_chip"], program, grouped
+    )
+    result["flops_per_chip"], result["bytes_accessed_per_chip"] = flops, moved
     result["collectives_per_layer"], result["collectives_per_step"] = tally(found, lambda c: 1)
     layer_bytes, step_bytes = tally(found, lambda c: c.result_bytes)
     result["collective_bytes_per_layer"] = layer_bytes

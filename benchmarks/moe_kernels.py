@@ -22,7 +22,7 @@ import jax
 import eqllm
 from eqllm.bench.hlo import Program
 from eqllm.model import CausalLM
-from eqllm.plan.kernels import dispatch_block, grouped_flops, grouped_kernels
+from eqllm.plan.kernels import dispatch_block, grouped_cost, grouped_kernels
 from eqllm.plan.step import planned_config
 from eqllm.recipe import load_recipe
 from eqllm.sharding import MESH_AXES
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     calls: dict[tuple[str, int], int] = {}
     for k in grouped_kernels(program):
         calls[(k.name, k.rows)] = calls.get((k.name, k.rows), 0) + k.runs
-    g = grouped_flops(program, dispatch_block(config, sizes, rows))
+    g = grouped_cost(program, dispatch_block(config, sizes, rows))
     products = sum(
         Program._flops(body, text) * program.runs(comp)
         for comp, body in program.comps.items()

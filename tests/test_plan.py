@@ -238,10 +238,17 @@ def test_the_dispatchs_grouped_kernels_are_counted_static_and_run(plans):
     assert s.xla_flops > s.grouped.once
     assert s.grouped.run == s.grouped.static * k / 4
     assert s.run_flops == pytest.approx(s.flops - s.grouped.static + s.grouped.run)
+    # their bytes too: the estimates' at the layer loop's trips, the routed share run
+    assert s.grouped.static_bytes == config.n_layers * s.grouped.once_bytes > 0
+    assert s.grouped.run_bytes == s.grouped.static_bytes * k / 4
+    assert s.run_bytes == pytest.approx(
+        s.bytes_accessed - s.grouped.static_bytes + s.grouped.run_bytes
+    )
     assert s.flops * plan.tpu.chips / s.model_flops > 1.3  # the padding, counted
     text = describe(plan)
     assert "run, " in text and "a static bound" in text and f"{4 * rows:,} rows" in text
     assert plan.to_dict()["run_flops_per_chip"] == s.run_flops
+    assert plan.to_dict()["run_bytes_accessed_per_chip"] == s.run_bytes
 
 
 @needs_libtpu

@@ -3,7 +3,7 @@ what their routed rows run."""
 
 from eqllm.bench.hlo import Program
 from eqllm.config import ModelConfig
-from eqllm.plan.kernels import dispatch_block, grouped_flops, grouped_kernels
+from eqllm.plan.kernels import dispatch_block, grouped_cost, grouped_kernels
 
 
 def _kernel(name, result, flops, op="jit(step)/while/body/eqllm.MoE/shard_map"):
@@ -13,7 +13,7 @@ def _kernel(name, result, flops, op="jit(step)/while/body/eqllm.MoE/shard_map"):
         f'  %{name}.1 = {result} custom-call(%x), custom_call_target="tpu_custom_call", '
         f'metadata={{op_name="{op}/jit({name})/pallas_call"}}, backend_config={{'
         '"flag_configs":[],"custom_call_config":{"body":"TUxJUg==","cost_estimate":'
-        f'{{"flops":"{flops}","transcendentals":"0","bytes_accessed":"1"}},'
+        f'{{"flops":"{flops}","transcendentals":"0","bytes_accessed":"{flops // 64}"}},'
         '"needs_layout_passes":true}}'
     )
 
@@ -64,10 +64,12 @@ def test_grouped_kernels_are_read_with_their_rows_and_loop_trips():
 
 def test_only_the_kernels_over_the_padded_block_run_their_routed_rows():
     outside = 2 * 256 * 128 * 64
-    g = grouped_flops(Program(HLO), (512, 128))  # a block of 512 rows, 128 of them routed
+    g = grouped_cost(Program(HLO), (512, 128))  # a block of 512 rows, 128 of them routed
     assert g.static == 2 * 3 * GMM + outside and g.once == 2 * GMM + outside
     assert g.run == 2 * 3 * GMM / 4 + outside  # the 256-row kernel is not the block's
-    assert grouped_flops(Program(HLO), None).run == g.static  # no padded block: all of it runs
+    assert grouped_cost(Program(HLO), None).run == g.static  # no padded block: all of it runs
+    # their bytes are read from the same estimates and scale the same way (here FLOPs / 64)
+    assert (g.static_bytes, g.once_bytes, g.run_bytes) == (g.static / 64, g.once / 64, g.run / 64)
 
 
 def test_the_dispatch_block_is_the_dropless_or_capacity_slot_times_the_shards():

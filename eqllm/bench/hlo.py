@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Callable
 
 import numpy as np
 
@@ -60,21 +61,29 @@ class Program:
         calls = self.edges.get(comp, ())
         return bool(calls) and all(fused or self.fused(c) for c, _, _, fused in calls)
 
-    def loop_factor(self, what: str) -> float:
-        """By how much the loops' trip counts multiply the program's "flops" (its matrix
-        products: dots and convolutions) or "bytes" (what the unfused ops read and write),
-        against counting every loop body once, as XLA's cost analysis does. 1.0 without
-        loops."""
+    def total(
+        self, what: str, per_pass: bool = False, skip: Callable[[str, str], bool] | None = None
+    ) -> float:
+        """The program's "flops" (its matrix products: dots and convolutions) or "bytes" (what
+        its unfused ops read from and write to HBM, counted by XLA's rules) per step, loops at
+        their trip counts; `per_pass` counts each loop body once, as XLA's cost analysis does.
+        `skip(instruction, text)` leaves ops out (kernels counted on their own)."""
         measure = self._flops if what == "flops" else self._hbm_bytes
-        whole = once = 0.0
+        found = 0.0
         for name, body in self.comps.items():
             if what == "bytes" and self.fused(name):
                 continue
-            cost = sum(measure(body, text) for text in body.values())
-            if cost:
-                whole += cost * self.runs(name)
-                once += cost * self.runs(name, True)
-        return whole / once if once else 1.0
+            kept = (t for i, t in body.items() if skip is None or not skip(i, t))
+            if cost := sum(measure(body, text) for text in kept):
+                found += cost * self.runs(name, per_pass)
+        return found
+
+    def loop_factor(self, what: str, skip: Callable[[str, str], bool] | None = None) -> float:
+        """By how much the loops' trip counts multiply the program's "flops" or "bytes"
+        (`total`) against counting every loop body once, as XLA's cost analysis does: the
+        factor that scales its figure to one step. 1.0 without loops."""
+        once = self.total(what, True, skip)
+        return self.total(what, False, skip) / once if once else 1.0
 
     @staticmethod
     def _flops(body: dict[str, str], text: str) -> float:
@@ -93,15 +102,31 @@ class Program:
             return _convolution_flops(text, lhs, rhs) if lhs and rhs else 0.0
         return 0.0
 
-    @staticmethod
-    def _hbm_bytes(body: dict[str, str], text: str) -> float:
+    def _hbm_bytes(self, body: dict[str, str], text: str) -> float:
+        """HBM bytes an unfused op reads and writes, as XLA's cost analysis counts them: a
+        slice reads only what it takes; a dynamic-update-slice, in place, writes only its
+        update (a fusion's too, where its root is one); a kernel with a cost estimate counts
+        the bytes the estimate gives."""
         opcode = re.search(r"\s([a-z][\w\-]*)\(", text)
         if opcode is None or opcode.group(1) in _NO_TRAFFIC:
             return 0.0
-        moved = sum(nbytes(t, d) for t, d in shapes_of(text[: opcode.start()]))
-        for arg in operands(text, opcode.group(1)):
-            moved += sum(nbytes(t, d) for t, d in shapes_of(_type_of(body.get(arg, ""))))
-        return float(moved)
+        op, result = opcode.group(1), _size(text[: opcode.start()])
+        if op == "custom-call" and (estimate := _KERNEL_BYTES.search(text)):
+            return float(estimate.group(1))
+        args = operands(text, op)
+        if op in ("slice", "dynamic-slice"):
+            return 2.0 * result
+        if op == "dynamic-update-slice":
+            return 2.0 * _size(_type_of(body.get(args[1], ""))) if len(args) > 1 else result
+        callee = next(iter(_callees(text)), "") if op == "fusion" else ""
+        fused = self.comps.get(callee)
+        if not fused:
+            return float(result + sum(_size(_type_of(body.get(a, ""))) for a in args))
+        root = self.roots.get(callee, "")
+        outputs = operands(fused.get(root, ""), "tuple") or [root]
+        written = sum(_written(fused, fused.get(out, "")) for out in outputs)
+        params = [n for n, t in fused.items() if re.search(r"(?<![\w%.\-])parameter\(\d+\)", t)]
+        return float(written + sum(_read(fused, name) for name in params))
 
     def _trip_count(self, line: str, comp: str) -> int:
         """A while loop's trip count: recorded by the compiler, else read from `counter < N` in
@@ -142,6 +167,7 @@ class Program:
 
 _DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "s16": 2, "u16": 2}
 _DTYPE_BYTES |= {"s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
+_KERNEL_BYTES = re.compile(r'"cost_estimate":\{[^}]*?"bytes_accessed":"?(\d+)')
 _ASYNC_HALF = re.compile(r"(?<![\w%.\-])async-(done|update)\(")
 _WHILE = re.compile(r"(?<![\w%.\-])while\(.*\bbody=%?([\w.\-]+)")
 _FUSION = re.compile(r"(?<![\w%.\-])fusion\(")
@@ -198,6 +224,39 @@ def nbytes(dtype: str, dims: tuple[int, ...]) -> int:
 def shapes_of(text: str) -> list[tuple[str, tuple[int, ...]]]:
     """Every (dtype, dims) written in `text`, in order."""
     return [(t, tuple(int(n) for n in d.split(",") if n)) for t, d in _SHAPE.findall(text)]
+
+
+def _size(text: str) -> int:
+    """Bytes of every array type written in `text`."""
+    return sum(nbytes(t, d) for t, d in shapes_of(text))
+
+
+def _written(fused: dict[str, str], text: str) -> int:
+    """Bytes a fusion output writes: a dynamic-update-slice writes its update in place."""
+    if args := operands(text, "dynamic-update-slice"):
+        return _size(_type_of(fused.get(args[1], "")))
+    return _size(_type_of(text))
+
+
+def _read(fused: dict[str, str], param: str) -> int:
+    """Bytes a fusion reads of parameter `param` (XLA's FusionParameterReadBytes): what its
+    slices take, nothing where it is the buffer a dynamic-update-slice writes in place, the
+    whole array for any other use (once)."""
+    size, whole = 0, False
+    for text in fused.values():
+        opcode = re.search(r"\s([a-z][\w\-]*)\(", text)
+        args = operands(text, opcode.group(1)) if opcode else []
+        if param not in args:
+            continue
+        op = opcode.group(1)
+        if op == "slice" or (op == "dynamic-slice" and args[0] == param):
+            size += _size(_type_of(text))
+        elif op == "dynamic-update-slice" and args[0] == param:
+            continue
+        elif not whole:
+            whole = True
+            size += _size(_type_of(fused[param]))
+    return size
 
 
 def _type_of(text: str) -> str:

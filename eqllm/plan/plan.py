@@ -92,8 +92,9 @@ class Plan:
             "estimated_bytes": self.estimated_bytes,
             "flops_per_chip": s.flops,  # the static bound (every grouped kernel's whole block)
             "run_flops_per_chip": s.run_flops,  # the grouped kernels over their routed rows
-            "grouped_kernel_flops_per_chip": s.grouped.to_dict(),
-            "bytes_accessed_per_chip": s.bytes_accessed,
+            "grouped_kernel_cost_per_chip": s.grouped.to_dict(),
+            "bytes_accessed_per_chip": s.bytes_accessed,  # the static bound, as flops
+            "run_bytes_accessed_per_chip": s.run_bytes,
             "xla_flops_per_chip": s.xla_flops,
             "xla_bytes_per_chip": s.xla_bytes,
             "model_flops": s.model_flops,
@@ -151,7 +152,7 @@ def plan_recipe(recipe: Recipe, tpu: TpuSlice, devices: list) -> Plan:
             step.mesh,
             step.collectives,
             flops=step.run_flops,
-            bytes_accessed=step.bytes_accessed,
+            bytes_accessed=step.run_bytes,
             model_flops=step.model_flops,
         )
     return Plan(recipe, tpu, step, estimated, roofline)

@@ -52,7 +52,12 @@ def describe(plan: Plan) -> str:
         f"written into donated arguments); peak {_size(m.peak)}",
         f"    {estimate} ({plan.estimated_bytes / m.peak:.2f}x the compiler's peak)",
         *flops_lines(plan),
-        f"  bytes accessed per chip per step: {s.bytes_accessed:.3g}",
+        "  bytes accessed per chip per step: "
+        + (
+            f"{s.bytes_accessed:.3g}"
+            if s.run_bytes == s.bytes_accessed
+            else f"{s.run_bytes:.3g} run, {s.bytes_accessed:.3g} compiled (a static bound)"
+        ),
         f"  collectives per step: {collectives_text(plan)}",
     ]
     per_layer, _ = tally(s.collectives, lambda c: 1)

@@ -27,7 +27,7 @@ from eqllm.config import ConfigError, ModelConfig
 from eqllm.data import Tokenizer
 from eqllm.model import CausalLM
 from eqllm.plan.devices import PlanError
-from eqllm.plan.kernels import GroupedFlops, dispatch_block, grouped_flops
+from eqllm.plan.kernels import GroupedCost, dispatch_block, grouped_cost, kernel_name
 from eqllm.recipe import Recipe, RecipeError
 from eqllm.sharding import batch_sharding, check_divisible, make_mesh
 from eqllm.sharding.dispatch import experts_impl, experts_kernel
@@ -65,8 +65,9 @@ class CompiledStep:
     `memory` is None); `needed` is the bytes it said the program needs, where it said so.
     FLOPs and bytes accessed are XLA's cost analysis scaled from one pass through each loop
     body to the loops' trip counts (`eqllm.bench.hlo.Program.loop_factor`), the grouped
-    matmuls' kernels counted at their own trips (`step_flops_of`); `flops` is a static bound
-    where those kernels get padded blocks, `run_flops` what their routed rows run.
+    matmuls' kernels counted at their own trips (`step_cost`); `flops` and `bytes_accessed`
+    are static bounds where those kernels get padded blocks, `run_flops` and `run_bytes` what
+    their routed rows run.
     """
 
     compile_s: float
@@ -77,7 +78,8 @@ class CompiledStep:
     needed: int | None = None
     flops: float = 0.0  # the static bound: every grouped kernel over its whole block
     run_flops: float = 0.0  # the same with the grouped kernels over their routed rows only
-    bytes_accessed: float = 0.0
+    bytes_accessed: float = 0.0  # the static bound, as `flops`
+    run_bytes: float = 0.0  # the same with the grouped kernels over their routed rows only
     xla_flops: float = 0.0
     xla_bytes: float = 0.0
     collectives: list[Collective] = dataclasses.field(default_factory=list)
@@ -87,8 +89,8 @@ class CompiledStep:
     # a mixture of experts' {"impl", "why", "requested"}: how the compiled step computes its
     # experts (`planned_config`), as a run's summary.json records it; None without experts
     experts: dict | None = None
-    # the grouped matmuls' kernels: their FLOPs static and run (`eqllm.plan.kernels`)
-    grouped: GroupedFlops = dataclasses.field(default_factory=GroupedFlops)
+    # the grouped matmuls' kernels: their FLOPs and bytes static and run (`eqllm.plan.kernels`)
+    grouped: GroupedCost = dataclasses.field(default_factory=GroupedCost)
 
 
 def model_config(recipe: Recipe) -> ModelConfig:
@@ -246,20 +248,30 @@ def compile_recipe(recipe: Recipe, devices: list) -> CompiledStep:
     cost = compiled.cost_analysis() or {}
     result.xla_flops = float(cost.get("flops", 0.0))
     result.xla_bytes = float(cost.get("bytes accessed", 0.0))
-    result.grouped = grouped_flops(program, dispatch_block(config, result.mesh, rows_per_chip))
-    result.flops, result.run_flops = step_flops_of(result.xla_flops, program, result.grouped)
-    result.bytes_accessed = result.xla_bytes * program.loop_factor("bytes")
+    result.grouped = grouped_cost(program, dispatch_block(config, result.mesh, rows_per_chip))
+    cost = step_cost(result.xla_flops, result.xla_bytes, program, result.grouped)
+    result.flops, result.run_flops, result.bytes_accessed, result.run_bytes = cost
     result.collectives = collectives(program)
     return result
 
 
-def step_flops_of(xla_flops: float, program: Program, grouped: GroupedFlops) -> tuple[float, float]:
-    """(static, run) FLOPs per chip per step. Static: XLA's cost analysis with its loop bodies
-    at their trip counts (`Program.loop_factor`, read from the matrix products) and the grouped
-    kernels at their own, each over its whole block; run: the same with the grouped kernels
-    over their routed rows only (`eqllm.plan.kernels`)."""
-    static = (xla_flops - grouped.once) * program.loop_factor("flops") + grouped.static
-    return static, static - grouped.static + grouped.run
+def step_cost(
+    xla_flops: float, xla_bytes: float, program: Program, grouped: GroupedCost
+) -> tuple[float, float, float, float]:
+    """(static FLOPs, run FLOPs, static bytes, run bytes) per chip per step. Static: XLA's cost
+    analysis with its loop bodies at their trip counts (`Program.loop_factor`, read from the
+    matrix products for FLOPs, from the unfused ops but the grouped kernels for bytes) and the
+    grouped kernels at their own, each over its whole block; run: the same with the grouped
+    kernels over their routed rows only (`eqllm.plan.kernels`)."""
+    flops = (xla_flops - grouped.once) * program.loop_factor("flops") + grouped.static
+    factor = program.loop_factor("bytes", skip=lambda i, t: kernel_name(i, t) is not None)
+    moved = (xla_bytes - grouped.once_bytes) * factor + grouped.static_bytes
+    return (
+        flops,
+        flops - grouped.static + grouped.run,
+        moved,
+        moved - grouped.static_bytes + grouped.run_bytes,
+    )
 
 
 def _failed(recipe: Recipe, stage: str, error: Exception) -> PlanError:
