@@ -119,9 +119,8 @@ def run_point(point: dict, timeout: float, reserve: float = 1.5 * GiB) -> dict:
     kernel's out-of-memory killer picks a process (on a shared machine, perhaps another's)."""
     argv = ["nice", "-n", "10", sys.executable, "-m", "eqllm.cli", "plan", *point["args"]]
     argv.append("--json")
-    if "auto" not in point["args"]:  # kept outside the repository, to re-read the program
-        HLO.mkdir(parents=True, exist_ok=True)
-        argv += ["--dump-hlo", str(HLO / f"{point['id'].replace(':', '_')}.hlo")]
+    HLO.mkdir(parents=True, exist_ok=True)  # kept outside the repository, to re-read later
+    argv += ["--dump-hlo", str(HLO / f"{point['id'].replace(':', '_')}.hlo")]  # auto: the best
     written = Path(tempfile.mkdtemp()) / "planned.toml"
     if point.get("write_recipe"):
         argv += ["--write-recipe", str(written)]
@@ -225,8 +224,9 @@ def reanalyze(row: dict) -> None:
     from eqllm.sharding.tpu import parse_slice
 
     path = HLO / f"{row['id'].replace(':', '_')}.hlo"
-    result = row.get("result")
-    if not path.is_file() or not result or not result.get("memory"):
+    result = row.get("result") or {}
+    result = result.get("best") or {} if "best" in result else result  # --mesh auto: its answer
+    if not path.is_file() or not result.get("memory"):
         return
     row["reanalyzed_at"] = source_commit()  # the reader's code; the program is `commit`'s
     program = Program(path.read_text())

@@ -16,7 +16,7 @@ from eqllm.bench.hlo import Program
 from eqllm.cli import main
 from eqllm.plan import devices as plan_devices
 from eqllm.plan.plan import plan_recipe, recipe_for, with_settings
-from eqllm.plan.report import describe
+from eqllm.plan.report import describe, search_table
 from eqllm.plan.search import search
 from eqllm.plan.step import planned_config
 from eqllm.recipe import load_recipe
@@ -364,6 +364,10 @@ def test_auto_finds_a_plan_that_fits_and_eqllm_run_takes_it(tmp_path):
     found = search(recipe, tpu, plan_devices.slice_devices(tpu), max_compiles=1)
     assert found.best is not None and found.best.fits and found.best.headroom >= 0.1
     assert len(found.plans) == 1 and found.considered >= len(found.candidates) > 1
+    # the table shows the compiled plan, then what the estimate would compile next
+    table = search_table(found).splitlines()
+    assert table[2].startswith("| 1 | ") and "not compiled" in table[3]
+    assert found.candidates[1].describe().split()[0] in table[3].replace(" ", "")
     path = tmp_path / "planned.toml"
     path.write_text(found.best.recipe.to_toml())
     planned = load_recipe(path)

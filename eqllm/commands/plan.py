@@ -57,6 +57,7 @@ def plan_command(args: argparse.Namespace) -> int:
         best = found.best
         if args.json:
             out = {"search": [p.to_dict() for p in found.plans], "best": best and best.to_dict()}
+            out["uncompiled"] = [c.to_dict() for c in found.candidates[len(found.plans) :][:10]]
             print(json.dumps(out, indent=2))
         else:
             print(search_table(found))
@@ -65,8 +66,8 @@ def plan_command(args: argparse.Namespace) -> int:
         log(f"compiling {recipe.name} for {tpu.describe()} ...")
         best = plan_recipe(recipe, tpu, devices)
         print(json.dumps(best.to_dict(), indent=2) if args.json else describe(best))
-        if args.dump_hlo and best.step.hlo:
-            Path(args.dump_hlo).write_text(best.step.hlo)
+    if args.dump_hlo and best is not None and best.step.hlo:
+        Path(args.dump_hlo).write_text(best.step.hlo)
     if args.write_recipe:
         if best is None or not best.fits:
             raise PlanError(f"--write-recipe {args.write_recipe}: no plan that fits to write")
@@ -131,6 +132,8 @@ def add_parser(commands) -> None:
         help="--mesh auto: start no compile after this many seconds (default 1800)",
     )
     p.add_argument("--write-recipe", metavar="PATH", help="write the recipe of the plan")
-    p.add_argument("--dump-hlo", metavar="PATH", help="write the compiled program's HLO text")
+    p.add_argument(
+        "--dump-hlo", metavar="PATH", help="write the compiled program's HLO text (auto: the best)"
+    )
     p.add_argument("--json", action="store_true", help="print the plan(s) as JSON")
     p.set_defaults(func=plan_command)

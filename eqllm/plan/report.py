@@ -119,8 +119,9 @@ def roofline_text(plan: Plan) -> str:
     )
 
 
-def search_table(found: Search) -> str:
-    """The compiled plans ranked by their roofline MFU, with the estimate's view of each."""
+def search_table(found: Search, uncompiled: int = 5) -> str:
+    """The compiled plans ranked by their roofline MFU, with the estimate's view of each, then
+    the next `uncompiled` candidates by estimate (what --max-compiles would compile next)."""
     rows = [
         "| rank | mesh | remat | grad_accum | estimate GiB | peak GiB | headroom | step s | "
         "MFU <= | compile s |",
@@ -136,6 +137,13 @@ def search_table(found: Search) -> str:
             f"{_gib(p.estimated_bytes)} | {_gib(p.peak)} | {headroom} | "
             f"{'-' if q is None else f'{q.step_s:.3g}'} | "
             f"{'-' if q is None else f'{q.mfu:.1%}'} | {p.step.compile_s:.0f} |"
+        )
+    for c in found.candidates[len(found.plans) : len(found.plans) + uncompiled]:
+        micro = f" x{c.microbatches}mb" if c.microbatches > 1 else ""
+        mesh = c.mesh.describe().replace("pipeline=1,", "")
+        rows.append(
+            f"| - | {mesh} | {c.remat} | {c.grad_accum}{micro} | {_gib(c.estimated_bytes)} | "
+            f"not compiled | - | {c.estimated_s:.3g} (analytic) | - | - |"
         )
     return "\n".join(rows)
 
