@@ -56,9 +56,23 @@ MAXTEXT = [
      "trillium mixtral_8x7b_dropless: fsdp=-1, remat full, megablox grouped matmul"),
     ("v5p-llama2-70b", "llama2-70b", "v5p-1024", 4, 4096, 0.654,
      "v5p llama2_70b_v5p_128 (92e59fd L156): fsdp=-1, remat save_dot_except_mlpwi"),
+    # no measured MFU published (tiering.md has no DeepSeek row): the config alone
+    ("v5p-deepseek-v3", "deepseek-v3", "v5p-512", 4, 8192, None,
+     "v5p deepseek_v3_ep_256_v5p_512: expert=-1 (every chip), capacity factor 1.0 (einsum "
+     "experts, no megablox), remat custom (decoder layer input offloaded to host), flash "
+     "attention"),
 ]  # fmt: skip
 # Rows whose MaxText config joins several slices over the data-center network (dcn_fsdp).
 MAXTEXT_SLICES = {"v6e-llama3.1-405b": 2}
+# Rows planned with a given mesh and settings instead of --mesh auto: DeepSeek-V3 with MaxText's
+# capacity factor (dropless blocks are 32x the routed rows: refused at 208.72G), on the plan the
+# estimate ranks first among those the compiler accepts (fsdp=64,tensor=4 and fsdp=32,tensor=8
+# at 16 accumulation steps were refused, 110.90G and 110.56G of temporaries).
+MAXTEXT_PLANS = {
+    "v5p-deepseek-v3": ["--mesh", "fsdp=32,tensor=8", "--grad-accum", "32", "--remat", "full",
+                        "--set", 'model.overrides.moe.impl="dispatch"',
+                        "--set", "model.overrides.moe.capacity_factor=1.0"],
+}  # fmt: skip
 # The v5p Mixtral row of tiering.md (256 chips, 52.56%) links to a tpu-recipes page whose
 # tuning is not in the maxtext repository; it is left out rather than guessed.
 
@@ -98,8 +112,9 @@ def points() -> list[dict]:
 
         slices = MAXTEXT_SLICES.get(key, 1)
         chips = parse_slice(topology).chips * slices
-        args = [f"zoo:{name}", "--topology", topology, "--slices", str(slices), "--mesh", "auto"]
-        args += ["--batch", str(per_chip * chips), "--seq", str(seq), "--max-compiles", "3"]
+        args = [f"zoo:{name}", "--topology", topology, "--slices", str(slices)]
+        args += MAXTEXT_PLANS.get(key, ["--mesh", "auto", "--max-compiles", "3"])
+        args += ["--batch", str(per_chip * chips), "--seq", str(seq)]
         found.append({"id": f"maxtext:{key}", "section": "maxtext", "args": args})
     # One model against chips first, then the largest recipe (whether it compiles here at all),
     # the other recipes largest first (those most likely to need a fix), MaxText's

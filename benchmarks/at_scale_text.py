@@ -367,8 +367,9 @@ def _maxtext(points: dict, maxtext: list) -> list[str]:
         "tiering.md of AI-Hypercomputer/maxtext; the tuning in benchmarks/maxtext_*_model_"
         "configs.py). For each one the zoo can express, `eqllm plan zoo:MODEL --topology SLICE "
         "[--slices N] --mesh auto --batch B --seq T --max-compiles 3` plans the same model, "
-        "chips, global batch and sequence with eqllm's own step. The estimate is eqllm's "
-        "roofline, not tuned to these figures; MaxText's is measured.",
+        "chips, global batch and sequence with eqllm's own step (DeepSeek-V3: the settings "
+        "of MaxText's config, on a given mesh). The estimate is eqllm's roofline, not tuned to "
+        "these figures; MaxText's is measured.",
         "",
         "| model | slice | batch x seq | MaxText: tuning | MaxText MFU (measured) | eqllm plan | "
         "fits, peak GiB | eqllm est. MFU <= |",
@@ -383,7 +384,8 @@ def _maxtext(points: dict, maxtext: list) -> list[str]:
         fits = row.get("error", "no plan") if p is None else f"{_fits(p)}, {_gib(p['peak_bytes'])}"
         out.append(
             f"| {name} | {_slices(row, topology)} | {per_chip}/chip x {seq} | {tuning} | "
-            f"{mfu:.1%} | {plan} | {fits} | {'-' if p is None else _mfu(p)} |"
+            f"{'not published' if mfu is None else f'{mfu:.1%}'} | {plan} | {fits} | "
+            f"{'-' if p is None else _mfu(p)} |"
         )
     return out + [""]
 
