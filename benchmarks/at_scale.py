@@ -249,13 +249,18 @@ def reanalyze(row: dict) -> None:
     tpu = parse_slice(result["jax_topology"], result["slices"])
     mesh = make_mesh(MeshConfig(**result["mesh"]), slice_devices(tpu))
     devices, shape = list(mesh.devices.flat), {k: int(v) for k, v in mesh.shape.items()}
-    # the grouped kernels at their own loop trips, as `eqllm plan` counts them; without the
-    # recipe's dispatch blocks at hand, each over its whole block (the plan's static bound)
-    grouped = grouped_cost(program, None)
-    flops, _, moved, _ = step_cost(
-        result["xla_flops_per_chip"], result["xla_bytes_per_chip"], program, grouped
+    # the grouped kernels at their own loop trips, as `eqllm plan` counts them, over the
+    # dispatch's blocks the plan recorded (rows per block, routed rows)
+    kept = result.get("grouped_kernel_cost_per_chip") or result.pop(
+        "grouped_kernel_flops_per_chip", {}
     )
-    result["flops_per_chip"], result["bytes_accessed_per_chip"] = flops, moved
+    grouped = grouped_cost(program, (kept["block"], kept["routed"]) if kept.get("block") else None)
+    cost = step_cost(result["xla_flops_per_chip"], result["xla_bytes_per_chip"], program, grouped)
+    for key, value in zip(
+        ("flops", "run_flops", "bytes_accessed", "run_bytes_accessed"), cost, strict=True
+    ):
+        result[f"{key}_per_chip"] = value
+    result["grouped_kernel_cost_per_chip"] = grouped.to_dict()
     result["collectives_per_layer"], result["collectives_per_step"] = tally(found, lambda c: 1)
     layer_bytes, step_bytes = tally(found, lambda c: c.result_bytes)
     result["collective_bytes_per_layer"] = layer_bytes
@@ -266,8 +271,8 @@ def reanalyze(row: dict) -> None:
         devices,
         shape,
         found,
-        flops=result["flops_per_chip"],
-        bytes_accessed=result["bytes_accessed_per_chip"],
+        flops=result["run_flops_per_chip"],
+        bytes_accessed=result["run_bytes_accessed_per_chip"],
         model_flops=result["model_flops"],
     )
     result["roofline"] = {

@@ -189,7 +189,8 @@ def _sizes(points: dict) -> list[str]:
     for name, p in sorted(rows, key=lambda t: t[1]["model_flops"] / t[1]["batch"]):
         mem = p["memory"] or {}
         r = p.get("roofline") or {}
-        flops = p["flops_per_chip"] * p["chips"] / p["model_flops"] if p["flops_per_chip"] else 0
+        run = p.get("run_flops_per_chip") or p["flops_per_chip"]  # grouped kernels: routed rows
+        flops = run * p["chips"] / p["model_flops"] if run else 0
         out.append(
             f"| {name} | {p['topology']} | {_mesh(p)} | {_gib(mem.get('params'))} | "
             f"{_gib(mem.get('optimizer'))} | {_gib(mem.get('temporaries'))} | {_kind_bytes(p)} | "
