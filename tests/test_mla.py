@@ -324,22 +324,3 @@ def test_softmax_routing_equals_deepseek_v2_moe(method):
         group_score="max",
     )
     np.testing.assert_allclose(np.asarray(_call(ours, jnp.asarray(X))), ref, atol=1e-5, rtol=0)
-
-
-
-def test_the_latents_split_over_the_tensor_axis_like_the_heads():
-    """The down projections' outputs (the query and key/value latents) are split over `tensor`,
-    so that tensor shards do not each compute them whole; the up projections split heads."""
-    from jax.sharding import PartitionSpec as P
-
-    from eqllm.sharding import spec_for
-    from eqllm.sharding.rules import named_params
-
-    mla = MultiHeadLatentAttention(
-        64, 4, **MLA_DIMS, q_lora_rank=32, rope=RotaryEmbedding(6), key=jax.random.key(0)
-    )
-    mesh = {"data": 1, "fsdp": 2, "tensor": 2}
-    specs = {name: spec_for(axes, a.shape, mesh) for name, a, axes in named_params(mla)}
-    assert specs["q_a_proj.weight"] == specs["kv_a_proj.weight"] == P("tensor", "fsdp")
-    assert specs["q_b_proj.weight"] == specs["kv_b_proj.weight"] == P("tensor")
-    assert specs["o_proj.weight"] == P("fsdp", "tensor")

@@ -23,11 +23,8 @@ from eqllm.errors import EqllmError
 from eqllm.nn.grouped import megablox_matmul
 
 # The logical axis names of eqllm's layers; `eqllm.sharding` maps each to mesh axes.
-# "per_layer": the per-layer inputs' axis (`eqllm.nn.per_layer`), fixed as width grows;
-# "latent": MLA's low-rank query and key/value latents (`eqllm.nn.mla`), a fixed rank too.
-Axis = Literal[
-    "vocab", "d_model", "heads", "kv_heads", "d_ff", "positions", "expert", "per_layer", "latent"
-]
+# "per_layer": the per-layer inputs' axis (`eqllm.nn.per_layer`), fixed as width grows.
+Axis = Literal["vocab", "d_model", "heads", "kv_heads", "d_ff", "positions", "expert", "per_layer"]
 # How a weight starts (see `eqllm.parametrization.init_weights`): "normal" draws N(0, std);
 # "residual" draws N(0, std / sqrt(2 * layers)) for projections that write into the residual
 # stream.

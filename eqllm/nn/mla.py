@@ -151,7 +151,7 @@ class MultiHeadLatentAttention(eqx.Module):
             )
         else:
             self.q_a_proj = Linear(
-                d_model, q_lora_rank, axes=("latent", "d_model"), use_bias=bias, key=kqa, **plain
+                d_model, q_lora_rank, axes=(None, "d_model"), use_bias=bias, key=kqa, **plain
             )
             self.q_a_norm = RMSNorm(q_lora_rank, eps=norm_eps, dtype=dtype)
             self.q_b_proj = Linear(
@@ -160,7 +160,7 @@ class MultiHeadLatentAttention(eqx.Module):
         self.kv_a_proj = Linear(
             d_model,
             kv_lora_rank + qk_rope_head_dim,
-            axes=("latent", "d_model"),
+            axes=(None, "d_model"),
             use_bias=bias,
             key=kkva,
             **plain,

@@ -32,9 +32,6 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "heads": "tensor",
     "kv_heads": "tensor",
     "d_ff": "tensor",
-    # MLA's low-rank latents (query and key/value): split like heads, so that the tensor shards
-    # do not each compute the down projections whole; the up projections gather the latent.
-    "latent": "tensor",
     # The stacked blocks' leading axis: contiguous runs of layers, one per pipeline stage.
     "layers": "pipeline",
     # Experts spread over the fsdp devices (expert parallelism on the fsdp axis); the expert
