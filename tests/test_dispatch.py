@@ -18,6 +18,7 @@ import eqllm
 from eqllm.config import ConfigError
 from eqllm.config.experts import choose_kernel
 from eqllm.nn import ExpertLinear, MoE
+from eqllm.nn.grouped import megablox_matmul, tiling
 from eqllm.recipe import OptimSpec
 from eqllm.train import TrainStep, init_opt_state, make_optimizer, schedule
 from eqllm.train.step import training_loss
@@ -102,6 +103,33 @@ def test_megablox_grouped_matmul_equals_ragged_dot_with_its_gradients():
         np.testing.assert_allclose(a, b, atol=1e-5)
     assert np.abs(np.asarray(grads[0].weight[1])).max() == 0  # no rows, no gradient
 
+
+
+def test_megablox_tiles_are_large_and_uneven_dimensions_still_exact():
+    """Tiles of up to 512 rows by 1024 x 1024 (small tiles re-read the rows and weights from
+    HBM once per tile); a dimension no tile divides takes an uneven last tile, and the kernels
+    still give ragged_dot's product and weight gradient."""
+    assert tiling(65536, 7168, 2048) == (512, 1024, 1024)
+    assert tiling(20, 16, 24) == (4, 16, 24)
+    assert tiling(4096, 1280, 1100) == (512, 256, 128)
+    x = jax.random.normal(jax.random.key(1), (64, 1280))
+    w = jax.random.normal(jax.random.key(2), (2, 1100, 1280)) / 32
+    sizes = jnp.array([40, 24])
+
+    def loss(kernel):
+        def f(w):
+            if kernel == "megablox":
+                y = megablox_matmul(x, w, sizes, interpret=True)
+            else:
+                y = jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), sizes)
+            return (y * y).sum() / 2, y
+
+        return jax.value_and_grad(f, has_aux=True)(w)
+
+    (_, y), grad = loss("xla")
+    (_, other_y), other_grad = loss("megablox")
+    np.testing.assert_allclose(other_y, y, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(other_grad, grad, rtol=1e-4, atol=1e-3)
 
 def test_moe_kernel_auto_is_megablox_on_tpu_only_where_nothing_partitions_it():
     """megablox (a Pallas kernel) runs inside the dispatch's shard_map or on one device: the
