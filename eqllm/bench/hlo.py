@@ -111,7 +111,7 @@ class Program:
         if opcode is None or opcode.group(1) in _NO_TRAFFIC:
             return 0.0
         op, result = opcode.group(1), _size(text[: opcode.start()])
-        if op == "custom-call" and (estimate := _KERNEL_BYTES.search(text)):
+        if op == "custom-call" and (estimate := KERNEL_BYTES.search(text)):
             return float(estimate.group(1))
         args = operands(text, op)
         if op in ("slice", "dynamic-slice"):
@@ -167,7 +167,8 @@ class Program:
 
 _DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "s16": 2, "u16": 2}
 _DTYPE_BYTES |= {"s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
-_KERNEL_BYTES = re.compile(r'"cost_estimate":\{[^}]*?"bytes_accessed":"?(\d+)')
+# A kernel's own estimate of the bytes it moves (Mosaic custom calls' backend config).
+KERNEL_BYTES = re.compile(r'"cost_estimate":\{[^}]*?"bytes_accessed":"?(\d+)')
 _ASYNC_HALF = re.compile(r"(?<![\w%.\-])async-(done|update)\(")
 _WHILE = re.compile(r"(?<![\w%.\-])while\(.*\bbody=%?([\w.\-]+)")
 _FUSION = re.compile(r"(?<![\w%.\-])fusion\(")

@@ -19,12 +19,11 @@ import dataclasses
 import math
 import re
 
-from eqllm.bench.hlo import Program, shapes_of
+from eqllm.bench.hlo import KERNEL_BYTES, Program, shapes_of
 from eqllm.nn.dispatch import slot_rows
 from eqllm.sharding.rules import RULES
 
 _COST = re.compile(r'"cost_estimate":\{[^}]*?"flops":"?(\d+)')
-_BYTES = re.compile(r'"cost_estimate":\{[^}]*?"bytes_accessed":"?(\d+)')
 _PALLAS = re.compile(r"jit\((\w+)\)/pallas_call")
 
 
@@ -65,7 +64,7 @@ def grouped_kernels(program: Program) -> list[GroupedKernel]:
             if not shapes:
                 continue
             flops, dims = float(_COST.search(text).group(1)), shapes[0][1]
-            moved = float(m.group(1)) if (m := _BYTES.search(text)) else 0.0
+            moved = float(m.group(1)) if (m := KERNEL_BYTES.search(text)) else 0.0
             rows = dims[0] if len(dims) == 2 else round(flops / (2 * math.prod(dims[1:])))
             runs, once = program.runs(comp), program.runs(comp, True)
             found.append(GroupedKernel(name, rows, flops, moved, runs, once))
