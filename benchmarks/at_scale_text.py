@@ -370,7 +370,10 @@ def _maxtext(points: dict, maxtext: list) -> list[str]:
         "[--slices N] --mesh auto --batch B --seq T --max-compiles 3` plans the same model, "
         "chips, global batch and sequence with eqllm's own step (DeepSeek-V3: the settings "
         "of MaxText's config, on a given mesh). The estimate is eqllm's roofline, not tuned to "
-        "these figures; MaxText's is measured.",
+        "these figures; MaxText's is measured. Both count attention's FLOPs whole (PaLM's "
+        "convention; `eqllm.train.mfu`), while eqllm's causal attention skips the key blocks "
+        "above the diagonal (10 of 16 computed), so a compute-bound step that recomputes little "
+        "can pass 100%.",
         "",
         "| model | slice | batch x seq | MaxText: tuning | MaxText MFU (measured) | eqllm plan | "
         "fits, peak GiB | eqllm est. MFU <= |",
