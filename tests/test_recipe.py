@@ -1,6 +1,7 @@
 """Recipes: every shipped recipe validates, every zoo variant has one, bad recipes fail early."""
 
 import math
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -10,7 +11,10 @@ import tomllib
 from eqllm import zoo
 from eqllm.cli import main
 from eqllm.recipe import OptimSpec, Recipe, RecipeError, load_recipe, parse_value, recipe_names
+from eqllm.sharding import MESH_AXES, check_divisible
+from eqllm.sharding.tpu import parse_slice
 from eqllm.train.optim import decay_mask, schedule
+from eqllm.train.setup import check_batch_split
 
 
 @pytest.mark.parametrize("name", recipe_names())
@@ -22,6 +26,11 @@ def test_shipped_recipe_validates(name):
     assert recipe.total_steps() >= 1
     # Writing the resolved recipe and reading it back gives the same recipe.
     assert Recipe.from_dict(tomllib.loads(recipe.to_toml())) == recipe
+    if recipe.plan.topology:  # its mesh splits the model and the batch on the slice it names
+        chips = parse_slice(recipe.plan.topology, recipe.plan.slices).chips
+        sizes = dict(zip(MESH_AXES, recipe.mesh.resolve(chips), strict=True))
+        check_divisible(cfg, sizes)
+        check_batch_split(recipe, SimpleNamespace(shape=sizes))
 
 
 def test_every_zoo_variant_has_a_recipe():
