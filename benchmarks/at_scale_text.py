@@ -332,10 +332,13 @@ def _auto(points: dict) -> list[str]:
         ]
         for i, p in enumerate(plans, 1):
             r = p.get("roofline") or {}
+            peak, headroom, step = _gib(p["peak_bytes"]), _headroom(p), f"{r.get('step_s', 0):.3g}"
+            if p["refusal"]:  # the compiler's out-of-memory figure, not a peak
+                peak, headroom, step = f"refused: needs {peak}", "-", "-"
             out.append(
                 f"| {i} | {_mesh(p)} | {p['remat']} | {p['grad_accum']} | "
-                f"{_gib(p['estimated_bytes'])} | {_gib(p['peak_bytes'])} | {_headroom(p)} | "
-                f"{r.get('step_s', 0):.3g} | {_mfu(p)} | {p['compile_s']:.0f} |"
+                f"{_gib(p['estimated_bytes'])} | {peak} | {headroom} | {step} | {_mfu(p)} | "
+                f"{p['compile_s']:.0f} |"
             )
         best = result.get("best")
         if best is None:
