@@ -249,8 +249,9 @@ def compile_recipe(recipe: Recipe, devices: list) -> CompiledStep:
     result.xla_flops = float(cost.get("flops", 0.0))
     result.xla_bytes = float(cost.get("bytes accessed", 0.0))
     result.grouped = grouped_cost(program, dispatch_block(config, result.mesh, rows_per_chip))
-    cost = step_cost(result.xla_flops, result.xla_bytes, program, result.grouped)
-    result.flops, result.run_flops, result.bytes_accessed, result.run_bytes = cost
+    result.flops, result.run_flops, result.bytes_accessed, result.run_bytes = step_cost(
+        result.xla_flops, result.xla_bytes, program, result.grouped
+    )
     result.collectives = collectives(program)
     return result
 
