@@ -104,7 +104,6 @@ def test_megablox_grouped_matmul_equals_ragged_dot_with_its_gradients():
     assert np.abs(np.asarray(grads[0].weight[1])).max() == 0  # no rows, no gradient
 
 
-
 def test_megablox_tiles_are_large_and_uneven_dimensions_still_exact():
     """Tiles of up to 512 rows by 1024 x 1024 (small tiles re-read the rows and weights from
     HBM once per tile); a dimension no tile divides takes an uneven last tile, and the kernels
@@ -130,6 +129,7 @@ def test_megablox_tiles_are_large_and_uneven_dimensions_still_exact():
     (_, other_y), other_grad = loss("megablox")
     np.testing.assert_allclose(other_y, y, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(other_grad, grad, rtol=1e-4, atol=1e-3)
+
 
 def test_moe_kernel_auto_is_megablox_on_tpu_only_where_nothing_partitions_it():
     """megablox (a Pallas kernel) runs inside the dispatch's shard_map or on one device: the
