@@ -4,7 +4,7 @@ grouped by the model scope in each op's name and by op.
     eqllm plan ... --dump-hlo step.hlo
     PYTHONPATH=$PWD python benchmarks/hlo_bytes.py step.hlo [--top 12]
 
-Bytes are counted as XLA's cost analysis counts them (`eqllm.bench.hlo.Program.total`); a
+Bytes are counted as XLA's cost analysis counts them (`eqllm.bench.hlo.Program.costs`); a
 scope is the first eqllm module named in the op's metadata (eqllm.MoE, eqllm.Attention, ...),
 and within it the op's own name (gather, scatter, the kernel's pallas_call, ...).
 """
@@ -24,20 +24,13 @@ _SCOPE = re.compile(r"(eqllm\.[A-Z]\w*)")
 def by_scope(program: Program) -> tuple[Counter, Counter]:
     """(bytes by model scope, bytes by scope and op) per step."""
     scopes, ops = Counter(), Counter()
-    for name, body in program.comps.items():
-        if program.fused(name):
-            continue
-        runs = program.runs(name)
-        for text in body.values():
-            moved = program._hbm_bytes(body, text) * runs
-            if not moved:
-                continue
-            op_name = re.search(r'op_name="([^"]*)"', text)
-            op_name = op_name.group(1) if op_name else ""
-            scope = _SCOPE.search(op_name)
-            scope = scope.group(1) if scope else "(outside the model's modules)"
-            scopes[scope] += moved
-            ops[(scope, op_name.rsplit("/", 1)[-1])] += moved
+    for text, moved in program.costs("bytes"):
+        op_name = re.search(r'op_name="([^"]*)"', text)
+        op_name = op_name.group(1) if op_name else ""
+        scope = _SCOPE.search(op_name)
+        scope = scope.group(1) if scope else "(outside the model's modules)"
+        scopes[scope] += moved
+        ops[(scope, op_name.rsplit("/", 1)[-1])] += moved
     return scopes, ops
 
 

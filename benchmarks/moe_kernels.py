@@ -50,11 +50,7 @@ def main(argv=None) -> int:
     for k in grouped_kernels(program):
         calls[(k.name, k.rows)] = calls.get((k.name, k.rows), 0) + k.runs
     g = grouped_cost(program, dispatch_block(config, sizes, rows))
-    products = sum(
-        Program._flops(body, text) * program.runs(comp)
-        for comp, body in program.comps.items()
-        for text in body.values()
-    )
+    products = program.total("flops")
     shapes = eqx.filter_eval_shape(lambda: CausalLM(config, key=jax.random.key(0)))
     flops = step_flops(shapes, recipe.data.seq_len)
     model, hardware = (f * tokens / args.chips for f in (flops.model, flops.hardware))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -61,22 +61,29 @@ class Program:
         calls = self.edges.get(comp, ())
         return bool(calls) and all(fused or self.fused(c) for c, _, _, fused in calls)
 
-    def total(
+    def costs(
         self, what: str, per_pass: bool = False, skip: Callable[[str, str], bool] | None = None
-    ) -> float:
-        """The program's "flops" (its matrix products: dots and convolutions) or "bytes" (what
-        its unfused ops read from and write to HBM, counted by XLA's rules) per step, loops at
-        their trip counts; `per_pass` counts each loop body once, as XLA's cost analysis does.
-        `skip(instruction, text)` leaves ops out (kernels counted on their own)."""
+    ) -> Iterator[tuple[str, float]]:
+        """(instruction text, its "flops" or "bytes" per step) for every op that has some:
+        "flops" the matrix products (dots and convolutions), "bytes" what the unfused ops read
+        from and write to HBM, counted by XLA's rules; loops at their trip counts, or with
+        `per_pass` each loop body once, as XLA's cost analysis counts. `skip(instruction,
+        text)` leaves ops out (kernels counted on their own)."""
         measure = self._flops if what == "flops" else self._hbm_bytes
-        found = 0.0
         for name, body in self.comps.items():
             if what == "bytes" and self.fused(name):
                 continue
-            kept = (t for i, t in body.items() if skip is None or not skip(i, t))
-            if cost := sum(measure(body, text) for text in kept):
-                found += cost * self.runs(name, per_pass)
-        return found
+            for instruction, text in body.items():
+                if skip is not None and skip(instruction, text):
+                    continue
+                if cost := measure(body, text):
+                    yield text, cost * self.runs(name, per_pass)
+
+    def total(
+        self, what: str, per_pass: bool = False, skip: Callable[[str, str], bool] | None = None
+    ) -> float:
+        """The program's "flops" or "bytes" per step (`costs`, summed)."""
+        return sum(cost for _, cost in self.costs(what, per_pass, skip))
 
     def loop_factor(self, what: str, skip: Callable[[str, str], bool] | None = None) -> float:
         """By how much the loops' trip counts multiply the program's "flops" or "bytes"

@@ -32,7 +32,7 @@ from eqllm.plan.devices import PlanError
 from eqllm.plan.plan import HEADROOM, Plan, plan_recipe, with_settings
 from eqllm.plan.step import TARGET_BACKEND, model_config
 from eqllm.recipe import Recipe
-from eqllm.sharding import MESH_AXES, MeshConfig, MeshError, check_divisible, estimate_memory
+from eqllm.sharding import MeshConfig, MeshError, check_divisible, estimate_memory
 from eqllm.sharding.tpu import TpuSlice, parse_slice
 from eqllm.train.mfu import step_flops
 from eqllm.train.stages import check_stages
@@ -53,14 +53,7 @@ class Candidate:
     comm_s: float  # the analytic communication part of it
 
     def to_dict(self) -> dict:
-        return {
-            "mesh": dict(zip(MESH_AXES, self.mesh.sizes(), strict=True)),
-            "remat": self.remat,
-            "grad_accum": self.grad_accum,
-            "microbatches": self.microbatches,
-            "estimated_bytes": self.estimated_bytes,
-            "estimated_s": self.estimated_s,
-        }
+        return dataclasses.asdict(self)
 
     def describe(self) -> str:
         mesh = self.mesh.describe().replace("pipeline=1,", "").replace(",tensor=1", "")
