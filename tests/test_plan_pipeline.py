@@ -1,7 +1,6 @@
 """`eqllm plan` with a mixture of experts in the pipeline schedule: the auto search considers
-pipeline splits for it, and the TPU compiler compiles the stages with the experts kept split."""
-
-import pytest
+pipeline splits for it, and the TPU compiler compiles the stages with tokens dispatched to the
+experts, which stay split."""
 
 from eqllm.plan.report import describe
 from eqllm.plan.step import planned_config
@@ -19,23 +18,26 @@ def test_the_search_considers_pipelines_for_mixtures_of_experts():
     deepseek = nano("deepseek_v3-nano").model_config()  # 1 dense layer, 3 expert layers
     assert {p for p, *_ in _splits(deepseek, 8)} == {1}
     assert {p for p, *_ in _splits(deepseek.replace(n_layers=3), 8)} == {1, 2}
+    # In the stages "auto" chooses as without them: token dispatch where fsdp splits the experts.
     config, experts = planned_config(nano("mixtral-nano"), {"pipeline": 2, "fsdp": 2})
-    assert config.moe.impl == experts["impl"] == "dense"
-    assert experts["why"].startswith("auto in a pipeline: the stages run under jax.vmap")
+    assert config.moe.impl == experts["impl"] == "dispatch"
+    assert experts["why"] == "auto on tpu: the mesh splits the experts over 2 devices"
+    config, experts = planned_config(nano("mixtral-nano"), {"pipeline": 2, "data": 2})
+    assert experts["impl"] == "ragged"
 
 
 @needs_libtpu
-@pytest.mark.slow  # one more TPU compile (about a minute here)
-def test_a_pipeline_of_experts_compiles_for_tpu_with_experts_kept_split():
+def test_a_pipeline_of_experts_compiles_for_tpu_with_tokens_dispatched():
     """Two stages of a Mixtral nano on 4 v5p chips, its 4 experts split over fsdp=2 inside
     each: the plan compiles, says how the experts run and why, hands activations between the
-    stages (collective permutes) and never gathers a layer's expert weights whole."""
+    stages (collective permutes), sends tokens to their experts (all-to-alls) through the
+    grouped-matmul kernel and never gathers a layer's expert weights whole."""
     recipe = nano("mixtral-nano", "train.microbatches=2")
     plan = compiled(recipe, "v5p-8", "pipeline=2,fsdp=2")
-    assert plan.fits and plan.step.experts["impl"] == "dense"
+    assert plan.fits and plan.step.experts["impl"] == "dispatch"
+    assert plan.step.experts["kernel"] == "megablox"
     text = describe(plan)
-    assert (
-        "2 pipeline microbatches" in text and "experts: moe.impl dense (auto in a pipeline" in text
-    )
-    assert any(c.kind == "collective-permute" for c in plan.step.collectives)
+    assert "2 pipeline microbatches" in text and "experts: moe.impl dispatch (auto on tpu" in text
+    kinds = {c.kind for c in plan.step.collectives}
+    assert {"collective-permute", "all-to-all"} <= kinds
     assert not expert_gathers(plan)

@@ -350,9 +350,7 @@ class MoE(eqx.Module):
         """The layer's output and its `Routing` (router logits, expert load, dropped copies).
 
         `impl` overrides `self.impl`; `hooks`: how a mesh places or dispatches the experts
-        (`eqllm.nn.dispatch.ExpertHooks`; None: one device). "ragged" and "dispatch" cannot run
-        under `jax.vmap` (JAX's ragged_dot has no batching rule): call the layer on the whole
-        batch instead.
+        (`eqllm.nn.dispatch.ExpertHooks`; None: one device).
         """
         flat = x.reshape(-1, x.shape[-1])  # every leading axis folded into tokens
         logits, weights, experts = self.route(flat)

@@ -31,18 +31,11 @@ from eqllm.sharding.rules import RULES, AxisSizes, sizes_of, spec_for
 def experts_impl(config, backend: str, mesh: AxisSizes) -> tuple[str, str] | None:
     """(how the experts of `config` are computed, why) on `backend` over `mesh` (a Mesh or axis
     sizes): `moe.impl`'s own value, or "auto"'s choice (`eqllm.config.experts.choose_impl`) with
-    the size of the mesh axis that splits the experts (`RULES["expert"]`); in a pipeline "auto"
-    is "dense" (`eqllm.train.Pipeline` runs its stages under `jax.vmap`, which the grouped
-    matmul cannot batch). None without experts."""
+    the size of the mesh axis that splits the experts (`RULES["expert"]`), with or without a
+    pipeline. None without experts."""
     moe = config.moe
     if moe is None:
         return None
-    if moe.impl == "auto" and sizes_of(mesh)["pipeline"] > 1:
-        return "dense", (
-            "auto in a pipeline: the stages run under jax.vmap, which the grouped matmul "
-            "(jax.lax.ragged_dot) cannot batch; the experts run densely, split over "
-            f"{RULES['expert']} inside each stage"
-        )
     shards = sizes_of(mesh)[RULES["expert"]]
     return choose_impl(moe.impl, backend=backend, expert_shards=shards, n_experts=moe.n_experts)
 
@@ -126,9 +119,12 @@ class ExpertDispatch:
             mesh=self.mesh,
             in_specs=(specs, tok, tok, tok),
             out_specs=(tok, PartitionSpec()),
-            # Pallas kernels (megablox) do not say how their outputs vary over the mesh axes,
-            # which the check needs; without it the transposes are the plain ones (same values).
-            check_vma=kernel != "megablox",
+            # Without the check the transposes are the plain ones (the same values, one more
+            # all-reduce where tensor splits the experts). Pallas kernels (megablox) do not say
+            # how their outputs vary over the mesh axes, which the check needs; and under the
+            # pipeline's vmap over stages (spmd axis `pipeline`), JAX's batching of shard_map
+            # marks a value varying over `pipeline` twice and the check refuses it.
+            check_vma=kernel != "megablox" and self.sizes["pipeline"] == 1,
         )(experts, x, weights, ids)
 
     def _body(self, experts, x, weights, ids, *, act, partial_axis, capacity_factor, kernel, split):

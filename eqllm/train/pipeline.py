@@ -24,10 +24,10 @@ the balance loss and the expert load are computed from the same numbers as on on
 (`eqllm.train.balance`). DeepSeek's dense prefix (`moe.dense_layers`) runs before the stages, on
 every device, as the embeddings do; the stages split the expert layers after it. With an fsdp
 axis, each stage gathers one layer's weights at a time and keeps the experts split over fsdp
-(the FSDP layer hook, `eqllm.sharding.FsdpGather`, the same as without a pipeline): the dense
-expert product runs expert-parallel inside the stage. The stages run under `jax.vmap`, which
-`jax.lax.ragged_dot` (the grouped matmul of moe.impl "ragged" and "dispatch") cannot batch, so a
-pipeline computes its experts densely ("auto" chooses that; the others are refused by name).
+(the FSDP layer hook, `eqllm.sharding.FsdpGather`, the same as without a pipeline): token
+dispatch (`eqllm.sharding.ExpertDispatch`, a `shard_map` that `jax.vmap` batches over the stage
+axis onto `pipeline`) or the dense expert product runs expert-parallel inside the stage; the
+grouped matmul (`jax.lax.ragged_dot`, or megablox on TPU) takes each stage's own group sizes.
 """
 
 from __future__ import annotations

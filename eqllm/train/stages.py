@@ -41,12 +41,6 @@ def check_stages(config: ModelConfig, stages: int) -> None:
             "yet (a shared layer reads an earlier layer's keys, maybe on another stage); set "
             "mesh.pipeline=1"
         )
-    if config.moe is not None and config.moe.impl in ("ragged", "dispatch"):
-        raise MeshError(
-            f"moe.impl={config.moe.impl!r} in a pipeline: the stages run under jax.vmap, which "
-            "jax.lax.ragged_dot (the grouped matmul) cannot batch; set moe.impl='dense' (or "
-            "'auto', which chooses it) or mesh.pipeline=1"
-        )
     if staged % stages:
         what = f"n_layers={config.n_layers}"
         if prefix:
@@ -83,14 +77,6 @@ def stage_program(model, config: ModelConfig, stages: int, hook=None):
     `hook`: the FSDP layer hook applied inside the stage (None: none)."""
     segment = staged_segment(config)
     fields = list(dict.fromkeys(stack_field(config, kind) for kind in segment.pattern))
-    for field in fields:
-        impl = getattr(getattr(model, field).mlp, "impl", "dense")
-        if impl != "dense":
-            raise MeshError(
-                f"moe.impl={impl!r} in a pipeline: the stages run under jax.vmap, which "
-                "jax.lax.ragged_dot (the grouped matmul) cannot batch; set moe.impl='dense' "
-                "(or 'auto', which chooses it) or mesh.pipeline=1"
-            )
     parts = {f: eqx.partition(getattr(model, f), eqx.is_array) for f in fields}
     # [layers, ...] -> [stages, layers per stage, ...]: stage i holds the i-th run of layers.
     staged = {

@@ -1,11 +1,13 @@
 """A mixture of experts in the pipeline schedule on 8 simulated devices equals one device.
 
 Two stages, the experts split over fsdp inside each (pipeline x expert: `pipeline=2,fsdp=4`;
-with data parallelism beside: `pipeline=2,data=2,fsdp=2`), for a Mixtral-style model (softmax
-top 2, the switch balance loss) and a DeepSeek-V3 one (a dense first layer before the stages,
-sigmoid group-limited routing with a moving correction bias, the sequence-wise balance loss),
-and a hybrid with experts (Qwen3-Next: Gated DeltaNet and attention layers, a group of each
-per stage): ten AdamW steps give the losses, balance losses and expert loads of one device."""
+with data parallelism beside: `pipeline=2,data=2,fsdp=2`; with tensor parallelism too), for a
+Mixtral-style model (softmax top 2, the switch balance loss) and a DeepSeek-V3 one (a dense
+first layer before the stages, sigmoid group-limited routing with a moving correction bias, the
+sequence-wise balance loss), and a hybrid with experts (Qwen3-Next: Gated DeltaNet and
+attention layers, a group of each per stage), the experts computed densely or by token dispatch
+(all-to-alls inside each stage): ten AdamW steps give the losses, balance losses and expert
+loads of one device (dense experts)."""
 
 import equinox as eqx
 import jax
@@ -26,7 +28,7 @@ METRICS = ("loss", "aux_loss", "expert_load")
 
 def train(config, mesh_text=None, microbatches=2):
     """STEPS steps from seed 0, pipelined over `mesh_text` (or on one device): the model, each
-    step's METRICS and the step."""
+    step's METRICS, the step, its optimizer state and last batch."""
     model = eqllm.CausalLM(config, key=jax.random.key(0))
     mesh = shardings = pipeline = None
     if mesh_text is not None:
@@ -44,7 +46,7 @@ def train(config, mesh_text=None, microbatches=2):
             batch = jax.device_put(batch, batch_sharding(mesh))
         model, opt_state, metrics = step(model, opt_state, batch)
         history.append({k: np.asarray(metrics[k]) for k in METRICS})
-    return model, history, step
+    return model, history, step, opt_state, batch
 
 
 @pytest.fixture(scope="module")
@@ -59,22 +61,30 @@ def reference():
     return get
 
 
-# About 100 s a case on this shared machine (10 steps on one device, then on the mesh): the
-# default 8-device suite runs one, the slow set the rest.
+# 20-60 s a case on this machine (10 steps on one device, once a family, then on the mesh): the
+# default 8-device suite runs Mixtral's two, the slow set the rest.
 CASES = [
-    ("mixtral", "pipeline=2,fsdp=4"),
-    pytest.param("deepseek_v3", "pipeline=2,fsdp=4", marks=pytest.mark.slow),
-    pytest.param("mixtral", "pipeline=2,data=2,fsdp=2", marks=pytest.mark.slow),
-    pytest.param("deepseek_v3", "pipeline=2,data=2,fsdp=2", marks=pytest.mark.slow),
-    pytest.param("qwen3_next", "pipeline=2,fsdp=4", marks=pytest.mark.slow),
+    ("mixtral", "pipeline=2,fsdp=4", "dense"),
+    ("mixtral", "pipeline=2,fsdp=4", "dispatch"),
+    pytest.param("deepseek_v3", "pipeline=2,fsdp=4", "dense", marks=pytest.mark.slow),
+    pytest.param("deepseek_v3", "pipeline=2,fsdp=4", "dispatch", marks=pytest.mark.slow),
+    pytest.param("mixtral", "pipeline=2,data=2,fsdp=2", "dense", marks=pytest.mark.slow),
+    pytest.param("mixtral", "pipeline=2,data=2,fsdp=2", "dispatch", marks=pytest.mark.slow),
+    pytest.param("mixtral", "pipeline=2,fsdp=2,tensor=2", "dispatch", marks=pytest.mark.slow),
+    pytest.param("deepseek_v3", "pipeline=2,data=2,fsdp=2", "dense", marks=pytest.mark.slow),
+    pytest.param("qwen3_next", "pipeline=2,fsdp=4", "dense", marks=pytest.mark.slow),
+    pytest.param("qwen3_next", "pipeline=2,fsdp=4", "dispatch", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize(("family", "mesh_text"), CASES)
-def test_pipelined_experts_train_as_on_one_device(reference, family, mesh_text):
-    ref_model, ref_history, _ = reference(family)
-    model, history, step = train(MOE_CONFIGS[family], mesh_text)
+@pytest.mark.parametrize(("family", "mesh_text", "impl"), CASES)
+def test_pipelined_experts_train_as_on_one_device(reference, family, mesh_text, impl):
+    ref_model, ref_history, *_ = reference(family)
+    config = MOE_CONFIGS[family].replace(**{"moe.impl": impl})
+    model, history, step, opt_state, batch = train(config, mesh_text)
     assert step.n_traces == 1
+    if impl == "dispatch":  # each stage sends its tokens to their experts and back
+        assert "all_to_all" in step.lower(model, opt_state, batch).as_text()
     for got, want in zip(history, ref_history, strict=True):
         np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
         np.testing.assert_allclose(got["aux_loss"], want["aux_loss"], rtol=1e-5)
