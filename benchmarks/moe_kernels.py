@@ -25,7 +25,6 @@ from eqllm.model import CausalLM
 from eqllm.plan.kernels import dispatch_block, grouped_cost, grouped_kernels
 from eqllm.plan.step import planned_config
 from eqllm.recipe import load_recipe
-from eqllm.sharding import MESH_AXES
 from eqllm.sharding.rules import RULES
 from eqllm.train.mfu import step_flops
 
@@ -38,7 +37,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     eqllm.configure_process()  # libtpu is installed: keep JAX's probe of a TPU quiet
     recipe = load_recipe(args.recipe)
-    sizes = dict(zip(MESH_AXES, recipe.mesh.resolve(args.chips), strict=True))
+    sizes = recipe.mesh.axis_sizes(args.chips)
     config, experts = planned_config(recipe, sizes)
     tokens = recipe.train.batch_size * recipe.data.seq_len
     split = 1

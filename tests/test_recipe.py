@@ -11,7 +11,7 @@ import tomllib
 from eqllm import zoo
 from eqllm.cli import main
 from eqllm.recipe import OptimSpec, Recipe, RecipeError, load_recipe, parse_value, recipe_names
-from eqllm.sharding import MESH_AXES, check_divisible
+from eqllm.sharding import check_divisible
 from eqllm.sharding.tpu import parse_slice
 from eqllm.train.optim import decay_mask, schedule
 from eqllm.train.setup import check_batch_split
@@ -28,7 +28,7 @@ def test_shipped_recipe_validates(name):
     assert Recipe.from_dict(tomllib.loads(recipe.to_toml())) == recipe
     if recipe.plan.topology:  # its mesh splits the model and the batch on the slice it names
         chips = parse_slice(recipe.plan.topology, recipe.plan.slices).chips
-        sizes = dict(zip(MESH_AXES, recipe.mesh.resolve(chips), strict=True))
+        sizes = recipe.mesh.axis_sizes(chips)
         check_divisible(cfg, sizes)
         check_batch_split(recipe, SimpleNamespace(shape=sizes))
 

@@ -6,7 +6,7 @@ import argparse
 
 from eqllm import zoo
 from eqllm.config import dotted
-from eqllm.sharding import MESH_AXES, MeshConfig, MeshError, sharding_table
+from eqllm.sharding import MeshConfig, MeshError, sharding_table
 
 
 def zoo_list(args: argparse.Namespace) -> int:
@@ -69,7 +69,7 @@ def zoo_show(args: argparse.Namespace) -> int:
         mesh = MeshConfig.parse(args.mesh)
         if -1 in mesh.sizes():
             raise MeshError(f"--mesh {args.mesh}: give every axis a size (no -1) to size it")
-        sizes = dict(zip(MESH_AXES, mesh.sizes(), strict=True))
+        sizes = mesh.axis_sizes()
         print(f"\nsharding on mesh {mesh.describe()}:")
         for line in sharding_table(entry.config, sizes):
             print(f"  {line}")

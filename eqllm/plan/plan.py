@@ -18,7 +18,7 @@ from eqllm.plan.devices import PlanError
 from eqllm.plan.roofline import Roofline, estimate
 from eqllm.plan.step import TARGET_BACKEND, CompiledStep, compile_recipe, model_config
 from eqllm.recipe import Recipe, RecipeError, load_recipe, recipe_path
-from eqllm.sharding import MESH_AXES, MeshConfig, MeshError, estimate_memory
+from eqllm.sharding import MeshConfig, MeshError, estimate_memory
 from eqllm.sharding.tpu import TpuSlice
 
 # The share of a chip's HBM a plan leaves free to be called a plan that fits with room.
@@ -209,7 +209,7 @@ def with_settings(recipe: Recipe, **settings: Any) -> Recipe:
         if value is None:
             continue
         if key == "mesh":
-            values["mesh"] = dict(zip(MESH_AXES, value.sizes(), strict=True))
+            values["mesh"] = value.axis_sizes()
             continue
         section, field = paths[key].split(".")
         values.setdefault(section, {})[field] = value

@@ -65,6 +65,11 @@ class MeshConfig:
             )
         return tuple(sizes)
 
+    def axis_sizes(self, n_devices: int | None = None) -> dict[str, int]:
+        """{axis: size}: resolved for `n_devices` (`resolve`), or as written (None)."""
+        sizes = self.sizes() if n_devices is None else self.resolve(n_devices)
+        return dict(zip(MESH_AXES, sizes, strict=True))
+
     @classmethod
     def parse(cls, text: str) -> MeshConfig:
         """'pipeline=2,data=2,fsdp=2' -> MeshConfig (data defaults to -1 alone, else 1)."""

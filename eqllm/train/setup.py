@@ -27,7 +27,6 @@ from eqllm.model import CausalLM
 from eqllm.recipe import Recipe, RecipeError
 from eqllm.runs import Adapters, HeldOut, RunFolder
 from eqllm.sharding import (
-    MESH_AXES,
     batch_sharding,
     check_divisible,
     check_fits,
@@ -117,7 +116,7 @@ def with_experts_impl(recipe: Recipe, model: CausalLM) -> tuple[CausalLM, dict |
             f"model.overrides.moe.kernel='megablox' is a TPU kernel and this process runs on "
             f"{backend}; set it to 'auto' or 'xla'"
         )
-    sizes = dict(zip(MESH_AXES, recipe.mesh.resolve(len(jax.devices())), strict=True))
+    sizes = recipe.mesh.axis_sizes(len(jax.devices()))
     impl, why = experts_impl(model.config, backend, sizes)
     kernel = experts_kernel(model.config, backend, impl, sizes)
     requested = model.config.moe.impl
