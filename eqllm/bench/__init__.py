@@ -92,8 +92,9 @@ def machine_info() -> dict[str, Any]:
 
 
 def source_commit() -> str:
-    """The commit of the eqllm checkout that ran, `+changes` when its tracked files differ from
-    it: every figure on a page names the code that produced it."""
+    """The commit of the eqllm checkout that ran, `+changes` when its tracked files outside
+    docs/ differ from it: every figure on a page names the code that produced it (a benchmark
+    that writes its results under docs/ as it goes does not mark its own later points)."""
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -105,7 +106,7 @@ def source_commit() -> str:
 
     try:
         commit = git("rev-parse", "--short=7", "HEAD")
-        changed = git("status", "--porcelain", "--untracked-files=no")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs")
     except (OSError, subprocess.SubprocessError):
         return "unknown (not a git checkout)"
     return f"{commit}+changes" if changed else commit
