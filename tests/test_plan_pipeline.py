@@ -2,6 +2,8 @@
 pipeline splits for it, and the TPU compiler compiles the stages with tokens dispatched to the
 experts, which stay split."""
 
+import pytest
+
 from eqllm.plan.report import describe
 from eqllm.plan.step import planned_config
 from tests.test_plan import compiled, expert_gathers, nano, needs_libtpu
@@ -41,3 +43,9 @@ def test_a_pipeline_of_experts_compiles_for_tpu_with_tokens_dispatched():
     kinds = {c.kind for c in plan.step.collectives}
     assert {"collective-permute", "all-to-all"} <= kinds
     assert not expert_gathers(plan)
+    # A stage dispatches one microbatch at a time: 8 x 64 tokens over 2 microbatches and 2
+    # fsdp chips is 128 rows a chip, top 2 of 2 local experts, so blocks of 2 x 256 rows of
+    # which 256 are routed; the kernels run on those, half of what the compiler counts.
+    grouped = plan.step.grouped
+    assert (grouped.block, grouped.routed) == (512, 256)
+    assert grouped.run == pytest.approx(grouped.static / 2) and grouped.run > 0

@@ -212,7 +212,9 @@ def compile_recipe(recipe: Recipe, devices: list) -> CompiledStep:
     tokens = recipe.train.batch_size * recipe.data.seq_len
     config, experts = planned_config(recipe, mesh)
     batch_split = math.prod(mesh.shape[a] for a in RULES["batch"])
-    rows_per_chip = tokens // recipe.train.grad_accum // batch_split  # per micro-batch
+    # Per accumulation step and pipeline microbatch: the rows one dispatch exchanges.
+    t = recipe.train
+    rows_per_chip = tokens // t.grad_accum // t.microbatches // batch_split
     result = CompiledStep(
         compile_s=0.0,
         mesh={k: int(v) for k, v in mesh.shape.items()},

@@ -121,9 +121,11 @@ def estimate_memory(
         )
         layers = n_layers * kept / config.n_layers * width + per_layer
     logits = 2 * s * b * config.vocab_size * 4 / (t if config.vocab_size % t == 0 else 1)
-    buffers = _dispatch_bytes(config, sizes, s * b, impl)
-    n_moe /= stages
-    buffers *= 2 if config.remat != "none" else n_moe + 1  # kept for the backward pass, or not
+    # One dispatched layer's buffers hold one pipeline microbatch's rows; without remat each
+    # expert layer of a stage keeps them for every tick, with it one layer's are live.
+    buffers = _dispatch_bytes(config, sizes, s * b // microbatches, impl)
+    ticks = microbatches + stages - 1
+    buffers *= 2 if config.remat != "none" else n_moe / stages * ticks + 1
     return MemoryEstimate(params, params, opt, int(layers + logits + buffers * width))
 
 
