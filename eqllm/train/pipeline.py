@@ -179,8 +179,12 @@ class Pipeline:
 
     def wrap(self, model: CausalLM) -> Pipelined:
         """`model` with its stacked blocks run as this schedule: what the train step hands an
-        objective's loss in place of the model (the same logits, any objective)."""
-        return Pipelined(model, self)
+        objective's loss in place of the model (the same logits, any objective). With an fsdp
+        split the arrays outside the stacks (embedding, final norm, head) are gathered once, as
+        without a pipeline (`FsdpGather.outside_layers`): looked up from a table split over
+        d_model, the embeddings would be replicated on every device to reach the batch split."""
+        gather = None if self.mesh is None else fsdp_gather(self.mesh)
+        return Pipelined(model if gather is None else gather.outside_layers(model), self)
 
     def loss(
         self,
