@@ -163,7 +163,13 @@ def _recipes(points: dict) -> list[str]:
             f"{_gib(p['hbm_bytes'])} | {_headroom(p)} | {_mfu(p)} | {r.get('bound', '-')} | "
             f"{p['compile_s']:.0f} | {_gib(row.get('peak_rss_bytes'))} |"
         )
-    return out + [""]
+    done = [(name, p) for name, p, _ in rows if p is not None]
+    fit = [(p["headroom"], name) for name, p in done if p["fits"] and p["headroom"] is not None]
+    summary = f"{len(fit)} of the {len(done)} compiled recipes fit their slices"
+    if fit:
+        least, name = min(fit)
+        summary += f"; the least headroom is {least:.0%} ({name})"
+    return out + ["", summary + ".", ""]
 
 
 def _sizes(points: dict) -> list[str]:
