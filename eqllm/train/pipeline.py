@@ -171,10 +171,14 @@ class Pipeline:
         spec = PartitionSpec(("pipeline", *self._batch_axes()))
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
+    def _gather(self):
+        """The mesh's FSDP gathers (`eqllm.sharding.FsdpGather`), or None without an fsdp split."""
+        return None if self.mesh is None else fsdp_gather(self.mesh)
+
     def _layer_hook(self):
         """The FSDP layer hook of the mesh (one layer's weights gathered at a time, experts kept
         split: `eqllm.sharding.FsdpGather.layer`), or None without an fsdp split."""
-        gather = None if self.mesh is None else fsdp_gather(self.mesh)
+        gather = self._gather()
         return None if gather is None else gather.layer
 
     def wrap(self, model: CausalLM) -> Pipelined:
@@ -183,7 +187,7 @@ class Pipeline:
         split the arrays outside the stacks (embedding, final norm, head) are gathered once, as
         without a pipeline (`FsdpGather.outside_layers`): looked up from a table split over
         d_model, the embeddings would be replicated on every device to reach the batch split."""
-        gather = None if self.mesh is None else fsdp_gather(self.mesh)
+        gather = self._gather()
         return Pipelined(model if gather is None else gather.outside_layers(model), self)
 
     def loss(
