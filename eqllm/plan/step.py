@@ -213,8 +213,8 @@ def compile_recipe(recipe: Recipe, devices: list) -> CompiledStep:
     config, experts = planned_config(recipe, mesh)
     batch_split = math.prod(mesh.shape[a] for a in RULES["batch"])
     # Per accumulation step and pipeline microbatch: the rows one dispatch exchanges.
-    t = recipe.train
-    rows_per_chip = tokens // t.grad_accum // t.microbatches // batch_split
+    steps = recipe.train.grad_accum * recipe.train.microbatches
+    rows_per_chip = tokens // steps // batch_split
     result = CompiledStep(
         compile_s=0.0,
         mesh={k: int(v) for k, v in mesh.shape.items()},
