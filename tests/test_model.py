@@ -113,7 +113,7 @@ def test_remat_gives_same_loss_and_gradients():
     tokens = jnp.stack([random_tokens(7, SEQ + 1), random_tokens(8, SEQ + 1)])
     grad_fn = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))
     loss, grads = grad_fn(model, tokens)
-    for policy in ("full", "dots"):
+    for policy in ("full", "dots", "offload"):
         remat = model.with_config(remat=policy)
         loss_r, grads_r = grad_fn(remat, tokens)
         np.testing.assert_allclose(loss, loss_r, rtol=1e-6)

@@ -26,6 +26,7 @@ from eqllm.bench import (
     run_mesh_bench,
     write_report,
 )
+from eqllm.config import RematPolicy
 from eqllm.errors import EqllmError
 from eqllm.recipe import OptimSpec
 from eqllm.recipe.optim import OptimizerName
@@ -146,7 +147,7 @@ def add_parser(commands) -> None:
     p.add_argument("--steps", type=int, default=10, help="timed steps per framework (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--remat", choices=["none", "full", "dots", "dots_no_batch"], default="none")
+    p.add_argument("--remat", choices=typing.get_args(RematPolicy), default="none")
     p.add_argument("--vs-torch", action="store_true", help="also time transformers (eager+compile)")
     p.add_argument("--no-compile", action="store_true", help="with --vs-torch: skip torch.compile")
     p.add_argument(

@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import typing
 from pathlib import Path
 
+from eqllm.config import RematPolicy
 from eqllm.plan.devices import PlanError, attached_slice, require_libtpu, slice_devices
 from eqllm.plan.plan import parse_mesh, plan_recipe, recipe_for, with_settings
 from eqllm.plan.report import describe, search_summary, search_table
@@ -119,7 +121,7 @@ def add_parser(commands) -> None:
     )
     p.add_argument("--batch", type=int, help="global batch in sequences (default: the recipe's)")
     p.add_argument("--seq", type=int, help="sequence length (default: the recipe's)")
-    p.add_argument("--remat", choices=["none", "full", "dots", "dots_no_batch"])
+    p.add_argument("--remat", choices=typing.get_args(RematPolicy))
     p.add_argument("--grad-accum", type=int, help="micro-batches accumulated per step")
     p.add_argument("--microbatches", type=int, help="pipeline microbatches (with pipeline=N)")
     p.add_argument("--precision", choices=["float32", "bfloat16"], help="compute dtype")

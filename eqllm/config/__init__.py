@@ -75,9 +75,10 @@ __all__ = [
 
 # A family is a name the families registry knows; config.py does not list them.
 Family = str
-# The one list of remat policies: eqllm.model maps each non-"none" name to a jax policy and the
-# recipe's train.remat reuses this type.
-RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
+# The one list of remat policies: eqllm.stack.run maps each non-"none" name to a jax policy, the
+# recipe's train.remat reuses this type and the commands offer its names. "offload" is "full"
+# with each layer's input moved to host memory until the backward pass needs it.
+RematPolicy = Literal["none", "full", "dots", "dots_no_batch", "offload"]
 DType = Literal["float32", "bfloat16", "float16"]
 # How initialisation, learning rates and a few forward multipliers follow width and depth
 # (eqllm.parametrization): standard, muP (Tensor Programs V) or CompleteP (Dey et al. 2025).

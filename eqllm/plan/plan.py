@@ -108,7 +108,7 @@ class Plan:
             "roofline": None
             if r is None
             else {
-                **{k: getattr(r, k) for k in ("compute_s", "memory_s", "ici_s", "dcn_s")},
+                **{k: getattr(r, k) for k in ("compute_s", "memory_s", "ici_s", "dcn_s", "host_s")},
                 "step_s": r.step_s,
                 "bound": r.bound,
                 "mfu": r.mfu,
@@ -154,6 +154,9 @@ def plan_recipe(recipe: Recipe, tpu: TpuSlice, devices: list) -> Plan:
             flops=step.run_flops,
             bytes_accessed=step.run_bytes,
             model_flops=step.model_flops,
+            # each micro-batch's offloaded layer inputs go out in its forward pass and come
+            # back in its backward pass
+            host_bytes=2.0 * step.memory.host * t.grad_accum,
         )
     return Plan(recipe, tpu, step, estimated, roofline)
 

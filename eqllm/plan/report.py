@@ -49,7 +49,8 @@ def describe(plan: Plan) -> str:
         f"  memory per chip (HBM {_size(plan.hbm)}): parameters {_size(m.params)}, "
         f"optimizer state {_size(m.optimizer)}, batch {_size(m.batch)}, temporaries "
         f"{_size(m.temporaries)}, outputs {_size(m.outputs)} ({_size(m.aliased)} of them "
-        f"written into donated arguments); peak {_size(m.peak)}",
+        f"written into donated arguments); peak {_size(m.peak)}"
+        + (f"; offloaded to the host's memory {_size(m.host)}" if m.host else ""),
         f"    {estimate} ({plan.estimated_bytes / m.peak:.2f}x the compiler's peak)",
         *flops_lines(plan),
         "  bytes accessed per chip per step: "
@@ -114,7 +115,9 @@ def roofline_text(plan: Plan) -> str:
     return (
         f"compute {q.compute_s:.3g} s, HBM {q.memory_s:.3g} s, ICI {q.ici_s:.3g} s"
         + (f" ({axes})" if axes else "")
-        + f", DCN {q.dcn_s:.3g} s: step >= {q.step_s:.3g} s ({q.bound}-bound); "
+        + f", DCN {q.dcn_s:.3g} s"
+        + (f", host link {q.host_s:.3g} s" if q.host_s else "")
+        + f": step >= {q.step_s:.3g} s ({q.bound}-bound); "
         f"MFU <= {q.mfu:.1%} (an upper bound; {q.mfu_serial:.1%} with nothing overlapped)"
     )
 

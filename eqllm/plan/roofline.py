@@ -1,6 +1,6 @@
 """A roofline estimate of a compiled step's time on a TPU slice: an upper bound on its MFU.
 
-Per chip, three resources each take at least:
+Per chip, each resource takes at least:
 - compute: the compiled program's FLOPs (XLA's cost analysis, scaled to the loops' trip counts)
   at the chip's peak bf16 rate;
 - memory: its bytes accessed at the chip's HBM bandwidth;
@@ -10,10 +10,11 @@ Per chip, three resources each take at least:
   all-to-all move (n-1)/n of their result, reduce-scatter (n-1) times its result, all-reduce
   2(n-1)/n (a reduce-scatter and an all-gather), collective-permute its result once. A group
   that spans k slices sends (k-1)/(n-1) of those bytes over the data-center network at the
-  chip's share of it.
-The step takes at least the longest of the three (everything else overlapped perfectly), so the
+  chip's share of it;
+- the host link: what remat "offload" moves to the host's memory and back, over PCIe.
+The step takes at least the longest of these (everything else overlapped perfectly), so the
 MFU this implies (the model's FLOPs, without remat's recomputation, over chips x peak x that
-time) is an upper bound; the sum of the three (nothing overlapped) gives the lower figure beside
+time) is an upper bound; their sum (nothing overlapped) gives the lower figure beside
 it. Latency, launch overheads and imperfect overlap are not modelled.
 """
 
@@ -36,18 +37,19 @@ class Roofline:
     memory_s: float
     ici_s: float
     dcn_s: float
+    host_s: float  # to the host's memory and back (remat "offload")
     mfu: float  # upper bound: the longest resource alone
     mfu_serial: float  # nothing overlapped: the resources one after another
     comm_by_axes: dict[str, float]  # seconds of communication by the mesh axes it runs over
 
     @property
     def step_s(self) -> float:
-        return max(self.compute_s, self.memory_s, self.ici_s, self.dcn_s)
+        return max(self.compute_s, self.memory_s, self.ici_s, self.dcn_s, self.host_s)
 
     @property
     def bound(self) -> str:
         times = {"compute": self.compute_s, "HBM": self.memory_s, "ICI": self.ici_s}
-        times["DCN"] = self.dcn_s
+        times |= {"DCN": self.dcn_s, "host link": self.host_s}
         return max(times, key=times.get)
 
 
@@ -74,13 +76,15 @@ def estimate(
     flops: float,
     bytes_accessed: float,
     model_flops: float,
+    host_bytes: float = 0.0,
 ) -> Roofline:
-    """The roofline of one step: `flops` and `bytes_accessed` per chip, `model_flops` for the
-    whole step on all chips, `collectives` of the program run over `devices` (the mesh's, in
-    order; `mesh_shape` its axis sizes)."""
+    """The roofline of one step: `flops`, `bytes_accessed` and `host_bytes` (to the host's
+    memory and back) per chip, `model_flops` for the whole step on all chips, `collectives` of
+    the program run over `devices` (the mesh's, in order; `mesh_shape` its axis sizes)."""
     chip = tpu.chip
     compute = flops / chip.peak_flops
     memory = bytes_accessed / chip.hbm_bandwidth
+    host = host_bytes / chip.host_link
     ici = dcn = 0.0
     by_axes: dict[str, float] = {}
     shape = [mesh_shape[a] for a in MESH_AXES]
@@ -100,15 +104,16 @@ def estimate(
         if over_ici + over_dcn:
             axes = _axes(group, shape)
             by_axes[axes] = by_axes.get(axes, 0.0) + over_ici + over_dcn
-    step = max(compute, memory, ici, dcn)
+    step = max(compute, memory, ici, dcn, host)
     peak = tpu.chips * chip.peak_flops
     return Roofline(
         compute_s=compute,
         memory_s=memory,
         ici_s=ici,
         dcn_s=dcn,
+        host_s=host,
         mfu=model_flops / (peak * step) if step else 0.0,
-        mfu_serial=model_flops / (peak * (compute + memory + ici + dcn)) if step else 0.0,
+        mfu_serial=model_flops / (peak * (compute + memory + ici + dcn + host)) if step else 0.0,
         comm_by_axes=by_axes,
     )
 

@@ -33,11 +33,12 @@ from eqllm.plan.plan import HEADROOM, Plan, plan_recipe, with_settings
 from eqllm.plan.step import TARGET_BACKEND, model_config
 from eqllm.recipe import Recipe
 from eqllm.sharding import MeshConfig, MeshError, check_divisible, estimate_memory
+from eqllm.sharding.memory import offloaded_bytes
 from eqllm.sharding.tpu import TpuSlice, parse_slice
 from eqllm.train.mfu import step_flops
 from eqllm.train.stages import check_stages
 
-REMATS = ("none", "dots_no_batch", "dots", "full")
+REMATS = ("none", "dots_no_batch", "dots", "full", "offload")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +51,7 @@ class Candidate:
     microbatches: int
     estimated_bytes: int
     estimated_s: float
-    comm_s: float  # the analytic communication part of it
+    comm_s: float  # the analytic communication part of it: collectives and the host link
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -104,13 +105,12 @@ def candidates(recipe: Recipe, tpu: TpuSlice) -> tuple[int, list[Candidate]]:
                 ).total
                 if total > limit:
                     continue
-                compute, comm = _step_time(
+                compute, comm, host = _step_time(
                     config, remat, axes, grad_accum, microbatches, batch, seq, tpu
                 )
+                step = max(compute, comm, host)
                 found.append(
-                    Candidate(
-                        mesh, remat, grad_accum, microbatches, total, max(compute, comm), comm
-                    )
+                    Candidate(mesh, remat, grad_accum, microbatches, total, step, comm + host)
                 )
     found.sort(key=lambda c: (c.estimated_s, c.comm_s, c.estimated_bytes))
     return tried, found
@@ -217,8 +217,9 @@ def _divisors(n: int) -> list[int]:
 
 
 def _step_time(config, remat, axes, grad_accum, microbatches, batch, seq, tpu):
-    """Analytic (compute, communication) seconds per step on `tpu`: compute at peak (with
-    remat's recomputation and the pipeline's bubble), the collectives over the links."""
+    """Analytic (compute, communication, host link) seconds per step on `tpu`: compute at peak
+    (with remat's recomputation and the pipeline's bubble), the collectives over the links and
+    what remat "offload" moves to the host's memory and back."""
     chip = tpu.chip
     flops = step_flops(_shapes(config.replace(remat=remat)), seq).hardware * batch * seq
     stages = axes["pipeline"]
@@ -235,7 +236,8 @@ def _step_time(config, remat, axes, grad_accum, microbatches, batch, seq, tpu):
     if t > 1:  # 4 all-reduces of each layer's activations per micro-batch
         tokens = batch * seq / (d * f)
         comm += 4 * config.n_layers * 2 * 2 * tokens * config.d_model * (t - 1) / t / link
-    return compute, comm
+    offloaded = offloaded_bytes(config.replace(remat=remat), axes, batch_size=batch, seq_len=seq)
+    return compute, comm, offloaded / chip.host_link
 
 
 @functools.lru_cache(maxsize=16)

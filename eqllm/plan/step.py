@@ -45,7 +45,8 @@ class Memory:
     """Bytes per chip: the parameters, optimizer state and batch the step takes (arguments),
     what it returns (outputs), its temporaries (activations, gradients, gathered weights) and
     the outputs written into donated arguments (aliased), from the compiler's buffer
-    assignment; `peak` is the compiler's own peak of the program."""
+    assignment; `peak` is the compiler's own peak of the program. `host`: what the step keeps
+    in its host's memory instead (the layer inputs remat "offload" moves there), not in HBM."""
 
     params: int
     optimizer: int
@@ -55,6 +56,7 @@ class Memory:
     temporaries: int
     aliased: int
     peak: int
+    host: int = 0
 
 
 @dataclasses.dataclass
@@ -244,6 +246,7 @@ def compile_recipe(recipe: Recipe, devices: list) -> CompiledStep:
         temporaries=int(memory.temp_size_in_bytes),
         aliased=int(memory.alias_size_in_bytes),
         peak=int(memory.peak_memory_in_bytes),
+        host=int(memory.host_temp_size_in_bytes),
     )
     result.hlo = compiled.as_text()
     program = Program(result.hlo)

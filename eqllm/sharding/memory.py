@@ -150,19 +150,36 @@ def _dispatch_bytes(
 
 
 def _kept(config: ModelConfig, s: int, b: int, t: int, experts: str | None = None) -> float:
-    """Bytes (at 16 bits) one layer keeps for the backward pass under its remat policy: its
-    input ("full"); with it the outputs of the unbatched matrix products, q/k/v/o and the MLP's
-    ("dots_no_batch"); with those the attention's batched products too, the scores and their
-    weighted sum ("dots"). `experts`: how a layer with experts computes them (None: a dense
-    MLP), whose products the policies keep differently (`_mlp_kept`)."""
+    """Bytes (at 16 bits) one layer keeps in HBM for the backward pass under its remat policy:
+    its input ("full"; "offload" keeps it in the host's memory, `offloaded_bytes`); with it the
+    outputs of the unbatched matrix products, q/k/v/o and the MLP's ("dots_no_batch"); with
+    those the attention's batched products too, the scores and their weighted sum ("dots").
+    `experts`: how a layer with experts computes them (None: a dense MLP), whose products the
+    policies keep differently (`_mlp_kept`)."""
     h, a = config.d_model, config.attention.n_heads
-    kept = 2 * s * b * h
+    kept = 0 if config.remat == "offload" else 2 * s * b * h
     if config.remat in ("dots", "dots_no_batch"):
         kv = config.attention.n_kv_heads * config.head_dim
         kept += 2 * s * b * (h / t + 2 * kv / t + h + _mlp_kept(config, t, experts))
     if config.remat == "dots":
         kept += 2 * b * a * s * s / t + 2 * s * b * h / t
     return float(kept)
+
+
+def offloaded_bytes(
+    config: ModelConfig, mesh: AxisSizes, *, batch_size: int, seq_len: int
+) -> float:
+    """Bytes per device remat "offload" moves to the host's memory and back in one step: each
+    layer's input of every sequence the device holds (the data and fsdp axes split the batch;
+    each tensor-parallel device keeps its own copy; a pipeline stage its own layers), out in
+    the forward pass and back in the backward pass, at the compute dtype's width. 0 under any
+    other policy."""
+    if config.remat != "offload":
+        return 0.0
+    sizes = sizes_of(mesh)
+    rows = batch_size * seq_len / (sizes["data"] * sizes["fsdp"])
+    width = np.dtype(jax.numpy.dtype(config.compute_dtype)).itemsize
+    return 2.0 * config.n_layers / sizes["pipeline"] * rows * config.d_model * width
 
 
 def _mlp_kept(config: ModelConfig, t: int, experts: str | None) -> float:

@@ -29,8 +29,9 @@ class TpuChip:
     peak_flops: dense bf16 FLOP/s. hbm_bytes: memory per chip. hbm_bandwidth: bytes/s.
     ici_link: one-way bytes/s of one inter-chip link. torus_dims: dimensions of the chip
     grid (two links per dimension, one each way). dcn_per_chip: bytes/s a chip's share of its
-    host's data-center network gives, between slices. cores_per_chip: TensorCores, which the
-    cloud name of v4 and v5p slices counts. device_kind: what JAX reports for the chip.
+    host's data-center network gives, between slices. host_link: bytes/s each way between the
+    chip and its host's memory (PCIe), which remat "offload" uses. cores_per_chip: TensorCores,
+    which the cloud name of v4 and v5p slices counts. device_kind: what JAX reports for the chip.
     """
 
     name: str
@@ -41,6 +42,7 @@ class TpuChip:
     ici_link: float
     torus_dims: int
     dcn_per_chip: float
+    host_link: float
     cores_per_chip: int
     max_chips: int  # the largest single slice
     source: str
@@ -55,22 +57,22 @@ GiB = 2**30
 # bidirectional figure per chip (v5p: 1,200 GB/s = 6 links x 2 x 100 GB/s; v5e: 400 GB/s =
 # 4 x 2 x 50; v6e: 800 GB/s = 4 x 2 x 100); DCN from the v5p page (50 Gbps per chip), the v5e
 # page (2 x 100 Gbps per 8-chip host) and the book (25 GB/s per host) for v4 (4 chips a host)
-# and v6e (8).
+# and v6e (8); PCIe from the book (1.5e10 bytes/s per chip, v6e's 32 GB/s about twice that).
 CHIPS: dict[str, TpuChip] = {
     "v4": TpuChip(
-        "v4", "TPU v4", 275e12, 32 * GiB, 1200e9, 45e9, 3, 25e9 / 4, 2, 4096,
+        "v4", "TPU v4", 275e12, 32 * GiB, 1200e9, 45e9, 3, 25e9 / 4, 15e9, 2, 4096,
         f"{_CLOUD}v4; {_BOOK}",
     ),
     "v5p": TpuChip(
-        "v5p", "TPU v5", 459e12, 95 * GiB, 2765e9, 100e9, 3, 50e9 / 8, 2, 6144,
+        "v5p", "TPU v5", 459e12, 95 * GiB, 2765e9, 100e9, 3, 50e9 / 8, 15e9, 2, 6144,
         f"{_CLOUD}v5p; {_BOOK}",
     ),
     "v5e": TpuChip(
-        "v5e", "TPU v5 lite", 197e12, 16 * GiB, 819e9, 50e9, 2, 200e9 / 8 / 8, 1, 256,
+        "v5e", "TPU v5 lite", 197e12, 16 * GiB, 819e9, 50e9, 2, 200e9 / 8 / 8, 15e9, 1, 256,
         f"{_CLOUD}v5e; {_BOOK}",
     ),
     "v6e": TpuChip(
-        "v6e", "TPU v6 lite", 918e12, 32 * GiB, 1638e9, 100e9, 2, 25e9 / 8, 1, 256,
+        "v6e", "TPU v6 lite", 918e12, 32 * GiB, 1638e9, 100e9, 2, 25e9 / 8, 32e9, 1, 256,
         f"{_CLOUD}v6e; {_BOOK}",
     ),
 }  # fmt: skip

@@ -25,6 +25,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from eqllm.config import ModelConfig
@@ -33,10 +34,19 @@ from eqllm.config.per_layer import kv_sources
 from eqllm.nn import Block, Routing
 from eqllm.stack.inputs import layer_inputs, shared_fields
 
+# The name "offload" gives each layer's input (`_offloaded_input`): the one value it keeps, in
+# host memory rather than the device's, as MaxText's "decoder_layer_input: offload" does.
+LAYER_INPUT = "layer_input"
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_saveable,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=[LAYER_INPUT],
+        offload_src="device",
+        offload_dst="pinned_host",
+    ),
 }
 
 
@@ -79,11 +89,30 @@ def checkpointed(layer: Callable, config: ModelConfig, *, hooked: bool, **kwargs
     """One layer's call under the config's remat policy; without remat, a layer run through an
     `each_layer` hook keeps everything but its gathered weights for the backward pass. `kwargs`
     go to `jax.checkpoint` (static_argnums)."""
+    if config.remat == "offload":
+        layer = _offloaded_input(layer)
     if config.remat != "none":
         return jax.checkpoint(layer, policy=REMAT_POLICIES[config.remat], **kwargs)
     if hooked:
         return jax.checkpoint(layer, policy=_save_all_but_gathers, **kwargs)
     return layer
+
+
+def _offloaded_input(layer: Callable) -> Callable:
+    """`layer` with the floating-point arrays of its first argument (the residual stream, alone
+    or in a pipeline stage's carry) named `LAYER_INPUT`, which the "offload" policy moves to
+    host memory. Only the name's output is kept: the recomputation reads it, not the input."""
+
+    def named(h, *args):
+        h = jax.tree.map(
+            lambda a: (
+                checkpoint_name(a, LAYER_INPUT) if jnp.issubdtype(a.dtype, jnp.inexact) else a
+            ),
+            h,
+        )
+        return layer(h, *args)
+
+    return named
 
 
 def run_blocks(

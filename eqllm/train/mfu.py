@@ -117,8 +117,8 @@ def step_flops(model: CausalLM, seq_len: int) -> StepFlops:
     Matmul parameters are the config's (active experts only; the embedding table only when tied
     into the head). With LoRA adapters the base weights are frozen: no weight gradients, and
     the adapters' own matmuls are added. Under `remat` the recomputed forward counts towards
-    `hardware`: the whole block for "full", the attention products for "dots_no_batch" (only
-    non-batched dots are saved), nothing for "dots".
+    `hardware`: the whole block for "full" and "offload", the attention products for
+    "dots_no_batch" (only non-batched dots are saved), nothing for "dots".
     """
     cfg = model.config
     attention = cfg.attention_flops_per_token(seq_len)
@@ -135,5 +135,7 @@ def step_flops(model: CausalLM, seq_len: int) -> StepFlops:
         "dots": 0.0,
         "dots_no_batch": attention / 3.0,
         "full": 2.0 * (base - head + adapter) + attention / 3.0,
-    }[cfg.remat]
+    }
+    recompute["offload"] = recompute["full"]  # the same recomputation, its input from the host
+    recompute = recompute[cfg.remat]
     return StepFlops(model=model_flops, hardware=model_flops + recompute)
