@@ -274,15 +274,10 @@ def reanalyze(row: dict) -> None:
         flops=result["run_flops_per_chip"],
         bytes_accessed=result["run_bytes_accessed_per_chip"],
         model_flops=result["model_flops"],
+        offloaded=result["memory"].get("host", 0),  # recorded since remat "offload"
+        grad_accum=result["grad_accum"],
     )
-    result["roofline"] = {
-        **{k: getattr(r, k) for k in ("compute_s", "memory_s", "ici_s", "dcn_s")},
-        "step_s": r.step_s,
-        "bound": r.bound,
-        "mfu": r.mfu,
-        "mfu_serial": r.mfu_serial,
-        "comm_by_axes": r.comm_by_axes,
-    }
+    result["roofline"] = r.to_dict()
 
 
 def load_results() -> dict:

@@ -128,6 +128,8 @@ def test_remat_recomputes_the_same_gradients(model):
     def grads(m):
         return eqx.filter_grad(lambda m: m(tokens).mean())(m)
 
-    plain, remat = grads(model), grads(model.with_config(remat="full"))
-    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(remat), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+    plain = grads(model)
+    for policy in ("full", "offload"):
+        remat = grads(model.with_config(remat=policy))
+        for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(remat), strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)

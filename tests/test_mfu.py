@@ -51,6 +51,7 @@ def test_lora_step_has_no_weight_gradients_for_the_frozen_base(model):
         ("dots", 0),
         ("dots_no_batch", ATTENTION // 3),
         ("full", 2 * (N - D * V) + ATTENTION // 3),  # the blocks' forward again, not the head
+        ("offload", 2 * (N - D * V) + ATTENTION // 3),  # as "full": only the input's home moves
     ],
 )
 def test_remat_recomputation_is_hardware_flops_only(model, remat, recomputed):

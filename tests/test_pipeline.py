@@ -24,8 +24,9 @@ from eqllm.train import Pipeline, TrainStep, make_optimizer, mean_loss, schedule
 CFG = eqllm.zoo.config("llama-nano", n_layers=4, vocab_size=96, max_seq_len=32)
 
 
-def test_the_schedule_computes_the_plain_loss_and_gradients():
-    model = eqllm.CausalLM(CFG, key=jax.random.key(0))
+@pytest.mark.parametrize("remat", ["none", "offload"])
+def test_the_schedule_computes_the_plain_loss_and_gradients(remat):
+    model = eqllm.CausalLM(CFG.replace(remat=remat), key=jax.random.key(0))
     batch = jax.random.randint(jax.random.key(1), (4, 17), 0, 96)
     want = eqx.filter_jit(eqx.filter_value_and_grad(mean_loss))(model, batch)
     # Four stages of one layer, two microbatches of two rows: 5 ticks, 3 of them partly idle.

@@ -17,10 +17,11 @@ from eqllm.cli import main
 from eqllm.plan import devices as plan_devices
 from eqllm.plan.plan import plan_recipe, recipe_for, with_settings
 from eqllm.plan.report import describe, search_table
-from eqllm.plan.search import search
+from eqllm.plan.search import candidates, search
 from eqllm.plan.step import planned_config
 from eqllm.recipe import load_recipe
 from eqllm.sharding import MeshConfig
+from eqllm.sharding.memory import offloaded_bytes
 from eqllm.sharding.tpu import CHIPS, TopologyError, parse_slice
 from eqllm.tpu_runtime import libtpu_installed
 from tests.reliability.harness import make_corpus, tiny_recipe
@@ -392,6 +393,46 @@ def test_auto_finds_a_plan_that_fits_and_eqllm_run_takes_it(tmp_path):
 
 
 @needs_libtpu
+@needs_libtpu
+def test_remat_offload_keeps_each_layer_input_in_the_hosts_memory():
+    """remat "offload" recomputes as "full" does, but the one value "full" keeps of each layer,
+    its input, lives in the host's memory: the compiler's host bytes are exactly the layer
+    inputs (bf16), the chip's peak falls by them, the program moves them to the host's memory
+    space (S(5) in TPU HLO), the roofline charges their trip out and back over PCIe and the
+    analytic estimate leaves them out of HBM."""
+    full, offload = (
+        compiled(nano("llama-nano", f'train.remat="{r}"', "data.seq_len=256"), "v5e-1", "data=1")
+        for r in ("full", "offload")
+    )
+    recipe, config = offload.recipe, offload.recipe.model_config()
+    batch, seq = recipe.train.batch_size, recipe.data.seq_len
+    layer_inputs = config.n_layers * batch * seq * config.d_model * 2
+    assert full.step.memory.host == 0 and offload.step.memory.host == layer_inputs
+    assert full.peak - offload.peak >= 0.9 * layer_inputs
+    assert "S(5)" in offload.step.hlo and "S(5)" not in full.step.hlo
+    chip = offload.tpu.chip
+    assert full.roofline.host_s == 0
+    assert offload.roofline.host_s == pytest.approx(2 * layer_inputs / chip.host_link)
+    assert full.estimated_bytes - offload.estimated_bytes == layer_inputs
+    sizes = {"data": 1}
+    assert offloaded_bytes(config, sizes, batch_size=batch, seq_len=seq) == 2 * layer_inputs
+    assert offloaded_bytes(full.recipe.model_config(), sizes, batch_size=batch, seq_len=seq) == 0
+    text = describe(offload)
+    assert "offloaded to the host's memory" in text and "host link" in text
+    assert offload.to_dict()["memory"]["host"] == layer_inputs
+
+
+def test_the_search_offloads_layer_inputs_where_nothing_else_fits():
+    """MaxText's llama3.1-405b configuration (2 x v6e-256, 512 x 8,192 tokens): every plan the
+    estimate lets fit keeps the layer inputs in the host's memory, since with them in HBM
+    (126 x 8,192 x 16,384 x 2 bytes per sequence a chip holds) none does."""
+    recipe, _ = recipe_for("zoo:llama3.1-405b")
+    tpu = parse_slice("v6e-256", slices=2)
+    recipe = with_settings(recipe, batch=512, seq=8192, topology=tpu.cloud_name, slices=2)
+    tried, found = candidates(recipe, tpu)
+    assert tried > 500 and found and {c.remat for c in found} == {"offload"}
+
+
 def test_several_slices_are_described_slice_by_slice():
     devices = plan_devices.slice_devices(parse_slice("v5p-8", slices=2))
     assert len(devices) == 8 and {d.slice_index for d in devices} == {0, 1}

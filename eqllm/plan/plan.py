@@ -105,16 +105,7 @@ class Plan:
             "collective_bytes_per_layer": layer_bytes,
             # of those bytes, the ops' that carry out another collective, by op and by that one
             "implemented_bytes_per_step": implemented(s.collectives),
-            "roofline": None
-            if r is None
-            else {
-                **{k: getattr(r, k) for k in ("compute_s", "memory_s", "ici_s", "dcn_s", "host_s")},
-                "step_s": r.step_s,
-                "bound": r.bound,
-                "mfu": r.mfu,
-                "mfu_serial": r.mfu_serial,
-                "comm_by_axes": r.comm_by_axes,
-            },
+            "roofline": None if r is None else r.to_dict(),
         }
 
 
@@ -154,9 +145,8 @@ def plan_recipe(recipe: Recipe, tpu: TpuSlice, devices: list) -> Plan:
             flops=step.run_flops,
             bytes_accessed=step.run_bytes,
             model_flops=step.model_flops,
-            # each micro-batch's offloaded layer inputs go out in its forward pass and come
-            # back in its backward pass
-            host_bytes=2.0 * step.memory.host * t.grad_accum,
+            offloaded=step.memory.host,
+            grad_accum=t.grad_accum,
         )
     return Plan(recipe, tpu, step, estimated, roofline)
 

@@ -46,6 +46,17 @@ class Roofline:
     def step_s(self) -> float:
         return max(self.compute_s, self.memory_s, self.ici_s, self.dcn_s, self.host_s)
 
+    def to_dict(self) -> dict:
+        """Plain values for --json and the experiment pages' results files."""
+        return {
+            **{k: getattr(self, k) for k in ("compute_s", "memory_s", "ici_s", "dcn_s", "host_s")},
+            "step_s": self.step_s,
+            "bound": self.bound,
+            "mfu": self.mfu,
+            "mfu_serial": self.mfu_serial,
+            "comm_by_axes": self.comm_by_axes,
+        }
+
     @property
     def bound(self) -> str:
         times = {"compute": self.compute_s, "HBM": self.memory_s, "ICI": self.ici_s}
@@ -76,15 +87,18 @@ def estimate(
     flops: float,
     bytes_accessed: float,
     model_flops: float,
-    host_bytes: float = 0.0,
+    offloaded: int = 0,
+    grad_accum: int = 1,
 ) -> Roofline:
-    """The roofline of one step: `flops`, `bytes_accessed` and `host_bytes` (to the host's
-    memory and back) per chip, `model_flops` for the whole step on all chips, `collectives` of
-    the program run over `devices` (the mesh's, in order; `mesh_shape` its axis sizes)."""
+    """The roofline of one step: `flops` and `bytes_accessed` per chip, `model_flops` for the
+    whole step on all chips, `collectives` of the program run over `devices` (the mesh's, in
+    order; `mesh_shape` its axis sizes). `offloaded`: the bytes a chip keeps in its host's
+    memory (the compiler's host temporaries), which each of the `grad_accum` micro-batches
+    sends out in its forward pass and reads back in its backward pass."""
     chip = tpu.chip
     compute = flops / chip.peak_flops
     memory = bytes_accessed / chip.hbm_bandwidth
-    host = host_bytes / chip.host_link
+    host = 2 * offloaded * grad_accum / chip.host_link
     ici = dcn = 0.0
     by_axes: dict[str, float] = {}
     shape = [mesh_shape[a] for a in MESH_AXES]

@@ -56,7 +56,7 @@ class Memory:
     temporaries: int
     aliased: int
     peak: int
-    host: int = 0
+    host: int
 
 
 @dataclasses.dataclass
