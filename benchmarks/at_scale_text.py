@@ -395,6 +395,8 @@ def _maxtext(points: dict, maxtext: list) -> list[str]:
         if p is not None:
             plan = f"{_mesh(p)}, remat {p['remat']}, accum {p['grad_accum']}"
         fits = row.get("error", "no plan") if p is None else f"{_fits(p)}, {_gib(p['peak_bytes'])}"
+        host = p and p["memory"] and p["memory"].get("host")
+        fits += f" (+{_gib(host)} in the host's memory)" if host else ""
         out.append(
             f"| {name} | {_slices(row, topology)} | {per_chip}/chip x {seq} | {tuning} | "
             f"{'not published' if mfu is None else f'{mfu:.1%}'} | {plan} | {fits} | "

@@ -441,6 +441,25 @@ def test_the_search_offloads_layer_inputs_where_nothing_else_fits():
     assert tried > 500 and found and {c.remat for c in found} == {"offload"}
 
 
+@needs_libtpu
+def test_what_crosses_slices_is_counted_over_the_data_center_network():
+    """On two slices the TPU compiler gathers FSDP's weights within each slice (ICI) and sends
+    the rest to the other slice through the megascale runtime: those sends are counted as
+    all-gathers between slices, and the roofline charges their bytes to the chip's DCN share."""
+    tpu = parse_slice("v5e-4", slices=2)
+    recipe = with_settings(
+        nano(), mesh=MeshConfig.parse("fsdp=8"), topology=tpu.cloud_name, slices=2
+    )
+    plan = plan_recipe(recipe, tpu, plan_devices.slice_devices(tpu))
+    between = [c for c in plan.step.collectives if c.dcn]
+    assert between and {c.kind for c in between} >= {"all-gather"}
+    assert all(len(c.group) == 4 for c in plan.step.collectives if not c.dcn)  # in a slice
+    sent = sum(c.result_bytes * c.runs for c in between)
+    assert plan.roofline.dcn_s == pytest.approx(sent / tpu.chip.dcn_per_chip)
+    assert plan.roofline.comm_by_axes["between slices"] == pytest.approx(plan.roofline.dcn_s)
+    assert "between slices (sent over DCN)" in describe(plan)
+
+
 def test_several_slices_are_described_slice_by_slice():
     devices = plan_devices.slice_devices(parse_slice("v5p-8", slices=2))
     assert len(devices) == 8 and {d.slice_index for d in devices} == {0, 1}

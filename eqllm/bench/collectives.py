@@ -10,7 +10,10 @@ fusions (an all-reduce whose fusion keeps only the device's slice: a reduce-scat
 chip). The TPU compiler also writes some reduce-scatters and all-gathers as windowed einsums,
 rings of collective-permutes overlapped with the matrix product, and writes all-gathers on a
 full torus as all-reduces of zero-filled buffers: those keep their op's kind, marked with the
-collective they implement (`implements`).
+collective they implement (`implements`). A program over several slices runs the part of a
+collective that crosses them as a send to the megascale runtime over the data-center network
+(`send(...), is_host_transfer=true, ... _xla_megascale_transfer_type="ALL_GATHER"`): each is
+counted as its kind with `dcn` set, its bytes those the chip sends.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ class Collective:
             reduce-scatter or all-gather done as a ring of permutes overlapped with the matrix
             product), or an all-reduce of a zero-filled buffer into which each device wrote its
             shard (an all-gather, as the TPU compiler writes it on a full torus).
+        dcn: the part of a collective between slices, sent over the data-center network
+            (`shapes`: what the chip sends; `group` ()).
     """
 
     kind: str
@@ -53,6 +58,7 @@ class Collective:
     runs: int
     calls: int
     implements: str = ""
+    dcn: bool = False
 
     @property
     def result_bytes(self) -> int:
@@ -106,6 +112,12 @@ def collectives(program: Program) -> list[Collective]:
         calls = program.runs(name, True) if program.in_loop(name) else 0
         root = body.get(program.roots.get(name), "")
         for op, line in body.items():
+            between = _MEGASCALE.search(line)
+            if between:
+                shapes = tuple(shapes_of(line[: between.start()])[:1])  # (payload, ctx, token)
+                kind = _MEGASCALE_KINDS.get(between.group(1), "collective-permute")
+                found.append(Collective(kind, shapes, (), runs, calls, dcn=True))
+                continue
             for kind in KINDS:
                 if not _OP[kind].search(line):
                     continue
@@ -150,6 +162,14 @@ def _rings(program: Program) -> Callable[[str], str]:
 # "kind(" or "kind-start(" as the op, not "%kind.12" as an operand
 _OP = {kind: re.compile(rf"(?<![\w%.\-]){kind}(-start)?\(") for kind in KINDS}
 _ASYNC_DONE = 'custom_call_target="AsyncCollectiveDone"'
+_MEGASCALE = re.compile(r' send\(.*is_host_transfer=true.*_xla_megascale_transfer_type="(\w+)"')
+_MEGASCALE_KINDS = {
+    "ALL_GATHER": "all-gather",
+    "ALL_REDUCE": "all-reduce",
+    "REDUCE_SCATTER": "reduce-scatter",
+    "ALL_TO_ALL": "all-to-all",
+    "ONE_TO_ONE": "collective-permute",
+}  # another transfer type counts as a permute: what the chip sends, once
 _DUS = " dynamic-update-slice("
 
 

@@ -104,6 +104,11 @@ def collectives_text(plan: Plan) -> str:
     for op, kinds in implemented(plan.step.collectives).items():
         done = ", ".join(f"{_size(n)} of {kind}s" for kind, n in kinds.items())
         text += f"; the {op}s carry out {done}"
+    between = [c for c in plan.step.collectives if c.dcn]
+    if between:
+        sent = sum(c.result_bytes * c.runs for c in between)
+        runs = sum(c.runs for c in between)
+        text += f"; of them between slices (sent over DCN): {runs:,} ({_size(sent)})"
     return text
 
 

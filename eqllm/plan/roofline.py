@@ -10,7 +10,8 @@ Per chip, each resource takes at least:
   all-to-all move (n-1)/n of their result, reduce-scatter (n-1) times its result, all-reduce
   2(n-1)/n (a reduce-scatter and an all-gather), collective-permute its result once. A group
   that spans k slices sends (k-1)/(n-1) of those bytes over the data-center network at the
-  chip's share of it;
+  chip's share of it; what the TPU compiler sends between slices through the megascale runtime
+  (`Collective.dcn`) goes there whole;
 - the host link: what remat "offload" moves to the host's memory and back, over PCIe.
 The step takes at least the longest of these (everything else overlapped perfectly), so the
 MFU this implies (the model's FLOPs, without remat's recomputation, over chips x peak x that
@@ -104,6 +105,11 @@ def estimate(
     shape = [mesh_shape[a] for a in MESH_AXES]
     links_of = {}
     for c in collectives:
+        if c.dcn:
+            seconds = c.result_bytes * c.runs / chip.dcn_per_chip
+            dcn += seconds
+            by_axes["between slices"] = by_axes.get("between slices", 0.0) + seconds
+            continue
         group = c.group or tuple(range(len(devices)))
         n = len(group) if c.kind != "collective-permute" else 2
         wire = wire_bytes(c, n) * c.runs
