@@ -402,6 +402,68 @@ def _maxtext(points: dict, maxtext: list) -> list[str]:
             f"{'not published' if mfu is None else f'{mfu:.1%}'} | {plan} | {fits} | "
             f"{'-' if p is None else _mfu(p)} |"
         )
+    return out + [""] + _beside_maxtext(points, ran)
+
+
+def _at_once(p: dict) -> int:
+    """Sequences a chip of plan `p` holds at a time: its share of one accumulation step."""
+    return p["batch"] // (p["mesh"]["data"] * p["mesh"]["fsdp"] * p["grad_accum"])
+
+
+def _beside_maxtext(points: dict, ran: list) -> list[str]:
+    """Where eqllm's plans of MaxText's configurations need more than those configurations
+    imply, and why, from the plans' own figures."""
+    out = [
+        "Where eqllm's step needs more memory or communication than these configurations "
+        "imply, and why:",
+        "",
+        "- **Attention.** Each MaxText configuration runs flash attention; eqllm's step "
+        "materialises the [heads / tensor, seq, seq] scores and keeps their gradient's inputs "
+        "([plan.md](../plan.md#what-eqllms-step-does-on-tpu-that-a-tuned-tpu-trainer-does-not)), "
+        "whose size per sequence grows with the heads a chip holds and the square of the "
+        "sequence. Each plan's accumulation steps and the HBM traffic of its roofline:",
+    ]
+    for key, name, topology, *_ in ran:
+        p = best(points[f"maxtext:{key}"])
+        if p is None or not p.get("roofline"):
+            continue
+        r = p["roofline"]
+        out.append(
+            f"  - {name} on {_slices(points[f'maxtext:{key}'], topology)}: "
+            f"{p['grad_accum']} accumulation steps, HBM "
+            f"{r['memory_s']:.3g} s against {r['compute_s']:.3g} s of compute a step "
+            f"({r['bound']}-bound)."
+        )
+    for key, name, *_ in ran:
+        p = best(points[f"maxtext:{key}"])
+        host = p and p["memory"] and p["memory"].get("host")
+        if not host:
+            continue
+        mesh, r = p["mesh"], p["roofline"]
+        seqs = _at_once(p)
+        tried = "; ".join(
+            f"{_mesh(q)}, {_at_once(q)} at a time: temporaries "
+            f"{_gib(q['memory']['temporaries'])} GiB, peak {_gib(q['peak_bytes'])}"
+            for q in points[f"maxtext:{key}"]["result"].get("search", [])
+            if q["memory"]
+        )
+        out.append(
+            f"- **Layer inputs, {name}.** Its plan keeps each layer's input in the host's memory "
+            f"(remat offload, as MaxText's configuration does): {_gib(host)} GiB per chip, "
+            f"{seqs} sequence{'s' * (seqs > 1)} of {p['seq']:,} tokens x {p['n_layers']} layers, "
+            "out and back "
+            f"over PCIe in {r['host_s']:.3g} s a step. Every chip of a tensor group "
+            f"(tensor={mesh['tensor']}) holds that whole input: eqllm's tensor parallelism "
+            "splits the weights, not the activations between layers (no sequence parallelism). "
+            f"The plans compiled (sequences a chip holds at a time): {tried}."
+        )
+        if r["dcn_s"]:
+            out.append(
+                f"- **Between slices, {name}.** The fsdp axis spans the slices: what its "
+                f"gathers and reductions send between them takes {r['dcn_s']:.3g} s a step over "
+                "the data-center network at each chip's share of it (the megascale runtime's "
+                "sends in the compiled program)."
+            )
     return out + [""]
 
 
