@@ -170,3 +170,13 @@ def test_an_experiments_page_names_its_command_and_commit(page):
     assert re.search(r"commit:? `?[0-9a-f]{7,40}", text), (
         f"{page.relative_to(ROOT)}: no 'commit: `<hash>`' naming the code its figures ran"
     )
+
+
+def test_the_at_scale_page_is_what_its_results_file_writes(monkeypatch):
+    """docs/experiments/at_scale.md is `benchmarks/at_scale.py --write` of at_scale.json: no
+    figure on it was edited by hand or left behind by a change to the script's words."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import at_scale
+
+    text = at_scale.write_page(at_scale.load_results())
+    assert text == (ROOT / "docs" / "experiments" / "at_scale.md").read_text()
