@@ -413,12 +413,14 @@ def _at_once(p: dict) -> int:
 def _beside_maxtext(points: dict, ran: list) -> list[str]:
     """Where eqllm's plans of MaxText's configurations need more than those configurations
     imply, and why, from the plans' own figures."""
+    flash = sum("flash attention" in tuning for *_, tuning in ran)
     out = [
         "Where eqllm's step needs more memory or communication than these configurations "
         "imply, and why:",
         "",
-        "- **Attention.** Each MaxText configuration runs flash attention; eqllm's step "
-        "materialises the [heads / tensor, seq, seq] scores and keeps their gradient's inputs "
+        f"- **Attention.** {flash} of these {len(ran)} MaxText configurations name flash "
+        "attention in their tuning; eqllm's step materialises the [heads / tensor, seq, seq] "
+        "scores and keeps their gradient's inputs "
         "([plan.md](../plan.md#what-eqllms-step-does-on-tpu-that-a-tuned-tpu-trainer-does-not)), "
         "whose size per sequence grows with the heads a chip holds and the square of the "
         "sequence. Each plan's accumulation steps and the HBM traffic of its roofline:",
