@@ -395,7 +395,7 @@ def _maxtext(points: dict, maxtext: list) -> list[str]:
         if p is not None:
             plan = f"{_mesh(p)}, remat {p['remat']}, accum {p['grad_accum']}"
         fits = row.get("error", "no plan") if p is None else f"{_fits(p)}, {_gib(p['peak_bytes'])}"
-        host = p and p["memory"] and p["memory"].get("host")
+        host = _host(p)
         fits += f" (+{_gib(host)} in the host's memory)" if host else ""
         out.append(
             f"| {name} | {_slices(row, topology)} | {per_chip}/chip x {seq} | {tuning} | "
@@ -403,6 +403,11 @@ def _maxtext(points: dict, maxtext: list) -> list[str]:
             f"{'-' if p is None else _mfu(p)} |"
         )
     return out + [""] + _beside_maxtext(points, ran)
+
+
+def _host(p: dict | None) -> int:
+    """Bytes a chip of plan `p` keeps in its host's memory (remat offload); 0 for none."""
+    return (p and p["memory"] and p["memory"].get("host")) or 0
 
 
 def _at_once(p: dict) -> int:
@@ -438,7 +443,7 @@ def _beside_maxtext(points: dict, ran: list) -> list[str]:
         )
     for key, name, *_ in ran:
         p = best(points[f"maxtext:{key}"])
-        host = p and p["memory"] and p["memory"].get("host")
+        host = _host(p)
         if not host:
             continue
         mesh, r = p["mesh"], p["roofline"]
